@@ -1,0 +1,21 @@
+# Every dependency comes from Debian packages (see tools/setup.sh).
+find_package(Torch REQUIRED)            # libtorch-dev (LibTorch 1.13)
+find_package(Threads REQUIRED)
+find_package(spdlog REQUIRED)           # libspdlog-dev
+find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)  # libpcre2-dev
+if(KVCACHE_BUILD_APPS)
+  find_package(CLI11 REQUIRED)          # libcli11-dev
+endif()
+if(KVCACHE_BUILD_TESTS)
+  find_package(GTest REQUIRED)          # libgtest-dev, libgmock-dev
+endif()
+if(KVCACHE_BUILD_BENCH)
+  find_package(benchmark REQUIRED)      # libbenchmark-dev
+endif()
+
+# Python interpreter that has torch (Debian's python3-torch lives under /usr/bin/python3).
+if(NOT KVCACHE_PYTHON)
+  find_program(KVCACHE_PYTHON NAMES python3 PATHS /usr/bin NO_DEFAULT_PATH)
+endif()

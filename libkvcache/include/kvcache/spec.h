@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file spec.h
+/// Spec strings: the short, canonical names of quantizers, cache schemes and
+/// eviction policies (faiss-style factory strings).
+///
+/// Grammar: `head(:field)*[@budget]`
+///   - `head`    : lowercase identifier, e.g. `int4`, `fp8`, `kivi`, `sink`.
+///   - `field`   : either `key<number>` (e.g. `g64`, `r128`, `seed7`, `k2`) for a numeric
+///                 parameter, or a bare word (e.g. `e4m3`, `chan`) for a choice parameter.
+///   - `@budget` : only for eviction policies: `@<N>` tokens or `@<P>%` of the request's
+///                 full context (e.g. `sink:s4@50%`, `h2o@256`).
+/// Each implementation declares a ParamTable (key, meaning, default, range or choices); the
+/// parser validates a spec against it and its errors list the allowed keys and ranges.
+/// The canonical form prints the head, then every field whose value differs from its
+/// default, in table order: it is the key of a result row and round-trips through the factory.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvcache {
+
+/// One parameter an implementation accepts in its spec string.
+struct ParamDef {
+  enum class Kind { kInt, kFloat, kChoice };
+  std::string key;      ///< numeric: the key letters (`g`); choice: a name for the group (`format`)
+  std::string help;     ///< one line for `--list` output
+  Kind kind = Kind::kInt;
+  double default_value = 0;  ///< numeric default (ignored for choices)
+  double min_value = 0;      ///< inclusive range for numeric params
+  double max_value = 0;
+  std::vector<std::string> choices;  ///< choice: allowed bare words; choices[0] is the default
+};
+
+/// The parameter table of one registered implementation.
+struct ParamTable {
+  std::string head;  ///< e.g. "int4"
+  std::string help;  ///< one-line description incl. paper / arXiv id where applicable
+  std::vector<ParamDef> params;
+};
+
+/// A spec string parsed and validated against a ParamTable. Every param has a value
+/// (explicit or default).
+class ParsedSpec {
+ public:
+  /// Parses `text` (without any `@budget` suffix) against `table`.
+  /// @throws InvalidArgument naming the bad field and listing allowed keys/ranges.
+  static ParsedSpec parse(const std::string& text, const ParamTable& table);
+
+  const std::string& head() const { return head_; }
+  /// Value of numeric param `key`. @throws InternalError if `key` is not numeric in the table.
+  double num(const std::string& key) const;
+  int64_t integer(const std::string& key) const { return static_cast<int64_t>(num(key)); }
+  /// Selected word of choice param `key`.
+  const std::string& choice(const std::string& key) const;
+  /// True if the param was given explicitly in the spec string.
+  bool is_set(const std::string& key) const;
+  /// Canonical text: head, then non-default fields in table order.
+  std::string canonical() const;
+
+ private:
+  const ParamTable* table_ = nullptr;
+  std::string head_;
+  std::map<std::string, double> nums_;
+  std::map<std::string, std::string> choices_;
+  std::map<std::string, bool> set_;
+};
+
+/// Splits `text` at ':' into head and fields. @throws InvalidArgument on empty parts.
+std::vector<std::string> split_spec(const std::string& text);
+
+/// A token budget of an eviction policy: absolute tokens or a fraction of the
+/// request's full context.
+struct Budget {
+  enum class Kind { kNone, kTokens, kFraction };
+  Kind kind = Kind::kNone;
+  double value = 0;  ///< tokens (kTokens) or fraction in (0, 1] (kFraction)
+
+  /// Parses "256" or "50%". @throws InvalidArgument if malformed, <= 0 tokens, or not in (0, 100]%.
+  static Budget parse(const std::string& text);
+  /// Resolves to tokens for a request of `context_tokens` tokens: tokens, or
+  /// floor(fraction * context). @throws CapacityError if the result is < 1 token.
+  int64_t resolve(int64_t context_tokens) const;
+  /// "" (none), "@256" or "@50%".
+  std::string to_string() const;
+};
+
+/// Splits "head:fields@budget" into ("head:fields", budget).
+std::pair<std::string, Budget> split_budget(const std::string& text);
+
+/// Formats a ParamTable as help text (one line per param with default and range).
+std::string describe(const ParamTable& table);
+
+}  // namespace kvcache

@@ -1,0 +1,250 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "kvcache/spec.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "kvcache/error.h"
+
+namespace kvcache {
+namespace {
+
+std::string format_number(double v) {
+  std::ostringstream os;
+  if (v == std::floor(v) && std::fabs(v) < 1e15) {
+    os << static_cast<long long>(v);
+  } else {
+    os << v;
+  }
+  return os.str();
+}
+
+std::string allowed_fields(const ParamTable& table) {
+  if (table.params.empty()) return "'" + table.head + "' takes no fields";
+  std::ostringstream os;
+  os << "allowed fields of '" << table.head << "': ";
+  bool first = true;
+  for (const auto& p : table.params) {
+    if (!first) os << ", ";
+    first = false;
+    if (p.kind == ParamDef::Kind::kChoice) {
+      for (size_t i = 0; i < p.choices.size(); ++i) os << (i ? "|" : "") << p.choices[i];
+      os << " (" << p.help << ")";
+    } else {
+      os << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << " in ["
+         << format_number(p.min_value) << ", " << format_number(p.max_value) << "]> ("
+         << p.help << ", default " << format_number(p.default_value) << ")";
+    }
+  }
+  return os.str();
+}
+
+bool parse_number(const std::string& s, double* out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v)) return false;
+  *out = v;
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::string> split_spec(const std::string& text) {
+  std::vector<std::string> parts;
+  std::string cur;
+  for (char c : text) {
+    if (c == ':') {
+      parts.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(c);
+    }
+  }
+  parts.push_back(cur);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    KV_CHECK_ARG(!parts[i].empty(), "spec '", text, "': empty ",
+                 i == 0 ? "head" : "field", " at position ", i,
+                 " (grammar: head(:field)*, e.g. 'int4:g64')");
+  }
+  return parts;
+}
+
+ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
+  ParsedSpec out;
+  out.table_ = &table;
+  auto parts = split_spec(text);
+  KV_CHECK_ARG(parts[0] == table.head, "spec '", text, "': head '", parts[0],
+               "' does not match '", table.head, "'");
+  out.head_ = parts[0];
+  for (const auto& p : table.params) {
+    if (p.kind == ParamDef::Kind::kChoice) {
+      KV_INTERNAL_ASSERT(!p.choices.empty(), "choice param without choices");
+      out.choices_[p.key] = p.choices[0];
+    } else {
+      out.nums_[p.key] = p.default_value;
+    }
+    out.set_[p.key] = false;
+  }
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string& f = parts[i];
+    const ParamDef* match = nullptr;
+    std::string value_text;
+    // A bare word of a choice param?
+    for (const auto& p : table.params) {
+      if (p.kind != ParamDef::Kind::kChoice) continue;
+      for (const auto& c : p.choices) {
+        if (c == f) match = &p;
+      }
+    }
+    if (match != nullptr) {
+      KV_CHECK_ARG(!out.set_[match->key], "spec '", text, "': '", match->key,
+                   "' given twice (field '", f, "')");
+      out.choices_[match->key] = f;
+      out.set_[match->key] = true;
+      continue;
+    }
+    // key<number>: the longest numeric key that prefixes the field.
+    for (const auto& p : table.params) {
+      if (p.kind == ParamDef::Kind::kChoice) continue;
+      if (f.size() > p.key.size() && f.compare(0, p.key.size(), p.key) == 0) {
+        std::string rest = f.substr(p.key.size());
+        if (!(std::isdigit(static_cast<unsigned char>(rest[0])) || rest[0] == '.' || rest[0] == '-')) continue;
+        if (match == nullptr || p.key.size() > match->key.size()) {
+          match = &p;
+          value_text = rest;
+        }
+      }
+    }
+    KV_CHECK_ARG(match != nullptr, "spec '", text, "': unknown field '", f, "'; ",
+                 allowed_fields(table));
+    double v = 0;
+    KV_CHECK_ARG(parse_number(value_text, &v), "spec '", text, "': field '", f, "': '", value_text,
+                 "' is not a number; ", allowed_fields(table));
+    if (match->kind == ParamDef::Kind::kInt) {
+      KV_CHECK_ARG(v == std::floor(v), "spec '", text, "': field '", f, "': ", match->key,
+                   " must be an integer, got ", value_text);
+    }
+    KV_CHECK_ARG(v >= match->min_value && v <= match->max_value, "spec '", text, "': field '", f,
+                 "': ", match->key, "=", value_text, " out of range [",
+                 format_number(match->min_value), ", ", format_number(match->max_value), "] (",
+                 match->help, ")");
+    KV_CHECK_ARG(!out.set_[match->key], "spec '", text, "': '", match->key, "' given twice");
+    out.nums_[match->key] = v;
+    out.set_[match->key] = true;
+  }
+  return out;
+}
+
+double ParsedSpec::num(const std::string& key) const {
+  auto it = nums_.find(key);
+  KV_INTERNAL_ASSERT(it != nums_.end(), "no numeric param '", key, "' in spec ", head_);
+  return it->second;
+}
+
+const std::string& ParsedSpec::choice(const std::string& key) const {
+  auto it = choices_.find(key);
+  KV_INTERNAL_ASSERT(it != choices_.end(), "no choice param '", key, "' in spec ", head_);
+  return it->second;
+}
+
+bool ParsedSpec::is_set(const std::string& key) const {
+  auto it = set_.find(key);
+  return it != set_.end() && it->second;
+}
+
+std::string ParsedSpec::canonical() const {
+  std::string out = head_;
+  if (table_ == nullptr) return out;
+  for (const auto& p : table_->params) {
+    if (p.kind == ParamDef::Kind::kChoice) {
+      const auto& c = choices_.at(p.key);
+      if (c != p.choices[0]) out += ":" + c;
+    } else {
+      double v = nums_.at(p.key);
+      if (v != p.default_value) out += ":" + p.key + format_number(v);
+    }
+  }
+  return out;
+}
+
+Budget Budget::parse(const std::string& text) {
+  Budget b;
+  KV_CHECK_ARG(!text.empty(), "empty budget after '@' (expected e.g. '@256' tokens or '@50%')");
+  double v = 0;
+  if (text.back() == '%') {
+    KV_CHECK_ARG(parse_number(text.substr(0, text.size() - 1), &v), "budget '@", text,
+                 "': not a percentage (expected e.g. '@50%')");
+    KV_CHECK_ARG(v > 0 && v <= 100, "budget '@", text, "': percentage must be in (0, 100], got ", v);
+    b.kind = Kind::kFraction;
+    b.value = v / 100.0;
+  } else {
+    KV_CHECK_ARG(parse_number(text, &v), "budget '@", text,
+                 "': not a token count (expected e.g. '@256' or '@50%')");
+    KV_CHECK_ARG(v >= 1 && v == std::floor(v), "budget '@", text,
+                 "': token budget must be an integer >= 1, got ", text);
+    b.kind = Kind::kTokens;
+    b.value = v;
+  }
+  return b;
+}
+
+int64_t Budget::resolve(int64_t context_tokens) const {
+  switch (kind) {
+    case Kind::kNone:
+      return context_tokens;
+    case Kind::kTokens:
+      return static_cast<int64_t>(value);
+    case Kind::kFraction: {
+      KV_CHECK_ARG(context_tokens > 0, "budget ", to_string(),
+                   " needs the request's context length, got ", context_tokens);
+      // Small epsilon so that 0.5 * 10 = 5 exactly despite binary fractions.
+      auto t = static_cast<int64_t>(std::floor(value * static_cast<double>(context_tokens) + 1e-9));
+      KV_CHECK(t >= 1, CapacityError, "budget ", to_string(), " of a ", context_tokens,
+               "-token context rounds to ", t, " tokens; a budget must keep at least 1 token");
+      return t;
+    }
+  }
+  return context_tokens;
+}
+
+std::string Budget::to_string() const {
+  switch (kind) {
+    case Kind::kNone:
+      return "";
+    case Kind::kTokens:
+      return "@" + format_number(value);
+    case Kind::kFraction:
+      return "@" + format_number(value * 100.0) + "%";
+  }
+  return "";
+}
+
+std::pair<std::string, Budget> split_budget(const std::string& text) {
+  auto at = text.find('@');
+  if (at == std::string::npos) return {text, Budget{}};
+  KV_CHECK_ARG(text.find('@', at + 1) == std::string::npos, "spec '", text,
+               "': more than one '@budget'");
+  return {text.substr(0, at), Budget::parse(text.substr(at + 1))};
+}
+
+std::string describe(const ParamTable& table) {
+  std::ostringstream os;
+  os << table.head << " — " << table.help << "\n";
+  for (const auto& p : table.params) {
+    if (p.kind == ParamDef::Kind::kChoice) {
+      os << "    ";
+      for (size_t i = 0; i < p.choices.size(); ++i) os << (i ? "|" : "") << p.choices[i];
+      os << "  " << p.help << " (default " << p.choices[0] << ")\n";
+    } else {
+      os << "    " << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << ">  "
+         << p.help << " (default " << format_number(p.default_value) << ", range ["
+         << format_number(p.min_value) << ", " << format_number(p.max_value) << "])\n";
+    }
+  }
+  return os.str();
+}
+
+}  // namespace kvcache
