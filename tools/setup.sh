@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs libkvcache's build/run dependencies from Debian packages and builds the project.
+# Idempotent and non-interactive. Usage: tools/setup.sh [--no-install] [--debug]
+#   BUILD_DIR   build directory (default: build)
+#   JOBS        parallel build jobs (default: nproc)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+install=1
+build_type=Release
+for arg in "$@"; do
+  case "$arg" in
+    --no-install) install=0 ;;
+    --debug) build_type=Debug ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected --no-install, --debug)" >&2; exit 2 ;;
+  esac
+done
+
+PACKAGES=(
+  build-essential cmake pkg-config git
+  libtorch-dev libopenblas0-openmp   # LibTorch 1.13; OpenBLAS (else the reference BLAS: ~7x slower GEMM)
+  libeigen3-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3-torch python3-numpy python3-matplotlib
+)
+
+if [[ $install -eq 1 ]]; then
+  missing=()
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "setup.sh: installing ${missing[*]}" >&2
+    SUDO=""
+    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE="$build_type" -DKVCACHE_PYTHON=/usr/bin/python3 \
+      ${KVCACHE_CMAKE_ARGS:-} >/dev/null
+cmake --build "$BUILD_DIR" -j "$JOBS"
+echo "setup.sh: built in $BUILD_DIR ($build_type)" >&2
