@@ -115,6 +115,11 @@ class TinyStoriesExport(unittest.TestCase):
             self.assertEqual(logits.dtype, torch.float32)
             self.assertEqual(int(logits.argmax()), int(ref.argmax()), name)
             self.assertLess((logits - ref).abs().max().item(), 0.5, name)  # low-precision activations
+            with torch.no_grad():  # one token: the GEMV path
+                one = m(ids[:, :1])[0, 0]
+                one_ref = self.m(ids[:, :1])[0, 0]
+            self.assertEqual(one.dtype, torch.float32)
+            self.assertLess((one - one_ref).abs().max().item(), 0.5, name)
             os.remove(pt)
 
     def test_sharded_checkpoint_exports_identically(self):
