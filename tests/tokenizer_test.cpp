@@ -218,6 +218,52 @@ TEST_F(Qwen2Tokenizer, RejectsInvalidUtf8AndBadIds) {
   EXPECT_THAT(invalid_argument_message([] { (void)tok_->id_to_token(1000000); }), HasSubstr("1000000"));
 }
 
+/// Qwen2.5's tokenizer.json layout (the file itself is not in ../shared; it is rebuilt here
+/// from vocab.json + merges.txt with the pipeline the official file declares), with merges in
+/// the newer [left, right] array form.
+TEST_F(Qwen2Tokenizer, TokenizerJsonLayoutGivesTheSameIds) {
+  nlohmann::json j;
+  j["version"] = "1.0";
+  j["added_tokens"] = nlohmann::json::array();
+  for (const auto& a : qwen2_added_tokens()) {
+    j["added_tokens"].push_back({{"id", a.id}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
+                                 {"rstrip", false}, {"normalized", false}, {"special", a.special}});
+  }
+  j["normalizer"] = {{"type", "NFC"}};
+  const nlohmann::json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {{{"type", "Split"},
+                           {"pattern", {{"Regex", kQwen2SplitRegex}}},
+                           {"behavior", "Isolated"},
+                           {"invert", false}},
+                          byte_level}}};
+  j["post_processor"] = byte_level;
+  j["decoder"] = byte_level;
+  nlohmann::json merges = nlohmann::json::array();
+  std::istringstream in(slurp(kQwenDir + "/merges.txt"));
+  for (std::string line; std::getline(in, line);) {
+    const size_t sp = line.find(' ');
+    if (line.empty() || line[0] == '#' || sp == std::string::npos) continue;
+    merges.push_back({line.substr(0, sp), line.substr(sp + 1)});
+  }
+  j["model"] = {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", ""},
+                {"end_of_word_suffix", ""}, {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+                {"vocab", nlohmann::json::parse(slurp(kQwenDir + "/vocab.json"))}, {"merges", merges}};
+  const Tokenizer tok = Tokenizer::from_json(j.dump());
+  EXPECT_EQ(tok.kind(), TokenizerKind::kByteLevelBpe);
+  EXPECT_EQ(tok.vocab_size(), 151665);
+  std::vector<std::string> texts;
+  std::vector<Ids> expected;
+  load_cases(texts, expected);
+  for (size_t k = 0; k < texts.size(); ++k) {
+    EXPECT_EQ(tok.encode(texts[k]), expected[k]) << "case " << k;
+    EXPECT_EQ(tok.decode(expected[k]), texts[k]) << "case " << k;
+  }
+  EXPECT_THAT(tok.encode("<|im_start|>user\nHello!<|im_end|>"), ElementsAre(151644, 872, 198, 9707, 0, 151645));
+}
+
 // ---------------------------------------------------------------------------------------------
 // TinyStories-656K: SentencePiece-style BPE (Prepend + Replace, byte_fallback, no pre-tokenizer).
 

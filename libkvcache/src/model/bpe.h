@@ -43,7 +43,7 @@ class BpeModel {
   size_t num_merges() const { return merges_.size(); }
 
   static constexpr size_t kMaxCachedWordBytes = 256;
-  static constexpr size_t kMaxCacheEntries = 1 << 17;
+  static constexpr size_t kMaxCacheEntries = 1 << 15;
 
  private:
   struct MergeInfo {

@@ -48,8 +48,8 @@ std::string onigurumize_whitespace(const std::string& pattern) {
 Regex::Regex(const std::string& pattern, Syntax syntax) : pattern_(pattern) {
   const std::string compiled =
       syntax == Syntax::kPattern ? onigurumize_whitespace(pattern) : pattern;
-  uint32_t options = PCRE2_UTF | PCRE2_UCP;
-  if (syntax == Syntax::kLiteral) options |= PCRE2_LITERAL;
+  // PCRE2_LITERAL admits no UCP (nor any class), so literals are compiled with UTF only.
+  const uint32_t options = syntax == Syntax::kLiteral ? (PCRE2_UTF | PCRE2_LITERAL) : (PCRE2_UTF | PCRE2_UCP);
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled.data()), compiled.size(),
