@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/error.h"
@@ -19,34 +20,20 @@
 namespace kvcache::quant {
 namespace {
 
-/// Rounds `v` to the metadata type, stores it, and returns the stored value as float.
-/// With compiler _Float16 support the conversion is one F16C instruction in the AVX2 and
-/// AVX-512 clones; c10::Half's software conversion otherwise. Both round to nearest even.
-KV_ALWAYS_INLINE float store_meta(float v, c10::Half* out) {
-#if defined(__FLT16_MAX__)
-  const _Float16 h = static_cast<_Float16>(v);
-  std::memcpy(out, &h, sizeof h);
-  return static_cast<float>(h);
-#else
-  c10::Half h(v);
-  *out = h;
-  return static_cast<float>(h);
-#endif
-}
-KV_ALWAYS_INLINE float load_meta(c10::Half v) {
+/// Metadata → float inside vectorized loops (branch-free software conversion).
+KV_ALWAYS_INLINE float load_meta(c10::Half v) { return fp16_to_float(v.x); }
+KV_ALWAYS_INLINE float load_meta(float v) { return v; }
+/// Metadata → float for one value (one F16C instruction in the AVX2/AVX-512 clones).
+KV_ALWAYS_INLINE float load_meta_scalar(c10::Half v) {
 #if defined(__FLT16_MAX__)
   _Float16 h;
-  std::memcpy(&h, &v, sizeof h);
+  std::memcpy(&h, &v.x, sizeof h);
   return static_cast<float>(h);
 #else
-  return static_cast<float>(v);
+  return fp16_to_float(v.x);
 #endif
 }
-KV_ALWAYS_INLINE float load_meta(float v) { return v; }
-KV_ALWAYS_INLINE float store_meta(float v, float* out) {
-  *out = v;
-  return v;
-}
+KV_ALWAYS_INLINE float load_meta_scalar(float v) { return v; }
 
 /// Code of x for stored zero z and inverse scale inv: clamp then round-half-to-even (the
 /// clamp bounds are integers, so this equals round-then-clamp).
@@ -78,9 +65,21 @@ KV_ALWAYS_INLINE void make_meta(int64_t n, const float* mn, const float* __restr
   for (int64_t i = 0; i < n; ++i) {
     const float scale = (mx[i] - mn[i]) / kMax;
     scale_bad |= nonfinite_bit(scale);
-    const float s = store_meta(scale, s_out + i);
-    const float z = store_meta(mn[i], z_out + i);
-    meta_bad |= nonfinite_bit(s) | nonfinite_bit(z);
+    float s, z;
+    if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      const uint16_t hs = fp16_bits(scale);
+      const uint16_t hz = fp16_bits(mn[i]);
+      meta_bad |= fp16_nonfinite_bit(hs) | fp16_nonfinite_bit(hz);
+      s_out[i].x = hs;
+      z_out[i].x = hz;
+      s = fp16_to_float(hs);
+      z = fp16_to_float(hz);
+    } else {
+      s_out[i] = scale;
+      z_out[i] = mn[i];
+      s = scale;
+      z = mn[i];
+    }
     s_f[i] = s;
     z_f[i] = z;
     inv[i] = s != 0.0f ? 1.0f / s : 0.0f;
@@ -155,8 +154,8 @@ KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* 
   const int64_t g = G > 0 ? G : g_rt;
   const int64_t q = g / K;
   for (int64_t k = g0; k < g1; ++k) {
-    const float s = load_meta(sc[k]);
-    const float z = load_meta(ze[k]);
+    const float s = load_meta_scalar(sc[k]);
+    const float z = load_meta_scalar(ze[k]);
     const uint8_t* __restrict in = codes + k * q;
     float* __restrict o = out + k * g;
 #pragma omp simd
