@@ -20,11 +20,13 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "kvcache/quantizer.h"
+#include "quant/int_kernels.h"
 #include "quant/reference.h"
 
 namespace {
@@ -82,6 +84,35 @@ void bench_dequantize(benchmark::State& state, std::string spec, std::vector<int
     at::Tensor y = q->dequantize(qt);
     benchmark::DoNotOptimize(y.data_ptr());
   }
+  set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
+}
+
+/// The per-token kernel alone, writing into preallocated buffers (as ggml's quantize_row_*
+/// benchmarks do): separates the kernel from the API's output allocation (page faults on
+/// fresh memory dominate at 512 MB).
+void bench_kernel(benchmark::State& state, int bits, int64_t g, bool dequant, std::vector<int64_t> shape) {
+  const at::Tensor& x = tensor_for(shape);
+  const int64_t n = x.numel();
+  std::vector<uint8_t> codes(static_cast<size_t>(n * bits / 8));
+  std::vector<c10::Half> scales(static_cast<size_t>(n / g)), zeros(static_cast<size_t>(n / g));
+  std::vector<float> out(static_cast<size_t>(dequant ? n : 0));
+  const auto quant = [&] {
+    return kvcache::quant::quantize_per_token(bits, x.data_ptr<float>(), n / g, g, codes.data(), scales.data(),
+                                              zeros.data(), kvcache::quant::MetaType::kHalf);
+  };
+  quant();  // touch all pages once
+  if (dequant) std::fill(out.begin(), out.end(), 0.0f);
+  for (auto _ : state) {
+    if (dequant) {
+      kvcache::quant::dequantize_per_token(bits, codes.data(), scales.data(), zeros.data(),
+                                           kvcache::quant::MetaType::kHalf, n / g, g, out.data());
+      benchmark::DoNotOptimize(out.data());
+    } else {
+      benchmark::DoNotOptimize(quant());
+    }
+    benchmark::ClobberMemory();
+  }
+  auto q = kvcache::make_quantizer("int" + std::to_string(bits) + ":g" + std::to_string(g));
   set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
 }
 
@@ -162,6 +193,15 @@ void register_all() {
           ->Unit(benchmark::kMillisecond);
       benchmark::RegisterBenchmark(("dequantize/" + s + "/" + shape_name(shape)).c_str(), bench_dequantize, s,
                                    shape)
+          ->Unit(benchmark::kMillisecond);
+    }
+    for (int bits : {8, 4}) {
+      const std::string s = "int" + std::to_string(bits) + ":g32";
+      benchmark::RegisterBenchmark(("kernel_quantize/" + s + "/" + shape_name(shape)).c_str(), bench_kernel, bits,
+                                   int64_t{32}, false, shape)
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(("kernel_dequantize/" + s + "/" + shape_name(shape)).c_str(), bench_kernel, bits,
+                                   int64_t{32}, true, shape)
           ->Unit(benchmark::kMillisecond);
     }
   }
