@@ -246,25 +246,30 @@ void expect_parity(const ParityCase& c, const at::Tensor& x) {
                                     << (fast - ref).abs().max().item<float>();
 }
 
-TEST_P(IntParity, RandomNormal) {
-  expect_parity(GetParam(), testing::randn_kv({2, 3, 64, 128}, 21));
-}
-
-TEST_P(IntParity, OutlierHeavy) {
-  expect_parity(GetParam(), testing::outlier_kv({1, 2, 128, 64}, 22));
-  expect_parity(GetParam(), testing::outlier_kv({1, 2, 128, 64}, 23).to(at::kBFloat16));
-  expect_parity(GetParam(), testing::outlier_kv({1, 2, 128, 64}, 24).to(at::kHalf));
-}
-
-TEST_P(IntParity, BeyondFp16Range) {
-  expect_parity(GetParam(), testing::randn_kv({1, 2, 64, 64}, 25) * 3e5);
-}
-
-TEST_P(IntParity, TiesAndSmallIntegers) {
-  // Integer-valued data hits exact .5 ties in (x - z)/s for many groups.
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(26);
-  at::Tensor x = at::randint(-8, 9, {1, 2, 64, 64}, gen, at::TensorOptions().dtype(at::kFloat)) * 0.5;
-  expect_parity(GetParam(), x);
+// One test per (bits, g, axis): random normal, outlier-heavy (float32, bf16 and fp16 input),
+// beyond fp16's range (fp32 metadata), and integer-valued data that hits exact .5 ties.
+TEST_P(IntParity, FastPathMatchesReferenceBitExactly) {
+  const ParityCase c = GetParam();
+  {
+    SCOPED_TRACE("random normal");
+    expect_parity(c, testing::randn_kv({2, 3, 64, 128}, 21));
+  }
+  {
+    SCOPED_TRACE("outlier-heavy");
+    expect_parity(c, testing::outlier_kv({1, 2, 128, 64}, 22));
+    expect_parity(c, testing::outlier_kv({1, 2, 128, 64}, 23).to(at::kBFloat16));
+    expect_parity(c, testing::outlier_kv({1, 2, 128, 64}, 24).to(at::kHalf));
+  }
+  {
+    SCOPED_TRACE("beyond fp16 range");
+    expect_parity(c, testing::randn_kv({1, 2, 64, 64}, 25) * 3e5);
+  }
+  {
+    SCOPED_TRACE("ties");
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(26);
+    at::Tensor x = at::randint(-8, 9, {1, 2, 64, 64}, gen, at::TensorOptions().dtype(at::kFloat)) * 0.5;
+    expect_parity(c, x);
+  }
 }
 
 std::vector<ParityCase> parity_cases() {

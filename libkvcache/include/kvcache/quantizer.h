@@ -32,9 +32,10 @@ struct QuantizedTensor {
   at::ScalarType dtype = at::kFloat;
   /// Packed codes, uint8 (or the raw values for float formats: fp16/bf16/fp32 bytes).
   at::Tensor codes;
-  /// Per-group scales (fp16 for integer formats; fp32 per-tensor scale for fp8). May be undefined.
+  /// Per-group scales (fp16 for integer formats, fp32 for a tensor whose metadata exceeds
+  /// fp16's range; one fp32 per-tensor scale for `fp8:*:scaled`). May be undefined.
   at::Tensor scales;
-  /// Per-group zero points (= group minimum, fp16). May be undefined.
+  /// Per-group zero points (= group minimum; same dtype and shape as `scales`). May be undefined.
   at::Tensor zeros;
   /// Named side tensors (outlier values/indices, low-rank factors, ...). May be empty.
   std::map<std::string, at::Tensor> side;
@@ -85,6 +86,8 @@ class Quantizer {
 };
 
 /// Builds a quantizer from its spec string (e.g. "int4:g32", "fp8:e4m3", "bf16").
+/// Registered: fp32, fp16, bf16, fp8 (e4m3|e5m2, scaled), int8/int4/int2 (g<group>, chan);
+/// grammar, formats and packing in docs/quantizers.md.
 /// @throws InvalidArgument for unknown heads (listing the registered ones) or bad fields.
 std::unique_ptr<Quantizer> make_quantizer(const std::string& spec);
 
@@ -93,7 +96,7 @@ std::vector<ParamTable> registered_quantizers();
 
 /// Reconstruction error of `x_hat` against `x` (both converted to float32).
 struct ReconstructionError {
-  double rel_fro = 0;  ///< ||x - x_hat||_F / ||x||_F (0 when x == 0 and x_hat == 0)
+  double rel_fro = 0;  ///< ||x - x_hat||_F / ||x||_F (0 when x == 0 and x_hat == 0; +inf when only x == 0)
   double max_abs = 0;  ///< max |x - x_hat|
 };
 
