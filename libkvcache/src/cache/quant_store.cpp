@@ -73,9 +73,18 @@ void GatherStore::append(QuantizedTensor q) {
   }
   KV_INTERNAL_ASSERT(q.format == format_ && q.shape[0] == shape_[0] && q.shape[3] == shape_[3],
                      "GatherStore: mismatched block");
-  if (has_codes_) codes_.append(q.codes);
-  if (has_scales_) scales_.append(q.scales);
-  if (has_zeros_) zeros_.append(q.zeros);
+  // Metadata may be promoted per quantize call (int quantizers store fp32 scales/zeros when
+  // fp16 would overflow): keep the wider type for the whole store, converting exactly.
+  auto put = [](TokenBuffer& buf, const at::Tensor& t) {
+    if (buf.initialized() && buf.dtype() != t.scalar_type() &&
+        at::elementSize(t.scalar_type()) > at::elementSize(buf.dtype())) {
+      buf.set_dtype(t.scalar_type());
+    }
+    buf.append(t);
+  };
+  if (has_codes_) put(codes_, q.codes);
+  if (has_scales_) put(scales_, q.scales);
+  if (has_zeros_) put(zeros_, q.zeros);
   size_ += q.shape[2];
 }
 

@@ -165,6 +165,12 @@ int64_t TokenBuffer::nbytes() const {
   return shape_[0] * shape_[1] * size() * row_bytes();
 }
 
+void TokenBuffer::set_dtype(at::ScalarType dtype) {
+  if (dtype == dtype_) return;
+  dtype_ = dtype;
+  if (data_.defined()) data_ = data_.to(dtype);
+}
+
 void TokenBuffer::clear() {
   begin_ = end_ = 0;
 }

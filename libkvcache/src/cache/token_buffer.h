@@ -52,6 +52,8 @@ class TokenBuffer {
   /// numel × element size of the live rows.
   int64_t nbytes() const;
   at::ScalarType dtype() const { return dtype_; }
+  /// Converts the stored rows to `dtype` (e.g. fp16 → fp32 metadata promotion).
+  void set_dtype(at::ScalarType dtype);
   void clear();
 
  private:
