@@ -199,23 +199,30 @@ struct CacheManager::Impl {
     sample(l);
   }
 
-  void validate_plan(int64_t layer, const at::Tensor& keep, int64_t t) const {
+  /// Validates a plan and turns it into the dropped indices of every head (one pass).
+  std::vector<std::vector<int64_t>> plan_to_drops(int64_t layer, const at::Tensor& keep, int64_t t) const {
     KV_INTERNAL_ASSERT(keep.defined() && keep.dim() == 2 && keep.size(0) == cfg.num_kv_heads &&
                            keep.scalar_type() == at::kLong && keep.size(1) >= 1 && keep.size(1) <= t,
                        "policy '", policy->spec(), "' returned a plan ", shape_str(keep),
                        " for layer ", layer, " with ", t, " resident tokens");
     const int64_t m = keep.size(1);
     const int64_t* p = keep.data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> drops(static_cast<size_t>(cfg.num_kv_heads));
     for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
       const int64_t* r = p + h * m;
       KV_INTERNAL_ASSERT(r[m - 1] == t - 1, "policy '", policy->spec(), "' evicts the newest token",
                          " of layer ", layer, " head ", h);
+      auto& d = drops[static_cast<size_t>(h)];
+      d.reserve(static_cast<size_t>(t - m));
+      int64_t next = 0;  // first index not yet accounted for
       for (int64_t j = 0; j < m; ++j) {
-        KV_INTERNAL_ASSERT(r[j] >= 0 && r[j] < t && (j == 0 || r[j] > r[j - 1]), "policy '",
-                           policy->spec(), "' plan for layer ", layer, " head ", h,
-                           " is not strictly increasing in [0, ", t, ") at ", j);
+        KV_INTERNAL_ASSERT(r[j] >= next && r[j] < t, "policy '", policy->spec(), "' plan for layer ",
+                           layer, " head ", h, " is not strictly increasing in [0, ", t, ") at ", j);
+        for (int64_t i = next; i < r[j]; ++i) d.push_back(i);
+        next = r[j] + 1;
       }
     }
+    return drops;
   }
 
   void evict_layer(int64_t layer, bool is_prefill_end) {
@@ -231,26 +238,21 @@ struct CacheManager::Impl {
     KeepPlan plan = policy->plan_keep(ctx);
     if (plan.keeps_all()) return;
     auto keep = plan.keep.contiguous();
-    validate_plan(layer, keep, t);
+    const auto drops = plan_to_drops(layer, keep, t);
     const int64_t m = keep.size(1);
     if (m == t) return;
-    std::vector<const int64_t*> rows;
-    for (int64_t h = 0; h < cfg.num_kv_heads; ++h) rows.push_back(keep.data_ptr<int64_t>() + h * m);
-    auto vups = l.v->keep(keep);
-    auto kups = l.k->keep(keep);
-    l.v_view.keep(rows, m);
-    l.k_view.keep(rows, m);
-    if (pre_rope()) l.k_pre_view.keep(rows, m);
-    l.pos.keep(rows, m);
+    auto vups = l.v->drop(drops);
+    auto kups = l.k->drop(drops);
+    l.v_view.drop(drops);
+    l.k_view.drop(drops);
+    if (pre_rope()) l.k_pre_view.drop(drops);
+    l.pos.drop(drops);
     apply_updates(l, false, vups);
     apply_updates(l, true, kups);
     if (cfg.position_mode == PositionMode::kRerotate) {
+      // Positions shift from the first dropped index on: re-rotate from there (StreamingLLM).
       int64_t i0 = m;
-      for (const int64_t* r : rows) {
-        int64_t j = 0;
-        while (j < m && r[j] == j) ++j;
-        i0 = std::min(i0, j);
-      }
+      for (const auto& d : drops) i0 = std::min(i0, d.front());
       if (i0 < m) {
         auto new_pos = at::arange(i0, m, at::kLong);
         l.pos.write_all(i0, new_pos.view({1, 1, m - i0, 1}).expand({1, cfg.num_kv_heads, m - i0, 1}));

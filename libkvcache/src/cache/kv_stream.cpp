@@ -28,14 +28,17 @@ int64_t KVStream::flush_count(int64_t r) const {
   return r / big_r * big_r;
 }
 
-std::vector<at::Tensor> KVStream::quantize_into_stores(const std::vector<at::Tensor>& rows) {
-  std::vector<at::Tensor> deq(static_cast<size_t>(num_heads_));
+KVStream::Quantized KVStream::quantize_into_stores(const std::vector<at::Tensor>& rows,
+                                                  const at::Tensor& all_rows) {
+  Quantized out;
+  auto& deq = out.per_head;
+  deq.resize(static_cast<size_t>(num_heads_));
   const int64_t m0 = rows[0].defined() ? rows[0].size(2) : 0;
   bool same = true;
   for (const auto& r : rows) same = same && (r.defined() ? r.size(2) : 0) == m0;
   if (layout_.gatherable && same && m0 > 0 && num_heads_ > 1) {
     // One quantizer call for all heads, then split by head (token-major layout).
-    auto all = at::cat(rows, 1);
+    auto all = all_rows.defined() ? all_rows : at::cat(rows, 1);
     QuantizedTensor qt = q_.quantize(all);
     auto full = q_.dequantize(qt).to(at::kFloat);
     for (int64_t h = 0; h < num_heads_; ++h) {
@@ -49,7 +52,8 @@ std::vector<at::Tensor> KVStream::quantize_into_stores(const std::vector<at::Ten
       stores_[static_cast<size_t>(h)]->append(std::move(part));
       deq[static_cast<size_t>(h)] = full.narrow(1, h, 1);
     }
-    return deq;
+    out.all = full;
+    return out;
   }
   for (int64_t h = 0; h < num_heads_; ++h) {
     const auto& r = rows[static_cast<size_t>(h)];
@@ -67,7 +71,7 @@ std::vector<at::Tensor> KVStream::quantize_into_stores(const std::vector<at::Ten
     }
     deq[static_cast<size_t>(h)] = parts.size() == 1 ? parts[0] : at::cat(parts, 2);
   }
-  return deq;
+  return out;
 }
 
 KVStream::PushResult KVStream::push(const at::Tensor& x) {
@@ -87,8 +91,8 @@ KVStream::PushResult KVStream::push(const at::Tensor& x) {
       res.new_values = x.clone();
       return res;
     }
-    auto deq = quantize_into_stores(rows);
-    res.new_values = at::cat(deq, 1);
+    auto deq = quantize_into_stores(rows, x);
+    res.new_values = deq.all.defined() ? deq.all : at::cat(deq.per_head, 1);
     return res;
   }
   auto xr = x.to(spec_.residual_dtype);
@@ -101,7 +105,7 @@ KVStream::PushResult KVStream::push(const at::Tensor& x) {
     q_old[static_cast<size_t>(h)] = stores_[static_cast<size_t>(h)]->size();
     if (m > 0) rows[static_cast<size_t>(h)] = buf.rows(0, 0, m).to(at::kFloat);
   }
-  auto deq = quantize_into_stores(rows);
+  auto deq = quantize_into_stores(rows).per_head;
   for (int64_t h = 0; h < num_heads_; ++h) {
     const auto& r = rows[static_cast<size_t>(h)];
     if (!r.defined()) continue;
@@ -111,22 +115,19 @@ KVStream::PushResult KVStream::push(const at::Tensor& x) {
   return res;
 }
 
-std::vector<std::vector<ViewUpdate>> KVStream::keep(const at::Tensor& plan) {
-  KV_INTERNAL_ASSERT(plan.dim() == 2 && plan.size(0) == num_heads_ && plan.is_contiguous(),
-                     "KVStream::keep plan ", plan.sizes());
+std::vector<std::vector<ViewUpdate>> KVStream::drop(const std::vector<std::vector<int64_t>>& drops) {
+  KV_INTERNAL_ASSERT(static_cast<int64_t>(drops.size()) == num_heads_, "KVStream::drop");
   std::vector<std::vector<ViewUpdate>> updates(static_cast<size_t>(num_heads_));
-  const int64_t m = plan.size(1);
-  const int64_t* p = plan.data_ptr<int64_t>();
   for (int64_t h = 0; h < num_heads_; ++h) {
-    const int64_t* row = p + h * m;
+    const auto& d = drops[static_cast<size_t>(h)];
     auto& store = *stores_[static_cast<size_t>(h)];
     const int64_t q = store.size();
-    const int64_t m_q = std::lower_bound(row, row + m, q) - row;
-    updates[static_cast<size_t>(h)] = store.keep(row, m_q);
-    std::vector<int64_t> local(row + m_q, row + m);
+    const auto split = std::lower_bound(d.begin(), d.end(), q);
+    updates[static_cast<size_t>(h)] = store.drop(std::vector<int64_t>(d.begin(), split));
+    std::vector<int64_t> local(split, d.end());
+    if (local.empty()) continue;
     for (auto& i : local) i -= q;
-    auto& buf = residual_[static_cast<size_t>(h)];
-    if (buf.initialized()) buf.keep({local.data()}, static_cast<int64_t>(local.size()));
+    residual_[static_cast<size_t>(h)].drop({local});
   }
   return updates;
 }

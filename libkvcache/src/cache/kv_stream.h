@@ -34,9 +34,9 @@ class KVStream {
   /// Writes `x` `[B, H, n, D]` float32 and applies the residual flush rule.
   PushResult push(const at::Tensor& x);
 
-  /// Keeps `plan` `[H, m]` (sorted indices per head into the stream's tokens). Returns per
-  /// head the rows whose stored values changed (post-removal indices).
-  std::vector<std::vector<ViewUpdate>> keep(const at::Tensor& plan);
+  /// Removes `drops[h]` (sorted indices into head h's tokens; the same count per head).
+  /// Returns per head the rows whose stored values changed (post-removal indices).
+  std::vector<std::vector<ViewUpdate>> drop(const std::vector<std::vector<int64_t>>& drops);
 
   int64_t size() const;  ///< tokens per head
   int64_t quantized_tokens(int64_t h) const { return stores_[static_cast<size_t>(h)]->size(); }
@@ -58,8 +58,15 @@ class KVStream {
 
  private:
   /// Quantizes per-head row blocks `rows[h]` `[B, 1, m_h, D]` float32 and appends them;
-  /// returns the dequantized values per head.
-  std::vector<at::Tensor> quantize_into_stores(const std::vector<at::Tensor>& rows);
+  /// returns the dequantized values.
+  /// `all`: the same rows as one `[B, H, m, D]` tensor when every head flushes m rows at
+  /// once (may be undefined).
+  struct Quantized {
+    std::vector<at::Tensor> per_head;  ///< `[B, 1, m_h, D]` float32 (undefined: nothing)
+    at::Tensor all;                    ///< `[B, H, m, D]` when quantized in one call
+  };
+  Quantized quantize_into_stores(const std::vector<at::Tensor>& rows,
+                                 const at::Tensor& all = at::Tensor());
   /// Number of oldest residual tokens the flush rule moves out of a residual of `r` tokens.
   int64_t flush_count(int64_t r) const;
 

@@ -103,13 +103,15 @@ QuantizedTensor GatherStore::as_tensor() const {
 
 int64_t GatherStore::measure_nbytes() const { return shape_.empty() ? 0 : as_tensor().nbytes(); }
 
-std::vector<ViewUpdate> GatherStore::keep(const int64_t* keep, int64_t m) {
-  KV_INTERNAL_ASSERT(m <= size_, "GatherStore::keep");
-  if (m == size_) return {};
-  if (has_codes_) codes_.keep({keep}, m);
-  if (has_scales_) scales_.keep({keep}, m);
-  if (has_zeros_) zeros_.keep({keep}, m);
-  size_ = m;
+std::vector<ViewUpdate> GatherStore::drop(const std::vector<int64_t>& drops) {
+  const auto nd = static_cast<int64_t>(drops.size());
+  KV_INTERNAL_ASSERT(nd <= size_, "GatherStore::drop");
+  if (nd == 0) return {};
+  const std::vector<std::vector<int64_t>> one{drops};
+  if (has_codes_) codes_.drop(one);
+  if (has_scales_) scales_.drop(one);
+  if (has_zeros_) zeros_.drop(one);
+  size_ -= nd;
   return {};
 }
 
@@ -147,40 +149,40 @@ at::Tensor GroupStore::live_values(const Block& b) const {
   return deq.index_select(2, index_tensor(slots));
 }
 
-std::vector<ViewUpdate> GroupStore::keep(const int64_t* keep, int64_t m) {
-  KV_INTERNAL_ASSERT(m <= size_, "GroupStore::keep");
+std::vector<ViewUpdate> GroupStore::drop(const std::vector<int64_t>& drops) {
+  const auto nd = static_cast<int64_t>(drops.size());
+  KV_INTERNAL_ASSERT(nd <= size_, "GroupStore::drop");
   std::vector<ViewUpdate> updates;
-  if (m == size_) return updates;
+  if (nd == 0) return updates;
   std::vector<Block> out;
   out.reserve(blocks_.size());
   int64_t off = 0;      // pre-removal live index of the block's first live token
   int64_t new_off = 0;  // post-removal
-  int64_t ki = 0;       // cursor into keep
+  int64_t di = 0;       // cursor into drops
   for (auto& b : blocks_) {
-    std::vector<int64_t> kept_local;  // live positions within the block
-    while (ki < m && keep[ki] < off + b.n_alive) {
-      kept_local.push_back(keep[ki] - off);
-      ++ki;
+    std::vector<int64_t> dropped_local;  // live positions within the block
+    while (di < nd && drops[static_cast<size_t>(di)] < off + b.n_alive) {
+      dropped_local.push_back(drops[static_cast<size_t>(di)] - off);
+      ++di;
     }
     off += b.n_alive;
-    const auto n_kept = static_cast<int64_t>(kept_local.size());
-    if (n_kept == b.n_alive) {
-      new_off += n_kept;
+    if (dropped_local.empty()) {
+      new_off += b.n_alive;
       out.push_back(std::move(b));
       continue;
     }
+    const int64_t n_kept = b.n_alive - static_cast<int64_t>(dropped_local.size());
     bytes_ -= b.bytes();
     if (n_kept == 0) continue;  // whole block evicted: freed
     if (b.quantized) {
-      // Mark dead the slots of live positions not kept.
-      size_t kp = 0;
+      // Mark dead the slots holding the dropped live positions.
+      size_t dp = 0;
       int64_t live_pos = 0;
-      for (size_t s = 0; s < b.alive.size(); ++s) {
+      for (size_t s = 0; s < b.alive.size() && dp < dropped_local.size(); ++s) {
         if (!b.alive[s]) continue;
-        if (kp < kept_local.size() && kept_local[kp] == live_pos) {
-          ++kp;
-        } else {
+        if (dropped_local[dp] == live_pos) {
           b.alive[s] = 0;
+          ++dp;
         }
         ++live_pos;
       }
@@ -196,6 +198,15 @@ std::vector<ViewUpdate> GroupStore::keep(const int64_t* keep, int64_t m) {
         updates.push_back({new_off, b.fp.to(at::kFloat)});
       }
     } else {
+      std::vector<int64_t> kept_local;
+      size_t dp = 0;
+      for (int64_t i = 0; i < b.n_alive; ++i) {
+        if (dp < dropped_local.size() && dropped_local[dp] == i) {
+          ++dp;
+        } else {
+          kept_local.push_back(i);
+        }
+      }
       b.fp = b.fp.index_select(2, index_tensor(kept_local)).contiguous();
       b.n_alive = n_kept;
     }
@@ -203,9 +214,9 @@ std::vector<ViewUpdate> GroupStore::keep(const int64_t* keep, int64_t m) {
     new_off += n_kept;
     out.push_back(std::move(b));
   }
-  KV_INTERNAL_ASSERT(ki == m && new_off == m, "GroupStore::keep consumed ", ki, " of ", m);
+  KV_INTERNAL_ASSERT(di == nd && new_off == size_ - nd, "GroupStore::drop consumed ", di, " of ", nd);
   blocks_ = std::move(out);
-  size_ = m;
+  size_ -= nd;
   return updates;
 }
 

@@ -54,9 +54,9 @@ class QuantStore {
   virtual int64_t measure_nbytes() const = 0;
   /// Appends tokens quantized together; `q.shape` = `[B, 1, n, D]`.
   virtual void append(QuantizedTensor q) = 0;
-  /// Keeps live tokens `keep[0..m)` (strictly increasing local indices). Returns rows whose
+  /// Removes live tokens `drops` (strictly increasing local indices). Returns rows whose
   /// stored values changed (GroupStore conversions to full precision), in post-removal indices.
-  virtual std::vector<ViewUpdate> keep(const int64_t* keep, int64_t m) = 0;
+  virtual std::vector<ViewUpdate> drop(const std::vector<int64_t>& drops) = 0;
   /// Everything live, dequantized: `[B, 1, size(), D]` float32.
   virtual at::Tensor dequantize_all() const = 0;
   /// Number of quantized blocks (GroupStore) or 0.
@@ -73,7 +73,7 @@ class GatherStore final : public QuantStore {
   int64_t nbytes() const override;
   int64_t measure_nbytes() const override;
   void append(QuantizedTensor q) override;
-  std::vector<ViewUpdate> keep(const int64_t* keep, int64_t m) override;
+  std::vector<ViewUpdate> drop(const std::vector<int64_t>& drops) override;
   at::Tensor dequantize_all() const override;
 
  private:
@@ -95,7 +95,7 @@ class GroupStore final : public QuantStore {
   int64_t nbytes() const override { return bytes_; }
   int64_t measure_nbytes() const override;
   void append(QuantizedTensor q) override;
-  std::vector<ViewUpdate> keep(const int64_t* keep, int64_t m) override;
+  std::vector<ViewUpdate> drop(const std::vector<int64_t>& drops) override;
   at::Tensor dequantize_all() const override;
   int64_t num_blocks() const override;
   int64_t dead_slots() const override;

@@ -102,56 +102,53 @@ void TokenBuffer::write_all(int64_t start, const at::Tensor& x) {
   view().narrow(2, start, x.size(2)).copy_(x);
 }
 
-void TokenBuffer::keep(const std::vector<const int64_t*>& keep, int64_t m) {
+void TokenBuffer::drop(const std::vector<std::vector<int64_t>>& drops) {
   const int64_t len = size();
-  KV_INTERNAL_ASSERT(static_cast<int64_t>(keep.size()) == shape_[1], "keep: ", keep.size(),
-                     " rows for ", shape_[1], " heads");
-  KV_INTERNAL_ASSERT(m <= len, "keep: ", m, " > ", len);
-  if (m == len) return;
-  const int64_t dropped = len - m;
-  // Rows moved by each direction: left keeps begin_, right keeps end_.
+  KV_INTERNAL_ASSERT(static_cast<int64_t>(drops.size()) == shape_[1], "drop: ", drops.size(),
+                     " lists for ", shape_[1], " heads");
+  const auto nd = static_cast<int64_t>(drops[0].size());
+  if (nd == 0) return;
+  KV_INTERNAL_ASSERT(nd <= len, "drop: ", nd, " of ", len);
+  // Rows that move: compacting towards the front moves every kept row after the first drop;
+  // towards the back, every kept row before the last drop.
   int64_t left_cost = 0, right_cost = 0;
-  for (const int64_t* k : keep) {
-    for (int64_t j = 0; j < m; ++j) {
-      left_cost += (k[j] != j);
-      right_cost += (k[j] != dropped + j);
-    }
+  for (const auto& d : drops) {
+    KV_INTERNAL_ASSERT(static_cast<int64_t>(d.size()) == nd, "drop: heads drop different counts");
+    left_cost += (len - d.front()) - nd;
+    right_cost += (d.back() + 1) - nd;
   }
   const bool move_left = left_cost <= right_cost;
   const int64_t rb = row_bytes();
   for (int64_t h = 0; h < shape_[1]; ++h) {
-    const int64_t* k = keep[static_cast<size_t>(h)];
+    const auto& d = drops[static_cast<size_t>(h)];
     for (int64_t b = 0; b < shape_[0]; ++b) {
       if (move_left) {
-        int64_t j = 0;
-        while (j < m) {
-          int64_t run = 1;
-          while (j + run < m && k[j + run] == k[j] + run) ++run;
-          if (k[j] != j) {
-            std::memmove(row_ptr(b, h, begin_ + j), row_ptr(b, h, begin_ + k[j]),
-                         static_cast<size_t>(run * rb));
+        // Kept run between drop i and drop i+1 (or the end) shifts left by i+1.
+        for (int64_t i = 0; i < nd; ++i) {
+          const int64_t src = d[static_cast<size_t>(i)] + 1;
+          const int64_t stop = i + 1 < nd ? d[static_cast<size_t>(i + 1)] : len;
+          if (stop > src) {
+            std::memmove(row_ptr(b, h, begin_ + src - (i + 1)), row_ptr(b, h, begin_ + src),
+                         static_cast<size_t>((stop - src) * rb));
           }
-          j += run;
         }
       } else {
-        int64_t j = m - 1;
-        while (j >= 0) {
-          int64_t run = 1;
-          while (j - run >= 0 && k[j - run] == k[j] - run) ++run;
-          const int64_t first = j - run + 1;  // run covers keep[first..j]
-          if (k[first] != dropped + first) {
-            std::memmove(row_ptr(b, h, begin_ + dropped + first), row_ptr(b, h, begin_ + k[first]),
-                         static_cast<size_t>(run * rb));
+        // Kept run between drop i−1 (or the start) and drop i shifts right by nd − i.
+        for (int64_t i = nd - 1; i >= 0; --i) {
+          const int64_t stop = d[static_cast<size_t>(i)];
+          const int64_t src = i > 0 ? d[static_cast<size_t>(i - 1)] + 1 : 0;
+          if (stop > src) {
+            std::memmove(row_ptr(b, h, begin_ + src + (nd - i)), row_ptr(b, h, begin_ + src),
+                         static_cast<size_t>((stop - src) * rb));
           }
-          j -= run;
         }
       }
     }
   }
   if (move_left) {
-    end_ -= dropped;
+    end_ -= nd;
   } else {
-    begin_ += dropped;
+    begin_ += nd;
   }
 }
 

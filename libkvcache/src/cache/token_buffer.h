@@ -40,9 +40,10 @@ class TokenBuffer {
   /// Overwrites rows `[start, start + x.size(2))` of every head with `x` `[B, H, n, rest...]`.
   void write_all(int64_t start, const at::Tensor& x);
 
-  /// Keeps, for every head h, the rows `keep[h][0..m)` (strictly increasing indices into the
-  /// live rows), in order. `keep.size()` must equal the head count.
-  void keep(const std::vector<const int64_t*>& keep, int64_t m);
+  /// Removes, for every head h, the rows `drops[h]` (strictly increasing indices into the live
+  /// rows; every head drops the same number). Cost: O(drops) memmoves of the rows between
+  /// drops, on the side (front or back) that moves fewer rows.
+  void drop(const std::vector<std::vector<int64_t>>& drops);
   /// Drops the first `n` live rows of every head (O(1)).
   void drop_front(int64_t n);
 

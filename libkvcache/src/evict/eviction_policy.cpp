@@ -77,16 +77,45 @@ std::vector<int64_t> top_k_recent_ties(const float* scores, const std::vector<in
   const auto n = static_cast<int64_t>(candidates.size());
   if (k >= n) return candidates;
   if (k <= 0) return {};
-  std::vector<int64_t> order(candidates);
-  // Higher score first; equal scores: larger index (more recent) first.
-  auto better = [scores](int64_t a, int64_t b) {
-    if (scores[a] != scores[b]) return scores[a] > scores[b];
-    return a > b;
+  // Total order "better": higher score first; equal scores: larger index (more recent) first.
+  // Its reverse ("worse") selects the complement, so either side gives the same set.
+  if (k <= n / 2) {
+    std::vector<int64_t> order(candidates);
+    auto better = [scores](int64_t a, int64_t b) {
+      if (scores[a] != scores[b]) return scores[a] > scores[b];
+      return a > b;
+    };
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
+    order.resize(static_cast<size_t>(k));
+    std::sort(order.begin(), order.end());
+    return order;
+  }
+  // Few to drop (the decode case drops one): select the n − k worst, O(n), no sort of the kept.
+  const int64_t d = n - k;
+  auto worse = [scores](int64_t a, int64_t b) {
+    if (scores[a] != scores[b]) return scores[a] < scores[b];
+    return a < b;
   };
-  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
-  order.resize(static_cast<size_t>(k));
-  std::sort(order.begin(), order.end());
-  return order;
+  std::vector<int64_t> dropped;
+  if (d == 1) {
+    dropped.push_back(*std::min_element(candidates.begin(), candidates.end(), worse));
+  } else {
+    dropped = candidates;
+    std::nth_element(dropped.begin(), dropped.begin() + (d - 1), dropped.end(), worse);
+    dropped.resize(static_cast<size_t>(d));
+    std::sort(dropped.begin(), dropped.end());
+  }
+  std::vector<int64_t> kept;
+  kept.reserve(static_cast<size_t>(k));
+  size_t di = 0;
+  for (int64_t c : candidates) {
+    if (di < dropped.size() && dropped[di] == c) {
+      ++di;
+    } else {
+      kept.push_back(c);
+    }
+  }
+  return kept;
 }
 
 at::Tensor shared_plan(const std::vector<int64_t>& keep, int64_t num_kv_heads) {
