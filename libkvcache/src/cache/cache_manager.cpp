@@ -183,7 +183,11 @@ struct CacheManager::Impl {
     auto vres = l.v->push(v);
     l.v_view.append(vres.new_values);
     auto kres = l.k->push(pre_rope() ? k : k_post);
-    l.pos.append(pos.view({1, 1, n, 1}).expand({1, cfg.num_kv_heads, n, 1}));
+    if (!l.pos.initialized()) {
+      l.pos = cache::TokenBuffer(at::kLong, {1, cfg.num_kv_heads, 0, 1});
+      l.pos.append(at::empty({1, cfg.num_kv_heads, 0, 1}, at::kLong));
+    }
+    l.pos.append_to_all_heads(pos.view({1, 1, n, 1}));
     if (pre_rope()) {
       l.k_pre_view.append(kres.new_values);
       l.k_view.append(rope(kres.new_values, pos));

@@ -86,6 +86,12 @@ KVStream::PushResult KVStream::push(const at::Tensor& x) {
   std::vector<at::Tensor> rows(static_cast<size_t>(num_heads_));
   if (spec_.residual == 0 && spec_.flush == ResidualFlush::kSliding) {
     // No residual: new tokens go straight to quantized storage.
+    if (layout_.gatherable && num_heads_ > 1 && n > 0) {
+      // One quantizer call over all heads (the rows are x itself).
+      for (int64_t h = 0; h < num_heads_; ++h) rows[static_cast<size_t>(h)] = x;  // shape only
+      res.new_values = quantize_into_stores(rows, x).all;
+      return res;
+    }
     for (int64_t h = 0; h < num_heads_; ++h) rows[static_cast<size_t>(h)] = x.narrow(1, h, 1);
     if (n == 0) {
       res.new_values = x.clone();

@@ -72,7 +72,36 @@ void TokenBuffer::append(const at::Tensor& x) {
     return;
   }
   ensure_capacity(n);
-  data_.narrow(2, end_, n).copy_(x);
+  if (x.is_contiguous() && x.scalar_type() == dtype_) {
+    // Plain memcpy per (batch, head): avoids two dispatcher round trips per decode token.
+    const auto* src = static_cast<const uint8_t*>(x.data_ptr());
+    const int64_t chunk = n * row_bytes();
+    for (int64_t b = 0; b < shape_[0]; ++b) {
+      for (int64_t h = 0; h < shape_[1]; ++h) {
+        std::memcpy(row_ptr(b, h, end_), src + (b * shape_[1] + h) * chunk, static_cast<size_t>(chunk));
+      }
+    }
+  } else {
+    data_.narrow(2, end_, n).copy_(x);
+  }
+  end_ += n;
+}
+
+void TokenBuffer::append_to_all_heads(const at::Tensor& x) {
+  KV_INTERNAL_ASSERT(initialized() && x.is_contiguous() && x.scalar_type() == dtype_ &&
+                         x.dim() == static_cast<int64_t>(shape_.size()) && x.size(0) == shape_[0] &&
+                         x.size(1) == 1,
+                     "append_to_all_heads: got ", x.sizes());
+  const int64_t n = x.size(2);
+  if (n == 0) return;
+  ensure_capacity(n);
+  const auto* src = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t chunk = n * row_bytes();
+  for (int64_t b = 0; b < shape_[0]; ++b) {
+    for (int64_t h = 0; h < shape_[1]; ++h) {
+      std::memcpy(row_ptr(b, h, end_), src + b * chunk, static_cast<size_t>(chunk));
+    }
+  }
   end_ += n;
 }
 

@@ -31,6 +31,8 @@ class TokenBuffer {
   /// Appends `x` `[B, H, n, rest...]` (converted to the buffer dtype). The first append of a
   /// default-constructed buffer fixes dtype and shape.
   void append(const at::Tensor& x);
+  /// Appends `x` `[B, 1, n, rest...]` (buffer dtype, contiguous) to every head.
+  void append_to_all_heads(const at::Tensor& x);
   /// Live rows `[B, H, size(), rest...]`: a view, invalidated by the next mutation.
   at::Tensor view() const;
   /// Live rows `[start, start + n)` of head `h`: `[B, 1, n, rest...]` view.
