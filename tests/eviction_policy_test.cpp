@@ -215,6 +215,7 @@ TEST(H2OPolicy, ErrorsWithoutAttentionAndOnBadShapes) {
   EXPECT_THROW(p->observe(1, at::zeros({1, 2, 1, 8})), InvalidArgument);  // layer out of range
   EXPECT_THROW(make_eviction_policy("h2o:h3:r2@4"), CapacityError);       // 5 > 4
   EXPECT_EQ(make("h2o@1", 0)->token_budget(), 1);  // r = max(1/2, 1) = 1, h = 0
+  EXPECT_EQ(make("h2o:h4:r0", 0)->token_budget(), 5);  // no budget: h + the protected newest
 }
 
 TEST(TovaPolicy, LastQueryAveragedOverAllHeadsSharedSelection) {
