@@ -136,8 +136,9 @@ class CacheManager {
   int64_t logical_length(int64_t layer) const;
   /// Physical length: tokens stored by `layer` now (per KV head).
   int64_t physical_length(int64_t layer) const;
-  /// Position to give the next appended token (the logical length, or the physical length
-  /// in PositionMode::kRerotate) of layer 0.
+  /// Position to give the next appended token of layer 0: the last written position + 1
+  /// (= the logical length when positions start at 0 without gaps), or the physical length
+  /// in PositionMode::kRerotate.
   int64_t next_position() const;
   /// Same for `layer` (layers differ only in kRerotate mode with layer-dependent budgets).
   int64_t next_position(int64_t layer) const;

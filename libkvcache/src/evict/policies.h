@@ -5,7 +5,6 @@
 /// make_eviction_policy; declared here so unit tests can reach the scoring helpers).
 
 #include <cstdint>
-#include <random>
 #include <string>
 #include <vector>
 
