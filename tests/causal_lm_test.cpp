@@ -127,6 +127,10 @@ TEST_F(CausalLMTest, LoadsTinyStoriesConfigAndExtraFiles) {
   EXPECT_EQ(m.extra_files().count("config.json"), 1u);
   EXPECT_EQ(m.extra_file("vocab.json"), "");  // not exported for this model
 
+  // 656,000 parameters (README), widened to fp32 by the export; plus any small RoPE tables.
+  EXPECT_GE(m.weight_bytes(), 656000 * 4);
+  EXPECT_LT(m.weight_bytes(), 656000 * 4 + 64 * 1024);
+
   const CacheConfig cc = m.cache_config();
   EXPECT_EQ(cc.num_layers, 2);
   EXPECT_EQ(cc.num_q_heads, 8);

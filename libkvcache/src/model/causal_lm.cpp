@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <utility>
@@ -21,13 +22,14 @@ using json = nlohmann::json;
 
 constexpr const char* kExportFile = "libkvcache_export.json";
 constexpr const char* kConfigFile = "config.json";
+constexpr const char* kGenerationFile = "generation_config.json";
 constexpr const char* kExportFormat = "libkvcache-torchscript";
 constexpr int64_t kAbiVersion = 1;
 
 /// Extra files looked up in the archive (absent ones are simply not reported).
 const char* const kExtraNames[] = {kExportFile,     kConfigFile,           "tokenizer.json",
                                    "vocab.json",    "merges.txt",          "tokenizer_config.json",
-                                   "generation_config.json"};
+                                   kGenerationFile};
 
 /// Method name and its argument count without `self`, as ABI v1 defines them.
 const std::pair<const char*, size_t> kAbiMethods[] = {
@@ -76,6 +78,26 @@ T optional_field(const json& j, const std::string& path, const char* field, T fa
   return required<T>(j, path, field);
 }
 
+/// A token-id field that may be null/absent, an int, or a list of ints.
+std::vector<int64_t> id_list(const json& j, const std::string& path, const char* file,
+                             const char* field) {
+  std::vector<int64_t> ids;
+  if (!j.contains(field) || j.at(field).is_null()) return ids;
+  const json& e = j.at(field);
+  const bool ok = e.is_number_integer() ||
+                  (e.is_array() && std::all_of(e.begin(), e.end(), [](const json& x) {
+                     return x.is_number_integer();
+                   }));
+  KV_CHECK_ARG(ok, "'", path, "': ", file, ": field '", field,
+               "' must be an integer or a list of integers, got ", e.dump());
+  if (e.is_number_integer()) {
+    ids.push_back(e.get<int64_t>());
+  } else {
+    for (const json& x : e) ids.push_back(x.get<int64_t>());
+  }
+  return ids;
+}
+
 ModelConfig parse_config(const std::string& path, const std::string& text) {
   const json j = parse_json(path, kConfigFile, text);
   KV_CHECK_ARG(j.is_object(), "'", path, "': ", kConfigFile, " must be a JSON object");
@@ -92,24 +114,10 @@ ModelConfig parse_config(const std::string& path, const std::string& text) {
   c.vocab_size = required<int64_t>(j, path, "vocab_size");
   c.tie_word_embeddings = optional_field<bool>(j, path, "tie_word_embeddings", false);
   c.attention_bias = optional_field<bool>(j, path, "attention_bias", false);
-  c.bos_token_id = optional_field<int64_t>(j, path, "bos_token_id", -1);
   c.max_position_embeddings = optional_field<int64_t>(j, path, "max_position_embeddings", 0);
-  if (j.contains("eos_token_id") && !j.at("eos_token_id").is_null()) {
-    const json& e = j.at("eos_token_id");
-    if (e.is_number_integer()) {
-      c.eos_token_ids.push_back(e.get<int64_t>());
-    } else {
-      KV_CHECK_ARG(e.is_array(), "'", path, "': ", kConfigFile,
-                   ": field 'eos_token_id' must be an integer or a list of integers, got ",
-                   e.dump());
-      for (const json& x : e) {
-        KV_CHECK_ARG(x.is_number_integer(), "'", path, "': ", kConfigFile,
-                     ": field 'eos_token_id' must be an integer or a list of integers, got ",
-                     e.dump());
-        c.eos_token_ids.push_back(x.get<int64_t>());
-      }
-    }
-  }
+  const std::vector<int64_t> bos = id_list(j, path, kConfigFile, "bos_token_id");
+  c.bos_token_id = bos.empty() ? -1 : bos.front();
+  c.eos_token_ids = id_list(j, path, kConfigFile, "eos_token_id");
   const auto positive = [&](int64_t v, const char* field) {
     KV_CHECK_ARG(v > 0, "'", path, "': ", kConfigFile, ": field '", field, "' must be > 0, got ",
                  v);
@@ -126,10 +134,6 @@ ModelConfig parse_config(const std::string& path, const std::string& text) {
                ") must be a multiple of num_key_value_heads (", c.num_key_value_heads, ")");
   KV_CHECK_ARG(c.rope_theta > 0.0, "'", path, "': ", kConfigFile,
                ": field 'rope_theta' must be > 0, got ", c.rope_theta);
-  for (int64_t e : c.eos_token_ids) {
-    KV_CHECK_ARG(e >= 0 && e < c.vocab_size, "'", path, "': ", kConfigFile, ": eos_token_id ", e,
-                 " is outside the vocabulary [0, ", c.vocab_size, ")");
-  }
   return c;
 }
 
@@ -193,6 +197,22 @@ CausalLM CausalLM::load(const std::string& path, const LoadOptions& options) {
   KV_CHECK_ARG(impl->extra.count(kConfigFile) == 1, "'", path, "': extra file ", kConfigFile,
                " is missing");
   impl->config = parse_config(path, impl->extra.at(kConfigFile));
+  // Stop on the union of config.json's and generation_config.json's eos ids (model-abi.md):
+  // Qwen2.5-Instruct lists <|im_end|> in one and <|endoftext|> too in the other.
+  if (impl->extra.count(kGenerationFile) == 1) {
+    const json g = parse_json(path, kGenerationFile, impl->extra.at(kGenerationFile));
+    if (g.is_object()) {
+      for (int64_t e : id_list(g, path, kGenerationFile, "eos_token_id")) {
+        auto& eos = impl->config.eos_token_ids;
+        if (std::find(eos.begin(), eos.end(), e) == eos.end()) eos.push_back(e);
+      }
+    }
+  }
+  for (int64_t e : impl->config.eos_token_ids) {
+    KV_CHECK_ARG(e >= 0 && e < impl->config.vocab_size, "'", path,
+                 "': eos_token_id ", e, " is outside the vocabulary [0, ",
+                 impl->config.vocab_size, ")");
+  }
 
   for (const auto& [name, nargs] : kAbiMethods) {
     auto m = impl->module.find_method(name);
@@ -220,6 +240,18 @@ const std::map<std::string, std::string>& CausalLM::extra_files() const { return
 std::string CausalLM::extra_file(const std::string& name) const {
   const auto it = impl_->extra.find(name);
   return it == impl_->extra.end() ? std::string() : it->second;
+}
+
+int64_t CausalLM::weight_bytes() const {
+  std::set<const void*> seen;
+  int64_t total = 0;
+  for (const auto& attr : impl_->module.named_attributes(/*recurse=*/true)) {
+    if (!attr.value.isTensor()) continue;
+    const at::Tensor t = attr.value.toTensor();
+    if (!t.defined() || !t.has_storage()) continue;
+    if (seen.insert(t.storage().data()).second) total += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return total;
 }
 
 at::Tensor CausalLM::embed(const at::Tensor& ids) const {

@@ -37,8 +37,10 @@ struct ModelConfig {
   bool tie_word_embeddings = false;     ///< lm_head shares the embedding matrix
   bool attention_bias = false;          ///< q/k/v projections carry biases (Qwen2)
   int64_t vocab_size = 0;               ///< V
-  int64_t bos_token_id = -1;            ///< -1 when the config has none
-  std::vector<int64_t> eos_token_ids;   ///< every id that ends generation (may be empty)
+  int64_t bos_token_id = -1;            ///< -1 when the config has none (first id if a list)
+  /// Every id that ends generation: config.json's eos_token_id (int or list) united with
+  /// generation_config.json's when the export holds one. May be empty.
+  std::vector<int64_t> eos_token_ids;
   int64_t max_position_embeddings = 0;  ///< 0 when the config has none
 };
 
@@ -78,6 +80,10 @@ class CausalLM {
   const std::map<std::string, std::string>& extra_files() const;
   /// Text of one extra file, or "" if the export does not hold it.
   std::string extra_file(const std::string& name) const;
+
+  /// Bytes of every tensor the module holds (parameters, buffers, tensor attributes), each
+  /// storage counted once (tied embeddings count once). Measured, not computed from the config.
+  int64_t weight_bytes() const;
 
   /// ids int64 `[B, T]` → h `[B, T, d]` (the export's dtype, float32 by default).
   at::Tensor embed(const at::Tensor& ids) const;
