@@ -279,6 +279,25 @@ TEST_F(CausalLMTest, AbiModuleWithListEosLoads) {
   EXPECT_EQ(m.config().max_position_embeddings, 0);
 }
 
+TEST_F(CausalLMTest, TokenizerFilesRoundTripTheGoldenPrompt) {
+  const CausalLM m = CausalLM::load(pt_, LoadOptions{1});
+  const Tokenizer tok = Tokenizer::from_texts(m.tokenizer_files());
+  // golden_once_upon_a_time.json: "Once upon a time," -> [1, 80, 147, 201, 282, 57, 8].
+  const std::vector<int64_t> ids = tok.encode("Once upon a time,");
+  EXPECT_EQ(ids, (std::vector<int64_t>{1, 80, 147, 201, 282, 57, 8}));
+  EXPECT_EQ(tok.decode(ids, /*skip_special=*/true), "Once upon a time,");
+}
+
+TEST_F(CausalLMTest, ExportWithoutTokenizerSaysSo) {
+  const CausalLM m = CausalLM::load(bad("abi_ok.pt"), LoadOptions{1});
+  try {
+    m.tokenizer_files();
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("abi_ok.pt"), HasSubstr("tokenizer.json")));
+  }
+}
+
 TEST_F(CausalLMTest, MissingMethodIsNamed) {
   const std::string p = bad("noqkv.pt");
   try {

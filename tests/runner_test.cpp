@@ -15,6 +15,7 @@
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
+#include "kvcache/model/tokenizer.h"
 #include "model/runner_core.h"
 #include "model_test_util.h"
 
@@ -411,6 +412,144 @@ TEST(RunnerFullShape, QwenRandom24LayersControlArm) {
 }
 
 // ----------------------------------------------------------------------------------------
+// Text in, text out: the export's own tokenizer with the golden prompts.
+
+TEST(RunnerGolden, TokenizerAndGenerationReproduceTheGoldenText) {
+  for (const auto& [model, dir] : {std::pair{&tinystories, tinystories_dir()},
+                                   std::pair{&stories260k, stories260k_dir()}}) {
+    const TestModel& m = (*model)();
+    if (!m.skip.empty()) continue;
+    ASSERT_EQ(m.error, "");
+    const auto j = t::read_json(dir + "/golden_once_upon_a_time.json");
+    const Tokenizer tok = Tokenizer::from_texts(m.lm->tokenizer_files());
+    const std::vector<int64_t> prompt = tok.encode(j.at("prompt").get<std::string>());
+    EXPECT_EQ(prompt, j.at("prompt_ids").get<std::vector<int64_t>>()) << dir;
+    CacheManager cache = fp32_full_cache(*m.lm);
+    const GenerationResult r = Runner(*m.lm).generate(prompt, greedy(60), cache);
+    EXPECT_EQ(tok.decode(concat(prompt, r.tokens, 60), /*skip_special=*/true),
+              j.at("text").get<std::string>())
+        << dir;
+  }
+}
+
+// ----------------------------------------------------------------------------------------
+// The runner with eviction and with pre-RoPE key storage.
+
+/// Log-probs of ids[1..] under a full-sequence reference built from the export's pieces with
+/// a sliding-window mask: query p sees keys at positions p - window .. p.
+at::Tensor windowed_reference_logprobs(const CausalLM& lm, const std::vector<int64_t>& ids,
+                                       int64_t window) {
+  const auto n = static_cast<int64_t>(ids.size());
+  const ModelConfig& c = lm.config();
+  const int64_t G = c.num_attention_heads / c.num_key_value_heads;
+  const at::Tensor x = detail::ids_tensor(ids.data(), n);
+  const at::Tensor pos = at::arange(n, at::kLong);
+  const at::Tensor dist = pos.view({n, 1}) - pos.view({1, n});  // query − key
+  const at::Tensor hidden = dist.lt(0).logical_or(dist.gt(window));
+  at::Tensor h = lm.embed(x);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const QKV qkv = lm.qkv(l, h, pos);
+    const at::Tensor k = lm.rope(qkv.k, pos).repeat_interleave(G, 1);
+    const at::Tensor v = qkv.v.repeat_interleave(G, 1);
+    at::Tensor s = at::matmul(qkv.q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(c.head_dim));
+    s = s.masked_fill(hidden, -INFINITY);
+    h = lm.finish(l, h, at::matmul(at::softmax(s, -1), v));
+  }
+  const at::Tensor lp = at::log_softmax(lm.head(h)[0].slice(0, 0, n - 1), -1);
+  return lp.gather(1, x[0].slice(0, 1, n).unsqueeze(1)).squeeze(1);
+}
+
+TEST(RunnerEviction, StreamingWindowEqualsSlidingWindowReference) {
+  // window@8 keeps the 8 most recent tokens after every step; scoring token by token, the
+  // query at position p therefore sees positions p − 8 .. p: a sliding-window model.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Golden g = read_golden(tinystories_dir());
+  const std::vector<int64_t> ids = concat(g.prompt_ids, g.greedy_ids, 30);
+  CacheConfig c = m.lm->cache_config();
+  c.policy = "window@8";
+  CacheManager cache(std::move(c));
+  const ScoreResult s = Runner(*m.lm).score(ids, cache, /*chunk_size=*/1);
+  const at::Tensor ref = windowed_reference_logprobs(*m.lm, ids, 8);
+  EXPECT_LT(max_abs_diff(s.logprobs, ref), 1e-4);
+  // And the window matters: the full-context scores differ.
+  const at::Tensor full = windowed_reference_logprobs(*m.lm, ids, 1000);
+  EXPECT_GT(max_abs_diff(full, ref), 1e-2);
+  EXPECT_EQ(cache.physical_length(0), 8);
+  EXPECT_EQ(cache.logical_length(1), static_cast<int64_t>(ids.size()));
+  cache.check_invariants();
+}
+
+TEST(RunnerEviction, EveryPolicyRunsWithinBudget) {
+  // Attention-driven policies (h2o, tova, snapkv) get the runner's probabilities; every
+  // policy must keep the layers within budget, positions consistent and the run deterministic.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  GenerationOptions o = greedy(12);
+  o.stop_at_eos = false;  // evicted contexts may well end the story early
+  for (const std::string policy : {"window@8", "sink:s2@8", "h2o@8", "random:seed3@8", "tova@8",
+                                   "snapkv:w4@24"}) {
+    for (int64_t chunk : {0, 4}) {
+      CacheConfig c = m.lm->cache_config();
+      c.policy = policy;
+      c.quant = "int8";
+      CacheManager cache(std::move(c));
+      o.prefill_chunk = chunk;
+      const GenerationResult a = runner.generate(m.prompt, o, cache);
+      ASSERT_EQ(a.tokens.size(), 12u) << policy;
+      cache.check_invariants();
+      const int64_t written = static_cast<int64_t>(m.prompt.size()) + 11;
+      for (int64_t l = 0; l < m.lm->config().num_hidden_layers; ++l) {
+        EXPECT_EQ(cache.logical_length(l), written) << policy << " layer " << l;
+        EXPECT_LE(cache.physical_length(l), cache.policy().layer_budget(l)) << policy;
+        EXPECT_LT(cache.physical_length(l), written) << policy;
+      }
+      const GenerationResult b = runner.generate(m.prompt, o, cache);
+      EXPECT_EQ(a.tokens, b.tokens) << policy;
+      EXPECT_TRUE(at::equal(a.logits, b.logits)) << policy;
+    }
+  }
+}
+
+TEST(RunnerEviction, PreRopeStorageWithoutEvictionEqualsPostRope) {
+  // Keys stored un-rotated and rotated on read (KeyStorage::kPreRoPE), and re-assigned
+  // positions (kRerotate) that never change without eviction: the same logits as post-RoPE.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  CacheManager post = fp32_full_cache(*m.lm);
+  const GenerationResult a = runner.generate(m.prompt, greedy(16, 5), post);
+  CacheConfig c = m.lm->cache_config();
+  c.key_storage = KeyStorage::kPreRoPE;
+  c.position_mode = PositionMode::kRerotate;
+  CacheManager pre(std::move(c));
+  const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), pre);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
+}
+
+TEST(RunnerEviction, RerotatedSinkCacheKeepsPositionsContiguous) {
+  // StreamingLLM: sinks + recent window, kept tokens re-assigned positions 0..n−1, so the
+  // next token's position is the physical length, not the logical one.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  CacheConfig c = m.lm->cache_config();
+  c.policy = "sink:s2@8";
+  c.key_storage = KeyStorage::kPreRoPE;
+  c.position_mode = PositionMode::kRerotate;
+  CacheManager cache(std::move(c));
+  const GenerationResult r = Runner(*m.lm).generate(m.prompt, greedy(10, 1), cache);
+  EXPECT_EQ(r.tokens.size(), 10u);
+  cache.check_invariants();
+  EXPECT_EQ(cache.physical_length(0), 8);
+  EXPECT_EQ(cache.next_position(0), 8);
+  EXPECT_EQ(cache.logical_length(0), static_cast<int64_t>(m.prompt.size()) + 9);
+  const LayerKV kv = cache.get(0);
+  EXPECT_TRUE(at::equal(kv.positions[0], at::arange(8, at::kLong)));
+}
+
+// ----------------------------------------------------------------------------------------
 // Stopping and bad input.
 
 TEST(Runner, StopsAtEosAndAtMaxNewTokens) {
@@ -461,29 +600,4 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
 }
 
 }  // namespace
-}  // namespace kvcache
-
-// ----------------------------------------------------------------------------------------
-// TEMPORARY until branch `cache` lands: a concatenating CacheManager (fp32, `full`) so that the
-// runner can be tested through the CacheManager API. Delete when merging `cache`.
-#include "model/concat_kv_cache.h"
-namespace kvcache {
-struct CacheManager::Impl {
-  detail::ConcatKVCache c;
-};
-CacheManager::CacheManager(CacheConfig config)
-    : impl_(std::make_unique<Impl>(Impl{detail::ConcatKVCache(std::move(config))})) {}
-CacheManager::~CacheManager() = default;
-CacheManager::CacheManager(CacheManager&&) noexcept = default;
-CacheManager& CacheManager::operator=(CacheManager&&) noexcept = default;
-const CacheConfig& CacheManager::config() const { return impl_->c.config(); }
-void CacheManager::reset(int64_t n) { impl_->c.reset(n); }
-void CacheManager::append(int64_t l, const at::Tensor& k, const at::Tensor& v, const at::Tensor& p) {
-  impl_->c.append(l, k, v, p);
-}
-LayerKV CacheManager::get(int64_t l) const { return impl_->c.get(l); }
-bool CacheManager::needs_attention() const { return false; }
-void CacheManager::observe_attention(int64_t, const at::Tensor&) {}
-void CacheManager::end_step(bool) {}
-int64_t CacheManager::next_position() const { return impl_->c.next_position(); }
 }  // namespace kvcache

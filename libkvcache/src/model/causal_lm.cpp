@@ -242,6 +242,18 @@ std::string CausalLM::extra_file(const std::string& name) const {
   return it == impl_->extra.end() ? std::string() : it->second;
 }
 
+TokenizerFiles CausalLM::tokenizer_files() const {
+  TokenizerFiles f;
+  f.tokenizer_json = extra_file("tokenizer.json");
+  f.vocab_json = extra_file("vocab.json");
+  f.merges_txt = extra_file("merges.txt");
+  f.tokenizer_config_json = extra_file("tokenizer_config.json");
+  KV_CHECK_ARG(!f.tokenizer_json.empty() || (!f.vocab_json.empty() && !f.merges_txt.empty()),
+               "'", impl_->path, "' holds no tokenizer: extra file tokenizer.json (or vocab.json + "
+               "merges.txt) is missing (export from a checkpoint directory that has one)");
+  return f;
+}
+
 int64_t CausalLM::weight_bytes() const {
   std::set<const void*> seen;
   int64_t total = 0;

@@ -2,7 +2,7 @@
 #pragma once
 /// @file runner_core.h (private)
 /// The managed forward pass, written once over any cache type with CacheManager's verbs
-/// (config, reset, next_position, append, get, needs_attention, observe_attention, end_step).
+/// (config, reset, next_position(layer), append, get, needs_attention, observe_attention, end_step).
 /// Runner instantiates it for CacheManager; bench/bench_model.cpp also instantiates it for
 /// ConcatKVCache to measure the CacheManager's overhead on the same code path.
 
@@ -45,12 +45,20 @@ template <class Cache>
 at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, Cache& cache,
                         bool is_prefill_end, LogitsFor which) {
   const int64_t T = ids.size(1);
-  const int64_t p0 = cache.next_position();
-  const at::Tensor pos = at::arange(p0, p0 + T, at::TensorOptions().dtype(at::kLong));
   const bool want_probs = cache.needs_attention();
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor h = model.embed(ids);
   const int64_t L = model.config().num_hidden_layers;
+  at::Tensor pos;
+  int64_t pos_start = -1;
   for (int64_t l = 0; l < L; ++l) {
+    // Positions per layer: in PositionMode::kRerotate with layer-dependent budgets, layers
+    // hold different physical lengths and so give the new tokens different positions.
+    const int64_t p0 = cache.next_position(l);
+    if (p0 != pos_start) {
+      pos = at::arange(p0, p0 + T, long_opts);
+      pos_start = p0;
+    }
     QKV x = model.qkv(l, h, pos);
     cache.append(l, x.k.to(at::kFloat), x.v.to(at::kFloat), pos);
     const LayerKV kv = cache.get(l);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kvcache/cache_manager.h"
+#include "kvcache/model/tokenizer.h"
 
 namespace kvcache {
 
@@ -80,6 +81,10 @@ class CausalLM {
   const std::map<std::string, std::string>& extra_files() const;
   /// Text of one extra file, or "" if the export does not hold it.
   std::string extra_file(const std::string& name) const;
+  /// The tokenizer files of the export, for Tokenizer::from_texts().
+  /// @throws InvalidArgument naming the path when the export holds neither tokenizer.json
+  ///         nor vocab.json + merges.txt.
+  TokenizerFiles tokenizer_files() const;
 
   /// Bytes of every tensor the module holds (parameters, buffers, tensor attributes), each
   /// storage counted once (tied embeddings count once). Measured, not computed from the config.

@@ -5,8 +5,9 @@
 /// CacheManager: prefill in chunks, greedy decoding, and streaming scoring (log-probs for
 /// perplexity). Attention is computed here, not in the export:
 ///
-///   per step (a prefill chunk of T tokens or one decode token), positions
-///   p = next_position() .. +T, and per layer l:
+///   per step (a prefill chunk of T tokens or one decode token), per layer l, with positions
+///   p = cache.next_position(l) .. +T (the same for every layer unless kRerotate with
+///   layer-dependent budgets):
 ///     (q, k, v) = model.qkv(l, h, p); cache.append(l, k, v, p); kv = cache.get(l);
 ///     scores = q·kᵀ/√D in float32; a key is visible iff its position ≤ the query's position
 ///     (the causal mask inside a chunk, and per-KV-head positions after eviction);
@@ -74,7 +75,7 @@ class Runner {
 
   const CausalLM& model() const;
 
-  /// Ingests `ids` at positions cache.next_position() onward, in steps of `chunk_size`
+  /// Ingests `ids` at positions cache.next_position(layer) onward, in steps of `chunk_size`
   /// tokens (0 = one step), calling end_step(is_prefill_end = true) after the last step.
   /// Does not reset the cache.
   /// @return logits `[V]` float32 of the last token of `ids`.
@@ -83,7 +84,7 @@ class Runner {
   at::Tensor prefill(const std::vector<int64_t>& ids, CacheManager& cache,
                      int64_t chunk_size = 0) const;
 
-  /// One decode step: `token` at position cache.next_position(), then end_step().
+  /// One decode step: `token` at position cache.next_position(layer), then end_step().
   /// @return logits `[V]` float32.
   /// @throws InvalidArgument as prefill().
   at::Tensor decode_step(int64_t token, CacheManager& cache) const;
