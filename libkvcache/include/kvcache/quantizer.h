@@ -77,6 +77,11 @@ class Quantizer {
   virtual at::Tensor do_dequantize(const QuantizedTensor& q) const = 0;
   /// Extra validation of input beyond shape/dtype/finite (e.g. divisibility). Default: none.
   virtual void check_input(const at::Tensor& x) const { (void)x; }
+  /// True if do_quantize() itself rejects NaN/Inf input (throwing InvalidArgument that names
+  /// the first bad index [b, h, t, d], like quantize() does), typically detected inside its
+  /// kernel's single pass over the data. quantize() then skips its own finiteness scan, a
+  /// whole extra read of the input. Default: false (quantize() scans).
+  virtual bool checks_finite_itself() const { return false; }
 };
 
 /// Builds a quantizer from its spec string (e.g. "int4:g32", "fp8:e4m3", "bf16").

@@ -11,13 +11,18 @@
 namespace kvcache {
 namespace {
 
+/// Shortest decimal text that parses back to exactly `v` (so canonical specs round-trip).
 std::string format_number(double v) {
-  std::ostringstream os;
-  if (v == std::floor(v) && std::fabs(v) < 1e15) {
-    os << static_cast<long long>(v);
-  } else {
+  if (v == std::floor(v) && std::fabs(v) < 1e15) return std::to_string(static_cast<long long>(v));
+  for (int precision = 6; precision <= 17; ++precision) {
+    std::ostringstream os;
+    os.precision(precision);
     os << v;
+    if (std::strtod(os.str().c_str(), nullptr) == v) return os.str();
   }
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
   return os.str();
 }
 
@@ -41,8 +46,16 @@ std::string allowed_fields(const ParamTable& table) {
   return os.str();
 }
 
+/// Decimal numbers only ("64", "0.5", "-1", "1e3"); no hex, inf or nan, which strtod
+/// would otherwise accept.
 bool parse_number(const std::string& s, double* out) {
   if (s.empty()) return false;
+  for (char c : s) {
+    if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '+' || c == 'e' ||
+          c == 'E')) {
+      return false;
+    }
+  }
   char* end = nullptr;
   double v = std::strtod(s.c_str(), &end);
   if (end != s.c_str() + s.size() || !std::isfinite(v)) return false;

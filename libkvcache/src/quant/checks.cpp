@@ -1,0 +1,61 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "quant/checks.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "kvcache/error.h"
+
+namespace kvcache::quant {
+namespace {
+
+/// Index [b, h, t, d] of the first true element of the boolean `mask` (row-major order).
+std::vector<int64_t> first_index(const at::Tensor& mask) {
+  const at::Tensor idx = mask.nonzero();  // [n, dim] int64, row-major order
+  KV_INTERNAL_ASSERT(idx.size(0) > 0, "mask has no true element");
+  const at::Tensor row = idx[0].contiguous();
+  return std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+}
+
+std::string index_str(const std::vector<int64_t>& idx) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < idx.size(); ++i) os << (i ? ", " : "") << idx[i];
+  os << "]";
+  return os.str();
+}
+
+double value_at(const at::Tensor& x, const std::vector<int64_t>& idx) {
+  at::Tensor v = x;
+  for (int64_t i : idx) v = v.select(0, i);
+  return v.to(at::kDouble).item<double>();
+}
+
+}  // namespace
+
+std::string shape_str(at::IntArrayRef shape) { return index_str(shape.vec()); }
+
+void throw_first_nonfinite(const at::Tensor& x, const std::string& where) {
+  const auto idx = first_index(at::isfinite(x).logical_not());
+  const double v = value_at(x, idx);
+  const char* what = std::isnan(v) ? "NaN" : (v > 0 ? "+Inf" : "-Inf");
+  throw InvalidArgument(detail::str_cat(where, ": x contains ", what, " at [b, h, t, d] = ",
+                                        index_str(idx), " (expected finite values; shape ",
+                                        shape_str(x.sizes()), ")"));
+}
+
+void check_finite(const at::Tensor& x, const std::string& where) {
+  if (!at::isfinite(x).all().item<bool>()) throw_first_nonfinite(x, where);
+}
+
+void check_no_overflow(const at::Tensor& original, const at::Tensor& converted, const std::string& where,
+                       const std::string& type_name, const std::string& range_text) {
+  const at::Tensor inf = at::isinf(converted);
+  if (!inf.any().item<bool>()) return;
+  const auto idx = first_index(inf);
+  throw InvalidArgument(detail::str_cat(where, ": x = ", value_at(original, idx), " at [b, h, t, d] = ",
+                                        index_str(idx), " is outside ", type_name, "'s range ", range_text,
+                                        "; use a wider format (bf16 or fp32) or rescale the input"));
+}
+
+}  // namespace kvcache::quant

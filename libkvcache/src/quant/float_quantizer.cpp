@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "quant/float_quantizer.h"
+
+#include "kvcache/error.h"
+#include "quant/checks.h"
+
+namespace kvcache::quant {
+
+FloatCastQuantizer::FloatCastQuantizer(at::ScalarType storage, std::string name)
+    : storage_(storage), name_(std::move(name)) {
+  KV_INTERNAL_ASSERT(storage == at::kFloat || storage == at::kHalf || storage == at::kBFloat16, "bad storage dtype");
+}
+
+double FloatCastQuantizer::bits_per_value(int64_t /*head_dim*/) const {
+  return 8.0 * static_cast<double>(c10::elementSize(storage_));
+}
+
+QuantizedTensor FloatCastQuantizer::do_quantize(const at::Tensor& x) const {
+  QuantizedTensor q;
+  q.format = name_;
+  q.shape = x.sizes().vec();
+  q.dtype = x.scalar_type();
+  // Always a fresh contiguous tensor: a cache must not alias the caller's buffer.
+  q.codes = at::empty(x.sizes(), x.options().dtype(storage_));
+  q.codes.copy_(x);
+  if (storage_ != at::kFloat && storage_ != x.scalar_type()) {
+    const std::string where = "quantize(x) [" + name_ + "]";
+    if (storage_ == at::kHalf) {
+      check_no_overflow(x, q.codes, where, "fp16", "±65504");
+    } else {
+      check_no_overflow(x, q.codes, where, "bf16", "±3.39e38");
+    }
+  }
+  return q;
+}
+
+at::Tensor FloatCastQuantizer::do_dequantize(const QuantizedTensor& q) const {
+  KV_CHECK_ARG(q.codes.scalar_type() == storage_ && q.codes.sizes().vec() == q.shape,
+               "dequantize(q) [", name_, "]: q.codes must be ", c10::toString(storage_), " of shape ",
+               shape_str(q.shape), ", got ", q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
+  return q.codes.to(q.dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+}  // namespace kvcache::quant

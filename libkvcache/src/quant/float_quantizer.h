@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file float_quantizer.h (internal)
+/// fp32 / fp16 / bf16: the tensor is stored as a plain cast to the storage dtype.
+/// QuantizedTensor.codes holds the values in that dtype (4 or 2 bytes per value); no scales.
+/// fp16 rejects values outside ±65504 (they would become Inf); bf16 rejects values that
+/// round past ±3.39e38.
+
+#include "kvcache/quantizer.h"
+
+namespace kvcache::quant {
+
+class FloatCastQuantizer final : public Quantizer {
+ public:
+  /// `storage` ∈ {kFloat, kHalf, kBFloat16}; `name` is the spec head ("fp32", "fp16", "bf16").
+  FloatCastQuantizer(at::ScalarType storage, std::string name);
+
+  std::string spec() const override { return name_; }
+  double bits_per_value(int64_t head_dim) const override;
+
+ protected:
+  QuantizedTensor do_quantize(const at::Tensor& x) const override;
+  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+
+ private:
+  at::ScalarType storage_;
+  std::string name_;
+};
+
+}  // namespace kvcache::quant

@@ -1,0 +1,132 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "quant/fp8.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <limits>
+
+#include "kvcache/error.h"
+#include "quant/simd.h"
+
+namespace kvcache::quant {
+namespace {
+
+/// Branch-free encoder for a format with EXP exponent bits, MAN mantissa bits and
+/// largest finite code MAXCODE (0x7E for e4m3fn, whose 0x7F is NaN; 0x7B for e5m2,
+/// whose exponent 31 is Inf/NaN).
+template <int EXP, int MAN, int MAXCODE>
+KV_ALWAYS_INLINE uint32_t encode_one(float x) {
+  constexpr int kBias = (1 << (EXP - 1)) - 1;
+  constexpr int kShift = 23 - MAN;
+  // 2^(1 - bias): smallest normal; below it the value is a multiple of 2^(1 - bias - MAN).
+  constexpr float kMinNormal = 1.0f / static_cast<float>(1u << (kBias - 1));
+  constexpr float kSubScale = static_cast<float>(1u << (kBias - 1 + MAN));
+  const uint32_t u = float_bits(x);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t abs_bits = u & 0x7fffffffu;
+  float a;
+  std::memcpy(&a, &abs_bits, sizeof a);
+  // Normal: round the float32 mantissa to MAN bits, ties to even, then rebias the exponent.
+  const uint32_t rounded = abs_bits + ((1u << (kShift - 1)) - 1u) + ((abs_bits >> kShift) & 1u);
+  const int32_t normal = static_cast<int32_t>(rounded >> kShift) - ((127 - kBias) << MAN);
+  // Subnormal: an integer multiple of the smallest subnormal (2^MAN means the min normal,
+  // whose bit pattern is exactly that integer).
+  const int32_t sub = static_cast<int32_t>(rint_bits(a * kSubScale) & 0xffu);
+  int32_t code = a < kMinNormal ? sub : normal;
+  code = code > MAXCODE ? MAXCODE : code;  // saturate
+  return sign | static_cast<uint32_t>(code);
+}
+
+KV_ALWAYS_INLINE uint32_t encode_dispatch(float x, Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? encode_one<4, 3, 0x7E>(x) : encode_one<5, 2, 0x7B>(x);
+}
+
+template <int EXP, int MAN, int MAXCODE>
+KV_ALWAYS_INLINE uint32_t encode_range(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+  uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t i = b; i < e; ++i) {
+    const float v = x[i];
+    bad |= nonfinite_bit(v);
+    out[i] = static_cast<uint8_t>(encode_one<EXP, MAN, MAXCODE>(v / scale));
+  }
+  return bad;
+}
+
+KV_TARGET_CLONES uint32_t encode_e4m3(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+  return encode_range<4, 3, 0x7E>(x, b, e, scale, out);
+}
+KV_TARGET_CLONES uint32_t encode_e5m2(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+  return encode_range<5, 2, 0x7B>(x, b, e, scale, out);
+}
+
+float decode_slow(uint8_t code, Fp8Format f) {
+  const int exp_bits = f == Fp8Format::kE4M3 ? 4 : 5;
+  const int man_bits = 7 - exp_bits;
+  const int bias = (1 << (exp_bits - 1)) - 1;
+  const int sign = code >> 7;
+  const int e = (code >> man_bits) & ((1 << exp_bits) - 1);
+  const int m = code & ((1 << man_bits) - 1);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float v;
+  if (f == Fp8Format::kE4M3 && e == 15 && m == 7) {
+    v = nan;
+  } else if (f == Fp8Format::kE5M2 && e == 31) {
+    v = m == 0 ? std::numeric_limits<float>::infinity() : nan;
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);
+  } else {
+    v = std::ldexp(1.0f + static_cast<float>(m) / static_cast<float>(1 << man_bits), e - bias);
+  }
+  return sign ? -v : v;
+}
+
+using Lut = std::array<float, 256>;
+const Lut& lut(Fp8Format f) {
+  static const Lut e4m3 = [] {
+    Lut t{};
+    for (int c = 0; c < 256; ++c) t[c] = decode_slow(static_cast<uint8_t>(c), Fp8Format::kE4M3);
+    return t;
+  }();
+  static const Lut e5m2 = [] {
+    Lut t{};
+    for (int c = 0; c < 256; ++c) t[c] = decode_slow(static_cast<uint8_t>(c), Fp8Format::kE5M2);
+    return t;
+  }();
+  return f == Fp8Format::kE4M3 ? e4m3 : e5m2;
+}
+
+KV_TARGET_CLONES void decode_range(const uint8_t* codes, int64_t b, int64_t e, float scale, const float* table,
+                                   float* out) {
+  for (int64_t i = b; i < e; ++i) out[i] = table[codes[i]] * scale;
+}
+
+constexpr int64_t kGrain = int64_t{1} << 16;
+
+}  // namespace
+
+float fp8_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
+const char* fp8_name(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
+
+uint8_t fp8_encode(float x, Fp8Format f) { return static_cast<uint8_t>(encode_dispatch(x, f)); }
+float fp8_decode(uint8_t code, Fp8Format f) { return lut(f)[code]; }
+
+bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    const uint32_t r = f == Fp8Format::kE4M3 ? encode_e4m3(x, b, e, scale, out) : encode_e5m2(x, b, e, scale, out);
+    if (r != 0) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load();
+}
+
+void fp8_decode_array(const uint8_t* codes, int64_t n, float scale, Fp8Format f, float* out) {
+  const float* table = lut(f).data();
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) { decode_range(codes, b, e, scale, table, out); });
+}
+
+}  // namespace kvcache::quant

@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file fp8_quantizer.h (internal)
+/// fp8:e4m3 / fp8:e5m2 [:scaled]: one FP8 byte per value (codec in fp8.h), as vLLM's fp8
+/// KV cache (methods.md b.7). Unscaled: codes = fp8(x). Scaled: one per-tensor fp32 scale
+/// s = amax(|x|) / max_finite (448 or 57344; s = 1 if x == 0) held in QuantizedTensor.scales
+/// (shape [1]), codes = fp8(x / s), x̂ = decode(code) · s.
+/// codes: uint8 [B, H_kv, T, D], one byte per value, same order as x.
+
+#include "kvcache/quantizer.h"
+#include "quant/fp8.h"
+
+namespace kvcache::quant {
+
+class Fp8Quantizer final : public Quantizer {
+ public:
+  Fp8Quantizer(Fp8Format format, bool scaled) : format_(format), scaled_(scaled) {}
+
+  /// Always names the format: "fp8:e4m3", "fp8:e5m2:scaled".
+  std::string spec() const override;
+  double bits_per_value(int64_t /*head_dim*/) const override { return 8.0; }
+
+  Fp8Format format() const { return format_; }
+  bool scaled() const { return scaled_; }
+
+ protected:
+  bool checks_finite_itself() const override { return true; }
+  QuantizedTensor do_quantize(const at::Tensor& x) const override;
+  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+
+ private:
+  Fp8Format format_;
+  bool scaled_;
+};
+
+}  // namespace kvcache::quant

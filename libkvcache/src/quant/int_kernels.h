@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file int_kernels.h (internal)
+/// Fast kernels of the asymmetric min–max integer quantizers (int8/int4/int2): plain C++
+/// loops over contiguous float32 data, written to auto-vectorize (see int_kernels.cpp).
+/// The LibTorch-ops reference in reference.h defines the same results; tests compare both
+/// bit-exactly.
+///
+/// Per group of g values: mn = min, mx = max (float32), scale = (mx − mn) / (2^b − 1)
+/// (float32 division), stored scale s = meta(scale), stored zero z = meta(mn), where
+/// meta() rounds to the metadata type (fp16 by default, round-to-nearest-even; fp32 when
+/// the tensor's metadata does not fit fp16). Codes are computed from the STORED s and z:
+///   inv = (s == 0 ? 0 : 1 / s),  code = clamp(rint((x − z) · inv), 0, 2^b − 1)
+/// with rint = round-half-to-even. Reconstruction: x̂ = code · s + z (two roundings: no
+/// fused multiply-add, so the reference's separate mul and add match bit for bit).
+///
+/// Packing (b bits, k = 8 / b codes per byte, group of g codes c[0..g)):
+///   byte j (0 ≤ j < g/k) = Σ_{m<k} c[j + m·g/k] << (m·b)
+/// i.e. int4: byte j = c[j] | c[j + g/2] << 4; int2: byte j = c[j] | c[j+g/4] << 2 |
+/// c[j+g/2] << 4 | c[j+3g/4] << 6; int8: byte j = c[j]. Pairing element j with j + g/k
+/// (instead of adjacent elements) lets both quantize and dequantize vectorize as plain
+/// loops: each of the k code streams is a contiguous run of g/k values.
+///
+/// Layouts (N = B·H_kv):
+///   per-token  (GroupAxis::kPerToken):  x [N, T, D], groups of g along D.
+///     codes [N, T, D·b/8], group k of a token occupies bytes [k·g·b/8, (k+1)·g·b/8);
+///     scales/zeros [N, T, D/g].
+///   per-channel (GroupAxis::kPerChannel): x [N, T, D], groups of g consecutive tokens of
+///     one channel. A block is g tokens × D channels; codes [N, T·b/8, D]: block r
+///     occupies code rows [r·g·b/8, (r+1)·g·b/8), and within it row j, column d holds
+///     tokens r·g + j + m·g/k (m < k) of channel d; scales/zeros [N, T/g, D].
+
+#include <cstdint>
+
+namespace kvcache::quant {
+
+/// Element type of stored scales and zeros.
+enum class MetaType { kHalf, kFloat };
+
+/// What a quantize kernel found while reading its input.
+struct KernelStatus {
+  bool nonfinite = false;      ///< a NaN or ±Inf was read (results are garbage then)
+  bool meta_overflow = false;  ///< MetaType::kHalf only: a scale or zero rounded to ±Inf
+  bool scale_overflow = false; ///< (max − min) / (2^b − 1) is not finite in float32
+};
+
+/// Per-token: `ngroups` groups of `g` contiguous floats at `x`. Writes ngroups·g·bits/8
+/// bytes to `codes` and `ngroups` scales/zeros of type `meta` (c10::Half or float).
+/// Requires g % (8 / bits) == 0. Runs at::parallel_for over groups.
+KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64_t g,
+                                uint8_t* codes, void* scales, void* zeros, MetaType meta);
+void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, const void* zeros,
+                          MetaType meta, int64_t ngroups, int64_t g, float* out);
+
+/// Per-channel: `nblocks` blocks of `g` rows × `d` columns (row-major, contiguous) at
+/// `x`; groups run down each column of a block. Writes nblocks·g·bits/8·d code bytes
+/// and nblocks·d scales/zeros. Requires g % (8 / bits) == 0.
+KernelStatus quantize_per_channel(int bits, const float* x, int64_t nblocks, int64_t g, int64_t d,
+                                  uint8_t* codes, void* scales, void* zeros, MetaType meta);
+void dequantize_per_channel(int bits, const uint8_t* codes, const void* scales, const void* zeros,
+                            MetaType meta, int64_t nblocks, int64_t g, int64_t d, float* out);
+
+}  // namespace kvcache::quant

@@ -1,0 +1,120 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "quant/int_quantizer.h"
+
+#include "kvcache/error.h"
+#include "quant/checks.h"
+#include "quant/int_kernels.h"
+
+namespace kvcache::quant {
+
+IntQuantizer::IntQuantizer(int bits, int64_t group, GroupAxis axis) : bits_(bits), group_(group), axis_(axis) {
+  KV_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, "int quantizer: bits must be 2, 4 or 8, got ", bits);
+  KV_CHECK_ARG(group >= 0, "int", bits, ": group size g must be >= 0, got ", group);
+  const int per_byte = 8 / bits;
+  KV_CHECK_ARG(group % per_byte == 0, "int", bits, ":g", group, ": group size must be a multiple of ",
+               per_byte, " (", per_byte, " codes are packed per byte within a group)");
+  KV_CHECK_ARG(axis == GroupAxis::kPerToken || group > 0, "int", bits,
+               ":chan needs an explicit group size of tokens, e.g. 'int", bits, ":g32:chan'");
+}
+
+std::string IntQuantizer::spec() const {
+  std::string s = "int" + std::to_string(bits_);
+  if (group_ != 0) s += ":g" + std::to_string(group_);
+  if (axis_ == GroupAxis::kPerChannel) s += ":chan";
+  return s;
+}
+
+int64_t IntQuantizer::group_for(int64_t head_dim) const { return group_ == 0 ? head_dim : group_; }
+
+double IntQuantizer::bits_per_value(int64_t head_dim) const {
+  KV_CHECK_ARG(head_dim > 0, "bits_per_value(head_dim) [", spec(), "]: head_dim must be > 0, got ", head_dim);
+  // One fp16 scale + one fp16 zero (32 bits) per group.
+  return bits_ + 32.0 / static_cast<double>(group_for(head_dim));
+}
+
+void IntQuantizer::check_input(const at::Tensor& x) const {
+  const std::string where = "quantize(x) [" + spec() + "]";
+  const int64_t t = x.size(2);
+  const int64_t d = x.size(3);
+  const int64_t g = group_for(d);
+  if (axis_ == GroupAxis::kPerToken) {
+    KV_CHECK_ARG(g > 0 && d % g == 0, where, ": head_dim D = ", d, " of x ", shape_str(x.sizes()),
+                 " is not divisible by the group size g = ", g);
+    KV_CHECK_ARG(g % (8 / bits_) == 0, where, ": group size g = head_dim = ", g, " must be a multiple of ",
+                 8 / bits_, " for ", bits_, "-bit packing");
+  } else {
+    KV_CHECK_ARG(t % g == 0, where, ": seq_len T = ", t, " of x ", shape_str(x.sizes()),
+                 " is not divisible by the per-channel group size g = ", g, " tokens");
+  }
+}
+
+QuantizedTensor IntQuantizer::do_quantize(const at::Tensor& x) const {
+  const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  const int64_t g = group_for(d);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  QuantizedTensor q;
+  q.format = spec();
+  q.shape = x.sizes().vec();
+  q.dtype = x.scalar_type();
+  const auto u8 = x.options().dtype(at::kByte);
+  const bool per_token = axis_ == GroupAxis::kPerToken;
+  const std::vector<int64_t> code_shape =
+      per_token ? std::vector<int64_t>{b, h, t, d * bits_ / 8} : std::vector<int64_t>{b, h, t * bits_ / 8, d};
+  const std::vector<int64_t> meta_shape =
+      per_token ? std::vector<int64_t>{b, h, t, d / g} : std::vector<int64_t>{b, h, t / g, d};
+  q.codes = at::empty(code_shape, u8);
+
+  auto run = [&](MetaType mt) {
+    const auto meta_opts = x.options().dtype(mt == MetaType::kHalf ? at::kHalf : at::kFloat);
+    q.scales = at::empty(meta_shape, meta_opts);
+    q.zeros = at::empty(meta_shape, meta_opts);
+    if (x.numel() == 0) return KernelStatus{};
+    if (per_token) {
+      return quantize_per_token(bits_, xf.data_ptr<float>(), xf.numel() / g, g, q.codes.data_ptr<uint8_t>(),
+                                q.scales.data_ptr(), q.zeros.data_ptr(), mt);
+    }
+    return quantize_per_channel(bits_, xf.data_ptr<float>(), b * h * (t / g), g, d, q.codes.data_ptr<uint8_t>(),
+                                q.scales.data_ptr(), q.zeros.data_ptr(), mt);
+  };
+  KernelStatus st = run(MetaType::kHalf);
+  const std::string where = "quantize(x) [" + spec() + "]";
+  if (st.nonfinite) throw_first_nonfinite(x, where);
+  if (st.meta_overflow) st = run(MetaType::kFloat);  // rare: keep metadata in fp32
+  KV_CHECK_ARG(!st.scale_overflow, where, ": a group's range (max - min) of x exceeds float32 (|x| up to ",
+               xf.abs().max().item<float>(), "); such input cannot be quantized");
+  return q;
+}
+
+at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
+  const int64_t b = q.shape[0], h = q.shape[1], t = q.shape[2], d = q.shape[3];
+  const int64_t g = group_for(d);
+  const bool per_token = axis_ == GroupAxis::kPerToken;
+  const std::string where = "dequantize(q) [" + spec() + "]";
+  const std::vector<int64_t> code_shape =
+      per_token ? std::vector<int64_t>{b, h, t, d * bits_ / 8} : std::vector<int64_t>{b, h, t * bits_ / 8, d};
+  const std::vector<int64_t> meta_shape =
+      per_token ? std::vector<int64_t>{b, h, t, d / g} : std::vector<int64_t>{b, h, t / g, d};
+  KV_CHECK_ARG(q.codes.scalar_type() == at::kByte && q.codes.sizes().vec() == code_shape &&
+                   q.codes.is_contiguous(),
+               where, ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
+               q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
+  KV_CHECK_ARG(q.scales.defined() && q.zeros.defined() && q.scales.sizes().vec() == meta_shape &&
+                   q.zeros.sizes().vec() == meta_shape && q.scales.scalar_type() == q.zeros.scalar_type() &&
+                   (q.scales.scalar_type() == at::kHalf || q.scales.scalar_type() == at::kFloat) &&
+                   q.scales.is_contiguous() && q.zeros.is_contiguous(),
+               where, ": q.scales and q.zeros must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape));
+  const MetaType mt = q.scales.scalar_type() == at::kHalf ? MetaType::kHalf : MetaType::kFloat;
+  at::Tensor out = at::empty(q.shape, q.codes.options().dtype(at::kFloat));
+  if (out.numel() > 0) {
+    if (per_token) {
+      dequantize_per_token(bits_, q.codes.data_ptr<uint8_t>(), q.scales.data_ptr(), q.zeros.data_ptr(), mt,
+                           out.numel() / g, g, out.data_ptr<float>());
+    } else {
+      dequantize_per_channel(bits_, q.codes.data_ptr<uint8_t>(), q.scales.data_ptr(), q.zeros.data_ptr(), mt,
+                             b * h * (t / g), g, d, out.data_ptr<float>());
+    }
+  }
+  return q.dtype == at::kFloat ? out : out.to(q.dtype);
+}
+
+}  // namespace kvcache::quant

@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: Apache-2.0
+// Quantizer base class (validation, then the protected virtuals), QuantizedTensor
+// accounting and reconstruction error.
+#include "kvcache/quantizer.h"
+
+#include <cmath>
+#include <limits>
+
+#include "kvcache/error.h"
+#include "quant/checks.h"
+
+namespace kvcache {
+namespace {
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+bool is_float_input(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace
+
+int64_t QuantizedTensor::nbytes() const {
+  int64_t n = tensor_bytes(codes) + tensor_bytes(scales) + tensor_bytes(zeros);
+  for (const auto& kv : side) n += tensor_bytes(kv.second);
+  return n;
+}
+
+int64_t QuantizedTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+QuantizedTensor Quantizer::quantize(const at::Tensor& x) const {
+  const std::string where = "quantize(x) [" + spec() + "]";
+  KV_CHECK_ARG(x.defined(), where, ": x is an undefined tensor (expected [B, H_kv, T, D])");
+  KV_CHECK_ARG(x.dim() == 4, where, ": x must be 4-D [B, H_kv, T, D], got ", x.dim(), "-D shape ",
+               quant::shape_str(x.sizes()));
+  KV_CHECK_ARG(is_float_input(x.scalar_type()), where, ": x has dtype ", x.scalar_type(),
+               ", expected float32, float16 or bfloat16");
+  KV_CHECK_ARG(x.device().is_cpu(), where, ": x is on ", x.device(), ", expected a CPU tensor");
+  check_input(x);
+  if (!checks_finite_itself()) quant::check_finite(x, where);
+  QuantizedTensor q = do_quantize(x);
+  KV_INTERNAL_ASSERT(q.format == spec(), "quantizer ", spec(), " produced format ", q.format);
+  return q;
+}
+
+at::Tensor Quantizer::dequantize(const QuantizedTensor& q) const {
+  const std::string me = spec();
+  KV_CHECK_ARG(q.format == me, "dequantize(q) [", me, "]: q.format is '", q.format,
+               "', expected '", me, "' (decode a tensor with the quantizer that produced it)");
+  KV_CHECK_ARG(q.shape.size() == 4, "dequantize(q) [", me, "]: q.shape must have 4 entries, got ",
+               q.shape.size());
+  KV_CHECK_ARG(q.codes.defined(), "dequantize(q) [", me, "]: q.codes is undefined");
+  return do_dequantize(q);
+}
+
+ReconstructionError reconstruction_error(const at::Tensor& x, const at::Tensor& x_hat) {
+  KV_CHECK_ARG(x.defined() && x_hat.defined(), "reconstruction_error(x, x_hat): undefined tensor");
+  KV_CHECK_ARG(x.sizes() == x_hat.sizes(), "reconstruction_error(x, x_hat): shapes differ: x ",
+               quant::shape_str(x.sizes()), " vs x_hat ", quant::shape_str(x_hat.sizes()));
+  ReconstructionError e;
+  if (x.numel() == 0) return e;
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor diff = xf - x_hat.to(at::kFloat);
+  const double num = at::linalg_vector_norm(diff, 2, c10::nullopt, false, at::kDouble).item<double>();
+  const double den = at::linalg_vector_norm(xf, 2, c10::nullopt, false, at::kDouble).item<double>();
+  e.max_abs = diff.abs().max().to(at::kDouble).item<double>();
+  if (den > 0) {
+    e.rel_fro = num / den;
+  } else {
+    e.rel_fro = num == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+  }
+  return e;
+}
+
+ReconstructionError reconstruction_error(const Quantizer& q, const at::Tensor& x) {
+  return reconstruction_error(x, q.dequantize(q.quantize(x)));
+}
+
+}  // namespace kvcache

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// LibTorch-ops reference of the integer quantizers (see reference.h). Written for
+// clarity: each step is one tensor op, in the order int_kernels.h specifies.
+#include "quant/reference.h"
+
+#include "kvcache/error.h"
+
+namespace kvcache::quant::ref {
+namespace {
+
+/// View x [B, H, T, D] so that groups run along dim `gdim` of the returned view:
+/// per-token [B, H, T, D/g, g] (gdim 4), per-channel [B, H, T/g, g, D] (gdim 3).
+at::Tensor grouped(const at::Tensor& x, int64_t g, GroupAxis axis, int64_t* gdim) {
+  const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  if (axis == GroupAxis::kPerToken) {
+    *gdim = 4;
+    return x.reshape({b, h, t, d / g, g});
+  }
+  *gdim = 3;
+  return x.reshape({b, h, t / g, g, d});
+}
+
+}  // namespace
+
+IntRefResult quantize_int(const at::Tensor& x, int bits, int64_t g, GroupAxis axis) {
+  KV_INTERNAL_ASSERT(x.dim() == 4 && g > 0, "reference quantize_int: bad input");
+  const double levels = static_cast<double>((1 << bits) - 1);
+  int64_t gdim = 0;
+  const at::Tensor xg = grouped(x.to(at::kFloat), g, axis, &gdim);
+  const at::Tensor mn = xg.amin(gdim, /*keepdim=*/true);
+  const at::Tensor mx = xg.amax(gdim, /*keepdim=*/true);
+  const at::Tensor scale32 = (mx - mn) / levels;  // float32 division
+  at::Tensor s = scale32.to(at::kHalf);
+  at::Tensor z = mn.to(at::kHalf);
+  if (!(at::isfinite(s).all().item<bool>() && at::isfinite(z).all().item<bool>())) {
+    s = scale32;  // metadata outside fp16's range: keep it in fp32
+    z = mn;
+  }
+  const at::Tensor sf = s.to(at::kFloat);
+  const at::Tensor zf = z.to(at::kFloat);
+  const at::Tensor inv = at::where(sf == 0, at::zeros_like(sf), at::reciprocal(sf));
+  const at::Tensor codes_g = ((xg - zf) * inv).round().clamp(0, levels).to(at::kByte);
+
+  IntRefResult r;
+  r.codes = codes_g.reshape(x.sizes());
+  r.packed = pack_codes(r.codes, bits, g, axis);
+  r.scales = s.squeeze(gdim).contiguous();
+  r.zeros = z.squeeze(gdim).contiguous();
+  return r;
+}
+
+at::Tensor pack_codes(const at::Tensor& codes, int bits, int64_t g, GroupAxis axis) {
+  const int64_t k = 8 / bits;  // codes per byte
+  const int64_t b = codes.size(0), h = codes.size(1), t = codes.size(2), d = codes.size(3);
+  at::Tensor c = codes.to(at::kInt);
+  at::Tensor streams;  // [..., k, g/k, ...]: stream m holds group elements [m·g/k, (m+1)·g/k)
+  int64_t mdim = 0;
+  if (axis == GroupAxis::kPerToken) {
+    streams = c.reshape({b, h, t, d / g, k, g / k});
+    mdim = 4;
+  } else {
+    streams = c.reshape({b, h, t / g, k, g / k, d});
+    mdim = 3;
+  }
+  at::Tensor packed = at::zeros_like(streams.select(mdim, 0));
+  for (int64_t m = 0; m < k; ++m) packed = packed.bitwise_or(streams.select(mdim, m).bitwise_left_shift(m * bits));
+  packed = packed.to(at::kByte);
+  return axis == GroupAxis::kPerToken ? packed.reshape({b, h, t, d * bits / 8}) : packed.reshape({b, h, t * bits / 8, d});
+}
+
+at::Tensor unpack_codes(const at::Tensor& packed, int bits, int64_t g, GroupAxis axis, at::IntArrayRef shape) {
+  const int64_t k = 8 / bits;
+  const int64_t b = shape[0], h = shape[1], t = shape[2], d = shape[3];
+  const at::Tensor p = packed.to(at::kInt);
+  std::vector<at::Tensor> streams;
+  for (int64_t m = 0; m < k; ++m) streams.push_back(p.bitwise_right_shift(m * bits).bitwise_and((1 << bits) - 1));
+  if (axis == GroupAxis::kPerToken) {
+    // packed [B, H, T, D/g · g/k] → per stream [B, H, T, D/g, g/k]; stack at dim 4.
+    for (auto& s : streams) s = s.reshape({b, h, t, d / g, g / k});
+    return at::stack(streams, 4).reshape(shape).to(at::kByte);
+  }
+  for (auto& s : streams) s = s.reshape({b, h, t / g, g / k, d});
+  return at::stack(streams, 3).reshape(shape).to(at::kByte);
+}
+
+at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t g,
+                          GroupAxis axis) {
+  int64_t gdim = 0;
+  const at::Tensor cg = grouped(codes.to(at::kFloat), g, axis, &gdim);
+  const at::Tensor s = scales.to(at::kFloat).unsqueeze(gdim);
+  const at::Tensor z = zeros.to(at::kFloat).unsqueeze(gdim);
+  return (cg * s + z).reshape(codes.sizes());
+}
+
+}  // namespace kvcache::quant::ref

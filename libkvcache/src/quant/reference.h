@@ -1,0 +1,35 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file reference.h (internal)
+/// Plain LibTorch-ops reference of the integer quantizers (the `*_ref` of ggml): the
+/// definition the fast kernels (int_kernels.h) are tested against bit for bit, and the
+/// baseline bench_quant measures them against. Not used on any production path.
+
+#include <ATen/ATen.h>
+
+#include "kvcache/types.h"
+
+namespace kvcache::quant::ref {
+
+/// Unpacked result of the reference quantizer.
+struct IntRefResult {
+  at::Tensor codes;   ///< uint8, one code per value, shape of x
+  at::Tensor packed;  ///< uint8, packed exactly as IntQuantizer stores QuantizedTensor::codes
+  at::Tensor scales;  ///< fp16 (fp32 if some fp16 scale/zero would be ±Inf), layout of IntQuantizer
+  at::Tensor zeros;   ///< same dtype/shape as scales
+};
+
+/// Quantizes x [B, H, T, D] (any float dtype) with `bits` ∈ {2, 4, 8}, group g (> 0,
+/// dividing D for kPerToken or T for kPerChannel), as IntQuantizer does. Assumes finite x.
+IntRefResult quantize_int(const at::Tensor& x, int bits, int64_t g, GroupAxis axis);
+
+/// Packs per-value codes (uint8, shape [B, H, T, D]) into IntQuantizer's byte layout.
+at::Tensor pack_codes(const at::Tensor& codes, int bits, int64_t g, GroupAxis axis);
+/// Inverse of pack_codes: `packed` → per-value codes of `shape` [B, H, T, D].
+at::Tensor unpack_codes(const at::Tensor& packed, int bits, int64_t g, GroupAxis axis, at::IntArrayRef shape);
+
+/// x̂ = code · scale + zero, float32 [B, H, T, D] (scales/zeros in IntQuantizer's layout).
+at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t g,
+                          GroupAxis axis);
+
+}  // namespace kvcache::quant::ref

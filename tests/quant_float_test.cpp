@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: Apache-2.0
+// fp32 / fp16 / bf16 storage quantizers.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "kvcache/error.h"
+#include "kvcache/quantizer.h"
+#include "quant_test_util.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(FloatQuantizers, Fp32IsIdentity) {
+  at::Tensor x = testing::outlier_kv({1, 2, 16, 64}, 1);
+  auto q = make_quantizer("fp32");
+  QuantizedTensor qt = q->quantize(x);
+  EXPECT_EQ(qt.codes.scalar_type(), at::kFloat);
+  EXPECT_EQ(qt.nbytes(), x.numel() * 4);
+  EXPECT_TRUE(at::equal(q->dequantize(qt), x));
+  EXPECT_NE(qt.codes.data_ptr(), x.data_ptr());
+}
+
+TEST(FloatQuantizers, Fp16AndBf16AreRoundToNearestEvenCasts) {
+  at::Tensor x = testing::outlier_kv({1, 2, 16, 64}, 2);
+  for (auto [spec, dtype] : {std::pair{"fp16", at::kHalf}, std::pair{"bf16", at::kBFloat16}}) {
+    auto q = make_quantizer(spec);
+    QuantizedTensor qt = q->quantize(x);
+    EXPECT_EQ(qt.codes.scalar_type(), dtype);
+    EXPECT_EQ(qt.nbytes(), x.numel() * 2);
+    EXPECT_TRUE(at::equal(q->dequantize(qt), x.to(dtype).to(at::kFloat))) << spec;
+  }
+  // 1 + 2^-11 is a tie between 1 and 1 + 2^-10 in fp16 → even (1).
+  at::Tensor t = at::tensor({1.0f + 0.00048828125f, 1.0f + 3 * 0.00048828125f}).reshape({1, 1, 1, 2});
+  at::Tensor y = make_quantizer("fp16")->dequantize(make_quantizer("fp16")->quantize(t));
+  EXPECT_EQ(y[0][0][0][0].item<float>(), 1.0f);
+  EXPECT_EQ(y[0][0][0][1].item<float>(), 1.0f + 2 * 0.0009765625f);
+}
+
+TEST(FloatQuantizers, Fp16RejectsValuesBeyondItsRange) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor x = at::zeros({1, 2, 4, 8}).to(dtype);
+    x[0][1][2][3] = -1e5;
+    try {
+      make_quantizer("fp16")->quantize(x);
+      FAIL() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("[0, 1, 2, 3]"));
+      EXPECT_THAT(e.what(), HasSubstr("fp16's range ±65504"));
+    }
+    // bf16 holds it.
+    EXPECT_NO_THROW(make_quantizer("bf16")->quantize(x));
+  }
+  EXPECT_NO_THROW(make_quantizer("fp16")->quantize(at::full({1, 1, 1, 2}, 65504.0f)));
+}
+
+TEST(FloatQuantizers, HalfInputToBf16AndBack) {
+  at::Tensor x = testing::randn_kv({1, 2, 8, 64}, 3).to(at::kHalf);
+  auto q = make_quantizer("bf16");
+  at::Tensor y = q->dequantize(q->quantize(x));
+  EXPECT_EQ(y.scalar_type(), at::kHalf);
+  EXPECT_TRUE(at::equal(y, x.to(at::kBFloat16).to(at::kHalf)));
+}
+
+}  // namespace
+}  // namespace kvcache

@@ -1,0 +1,199 @@
+// SPDX-License-Identifier: Apache-2.0
+// FP8 codec and quantizer: golden bytes, saturation, ties-to-even, vLLM worked numbers
+// (methods.md b.7), and an exhaustive comparison against nearest-value search.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "kvcache/error.h"
+#include "kvcache/quantizer.h"
+#include "quant/fp8.h"
+#include "quant_test_util.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+using quant::Fp8Format;
+
+at::Tensor row(std::vector<float> v) {
+  const auto n = static_cast<int64_t>(v.size());
+  return at::tensor(v).reshape({1, 1, 1, n});
+}
+
+std::vector<int> bytes_of(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().to(at::kInt);
+  return std::vector<int>(c.data_ptr<int>(), c.data_ptr<int>() + c.numel());
+}
+
+std::vector<float> floats_of(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().to(at::kFloat);
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+
+TEST(Fp8Golden, E4M3Bytes) {
+  QuantizedTensor qt = make_quantizer("fp8:e4m3")->quantize(row({1.0f, 2.0f, 3.5f, 0.25f}));
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x38, 0x40, 0x46, 0x28}));
+  EXPECT_FALSE(qt.scales.defined());
+  EXPECT_EQ(qt.nbytes(), 4);
+}
+
+TEST(Fp8Golden, E5M2Bytes) {
+  QuantizedTensor qt = make_quantizer("fp8:e5m2")->quantize(row({1.0f, 2.0f, 3.5f, 0.25f}));
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x3C, 0x40, 0x43, 0x34}));
+}
+
+TEST(Fp8Golden, NegativeZeroAndSubnormals) {
+  using quant::fp8_encode;
+  EXPECT_EQ(fp8_encode(-0.0f, Fp8Format::kE4M3), 0x80);
+  EXPECT_EQ(fp8_encode(-1.0f, Fp8Format::kE4M3), 0xB8);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -9), Fp8Format::kE4M3), 0x01);   // min subnormal
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -6), Fp8Format::kE4M3), 0x08);   // min normal
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -16), Fp8Format::kE5M2), 0x01);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -14), Fp8Format::kE5M2), 0x04);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -11), Fp8Format::kE4M3), 0x00);  // below half the min subnormal
+}
+
+TEST(Fp8Saturation, E4M3ClampsTo448) {
+  auto q = make_quantizer("fp8:e4m3");
+  at::Tensor y = q->dequantize(q->quantize(row({449.0f, 1000.0f, -1000.0f, 1e6f})));
+  EXPECT_EQ(floats_of(y), (std::vector<float>{448.0f, 448.0f, -448.0f, 448.0f}));
+  EXPECT_EQ(quant::fp8_encode(464.0f, Fp8Format::kE4M3), 0x7E);  // would round to 480: saturate, not NaN
+  EXPECT_EQ(quant::fp8_encode(3.0e38f, Fp8Format::kE4M3), 0x7E);
+}
+
+TEST(Fp8Saturation, E5M2ClampsTo57344) {
+  auto q = make_quantizer("fp8:e5m2");
+  at::Tensor y = q->dequantize(q->quantize(row({60000.0f, 1e6f, -1e9f, 57344.0f})));
+  EXPECT_EQ(floats_of(y), (std::vector<float>{57344.0f, 57344.0f, -57344.0f, 57344.0f}));
+  EXPECT_EQ(quant::fp8_encode(3.0e38f, Fp8Format::kE5M2), 0x7B);
+}
+
+TEST(Fp8Saturation, FiniteInputNeverGivesNaNOrInf) {
+  at::Tensor x = testing::randn_kv({1, 2, 64, 64}, 3) * 1e30;
+  for (const char* spec : {"fp8:e4m3", "fp8:e5m2", "fp8:e4m3:scaled", "fp8:e5m2:scaled"}) {
+    auto q = make_quantizer(spec);
+    EXPECT_TRUE(at::isfinite(q->dequantize(q->quantize(x))).all().item<bool>()) << spec;
+  }
+}
+
+TEST(Fp8Rounding, TiesToEven) {
+  using quant::fp8_decode;
+  using quant::fp8_encode;
+  auto rt = [](float v, Fp8Format f) { return fp8_decode(fp8_encode(v, f), f); };
+  // e4m3 in [1, 2): step 1/8.
+  EXPECT_EQ(rt(1.0625f, Fp8Format::kE4M3), 1.0f);    // tie → even mantissa 000
+  EXPECT_EQ(rt(1.1875f, Fp8Format::kE4M3), 1.25f);   // tie → even mantissa 010
+  EXPECT_EQ(rt(1.0626f, Fp8Format::kE4M3), 1.125f);
+  // e5m2 in [1, 2): step 1/4.
+  EXPECT_EQ(rt(1.125f, Fp8Format::kE5M2), 1.0f);
+  EXPECT_EQ(rt(1.375f, Fp8Format::kE5M2), 1.5f);
+  // Subnormal ties (e4m3 step 2^-9).
+  EXPECT_EQ(rt(std::ldexp(0.5f, -9), Fp8Format::kE4M3), 0.0f);
+  EXPECT_EQ(rt(std::ldexp(1.5f, -9), Fp8Format::kE4M3), std::ldexp(2.0f, -9));
+  EXPECT_EQ(rt(std::ldexp(2.5f, -9), Fp8Format::kE4M3), std::ldexp(2.0f, -9));
+  // Tie between the largest subnormal (7·2^-9) and the min normal (8·2^-9) → even (normal).
+  EXPECT_EQ(rt(std::ldexp(7.5f, -9), Fp8Format::kE4M3), std::ldexp(1.0f, -6));
+}
+
+// methods.md b.7: vLLM worked example, amax |K| = 12 → k_scale 0.06 (x/s computed in float).
+TEST(Fp8WorkedVllm, ScaledValues) {
+  using quant::fp8_decode;
+  using quant::fp8_encode;
+  const float s = 0.06f;
+  auto rt = [&](float x, Fp8Format f) { return fp8_decode(fp8_encode(x / s, f), f); };
+  EXPECT_EQ(rt(0.318f, Fp8Format::kE4M3), 5.5f);
+  EXPECT_EQ(rt(0.318f, Fp8Format::kE5M2), 5.0f);
+  EXPECT_EQ(rt(1.1f, Fp8Format::kE4M3), 18.0f);
+  EXPECT_EQ(rt(1.1f, Fp8Format::kE5M2), 20.0f);
+  EXPECT_EQ(rt(11.9f, Fp8Format::kE4M3), 192.0f);
+  EXPECT_EQ(rt(11.9f, Fp8Format::kE5M2), 192.0f);
+  EXPECT_NEAR(rt(0.318f, Fp8Format::kE4M3) * s, 0.330, 1e-6);
+  EXPECT_NEAR(rt(1.1f, Fp8Format::kE5M2) * s, 1.20, 1e-6);
+  EXPECT_NEAR(rt(11.9f, Fp8Format::kE4M3) * s, 11.52, 1e-5);
+}
+
+TEST(Fp8Scaled, PerTensorScaleIsAmaxOver448) {
+  auto q = make_quantizer("fp8:e4m3:scaled");
+  at::Tensor x = row({0.318f, 1.1f, 11.9f, -12.0f});
+  QuantizedTensor qt = q->quantize(x);
+  ASSERT_TRUE(qt.scales.defined());
+  EXPECT_EQ(qt.scales.scalar_type(), at::kFloat);
+  EXPECT_EQ(qt.scales.numel(), 1);
+  EXPECT_EQ(qt.scales.item<float>(), 12.0f / 448.0f);
+  EXPECT_EQ(qt.nbytes(), 4 + 4);
+  at::Tensor y = q->dequantize(qt);
+  EXPECT_EQ(bytes_of(qt.codes)[3], 0xFE);  // -amax → -448
+  EXPECT_NEAR(floats_of(y)[3], -12.0f, 1e-5);
+  EXPECT_LE(reconstruction_error(x, y).rel_fro, 0.0625);
+  // e5m2: amax / 57344.
+  EXPECT_EQ(make_quantizer("fp8:e5m2:scaled")->quantize(x).scales.item<float>(), 12.0f / 57344.0f);
+}
+
+TEST(Fp8Scaled, ScalingHelpsSmallValues) {
+  at::Tensor x = testing::randn_kv({1, 2, 32, 64}, 4) * 1e-4;  // mostly below e4m3's normal range
+  const double unscaled = reconstruction_error(*make_quantizer("fp8:e4m3"), x).rel_fro;
+  const double scaled = reconstruction_error(*make_quantizer("fp8:e4m3:scaled"), x).rel_fro;
+  EXPECT_GT(unscaled, 0.5);
+  EXPECT_LT(scaled, 0.05);
+}
+
+TEST(Fp8Format, DecodingAsOtherFormatIsAnError) {
+  at::Tensor x = row({1.0f, 2.0f, 3.5f, 0.25f});
+  QuantizedTensor qt = make_quantizer("fp8:e4m3")->quantize(x);
+  EXPECT_EQ(qt.format, "fp8:e4m3");
+  try {
+    make_quantizer("fp8:e5m2")->dequantize(qt);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("q.format is 'fp8:e4m3', expected 'fp8:e5m2'"));
+  }
+  EXPECT_THROW(make_quantizer("fp8:e4m3:scaled")->dequantize(qt), InvalidArgument);
+}
+
+/// Nearest representable value by exhaustive search, ties to the even code, saturating.
+uint8_t nearest_code(float x, Fp8Format f) {
+  const float maxv = quant::fp8_max(f);
+  const float ax = std::min(std::fabs(x), maxv);
+  int best = -1;
+  double best_err = 0;
+  for (int c = 0; c < 128; ++c) {
+    const float v = quant::fp8_decode(static_cast<uint8_t>(c), f);
+    if (!std::isfinite(v)) continue;
+    const double err = std::fabs(static_cast<double>(v) - ax);
+    if (best < 0 || err < best_err || (err == best_err && (c % 2 == 0))) {
+      best = c;
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
+}
+
+TEST(Fp8Exhaustive, EncoderMatchesNearestValueSearch) {
+  for (auto f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    // Every code round-trips; every midpoint between neighbours and random values agree
+    // with the search.
+    for (int c = 0; c < 256; ++c) {
+      const float v = quant::fp8_decode(static_cast<uint8_t>(c), f);
+      if (!std::isfinite(v)) continue;
+      EXPECT_EQ(quant::fp8_encode(v, f), c) << quant::fp8_name(f) << " code " << c;
+      const float next = quant::fp8_decode(static_cast<uint8_t>(c + 1), f);
+      if ((c & 0x7f) < 0x7f && std::isfinite(next)) {
+        const float mid = (v + next) / 2;
+        EXPECT_EQ(quant::fp8_encode(mid, f), nearest_code(mid, f)) << quant::fp8_name(f) << " mid " << mid;
+      }
+    }
+    at::Tensor r = testing::randn_kv({1, 1, 64, 256}, 5) * at::exp(testing::randn_kv({1, 1, 64, 256}, 6) * 6);
+    std::vector<float> vals = floats_of(r);
+    std::vector<uint8_t> fast(vals.size());
+    ASSERT_FALSE(quant::fp8_encode_array(vals.data(), static_cast<int64_t>(vals.size()), 1.0f, f, fast.data()));
+    for (size_t i = 0; i < vals.size(); ++i) {
+      ASSERT_EQ(fast[i], nearest_code(vals[i], f)) << quant::fp8_name(f) << " x = " << vals[i];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcache

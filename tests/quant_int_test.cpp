@@ -1,0 +1,313 @@
+// SPDX-License-Identifier: Apache-2.0
+// Integer quantizers: hand-checked cases (methods.md b.1, b.2), packing golden vectors,
+// degenerate input, fp16-range metadata, and fast-path vs LibTorch-ops reference parity.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <c10/util/Half.h>
+
+#include <cmath>
+
+#include "kvcache/error.h"
+#include "kvcache/quantizer.h"
+#include "quant/reference.h"
+#include "quant_test_util.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+
+at::Tensor row(std::vector<float> v) {
+  const auto n = static_cast<int64_t>(v.size());
+  return at::tensor(v).reshape({1, 1, 1, n});
+}
+
+std::vector<int> bytes_of(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().to(at::kInt);
+  return std::vector<int>(c.data_ptr<int>(), c.data_ptr<int>() + c.numel());
+}
+
+std::vector<float> floats_of(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().to(at::kFloat);
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+
+const std::vector<float> kWorked = {0.10f, -0.50f, 0.32f, 1.20f, -0.05f, 0.77f, -0.31f, 0.48f};
+
+// methods.md b.1: int4, g = 8.
+TEST(IntQuantizerExact, Int4WorkedExampleCodesAndFp16Reconstruction) {
+  auto q = make_quantizer("int4:g8");
+  QuantizedTensor qt = q->quantize(row(kWorked));
+  const auto codes = quant::ref::unpack_codes(qt.codes, 4, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
+  EXPECT_EQ(bytes_of(codes), (std::vector<int>{5, 0, 7, 15, 4, 11, 2, 9}));
+  // Golden packing: byte j = c[j] | c[j + 4] << 4.
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x45, 0xB0, 0x27, 0x9F}));
+  ASSERT_EQ(qt.scales.scalar_type(), at::kHalf);
+  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{0.11334228515625f}));
+  EXPECT_EQ(floats_of(qt.zeros), (std::vector<float>{-0.5f}));
+  const std::vector<float> expect = {0.06671f, -0.5f, 0.29340f, 1.20013f, -0.04663f, 0.74677f, -0.27332f, 0.52008f};
+  const auto got = floats_of(q->dequantize(qt));
+  for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-5) << i;
+  EXPECT_FLOAT_EQ(got[0], 5 * 0.11334228515625f - 0.5f);
+  EXPECT_EQ(qt.nbytes(), 4 + 2 + 2);
+}
+
+// methods.md b.1: int2, g = 8.
+TEST(IntQuantizerExact, Int2WorkedExample) {
+  auto q = make_quantizer("int2:g8");
+  QuantizedTensor qt = q->quantize(row(kWorked));
+  const auto codes = quant::ref::unpack_codes(qt.codes, 2, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
+  EXPECT_EQ(bytes_of(codes), (std::vector<int>{1, 0, 1, 3, 1, 2, 0, 2}));
+  // Golden packing: byte j = c[j] | c[j+2] << 2 | c[j+4] << 4 | c[j+6] << 6.
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x15, 0xAC}));
+  const std::vector<float> expect = {0.0667f, -0.5f, 0.0667f, 1.2f, 0.0667f, 0.6333f, -0.5f, 0.6333f};
+  const auto got = floats_of(q->dequantize(qt));
+  for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-3) << i;
+}
+
+TEST(IntQuantizerExact, Int8WorkedExampleIsWithinHalfAStep) {
+  // s = fp16(1.7 / 255) = 0.00666809082; (x + 0.5) / s = [89.98, 0, 122.97, 254.95, 67.49, ...].
+  auto q = make_quantizer("int8:g8");
+  QuantizedTensor qt = q->quantize(row(kWorked));
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{90, 0, 123, 255, 67, 190, 28, 147}));
+  const auto got = floats_of(q->dequantize(qt));
+  const float s = floats_of(qt.scales)[0];
+  for (size_t i = 0; i < kWorked.size(); ++i) EXPECT_LE(std::fabs(got[i] - kWorked[i]), s / 2 + 1e-6f) << i;
+}
+
+// methods.md b.2: KIVI per-channel key example, 2 channels × 4 tokens, b = 2.
+TEST(IntQuantizerExact, PerChannelInt2HalfRoundsToEven) {
+  auto q = make_quantizer("int2:g4:chan");
+  EXPECT_EQ(q->group_axis(), GroupAxis::kPerChannel);
+  at::Tensor k = at::tensor({1.0f, -3.0f, 2.0f, 9.0f, 0.5f, -1.0f, 1.5f, 5.0f}).reshape({1, 1, 4, 2});
+  QuantizedTensor qt = q->quantize(k);
+  EXPECT_EQ(qt.codes.sizes(), (std::vector<int64_t>{1, 1, 1, 2}));
+  EXPECT_EQ(qt.scales.sizes(), (std::vector<int64_t>{1, 1, 1, 2}));
+  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{0.5f, 4.0f}));
+  EXPECT_EQ(floats_of(qt.zeros), (std::vector<float>{0.5f, -3.0f}));
+  const auto codes = quant::ref::unpack_codes(qt.codes, 2, 4, GroupAxis::kPerChannel, {1, 1, 4, 2});
+  // rows = tokens: channel 0 q [1, 3, 0, 2]; channel 1 (x-mn)/s = [0, 3, 0.5, 2] → [0, 3, 0, 2].
+  EXPECT_EQ(bytes_of(codes), (std::vector<int>{1, 0, 3, 3, 0, 0, 2, 2}));
+  // Golden packing: column d holds tokens 0..3 at bits 0,2,4,6: [1,3,0,2] → 0x8D (KIVI's word 141).
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x8D, 0x8C}));
+  EXPECT_EQ(floats_of(q->dequantize(qt)), (std::vector<float>{1.0f, -3.0f, 2.0f, 9.0f, 0.5f, -3.0f, 1.5f, 5.0f}));
+}
+
+TEST(IntQuantizerExact, PerChannelLayoutPairsTokenJWithJPlusHalfGroup) {
+  // int4:g4:chan on 8 tokens × 1 channel with codes 0..15 known: tokens t, t+2 share a byte.
+  at::Tensor k = at::tensor({0.0f, 15.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 15.0f}).reshape({1, 1, 8, 1});
+  QuantizedTensor qt = make_quantizer("int4:g4:chan")->quantize(k);
+  EXPECT_EQ(qt.codes.sizes(), (std::vector<int64_t>{1, 1, 4, 1}));
+  // block 0: tokens 0..3 codes [0, 15, 1, 2]; block 1: min 3, s = fp16(0.8) = 0.7998 →
+  // (x - 3)/s = [0, 1.0002, 2.5006, 15.002] → [0, 1, 3, 15].
+  // byte j = code(token j) | code(token j + 2) << 4.
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x10, 0x2F, 0x30, 0xF1}));
+}
+
+TEST(IntQuantizerDegenerate, ConstantGroupReconstructsItsFp16ValueExactly) {
+  for (const char* spec : {"int8", "int4", "int2", "int4:g4:chan"}) {
+    auto q = make_quantizer(spec);
+    at::Tensor x = at::full({1, 2, 8, 64}, 0.3f);
+    QuantizedTensor qt = q->quantize(x);
+    at::Tensor y = q->dequantize(qt);
+    EXPECT_TRUE(at::all(y == static_cast<float>(c10::Half(0.3f))).item<bool>()) << spec;
+    EXPECT_TRUE(at::all(qt.codes == 0).item<bool>()) << spec;
+  }
+}
+
+TEST(IntQuantizerDegenerate, TinyRangeGivesNoNaN) {
+  for (const char* spec : {"int8:g8", "int4:g8", "int2:g8"}) {
+    auto q = make_quantizer(spec);
+    at::Tensor x = row({0.0f, 1e-30f, 5e-31f, 0.0f, 1e-30f, 0.0f, 2e-31f, 1e-30f});
+    at::Tensor y = q->dequantize(q->quantize(x));
+    EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
+    EXPECT_LE(reconstruction_error(x, y).max_abs, 1.01e-30) << spec;
+    at::Tensor x2 = row({1.0f, 1.0f + 1e-7f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f});
+    at::Tensor y2 = q->dequantize(q->quantize(x2));
+    EXPECT_TRUE(at::isfinite(y2).all().item<bool>()) << spec;
+    EXPECT_LE(reconstruction_error(x2, y2).max_abs, 1e-6) << spec;
+  }
+}
+
+TEST(IntQuantizerDegenerate, GroupNotDividingAxisNamesBothNumbers) {
+  try {
+    make_quantizer("int4:g48")->quantize(at::zeros({1, 2, 8, 64}));
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("D = 64"));
+    EXPECT_THAT(e.what(), HasSubstr("g = 48"));
+  }
+  try {
+    make_quantizer("int2:g32:chan")->quantize(at::zeros({1, 2, 30, 64}));
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("T = 30"));
+    EXPECT_THAT(e.what(), HasSubstr("g = 32"));
+  }
+  // g = head_dim must still allow packing: an odd head_dim cannot hold nibble pairs.
+  EXPECT_THROW(make_quantizer("int4")->quantize(at::zeros({1, 1, 2, 7})), InvalidArgument);
+  EXPECT_NO_THROW(make_quantizer("int8")->quantize(at::zeros({1, 1, 2, 7})));
+}
+
+// Values beyond fp16's range: metadata is kept in fp32 for the whole tensor (documented
+// in docs/quantizers.md), never Inf.
+TEST(IntQuantizerDegenerate, BeyondFp16RangeKeepsMetadataInFp32) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor x = testing::randn_kv({1, 2, 16, 64}, 11) * 1e5;
+    x = x.to(dtype);
+    for (const char* spec : {"int8", "int4:g32", "int2:g16:chan"}) {
+      auto q = make_quantizer(spec);
+      QuantizedTensor qt = q->quantize(x);
+      EXPECT_EQ(qt.scales.scalar_type(), at::kFloat) << spec;
+      EXPECT_EQ(qt.zeros.scalar_type(), at::kFloat) << spec;
+      EXPECT_TRUE(at::isfinite(qt.scales).all().item<bool>());
+      EXPECT_TRUE(at::isfinite(qt.zeros).all().item<bool>());
+      at::Tensor y = q->dequantize(qt);
+      EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
+      // Real memory: codes + fp32 scale and zero per group.
+      const int64_t groups = qt.scales.numel();
+      EXPECT_EQ(qt.nbytes(), qt.codes.numel() + groups * 8);
+      const double bound = std::string(spec).rfind("int8", 0) == 0 ? 0.02 : 0.8;
+      EXPECT_LE(reconstruction_error(x, y).rel_fro, bound) << spec;
+    }
+  }
+  // In range: fp16 metadata.
+  EXPECT_EQ(make_quantizer("int4")->quantize(at::ones({1, 1, 1, 64}) * 6e4).scales.scalar_type(), at::kHalf);
+}
+
+TEST(IntQuantizerDegenerate, RangeBeyondFloat32IsRejected) {
+  at::Tensor x = at::zeros({1, 1, 1, 8});
+  x[0][0][0][0] = 3e38f;
+  x[0][0][0][1] = -3e38f;
+  try {
+    make_quantizer("int4:g8")->quantize(x);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("exceeds float32"));
+  }
+}
+
+/// |x̂ − x| ≤ s/2 wherever x lies in [z, z + L·s] (b.1's guarantee with stored metadata).
+TEST(IntQuantizerBound, ElementwiseErrorWithinHalfStep) {
+  for (const char* spec : {"int8:g32", "int4", "int2:g16", "int4:g16:chan", "int2:g32:chan"}) {
+    auto q = make_quantizer(spec);
+    at::Tensor x = testing::outlier_kv({1, 2, 64, 64}, 12);
+    QuantizedTensor qt = q->quantize(x);
+    at::Tensor y = q->dequantize(qt);
+    const auto* iq = dynamic_cast<const Quantizer*>(q.get());
+    ASSERT_NE(iq, nullptr);
+    // Broadcast per-group scale to every element.
+    at::Tensor s = qt.scales.to(at::kFloat);
+    at::Tensor z = qt.zeros.to(at::kFloat);
+    at::Tensor sb, zb;
+    if (q->group_axis() == GroupAxis::kPerToken) {
+      const int64_t g = 64 / s.size(3);
+      sb = s.repeat_interleave(g, 3);
+      zb = z.repeat_interleave(g, 3);
+    } else {
+      const int64_t g = 64 / s.size(2);
+      sb = s.repeat_interleave(g, 2);
+      zb = z.repeat_interleave(g, 2);
+    }
+    const double levels = std::string(spec).rfind("int8", 0) == 0 ? 255 : spec[3] == '4' ? 15 : 3;
+    at::Tensor inside = (x >= zb) & (x <= zb + sb * levels);
+    at::Tensor err = (y - x).abs();
+    EXPECT_TRUE(at::all(at::where(inside, err <= sb * 0.5 + 1e-5, at::ones_like(inside))).item<bool>()) << spec;
+    // Outside (fp16 rounding of min/max) the error stays within one step.
+    EXPECT_TRUE(at::all(err <= sb + 1e-3 * x.abs() + 1e-5).item<bool>()) << spec;
+  }
+}
+
+// ------------------------------------------------------------ fast path vs reference
+
+struct ParityCase {
+  int bits;
+  int64_t g;
+  GroupAxis axis;
+};
+
+class IntParity : public ::testing::TestWithParam<ParityCase> {};
+
+void expect_parity(const ParityCase& c, const at::Tensor& x) {
+  const std::string spec = "int" + std::to_string(c.bits) + ":g" + std::to_string(c.g) +
+                           (c.axis == GroupAxis::kPerChannel ? ":chan" : "");
+  auto q = make_quantizer(spec);
+  QuantizedTensor qt = q->quantize(x);
+  quant::ref::IntRefResult r = quant::ref::quantize_int(x, c.bits, c.g, c.axis);
+  ASSERT_TRUE(at::equal(qt.codes, r.packed)) << spec << " codes differ";
+  ASSERT_EQ(qt.scales.scalar_type(), r.scales.scalar_type()) << spec;
+  ASSERT_TRUE(at::equal(qt.scales, r.scales)) << spec << " scales differ";
+  ASSERT_TRUE(at::equal(qt.zeros, r.zeros)) << spec << " zeros differ";
+  ASSERT_TRUE(at::equal(quant::ref::unpack_codes(qt.codes, c.bits, c.g, c.axis, x.sizes()), r.codes)) << spec;
+  at::Tensor fast = q->dequantize(qt).to(at::kFloat);
+  at::Tensor ref = quant::ref::dequantize_int(r.codes, r.scales, r.zeros, c.g, c.axis).to(x.scalar_type()).to(at::kFloat);
+  ASSERT_TRUE(at::equal(fast, ref)) << spec << " dequantize differs; max diff "
+                                    << (fast - ref).abs().max().item<float>();
+}
+
+TEST_P(IntParity, RandomNormal) {
+  expect_parity(GetParam(), testing::randn_kv({2, 3, 64, 128}, 21));
+}
+
+TEST_P(IntParity, OutlierHeavy) {
+  expect_parity(GetParam(), testing::outlier_kv({1, 2, 128, 64}, 22));
+  expect_parity(GetParam(), testing::outlier_kv({1, 2, 128, 64}, 23).to(at::kBFloat16));
+  expect_parity(GetParam(), testing::outlier_kv({1, 2, 128, 64}, 24).to(at::kHalf));
+}
+
+TEST_P(IntParity, BeyondFp16Range) {
+  expect_parity(GetParam(), testing::randn_kv({1, 2, 64, 64}, 25) * 3e5);
+}
+
+TEST_P(IntParity, TiesAndSmallIntegers) {
+  // Integer-valued data hits exact .5 ties in (x - z)/s for many groups.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(26);
+  at::Tensor x = at::randint(-8, 9, {1, 2, 64, 64}, gen, at::TensorOptions().dtype(at::kFloat)) * 0.5;
+  expect_parity(GetParam(), x);
+}
+
+std::vector<ParityCase> parity_cases() {
+  std::vector<ParityCase> v;
+  for (int bits : {8, 4, 2}) {
+    for (int64_t g : {4, 16, 32, 64}) {
+      v.push_back({bits, g, GroupAxis::kPerToken});
+      v.push_back({bits, g, GroupAxis::kPerChannel});
+    }
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllWidths, IntParity, ::testing::ValuesIn(parity_cases()),
+                         [](const ::testing::TestParamInfo<ParityCase>& p) {
+                           return "int" + std::to_string(p.param.bits) + "_g" + std::to_string(p.param.g) +
+                                  (p.param.axis == GroupAxis::kPerChannel ? "_chan" : "_tok");
+                         });
+
+TEST(IntPacking, PackUnpackRoundTrip) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+  for (int bits : {8, 4, 2}) {
+    for (auto axis : {GroupAxis::kPerToken, GroupAxis::kPerChannel}) {
+      at::Tensor codes = at::randint(0, 1 << bits, {2, 2, 32, 16}, gen, at::TensorOptions().dtype(at::kByte));
+      at::Tensor packed = quant::ref::pack_codes(codes, bits, 8, axis);
+      EXPECT_EQ(packed.numel() * 8, codes.numel() * bits);
+      EXPECT_TRUE(at::equal(quant::ref::unpack_codes(packed, bits, 8, axis, codes.sizes()), codes));
+    }
+  }
+}
+
+TEST(IntQuantizerFormat, MetadataShapes) {
+  at::Tensor x = testing::randn_kv({2, 2, 64, 64}, 41);
+  QuantizedTensor a = make_quantizer("int4:g32")->quantize(x);
+  EXPECT_EQ(a.codes.sizes(), (std::vector<int64_t>{2, 2, 64, 32}));
+  EXPECT_EQ(a.scales.sizes(), (std::vector<int64_t>{2, 2, 64, 2}));
+  QuantizedTensor b = make_quantizer("int2:g32:chan")->quantize(x);
+  EXPECT_EQ(b.codes.sizes(), (std::vector<int64_t>{2, 2, 16, 64}));
+  EXPECT_EQ(b.zeros.sizes(), (std::vector<int64_t>{2, 2, 2, 64}));
+  // Tampered metadata is rejected, not read out of bounds.
+  a.scales = a.scales.narrow(3, 0, 1);
+  EXPECT_THROW(make_quantizer("int4:g32")->dequantize(a), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvcache

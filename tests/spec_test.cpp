@@ -1,0 +1,200 @@
+// SPDX-License-Identifier: Apache-2.0
+// Spec-string parser: fields, defaults, canonical form, errors, budgets.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "kvcache/error.h"
+#include "kvcache/quantizer.h"
+#include "kvcache/spec.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+
+ParamTable demo_table() {
+  ParamTable t;
+  t.head = "demo";
+  t.help = "a demo method";
+  ParamDef k;
+  k.key = "k";
+  k.help = "key bits";
+  k.kind = ParamDef::Kind::kInt;
+  k.default_value = 2;
+  k.min_value = 1;
+  k.max_value = 8;
+  ParamDef seed;
+  seed.key = "seed";
+  seed.help = "random seed";
+  seed.kind = ParamDef::Kind::kInt;
+  seed.default_value = 0;
+  seed.min_value = 0;
+  seed.max_value = 1000;
+  ParamDef s;
+  s.key = "s";
+  s.help = "sink tokens";
+  s.kind = ParamDef::Kind::kInt;
+  s.default_value = 4;
+  s.min_value = 0;
+  s.max_value = 64;
+  ParamDef r;
+  r.key = "r";
+  r.help = "ratio";
+  r.kind = ParamDef::Kind::kFloat;
+  r.default_value = 0.5;
+  r.min_value = 0;
+  r.max_value = 1;
+  ParamDef mode;
+  mode.key = "mode";
+  mode.help = "layout";
+  mode.kind = ParamDef::Kind::kChoice;
+  mode.choices = {"tok", "chan"};
+  t.params = {k, seed, s, r, mode};
+  return t;
+}
+
+TEST(SpecParse, DefaultsAndExplicitValues) {
+  const ParamTable t = demo_table();
+  ParsedSpec p = ParsedSpec::parse("demo", t);
+  EXPECT_EQ(p.head(), "demo");
+  EXPECT_EQ(p.integer("k"), 2);
+  EXPECT_EQ(p.num("r"), 0.5);
+  EXPECT_EQ(p.choice("mode"), "tok");
+  EXPECT_FALSE(p.is_set("k"));
+  p = ParsedSpec::parse("demo:chan:k4:seed7:r0.25", t);
+  EXPECT_EQ(p.integer("k"), 4);
+  EXPECT_EQ(p.integer("seed"), 7);  // longest key wins over "s"
+  EXPECT_EQ(p.integer("s"), 4);
+  EXPECT_EQ(p.num("r"), 0.25);
+  EXPECT_EQ(p.choice("mode"), "chan");
+  EXPECT_TRUE(p.is_set("mode"));
+  EXPECT_THROW(p.num("nope"), InternalError);
+}
+
+TEST(SpecParse, CanonicalFormIsTableOrderWithoutDefaults) {
+  const ParamTable t = demo_table();
+  EXPECT_EQ(ParsedSpec::parse("demo:chan:r0.25:s8:k2", t).canonical(), "demo:s8:r0.25:chan");
+  EXPECT_EQ(ParsedSpec::parse("demo:tok:k2", t).canonical(), "demo");
+  // Round trip: canonical text parses to the same canonical text.
+  const std::string c = ParsedSpec::parse("demo:r0.3333333333333333:k3", t).canonical();
+  EXPECT_EQ(c, "demo:k3:r0.3333333333333333");
+  EXPECT_EQ(ParsedSpec::parse(c, t).canonical(), c);
+  EXPECT_EQ(ParsedSpec::parse(c, t).num("r"), 0.3333333333333333);
+}
+
+TEST(SpecParse, UnknownFieldListsAllowedKeys) {
+  const ParamTable t = demo_table();
+  try {
+    ParsedSpec::parse("demo:x5", t);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown field 'x5'"));
+    EXPECT_THAT(e.what(), HasSubstr("allowed fields of 'demo': k<int in [1, 8]>"));
+    EXPECT_THAT(e.what(), HasSubstr("seed<int in [0, 1000]>"));
+    EXPECT_THAT(e.what(), HasSubstr("r<number in [0, 1]>"));
+    EXPECT_THAT(e.what(), HasSubstr("tok|chan"));
+  }
+  // Real quantizer tables too.
+  try {
+    make_quantizer("int4:q32");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("allowed fields of 'int4': g<int in [0, 65536]>"));
+    EXPECT_THAT(e.what(), HasSubstr("tok|chan"));
+  }
+  try {
+    make_quantizer("fp16:g32");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'fp16' takes no fields"));
+  }
+}
+
+TEST(SpecParse, OutOfRangeAndMalformedValues) {
+  const ParamTable t = demo_table();
+  try {
+    ParsedSpec::parse("demo:k9", t);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("k=9 out of range [1, 8]"));
+  }
+  try {
+    make_quantizer("int4:g70000");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("g=70000 out of range [0, 65536]"));
+  }
+  EXPECT_THROW(ParsedSpec::parse("demo:r1.5", t), InvalidArgument);
+  EXPECT_THROW(ParsedSpec::parse("demo:k2.5", t), InvalidArgument);   // not an integer
+  EXPECT_THROW(ParsedSpec::parse("demo:k0x4", t), InvalidArgument);   // no hex
+  EXPECT_THROW(ParsedSpec::parse("demo:rnan", t), InvalidArgument);
+  EXPECT_THROW(ParsedSpec::parse("demo:k2:k3", t), InvalidArgument);  // given twice
+  EXPECT_THROW(ParsedSpec::parse("demo:tok:chan", t), InvalidArgument);
+  EXPECT_THROW(ParsedSpec::parse("demo::k2", t), InvalidArgument);    // empty field
+  EXPECT_THROW(ParsedSpec::parse("demo:", t), InvalidArgument);
+  EXPECT_THROW(ParsedSpec::parse("", t), InvalidArgument);
+  EXPECT_THROW(ParsedSpec::parse("other:k2", t), InvalidArgument);    // wrong head
+}
+
+TEST(SpecSplit, HeadAndFields) {
+  EXPECT_EQ(split_spec("kivi:k2:v2:g32"), (std::vector<std::string>{"kivi", "k2", "v2", "g32"}));
+  EXPECT_EQ(split_spec("fp16"), (std::vector<std::string>{"fp16"}));
+  try {
+    split_spec(":g32");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("empty head"));
+  }
+}
+
+TEST(SpecBudget, TokensAndFractions) {
+  auto [spec, b] = split_budget("sink:s4@50%");
+  EXPECT_EQ(spec, "sink:s4");
+  EXPECT_EQ(b.kind, Budget::Kind::kFraction);
+  EXPECT_DOUBLE_EQ(b.value, 0.5);
+  EXPECT_EQ(b.to_string(), "@50%");
+  EXPECT_EQ(b.resolve(10), 5);
+  EXPECT_EQ(b.resolve(11), 5);
+  auto [spec2, b2] = split_budget("h2o@256");
+  EXPECT_EQ(spec2, "h2o");
+  EXPECT_EQ(b2.kind, Budget::Kind::kTokens);
+  EXPECT_EQ(b2.resolve(4096), 256);
+  EXPECT_EQ(b2.to_string(), "@256");
+  auto [spec3, b3] = split_budget("full");
+  EXPECT_EQ(spec3, "full");
+  EXPECT_EQ(b3.kind, Budget::Kind::kNone);
+  EXPECT_EQ(b3.to_string(), "");
+  EXPECT_EQ(b3.resolve(77), 77);
+  EXPECT_EQ(Budget::parse("12.5%").to_string(), "@12.5%");
+  EXPECT_EQ(Budget::parse("100%").resolve(9), 9);
+}
+
+TEST(SpecBudget, Errors) {
+  try {
+    split_budget("window@0");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("token budget must be an integer >= 1, got 0"));
+  }
+  EXPECT_THROW(split_budget("window@"), InvalidArgument);
+  EXPECT_THROW(split_budget("window@0%"), InvalidArgument);
+  EXPECT_THROW(split_budget("window@150%"), InvalidArgument);
+  EXPECT_THROW(split_budget("window@12.5"), InvalidArgument);
+  EXPECT_THROW(split_budget("window@-3"), InvalidArgument);
+  EXPECT_THROW(split_budget("window@abc"), InvalidArgument);
+  EXPECT_THROW(split_budget("window@5@6"), InvalidArgument);
+  // A fraction that rounds to zero tokens.
+  EXPECT_THROW(Budget::parse("1%").resolve(50), CapacityError);
+  EXPECT_THROW(Budget::parse("50%").resolve(0), InvalidArgument);
+}
+
+TEST(SpecDescribe, ListsEveryParam) {
+  const std::string d = describe(demo_table());
+  EXPECT_THAT(d, HasSubstr("demo — a demo method"));
+  EXPECT_THAT(d, HasSubstr("k<int>  key bits (default 2, range [1, 8])"));
+  EXPECT_THAT(d, HasSubstr("tok|chan  layout (default tok)"));
+  for (const auto& t : registered_quantizers()) EXPECT_THAT(describe(t), HasSubstr(t.head));
+}
+
+}  // namespace
+}  // namespace kvcache
