@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvcache/study/memory.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <sys/stat.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <sstream>
 
 #include "kvcache/error.h"
+#include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
 
 namespace kvcache::study {
@@ -26,15 +28,6 @@ int64_t get_int(const nlohmann::json& j, const char* key, const std::string& pat
   return j[key].get<int64_t>();
 }
 
-const ParamTable& int_table() {
-  static const ParamTable t{"int", "integer min-max group quantization",
-                            {{"g", "group size (values per fp16 scale+zero)", ParamDef::Kind::kInt, 64, 1, 1 << 20, {}}}};
-  return t;
-}
-const ParamTable& fp8_table() {
-  static const ParamTable t{"fp8", "8-bit float", {{"format", "fp8 format", ParamDef::Kind::kChoice, 0, 0, 0, {"e4m3", "e5m2"}}}};
-  return t;
-}
 const ParamTable& kivi_table() {
   static const ParamTable t{"kivi", "KIVI (arXiv 2402.02750)",
                             {{"k", "key bits", ParamDef::Kind::kInt, 2, 1, 8, {}},
@@ -95,40 +88,13 @@ ModelShape resolve_model_shape(const std::string& name_or_path) {
   return model_shape_preset(name_or_path);  // throws, listing the presets
 }
 
-KvFormat builtin_kv_format(const std::string& spec) {
+KvFormat kv_format(const std::string& spec, int64_t head_dim) {
+  KV_CHECK_ARG(head_dim > 0, "kv_format: head_dim must be > 0, got ", head_dim);
   KvFormat f;
-  f.spec = spec;
   const auto parts = split_spec(spec);
-  const std::string& head = parts[0];
-  auto same = [&](double bits) {
-    f.key_raw_bits = f.value_raw_bits = f.key_bits = f.value_bits = bits;
-  };
-  if (head == "fp32" || head == "fp16" || head == "bf16") {
-    KV_CHECK_ARG(parts.size() == 1, "spec '", spec, "': '", head, "' takes no fields");
-    same(head == "fp32" ? 32 : 16);
-    return f;
-  }
-  if (head == "fp8") {
-    ParsedSpec::parse(spec, fp8_table());  // validates e4m3|e5m2
-    same(8);
-    f.per_tensor_bytes = 4;
-    return f;
-  }
-  if (head.size() > 3 && head.compare(0, 3, "int") == 0) {
-    const std::string digits = head.substr(3);
-    KV_CHECK_ARG(digits.find_first_not_of("0123456789") == std::string::npos, "spec '", spec,
-                 "': expected int<bits>, e.g. int4");
-    const int bits = std::stoi(digits);
-    KV_CHECK_ARG(bits >= 1 && bits <= 8, "spec '", spec, "': integer bits must be in [1, 8], got ", bits);
-    std::string rest = "int";
-    for (size_t i = 1; i < parts.size(); ++i) rest += ":" + parts[i];
-    const auto p = ParsedSpec::parse(rest, int_table());
-    f.key_raw_bits = f.value_raw_bits = bits;
-    f.key_bits = f.value_bits = bits + 32.0 / static_cast<double>(p.integer("g"));
-    return f;
-  }
-  if (head == "kivi") {
+  if (parts[0] == "kivi") {
     const auto p = ParsedSpec::parse(spec, kivi_table());
+    f.spec = p.canonical();
     const double g = static_cast<double>(p.integer("g"));
     f.key_raw_bits = static_cast<double>(p.integer("k"));
     f.value_raw_bits = static_cast<double>(p.integer("v"));
@@ -137,9 +103,28 @@ KvFormat builtin_kv_format(const std::string& spec) {
     f.residual_tokens = p.integer("r");
     return f;
   }
-  throw UnsupportedError("no built-in memory formula for '" + spec +
-                         "' (known: fp32, fp16, bf16, fp8[:e4m3|:e5m2], int<b>[:g<G>], "
-                         "kivi[:k<b>][:v<b>][:g<G>][:r<R>])");
+  const auto q = make_quantizer(spec);
+  f.spec = q->spec();
+  // A sample of 256 tokens, or a multiple of the group size for per-channel groups.
+  int64_t tokens = 256;
+  if (q->group_axis() == GroupAxis::kPerChannel) {
+    for (const auto& part : split_spec(f.spec)) {
+      if (part.size() > 1 && part[0] == 'g' && part.find_first_not_of("0123456789", 1) == std::string::npos) {
+        const int64_t g = std::stoll(part.substr(1));
+        if (g > 0) tokens = g * ((256 + g - 1) / g);
+      }
+    }
+  }
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
+  const at::Tensor x = at::randn({1, 1, tokens, head_dim}, gen, at::TensorOptions().dtype(at::kFloat));
+  const QuantizedTensor qt = q->quantize(x);
+  const double values = static_cast<double>(qt.numel());
+  const double code_bits = static_cast<double>(qt.codes.numel() * static_cast<int64_t>(qt.codes.element_size())) * 8.0;
+  f.key_raw_bits = f.value_raw_bits = code_bits / values;
+  f.key_bits = f.value_bits = q->bits_per_value(head_dim);
+  const double extra = static_cast<double>(qt.nbytes()) - f.key_bits * values / 8.0;
+  f.per_tensor_bytes = extra > 0.5 ? static_cast<int64_t>(std::llround(extra)) : 0;
+  return f;
 }
 
 MemoryEstimate estimate_kv_memory(const ModelShape& s, const KvFormat& f, int64_t tokens, int64_t batch) {

@@ -49,14 +49,16 @@ struct KvFormat {
   int64_t per_tensor_bytes = 0;  ///< per layer, for K and for V each (fp8: 4, one fp32 scale)
 };
 
-/// Formats known by formula (methods b.0), without building a quantizer:
-///   fp32, fp16, bf16 (raw = effective);
-///   fp8[:e4m3|:e5m2] (8 bits, + one fp32 scale per layer per K/V);
-///   int<b>[:g<G>] (b in 1..8, G default 64 as in HF's quantized cache: b + 32/G bits);
-///   kivi[:k<b>][:v<b>][:g<G>][:r<R>] (defaults k2 v2 g32 r128: per-group metadata as above plus
-///   R fp16 residual tokens).
-/// @throws UnsupportedError for another head (listing these); InvalidArgument for a bad field.
-KvFormat builtin_kv_format(const std::string& spec);
+/// The storage format of `spec` for heads of `head_dim` values:
+///   - a quantizer spec (anything make_quantizer() accepts: fp32, fp16, bf16, fp8[:e5m2][:scaled],
+///     int8/int4/int2[:g<G>][:chan], ...) is measured: a sample tensor is quantized, raw bits =
+///     code bytes x 8 / values, effective bits = Quantizer::bits_per_value(head_dim), per-tensor
+///     bytes = whatever nbytes() holds beyond that (fp8:scaled's fp32 scale);
+///   - a KIVI scheme spec kivi[:k<b>][:v<b>][:g<G>][:r<R>] (defaults k2 v2 g32 r128; arXiv
+///     2402.02750) uses methods b.0's formula: b + 32/G bits per value (fp16 scale + zero per group)
+///     plus R fp16 residual tokens for K and V.
+/// @throws InvalidArgument for an unknown head or bad field (listing what is allowed).
+KvFormat kv_format(const std::string& spec, int64_t head_dim);
 
 /// One memory figure.
 struct MemoryEstimate {
