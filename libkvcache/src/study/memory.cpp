@@ -13,6 +13,7 @@
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
+#include "kivi_spec.h"
 
 namespace kvcache::study {
 namespace {
@@ -26,15 +27,6 @@ int64_t get_int(const nlohmann::json& j, const char* key, const std::string& pat
   KV_CHECK_ARG(j.contains(key) && j[key].is_number_integer(), "config '", path,
                "': missing integer field '", key, "'");
   return j[key].get<int64_t>();
-}
-
-const ParamTable& kivi_table() {
-  static const ParamTable t{"kivi", "KIVI (arXiv 2402.02750)",
-                            {{"k", "key bits", ParamDef::Kind::kInt, 2, 1, 8, {}},
-                             {"v", "value bits", ParamDef::Kind::kInt, 2, 1, 8, {}},
-                             {"g", "group size", ParamDef::Kind::kInt, 32, 1, 1 << 20, {}},
-                             {"r", "fp16 residual tokens", ParamDef::Kind::kInt, 128, 0, 1 << 30, {}}}};
-  return t;
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "kvcache/cache_manager.h"
 #include "kvcache/study/arm.h"
 #include "kvcache/study/metrics.h"
+#include "kvcache/study/quant_error.h"
 #include "kvcache/study/results.h"
 #include "kvcache/study/task.h"
 
@@ -56,15 +57,6 @@ struct TextEval {
   /// `[N, V]` float32 next-token logits of the streaming pass (KLD / top-1 vs the control).
   at::Tensor stream_logits;
   CacheStats cache;  ///< stats at the end of the streaming pass
-};
-
-/// Reconstruction error of one quantizer spec on K and V captured from the model.
-struct ReconstructionResult {
-  double bits_per_value = 0;  ///< Quantizer::bits_per_value(head_dim) (schemes: mean of K and V)
-  double key_rel_err = 0;     ///< ||K - K_hat||_F / ||K||_F over all captured layers
-  double value_rel_err = 0;
-  double key_max_abs = 0;
-  double value_max_abs = 0;
 };
 
 /// The model-dependent half of the study. One instance serves one model; calls come from one
