@@ -183,3 +183,13 @@ TEST(StudyTraining, VocabularyIsSmallAndCoversPrompts) {
     }
   }
 }
+
+TEST(StudySuite, FillerPassage) {
+  const auto a = filler_passage(1, 300);
+  EXPECT_EQ(a, filler_passage(1, 300));
+  EXPECT_NE(a, filler_passage(2, 300));
+  EXPECT_GE(approx_tokens(a), 300);
+  EXPECT_LT(approx_tokens(a), 315);
+  EXPECT_EQ(a.find_first_of("0123456789"), std::string::npos);
+  EXPECT_THROW(filler_passage(1, 0), kvcache::InvalidArgument);
+}

@@ -86,7 +86,7 @@ KvFormat kv_format(const std::string& spec, int64_t head_dim) {
   const auto parts = split_spec(spec);
   if (parts[0] == "kivi") {
     const auto p = ParsedSpec::parse(spec, kivi_table());
-    f.spec = p.canonical();
+    f.spec = spec;  // as given: the scheme's canonical form belongs to the cache library
     const double g = static_cast<double>(p.integer("g"));
     f.key_raw_bits = static_cast<double>(p.integer("k"));
     f.value_raw_bits = static_cast<double>(p.integer("v"));

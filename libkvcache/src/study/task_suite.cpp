@@ -447,6 +447,19 @@ std::vector<Task> generate_training_tasks(uint64_t seed, int64_t count, const Tr
   return out;
 }
 
+std::string filler_passage(uint64_t seed, int64_t approx_tokens_target) {
+  KV_CHECK_ARG(approx_tokens_target >= 1, "filler_passage: approx_tokens must be >= 1, got ", approx_tokens_target);
+  Rng r(mix_seed(seed, "passage"));
+  std::string out;
+  int64_t n = 0;
+  while (n < approx_tokens_target) {
+    const std::string s = filler_sentence(r);
+    out += (out.empty() ? "" : " ") + s;
+    n += approx_tokens(s);
+  }
+  return out;
+}
+
 std::vector<std::string> generator_vocabulary() {
   std::string all = std::string(kSystem) + " " + kNeedleIntro + " " + kNeedleQuestion + " " +
                     kGoodbye + " " + kGoodbyeReply + " " + kRuleAck + " " + kNoteIntro + " " +

@@ -51,6 +51,11 @@ struct TrainingOptions {
 std::vector<Task> generate_training_tasks(uint64_t seed, int64_t count,
                                           const TrainingOptions& options = {});
 
+/// A passage of filler sentences (the suite's haystack grammar) of about `approx_tokens`
+/// approximate tokens, deterministic for `seed`: the default text of the perplexity / KLD rows.
+/// @throws InvalidArgument if approx_tokens < 1.
+std::string filler_passage(uint64_t seed, int64_t approx_tokens);
+
 /// The word banks of the generator (for tests and the tokenizer trainer): every word the
 /// templates can emit, lowercased, sorted and unique.
 std::vector<std::string> generator_vocabulary();
