@@ -21,9 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/eviction_policy.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
+
+namespace cache {
+struct CacheManagerAccess;  // test/debug introspection (src/cache/cache_manager_access.h)
+}  // namespace cache
 
 /// Rotary embedding hook: x `[B, H, T, D]` float32, positions int64 `[T]` → rotated x.
 using RopeFn = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& positions)>;
@@ -64,9 +69,14 @@ struct LayerKV {
 };
 
 /// Memory and token counters. Bytes are measured from stored tensors (nbytes()).
+/// Per layer, token counts are per KV head; totals (CacheManager::stats()) sum the layers
+/// (token-layers). Bytes count every stored K/V tensor (codes, scales, zeros, side tensors,
+/// full-precision residual) as numel × element size; they exclude the dequantized float32
+/// compute view that get() returns and host bookkeeping (positions, liveness masks).
 struct CacheStats {
   int64_t tokens_written = 0;       ///< tokens ever appended (per layer: per KV head)
   int64_t tokens_resident = 0;      ///< tokens stored now (per KV head)
+  int64_t tokens_resident_peak = 0; ///< max of tokens_resident sampled after every append/eviction
   int64_t bytes_resident = 0;       ///< bytes stored now: codes + metadata + residual
   int64_t bytes_resident_peak = 0;  ///< max of bytes_resident sampled after every append/eviction
 };
@@ -113,8 +123,13 @@ class CacheManager {
   /// Physical length: tokens stored by `layer` now (per KV head).
   int64_t physical_length(int64_t layer) const;
   /// Position to give the next appended token (the logical length, or the physical length
-  /// in PositionMode::kRerotate).
+  /// in PositionMode::kRerotate) of layer 0.
   int64_t next_position() const;
+  /// Same for `layer` (layers differ only in kRerotate mode with layer-dependent budgets).
+  int64_t next_position(int64_t layer) const;
+
+  /// The eviction policy (budget, spec).
+  const EvictionPolicy& policy() const;
 
   /// Totals over all layers.
   CacheStats stats() const;
@@ -126,6 +141,7 @@ class CacheManager {
   void check_invariants() const;
 
  private:
+  friend struct cache::CacheManagerAccess;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file runner.h
+/// Runner: the managed forward pass. It runs a CausalLM export with the KV cache held by a
+/// CacheManager: prefill in chunks, greedy decoding, and streaming scoring (log-probs for
+/// perplexity). Attention is computed here, not in the export:
+///
+///   per step (a prefill chunk of T tokens or one decode token), positions
+///   p = next_position() .. +T, and per layer l:
+///     (q, k, v) = model.qkv(l, h, p); cache.append(l, k, v, p); kv = cache.get(l);
+///     scores = q·kᵀ/√D in float32; a key is visible iff its position ≤ the query's position
+///     (the causal mask inside a chunk, and per-KV-head positions after eviction);
+///     probs = softmax(scores); cache.observe_attention(l, probs) if cache.needs_attention();
+///     h = model.finish(l, h, probs·v);
+///   then cache.end_step(is_prefill_end) once.
+///
+/// GQA: query head h reads KV head h / (H_q / H_kv); K/V are never repeated per query head
+/// (q is viewed as [B, H_kv, G·T, D]). Batch size is 1. Greedy decoding is deterministic.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kvcache/cache_manager.h"
+#include "kvcache/model/causal_lm.h"
+
+namespace kvcache {
+
+/// Options of Runner::generate().
+struct GenerationOptions {
+  /// Most new tokens to produce (≥ 1).
+  int64_t max_new_tokens = 64;
+  /// Prompt tokens per prefill step; 0 = the whole prompt in one step.
+  int64_t prefill_chunk = 0;
+  /// Stop after producing an end-of-sequence id (the EOS id is kept in `tokens`).
+  bool stop_at_eos = true;
+  /// End-of-sequence ids; empty = ModelConfig::eos_token_ids.
+  std::vector<int64_t> eos_token_ids;
+  /// Keep the logits that chose each new token in GenerationResult::logits.
+  bool keep_logits = false;
+};
+
+/// What Runner::generate() returns.
+struct GenerationResult {
+  /// New token ids in order (greedy argmax), at most max_new_tokens.
+  std::vector<int64_t> tokens;
+  /// `[N, V]` float32, row i = the logits that chose tokens[i] (row 0 comes from the last
+  /// prompt position). Undefined unless GenerationOptions::keep_logits.
+  at::Tensor logits;
+  /// True if generation ended on an EOS id.
+  bool stopped_at_eos = false;
+  int64_t prompt_tokens = 0;  ///< tokens ingested by prefill
+  int64_t decode_steps = 0;   ///< single-token forwards after prefill (= N - 1)
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;  ///< wall time of the decode_steps forwards (incl. argmax)
+};
+
+/// What Runner::score() returns.
+struct ScoreResult {
+  /// `[N - 1]` float32: entry t = log p(ids[t + 1] | ids[0..t]) under the managed cache.
+  at::Tensor logprobs;
+  double seconds = 0.0;
+  /// exp(−mean(logprobs)).
+  double perplexity() const;
+};
+
+/// Runs a CausalLM against a CacheManager. Holds only the model handle; all request state
+/// lives in the CacheManager, so one Runner serves any number of caches (not concurrently
+/// on the same cache).
+class Runner {
+ public:
+  explicit Runner(CausalLM model);
+
+  const CausalLM& model() const;
+
+  /// Ingests `ids` at positions cache.next_position() onward, in steps of `chunk_size`
+  /// tokens (0 = one step), calling end_step(is_prefill_end = true) after the last step.
+  /// Does not reset the cache.
+  /// @return logits `[V]` float32 of the last token of `ids`.
+  /// @throws InvalidArgument if ids is empty, an id is outside [0, V), chunk_size < 0, or
+  ///         the cache's layer/head/head_dim counts differ from the model's.
+  at::Tensor prefill(const std::vector<int64_t>& ids, CacheManager& cache,
+                     int64_t chunk_size = 0) const;
+
+  /// One decode step: `token` at position cache.next_position(), then end_step().
+  /// @return logits `[V]` float32.
+  /// @throws InvalidArgument as prefill().
+  at::Tensor decode_step(int64_t token, CacheManager& cache) const;
+
+  /// Greedy generation: cache.reset(prompt + max_new_tokens), prefill, then one token per
+  /// step until max_new_tokens or an EOS id. The last new token is not fed back.
+  /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens < 1,
+  ///         prefill_chunk < 0, or a cache that does not fit the model.
+  GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
+                            CacheManager& cache) const;
+
+  /// Streaming scoring: cache.reset(N), then ingests `ids` in steps of `chunk_size` tokens
+  /// (0 = one step; 1 = token by token, each query seeing only what the cache kept) and
+  /// returns the log-prob of every next token. Memory per step: chunk × V float32 logits.
+  /// @throws InvalidArgument if ids has fewer than 2 tokens, or as prefill().
+  ScoreResult score(const std::vector<int64_t>& ids, CacheManager& cache,
+                    int64_t chunk_size = 0) const;
+
+ private:
+  CausalLM model_;
+};
+
+}  // namespace kvcache

@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file policies.h
+/// Internal declarations of the registered eviction policies (built through
+/// make_eviction_policy; declared here so unit tests can reach the scoring helpers).
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcache/eviction_policy.h"
+#include "kvcache/spec.h"
+
+namespace kvcache::evict {
+
+/// Expands one keep list shared by all heads to a `[H_kv, n]` int64 plan.
+at::Tensor shared_plan(const std::vector<int64_t>& keep, int64_t num_kv_heads);
+/// Builds a `[H_kv, n]` plan from one keep list per head (all the same length).
+at::Tensor per_head_plan(const std::vector<std::vector<int64_t>>& keep);
+
+/// `full`: never evicts.
+class FullPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  explicit FullPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override { return "full"; }
+  int64_t layer_budget(int64_t layer) const override;
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+};
+
+/// `window:w<N>`: the N most recent tokens (N defaults to the budget).
+class WindowPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  WindowPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override;
+  int64_t layer_budget(int64_t layer) const override;
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+
+ protected:
+  void on_reset() override;
+
+ private:
+  int64_t w_param_;  ///< -1: from the budget
+  int64_t window_ = 0;
+};
+
+/// `sink:s<n>:w<N>`: StreamingLLM (arXiv 2309.17453): the first n resident tokens (attention
+/// sinks) + the N most recent; N defaults to budget − n.
+class SinkPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  SinkPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override;
+  int64_t layer_budget(int64_t layer) const override;
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  int64_t sinks() const { return sinks_; }
+  int64_t window() const { return window_; }
+
+ protected:
+  void on_reset() override;
+
+ private:
+  int64_t sinks_;
+  int64_t w_param_;  ///< -1: budget − sinks
+  int64_t window_ = 0;
+};
+
+/// `h2o:h<N>:r<N>`: Heavy-Hitter Oracle (arXiv 2306.14048). Score = attention received,
+/// accumulated over every observed query (sum over queries and batch, mean over the query
+/// heads of a KV group). Keeps the r most recent tokens + the h highest-scoring older ones.
+class H2OPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  H2OPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override;
+  int64_t layer_budget(int64_t layer) const override;
+  bool needs_attention() const override { return true; }
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  void on_compacted(int64_t layer, const at::Tensor& keep) override;
+  /// Accumulated scores of `layer`: `[H_kv, T]` float32 (T = tokens observed so far).
+  const at::Tensor& scores(int64_t layer) const { return scores_.at(static_cast<size_t>(layer)); }
+  int64_t heavy() const { return heavy_; }
+  int64_t recent() const { return recent_; }
+
+ protected:
+  void on_reset() override;
+  void do_observe(int64_t layer, const at::Tensor& probs) override;
+
+ private:
+  int64_t h_param_, r_param_;  ///< -1: derived from the budget
+  int64_t heavy_ = 0, recent_ = 0;
+  std::vector<at::Tensor> scores_;  ///< per layer `[H_kv, T]`
+};
+
+/// `random:seed<k>`: drops uniformly chosen tokens (per KV head, independent draws) except
+/// the newest; reproducible from the seed and the sequence of calls.
+class RandomPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  RandomPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override;
+  int64_t layer_budget(int64_t layer) const override;
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+
+ protected:
+  void on_reset() override;
+
+ private:
+  uint64_t seed_;
+  std::vector<uint64_t> calls_;  ///< per layer: plans drawn so far this request
+};
+
+/// `tova`: Token Omission Via Attention (arXiv 2401.06104). When over budget, keeps the
+/// tokens with the highest attention from the LAST query of the step, averaged over all
+/// query heads of the layer; one selection shared by every KV head; the newest token is kept.
+class TovaPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  TovaPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override;
+  int64_t layer_budget(int64_t layer) const override;
+  bool needs_attention() const override { return true; }
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  void on_compacted(int64_t layer, const at::Tensor& keep) override;
+
+ protected:
+  void on_reset() override;
+  void do_observe(int64_t layer, const at::Tensor& probs) override;
+
+ private:
+  std::vector<at::Tensor> last_row_;  ///< per layer `[T]` float32, cleared after each plan
+};
+
+/// `snapkv:w<N>:k<N>:avg|max`: SnapKV (arXiv 2404.14469), applied once at the end of prefill.
+/// Scores of the prompt keys before the observation window = attention from the last w
+/// prompt queries (mean over those queries and over each KV group's query heads), pooled
+/// along keys with kernel k (padding k/2; avg counts zero padding like PyTorch avg_pool1d,
+/// max pads with −inf). Keeps the top (keep − w) per KV head + the whole window, where keep =
+/// budget − (context_length − prompt_length), so that the budget still holds after the
+/// request's last new token. Decode tokens are appended and never evicted.
+class SnapKVPolicy final : public EvictionPolicy {
+ public:
+  static const ParamTable& table();
+  SnapKVPolicy(const ParsedSpec& spec, Budget budget);
+  std::string spec() const override;
+  int64_t layer_budget(int64_t layer) const override;
+  bool needs_attention() const override { return !prefill_done_; }
+  KeepPlan plan_keep(const EvictionContext& ctx) override;
+
+  /// Pools `scores` `[H, T]` along T with kernel `kernel` (odd), stride 1, padding kernel/2.
+  /// avg: zero padding counted (avg_pool1d default); max: padding ignored.
+  static at::Tensor pool(const at::Tensor& scores, int64_t kernel, bool use_max);
+
+ protected:
+  void on_reset() override;
+  void do_observe(int64_t layer, const at::Tensor& probs) override;
+
+ private:
+  std::string spec_text_;
+  int64_t window_, kernel_;
+  bool use_max_;
+  bool prefill_done_ = false;
+  int64_t layers_done_ = 0;
+  std::vector<at::Tensor> rows_;  ///< per layer `[H_kv, n_rows <= w, T]` last query rows
+};
+
+/// Splittable 64-bit generator (SplitMix64) used by RandomPolicy: portable across standard
+/// libraries, unlike std::uniform_int_distribution.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t next();
+  /// Uniform integer in [0, n) (rejection sampling, no modulo bias). n > 0.
+  uint64_t below(uint64_t n);
+
+ private:
+  uint64_t state_;
+};
+
+}  // namespace kvcache::evict

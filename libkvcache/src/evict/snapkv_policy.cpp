@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+// SnapKV (Li et al., arXiv 2404.14469; FasterDecoding/SnapKV, kvpress SnapKVPress).
+#include <limits>
+#include <numeric>
+
+#include "evict/policies.h"
+#include "kvcache/error.h"
+
+namespace kvcache::evict {
+
+const ParamTable& SnapKVPolicy::table() {
+  static const ParamTable t{
+      "snapkv",
+      "SnapKV (arXiv 2404.14469): prompt keys scored by the last w prompt queries, pooled, "
+      "compressed once at the end of prefill",
+      {{"w", "observation window: last prompt queries (always kept)", ParamDef::Kind::kInt, 32, 1,
+        1e9, {}},
+       {"k", "pooling kernel (odd)", ParamDef::Kind::kInt, 5, 1, 1e6, {}},
+       {"pool", "pooling of scores along keys", ParamDef::Kind::kChoice, 0, 0, 0, {"avg", "max"}}}};
+  return t;
+}
+
+SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget)
+    : EvictionPolicy(budget),
+      spec_text_(spec.canonical()),
+      window_(spec.integer("w")),
+      kernel_(spec.integer("k")),
+      use_max_(spec.choice("pool") == "max") {
+  KV_CHECK_ARG(kernel_ % 2 == 1, "snapkv: kernel k must be odd (padding k/2 keeps the length), got k",
+               kernel_);
+  KV_CHECK_ARG(budget.kind != Budget::Kind::kNone,
+               "snapkv needs a budget: 'snapkv@1024' or 'snapkv@50%'");
+}
+
+std::string SnapKVPolicy::spec() const { return spec_text_ + budget().to_string(); }
+
+void SnapKVPolicy::on_reset() {
+  rows_.assign(static_cast<size_t>(shape().num_layers), at::Tensor());
+  prefill_done_ = false;
+  layers_done_ = 0;
+}
+
+int64_t SnapKVPolicy::layer_budget(int64_t layer) const {
+  (void)layer;
+  return resolved_budget();
+}
+
+void SnapKVPolicy::do_observe(int64_t layer, const at::Tensor& probs) {
+  if (prefill_done_) return;  // SnapKV compresses the prompt only
+  auto red = reduce_to_kv_heads(probs, shape().num_kv_heads);  // [H_kv, T_q, T]
+  const int64_t tq = red.size(1), t = red.size(2);
+  if (tq > window_) red = red.narrow(1, tq - window_, window_);
+  auto& rows = rows_.at(static_cast<size_t>(layer));
+  if (rows.defined()) {
+    KV_CHECK_ARG(rows.size(2) <= t, "snapkv.observe: layer ", layer, " probs cover ", t,
+                 " keys, fewer than the ", rows.size(2), " seen before");
+    // Earlier queries could not attend to later keys: their columns are 0.
+    if (rows.size(2) < t) {
+      rows = at::cat({rows, at::zeros({rows.size(0), rows.size(1), t - rows.size(2)}, rows.options())}, 2);
+    }
+    rows = at::cat({rows, red}, 1);
+    if (rows.size(1) > window_) rows = rows.narrow(1, rows.size(1) - window_, window_);
+    rows = rows.contiguous();
+  } else {
+    rows = red.contiguous();
+  }
+}
+
+at::Tensor SnapKVPolicy::pool(const at::Tensor& scores, int64_t kernel, bool use_max) {
+  KV_CHECK_ARG(scores.dim() == 2 && kernel % 2 == 1, "snapkv.pool: expected [H, T] and odd kernel, got ",
+               scores.sizes(), " k=", kernel);
+  if (kernel == 1) return scores.contiguous();
+  const int64_t pad = kernel / 2;
+  auto x = scores.unsqueeze(1);  // [H, 1, T]
+  auto out = use_max ? at::max_pool1d(x, {kernel}, {1}, {pad})
+                     : at::avg_pool1d(x, {kernel}, {1}, {pad}, /*ceil_mode=*/false,
+                                      /*count_include_pad=*/true);
+  return out.squeeze(1).contiguous();
+}
+
+KeepPlan SnapKVPolicy::plan_keep(const EvictionContext& ctx) {
+  if (prefill_done_ || !ctx.is_prefill_end) return {};
+  if (++layers_done_ >= shape().num_layers) prefill_done_ = true;
+  const int64_t t = ctx.resident;
+  // Reserve room for the request's remaining tokens so the budget holds after the last one.
+  const int64_t reserve =
+      context_length() > ctx.logical_length ? context_length() - ctx.logical_length : 0;
+  const int64_t keep_n = layer_budget(ctx.layer) - reserve;
+  if (keep_n >= t) return {};
+  const int64_t w = std::min(window_, t);
+  KV_CHECK(keep_n >= w, CapacityError, "snapkv: budget of ", layer_budget(ctx.layer), " tokens (",
+           budget().to_string(), " of ", context_length(), ") minus ", reserve,
+           " tokens reserved for decoding leaves ", keep_n, " prompt tokens, fewer than the w=", w,
+           " observation window that is always kept");
+  const auto& rows = rows_.at(static_cast<size_t>(ctx.layer));
+  KV_CHECK_ARG(rows.defined() && rows.size(2) == t, "snapkv: layer ", ctx.layer, " has ", t,
+               " prompt tokens but attention was observed over ", rows.defined() ? rows.size(2) : 0,
+               "; call observe_attention(layer, probs) for the prompt chunks");
+  const int64_t prefix = t - w;
+  // Mean over the observation queries (kvpress; the sum ranks the same), prefix keys only.
+  auto scores = rows.narrow(2, 0, prefix).mean(1);  // [H_kv, prefix]
+  scores = pool(scores, kernel_, use_max_);
+  std::vector<int64_t> candidates(static_cast<size_t>(prefix));
+  std::iota(candidates.begin(), candidates.end(), 0);
+  const int64_t hkv = shape().num_kv_heads;
+  std::vector<std::vector<int64_t>> keep(static_cast<size_t>(hkv));
+  for (int64_t h = 0; h < hkv; ++h) {
+    auto& k = keep[static_cast<size_t>(h)];
+    k = top_k_recent_ties(scores.data_ptr<float>() + h * prefix, candidates, keep_n - w);
+    for (int64_t i = prefix; i < t; ++i) k.push_back(i);
+  }
+  rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
+  return {per_head_plan(keep)};
+}
+
+}  // namespace kvcache::evict

@@ -1,0 +1,371 @@
+// SPDX-License-Identifier: Apache-2.0
+// CacheManager: bit-exact fp32 path, bookkeeping with exact numbers, policies end to end,
+// re-rotation, and invariants under seeded random append/evict sequences.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cache/cache_manager_access.h"
+#include "cache_test_util.h"
+#include "kvcache/cache_manager.h"
+#include "kvcache/error.h"
+
+namespace kvcache {
+namespace {
+
+using testing::make_config;
+using testing::positions_range;
+using testing::test_rope;
+
+TEST(CacheConfig, ValidateNamesTheBadField) {
+  auto ok = make_config(2, 4, 2, 8, "fp32", "full");
+  EXPECT_NO_THROW(ok.validate());
+  auto c = ok;
+  c.rope = nullptr;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c = ok;
+  c.num_q_heads = 3;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c = ok;
+  c.position_mode = PositionMode::kRerotate;  // needs pre-RoPE keys
+  try {
+    c.validate();
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("kPreRoPE"), std::string::npos) << e.what();
+  }
+  c.key_storage = KeyStorage::kPreRoPE;
+  EXPECT_NO_THROW(c.validate());
+  c = ok;
+  c.quant = "int5";
+  EXPECT_THROW(CacheManager{c}, InvalidArgument);
+  c = ok;
+  c.policy = "lru@3";
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c = ok;
+  c.quant = "kivi:k2:v2:g32:r100";  // r not a multiple of g
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c = ok;
+  c.quant = "kivi:k2:v2:g16:r32";  // head_dim 8 not divisible by 16
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c = ok;
+  c.policy = "sink:s4:w8@10";
+  EXPECT_THROW(c.validate(), CapacityError);
+}
+
+// fp32 + full: get() is bit-identical to concatenating rope(k) and v chunk by chunk.
+TEST(CacheManager, Fp32FullIsBitIdenticalToConcatenation) {
+  for (int64_t batch : {1, 2}) {
+    CacheManager m(make_config(2, 4, 2, 8, "fp32", "full"));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    std::vector<std::vector<at::Tensor>> ks(2), vs(2);
+    int64_t pos = 0;
+    for (int64_t n : {5, 3, 1, 1, 1, 7}) {
+      for (int64_t l = 0; l < 2; ++l) {
+        auto k = testing::randn({batch, 2, n, 8}, gen);
+        auto v = testing::randn({batch, 2, n, 8}, gen);
+        m.append(l, k, v, positions_range(pos, n));
+        ks[l].push_back(test_rope(k, positions_range(pos, n)));
+        vs[l].push_back(v.clone());
+        m.check_invariants();
+        auto kv = m.get(l);
+        EXPECT_TRUE(at::equal(kv.k, at::cat(ks[l], 2)));
+        EXPECT_TRUE(at::equal(kv.v, at::cat(vs[l], 2)));
+        EXPECT_TRUE(at::equal(kv.positions,
+                              positions_range(0, pos + n).unsqueeze(0).expand({2, pos + n})));
+      }
+      m.end_step();
+      m.check_invariants();
+      pos += n;
+    }
+    EXPECT_EQ(m.logical_length(0), 18);
+    EXPECT_EQ(m.physical_length(1), 18);
+    EXPECT_EQ(m.next_position(), 18);
+    // 18 tokens × 2 layers × (K + V) × 2 heads × 8 × 4 B × batch.
+    EXPECT_EQ(m.stats().bytes_resident, 18 * 2 * 2 * 2 * 8 * 4 * batch);
+  }
+}
+
+TEST(CacheManager, AppendValidation) {
+  CacheManager m(make_config(2, 4, 2, 8, "fp32", "full"));
+  auto k = at::zeros({1, 2, 3, 8});
+  EXPECT_THROW(m.append(2, k, k, positions_range(0, 3)), InvalidArgument);  // layer
+  try {
+    m.append(0, at::zeros({1, 3, 3, 8}), k, positions_range(0, 3));
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("H_kv=2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(m.append(0, k, at::zeros({1, 2, 4, 8}), positions_range(0, 3)), InvalidArgument);
+  EXPECT_THROW(m.append(0, k, k, positions_range(0, 2)), InvalidArgument);
+  EXPECT_THROW(m.append(0, k, k, at::tensor({0, 2, 1}, at::kLong)), InvalidArgument);
+  m.append(0, k, k, positions_range(0, 3));
+  EXPECT_THROW(m.append(0, k, k, positions_range(2, 3)), InvalidArgument);  // overlaps
+  EXPECT_THROW(m.end_step(), InvalidArgument);  // layer 1 appended nothing
+  m.append(1, k, k, positions_range(0, 3));
+  EXPECT_NO_THROW(m.end_step());
+  EXPECT_THROW(m.observe_attention(0, at::zeros({1, 4, 1, 2})), InvalidArgument);  // T_res 3
+  m.check_invariants();
+}
+
+struct StepExpect {
+  int64_t chunk, written, resident_after_append, resident_after_end, peak_bytes;
+};
+
+// Chunked prefill under window@8: resident ≤ budget + chunk; exact bytes for fp32 and int8.
+TEST(CacheManager, ChunkedIngestionBookkeeping) {
+  // fp32: 2 (K, V) × 2 heads × 4 dims × 4 B = 64 B per token per layer.
+  // int8 (one group per token): 2 × 2 × (4 codes + fp16 scale + fp16 zero) = 32 B.
+  for (auto [quant, per_token] : std::vector<std::pair<std::string, int64_t>>{{"fp32", 64}, {"int8", 32}}) {
+    CacheManager m(make_config(2, 2, 2, 4, quant, "window@8"));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    const std::vector<StepExpect> steps = {
+        {5, 5, 5, 5, 5}, {5, 10, 10, 8, 10}, {5, 15, 13, 8, 13}, {1, 16, 9, 8, 13}, {1, 17, 9, 8, 13}};
+    int64_t pos = 0;
+    for (const auto& s : steps) {
+      for (int64_t l = 0; l < 2; ++l) {
+        m.append(l, testing::randn({1, 2, s.chunk, 4}, gen), testing::randn({1, 2, s.chunk, 4}, gen),
+                 positions_range(pos, s.chunk));
+        m.check_invariants();
+        EXPECT_EQ(m.layer_stats(l).tokens_resident, s.resident_after_append);
+        EXPECT_EQ(m.layer_stats(l).bytes_resident, s.resident_after_append * per_token);
+      }
+      m.end_step(s.chunk > 1 && pos + s.chunk == 15);
+      m.check_invariants();
+      pos += s.chunk;
+      for (int64_t l = 0; l < 2; ++l) {
+        auto st = m.layer_stats(l);
+        EXPECT_EQ(st.tokens_written, s.written) << quant << " step " << pos;
+        EXPECT_EQ(st.tokens_resident, s.resident_after_end);
+        EXPECT_EQ(st.tokens_resident_peak, s.peak_bytes);  // peak tokens
+        EXPECT_EQ(st.bytes_resident, s.resident_after_end * per_token);
+        EXPECT_EQ(st.bytes_resident_peak, s.peak_bytes * per_token);
+        EXPECT_LE(st.tokens_resident_peak, 8 + 5);  // budget + chunk
+      }
+      auto total = m.stats();
+      EXPECT_EQ(total.tokens_written, 2 * s.written);
+      EXPECT_EQ(total.bytes_resident, 2 * s.resident_after_end * per_token);
+      EXPECT_EQ(total.bytes_resident_peak, 2 * s.peak_bytes * per_token);
+    }
+    // The window keeps the 8 most recent positions, original positions.
+    EXPECT_TRUE(at::equal(m.get(0).positions, positions_range(9, 8).unsqueeze(0).expand({2, 8})));
+    EXPECT_EQ(m.next_position(), 17);
+    m.reset(100);
+    EXPECT_EQ(m.stats().bytes_resident_peak, 0);
+    EXPECT_EQ(m.physical_length(0), 0);
+  }
+}
+
+// kvpress StreamingLLM vector through the manager: T = 10, sink@50% → positions [0,1,2,3,9].
+TEST(CacheManager, SinkKeepsSinksAndRecentWithOriginalPositions) {
+  auto c = make_config(1, 2, 2, 4, "fp32", "sink@50%", 10);
+  CacheManager m(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto k = testing::randn({1, 2, 10, 4}, gen), v = testing::randn({1, 2, 10, 4}, gen);
+  m.append(0, k, v, positions_range(0, 10));
+  m.end_step(true);
+  m.check_invariants();
+  auto kv = m.get(0);
+  auto idx = at::tensor({0, 1, 2, 3, 9}, at::kLong);
+  EXPECT_TRUE(at::equal(kv.positions, idx.unsqueeze(0).expand({2, 5})));
+  EXPECT_TRUE(at::equal(kv.v, v.index_select(2, idx)));
+  EXPECT_TRUE(at::equal(kv.k, test_rope(k, positions_range(0, 10)).index_select(2, idx)));
+  EXPECT_EQ(m.next_position(), 10);  // new tokens get their true absolute position
+  EXPECT_EQ(m.logical_length(0), 10);
+  EXPECT_EQ(m.physical_length(0), 5);
+}
+
+// H2O end to end with GQA (H_q = 14, H_kv = 2): heads keep different tokens.
+TEST(CacheManager, H2OPerHeadSurvivorsFromObservedAttention) {
+  CacheManager m(make_config(1, 14, 2, 4, "int8", "h2o:r2@4"));
+  EXPECT_TRUE(m.needs_attention());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto k = testing::randn({1, 2, 6, 4}, gen), v = testing::randn({1, 2, 6, 4}, gen);
+  m.append(0, k, v, positions_range(0, 6));
+  auto probs = at::zeros({1, 14, 1, 6});
+  for (int64_t h = 0; h < 7; ++h) probs[0][h][0][1] = 1.0f;   // KV head 0: token 1
+  probs[0][7][0][0] = 0.7f;                                   // KV head 1: tokens 0 and 3
+  probs[0][8][0][3] = 0.7f;
+  probs[0][9][0][3] = 0.3f;
+  m.observe_attention(0, probs);
+  auto before = m.get(0).v.clone();
+  m.end_step(true);
+  m.check_invariants();
+  auto kv = m.get(0);
+  // KV head 0: heavy {1, 3 (tie 0/2/3 at 0 → most recent 3)}; KV head 1: heavy {0, 3}.
+  EXPECT_TRUE(at::equal(kv.positions, at::tensor({1, 3, 4, 5, 0, 3, 4, 5}, at::kLong).view({2, 4})));
+  EXPECT_TRUE(at::equal(kv.v[0][0], before[0][0].index_select(0, at::tensor({1, 3, 4, 5}, at::kLong))));
+  EXPECT_TRUE(at::equal(kv.v[0][1], before[0][1].index_select(0, at::tensor({0, 3, 4, 5}, at::kLong))));
+  // Decode one token: observe over 5 keys, evict back to 4.
+  m.append(0, testing::randn({1, 2, 1, 4}, gen), testing::randn({1, 2, 1, 4}, gen), positions_range(6, 1));
+  EXPECT_THROW(m.end_step(), InvalidArgument);  // attention not observed for the new token
+  auto p2 = at::full({1, 14, 1, 5}, 0.2f);
+  m.observe_attention(0, p2);
+  m.end_step();
+  m.check_invariants();
+  EXPECT_EQ(m.physical_length(0), 4);
+  EXPECT_EQ(m.get(0).positions[0][3].item<int64_t>(), 6);
+}
+
+TEST(CacheManager, SnapKVCompressesOnceAtPrefillEndThenGrows) {
+  // Context 20 = 16 prompt + 4 new; budget 50% = 10 → keep 6 prompt tokens (window 4 + top 2).
+  CacheManager m(make_config(2, 4, 2, 8, "fp16", "snapkv:w4:k3@50%", 20));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  for (int64_t chunk = 0; chunk < 2; ++chunk) {
+    for (int64_t l = 0; l < 2; ++l) {
+      m.append(l, testing::randn({1, 2, 8, 8}, gen), testing::randn({1, 2, 8, 8}, gen),
+               positions_range(chunk * 8, 8));
+      m.observe_attention(l, testing::random_probs(1, 4, 8, (chunk + 1) * 8, gen));
+    }
+    m.end_step(chunk == 1);
+    m.check_invariants();
+  }
+  EXPECT_EQ(m.physical_length(0), 6);
+  EXPECT_FALSE(m.needs_attention());
+  auto pos = m.get(1).positions;
+  EXPECT_TRUE(at::equal(pos.narrow(1, 2, 4), positions_range(12, 4).unsqueeze(0).expand({2, 4})));
+  for (int64_t step = 0; step < 4; ++step) {
+    for (int64_t l = 0; l < 2; ++l) {
+      m.append(l, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen),
+               positions_range(16 + step, 1));
+    }
+    m.end_step();
+    m.check_invariants();
+  }
+  EXPECT_EQ(m.physical_length(0), 10);  // budget holds after the last announced token
+  EXPECT_EQ(m.layer_stats(0).tokens_resident_peak, 16);  // SnapKV holds the whole prompt first
+}
+
+// StreamingLLM re-rotation: keys stored pre-RoPE; after eviction kept keys carry contiguous
+// positions. RoPE(prune(K), new positions) == rerotate(prune(RoPE(K))).
+TEST(CacheManager, RerotateMatchesRopeOfPrunedKeys) {
+  auto c = make_config(1, 2, 2, 8, "fp32", "sink:s2:w3");
+  c.key_storage = KeyStorage::kPreRoPE;
+  c.position_mode = PositionMode::kRerotate;
+  CacheManager m(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
+  std::vector<at::Tensor> kept_pre;  // pre-RoPE keys of the expected survivors
+  std::vector<int64_t> orig_pos;     // their original (absolute) positions
+  int64_t absolute = 0;
+  for (int64_t step = 0; step < 12; ++step) {
+    const int64_t n = step == 0 ? 4 : 1;
+    auto k = testing::randn({1, 2, n, 8}, gen);
+    EXPECT_EQ(m.next_position(), static_cast<int64_t>(kept_pre.size()));
+    m.append(0, k, testing::randn({1, 2, n, 8}, gen), positions_range(m.next_position(), n));
+    for (int64_t i = 0; i < n; ++i) {
+      kept_pre.push_back(k.narrow(2, i, 1));
+      orig_pos.push_back(absolute++);
+    }
+    m.end_step(step == 0);
+    m.check_invariants();
+    if (kept_pre.size() > 5) {  // sinks 2 + window 3
+      kept_pre.erase(kept_pre.begin() + 2, kept_pre.end() - 3);
+      orig_pos.erase(orig_pos.begin() + 2, orig_pos.end() - 3);
+    }
+    const auto n_kept = static_cast<int64_t>(kept_pre.size());
+    auto pruned = at::cat(kept_pre, 2);
+    auto expect = test_rope(pruned, positions_range(0, n_kept));
+    auto kv = m.get(0);
+    EXPECT_TRUE(at::allclose(kv.k, expect, 1e-5, 1e-5)) << "step " << step;
+    EXPECT_TRUE(at::equal(kv.positions, positions_range(0, n_kept).unsqueeze(0).expand({2, n_kept})));
+    // kvpress KeyRerotationPress: rotate the post-RoPE survivors by (new − old) positions.
+    auto old_pos = at::tensor(orig_pos, at::kLong);
+    std::vector<at::Tensor> rerot;
+    for (int64_t i = 0; i < n_kept; ++i) {
+      auto post = test_rope(pruned.narrow(2, i, 1), old_pos.narrow(0, i, 1));
+      rerot.push_back(test_rope(post, at::tensor({i - orig_pos[static_cast<size_t>(i)]}, at::kLong)));
+    }
+    EXPECT_TRUE(at::allclose(kv.k, at::cat(rerot, 2), 1e-4, 1e-4)) << "step " << step;
+  }
+  EXPECT_THROW(m.append(0, at::zeros({1, 2, 1, 8}), at::zeros({1, 2, 1, 8}), positions_range(99, 1)),
+               InvalidArgument);
+}
+
+TEST(CacheManager, PreRopeOriginalPositionsRotatesOnRead) {
+  auto c = make_config(1, 2, 2, 8, "int4", "window@6");
+  c.key_storage = KeyStorage::kPreRoPE;
+  CacheManager m(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  int64_t pos = 0;
+  for (int64_t n : {5, 4, 1, 1}) {
+    m.append(0, testing::randn({1, 2, n, 8}, gen), testing::randn({1, 2, n, 8}, gen), positions_range(pos, n));
+    m.end_step();
+    m.check_invariants();  // checks k == rope(dequant(stored pre-RoPE keys), positions)
+    pos += n;
+  }
+  EXPECT_TRUE(at::equal(m.get(0).positions, positions_range(5, 6).unsqueeze(0).expand({2, 6})));
+  auto kv = cache::CacheManagerAccess::stream(m, 0, true);
+  EXPECT_TRUE(at::allclose(m.get(0).k.narrow(1, 1, 1), test_rope(kv.stored[1], positions_range(5, 6)), 1e-5, 1e-5));
+}
+
+TEST(CacheManager, ResidualWindowWithPlainQuantizer) {
+  auto c = make_config(1, 2, 2, 8, "int4", "full");
+  c.residual_length = 3;
+  CacheManager m(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+  auto v = testing::randn({1, 2, 5, 8}, gen);
+  m.append(0, testing::randn({1, 2, 5, 8}, gen), v, positions_range(0, 5));
+  m.end_step(true);
+  m.check_invariants();
+  auto s = cache::CacheManagerAccess::stream(m, 0, false);
+  EXPECT_EQ(s.quantized_tokens, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(s.residual_tokens, (std::vector<int64_t>{3, 3}));
+  EXPECT_TRUE(s.gatherable);
+  EXPECT_TRUE(at::equal(s.residual[0], v.narrow(1, 0, 1).narrow(2, 2, 3).to(at::kHalf)));
+  // Bytes: per head 2 int4 tokens (4 B codes + 2 + 2 B) + 3 fp16 tokens (16 B) = 16 + 48.
+  EXPECT_EQ(m.layer_stats(0).bytes_resident, 2 * 2 * (2 * 8 + 3 * 16));
+}
+
+// Seeded random sequences over quantizers × policies × key storage: check_invariants() after
+// every append, observation and end_step.
+TEST(CacheManager, RandomizedInvariants) {
+  const std::vector<std::string> quants = {"fp32", "fp16", "int8", "int4:g4", "int2:g8:chan",
+                                           "fp8:e4m3:scaled", "kivi:k2:v4:g4:r8"};
+  const std::vector<std::string> policies = {"full", "window@12", "sink:s2@12", "h2o@12",
+                                             "random:seed3@12", "tova@12", "snapkv:w4@90%"};
+  uint64_t seed = 100;
+  for (const auto& quant : quants) {
+    for (const auto& policy : policies) {
+      for (int mode = 0; mode < 3; ++mode) {  // post-RoPE, pre-RoPE, pre-RoPE + rerotate
+        const bool positional = policy.rfind("window", 0) == 0 || policy.rfind("sink", 0) == 0;
+        if (mode == 2 && !positional) continue;
+        auto c = make_config(2, 4, 2, 8, quant, policy, 40);
+        if (mode >= 1) c.key_storage = KeyStorage::kPreRoPE;
+        if (mode == 2) c.position_mode = PositionMode::kRerotate;
+        CacheManager m(c);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+        int64_t steps = 0;
+        std::mt19937 rng(static_cast<uint32_t>(seed));
+        int64_t written = 0;
+        while (written < 40) {
+          const bool prefill = steps < 3;
+          int64_t n = prefill ? 4 + static_cast<int64_t>(rng() % 6) : 1;
+          n = std::min<int64_t>(n, 40 - written);
+          for (int64_t l = 0; l < 2; ++l) {
+            const int64_t p0 = m.next_position(l);
+            m.append(l, testing::randn({1, 2, n, 8}, gen) * 2.0, testing::randn({1, 2, n, 8}, gen),
+                     positions_range(p0, n));
+            m.check_invariants();
+            if (m.needs_attention()) {
+              m.observe_attention(l, testing::random_probs(1, 4, n, m.physical_length(l), gen));
+            }
+          }
+          m.end_step(steps == 2);
+          m.check_invariants();
+          written += n;
+          ++steps;
+          const auto st = m.layer_stats(1);
+          EXPECT_EQ(st.tokens_written, written);
+          if (policy != "full" && policy.rfind("snapkv", 0) != 0) {
+            EXPECT_LE(st.tokens_resident, 12) << quant << " " << policy << " mode " << mode;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcache

@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""Export a Hugging Face Llama / Qwen2 checkpoint directory to a libkvcache TorchScript module.
+
+Usage: /usr/bin/python3 tools/export_torchscript.py CHECKPOINT_DIR OUT.pt [--dtype fp32|fp16|bf16]
+
+CHECKPOINT_DIR holds config.json (model_type llama or qwen2), model.safetensors or a sharded
+model.safetensors.index.json (BF16/F16/F32), tokenizer.json or vocab.json + merges.txt, and
+optionally tokenizer_config.json / generation_config.json. The output follows model ABI v1
+(docs/model-abi.md). It is written to a temp file and renamed, so a failed run leaves nothing.
+Needs only torch + numpy (no transformers, no safetensors package, no network).
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvcache_tools.errors import ToolError  # noqa: E402
+from kvcache_tools.export import DTYPES, export_checkpoint  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint_dir", help="HF checkpoint directory")
+    ap.add_argument("out", help="output .pt path")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                    help="weight/activation dtype of the export (default fp32; logits are always fp32)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    try:
+        extra = export_checkpoint(args.checkpoint_dir, args.out, args.dtype)
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB, {args.dtype}, "
+          f"extra files: {', '.join(sorted(extra))}) in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
