@@ -159,6 +159,35 @@ TEST(StudyReport, RecommendationsFollowTheRules) {
   EXPECT_FALSE(n.notes.empty());
 }
 
+TEST(StudyReport, ErrorRowsCountAsFailuresButNotAsMemory) {
+  auto r = rows();
+  for (int i = 0; i < 10; ++i) {
+    auto e = task_row("kivi:k2:v2:g32:r128+full", i, false, 0);
+    e.error = "cannot run on this model";
+    e.values.clear();
+    r.push_back(e);
+  }
+  auto half = task_row("int8+full", 0, false, 0);  // one error row, nine measured rows
+  half.error = "budget too small";
+  half.values.clear();
+  r.push_back(half);
+  for (int i = 1; i < 10; ++i) r.push_back(task_row("int8+full", i, true, 2048));
+  const auto s = summarize(r);
+  const auto& k = arm(s, "kivi:k2:v2:g32:r128+full");
+  EXPECT_EQ(k.errors, 10);
+  EXPECT_EQ(k.passed, 0);
+  EXPECT_TRUE(std::isnan(k.peak_kib_mean));
+  EXPECT_TRUE(std::isnan(k.memory_ratio));
+  const auto& i8 = arm(s, "int8+full");
+  EXPECT_EQ(i8.passed, 9);
+  EXPECT_DOUBLE_EQ(i8.peak_kib_mean, 2.0);  // over the 9 measured rows, not 18/10
+  for (const auto& rec : s.recommendations) EXPECT_NE(rec.arm, "kivi:k2:v2:g32:r128+full") << rec.rule;
+  EXPECT_EQ(s.recommendations[0].arm, "int4+full");
+  bool noted = false;
+  for (const auto& n : s.notes) noted |= n.find("11 rows carry an error") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
 TEST(StudyReport, MarkdownJsonCsv) {
   const auto s = summarize(rows());
   const std::string md = summary_markdown(s);

@@ -186,6 +186,21 @@ TEST(StudySweep, UserErrorsBecomeRowsOtherErrorsAbort) {
       EXPECT_NE(r.error.find("budget too small"), std::string::npos);
     }
   }
+  // An arm the model cannot run: its rows record why, the other arms run.
+  auto unsup = options();
+  unsup.arms.push_back(parse_arm("kivi:k2:v2:g64:r128"));
+  FakeEvaluator ev_u;
+  ResultsStore store_u(tmp("unsupported.jsonl"));
+  auto su = run_sweep(ev_u, unsup, store_u);
+  EXPECT_EQ(su.errors, 21);  // 20 task rows + its text row (its recon row reaches the fake, which accepts it)
+  int unsupported_rows = 0;
+  for (const auto& r : store_u.rows()) {
+    if (r.arm == "kivi:k2:v2:g64:r128+full") {
+      ++unsupported_rows;
+      EXPECT_NE(r.error.find("cannot run on this model: g64 does not divide head_dim 32"), std::string::npos) << r.error;
+    }
+  }
+  EXPECT_EQ(unsupported_rows, 21);
   auto bad = options();
   bad.arms.push_back(parse_arm("bogus"));
   FakeEvaluator ev2;

@@ -130,13 +130,7 @@ void add_run_command(CLI::App& app) {
     const int64_t planned_arms = static_cast<int64_t>(opt.arms.size());
     std::cerr << "kv_study run: model " << evaluator->model_id() << ", " << planned_arms << " arms x " << opt.tasks.size()
               << " tasks, shard " << opt.shard.to_string() << " -> " << path << "\n";
-    // Total for the progress bar: this shard's share of the plan.
-    std::vector<Arm> canon;
-    for (const auto& a : opt.arms) canon.push_back(evaluator->canonicalize(a));
-    canon = dedupe(canon);
-    int64_t owned = 0;
-    for (const auto& w : plan_sweep(canon, opt.tasks, opt)) owned += opt.shard.owns(w.order);
-    Progress progress(std::cerr, ::isatty(::fileno(stderr)) != 0, owned);
+    Progress progress(std::cerr, ::isatty(::fileno(stderr)) != 0, /*total: set by run_sweep*/ 0);
     const auto st = run_sweep(*evaluator, opt, store, &progress);
     std::cerr << "kv_study run: " << st.executed << " items run, " << st.skipped << " already done, " << st.errors
               << " with errors; " << store.rows().size() << " rows in " << path << "\n";

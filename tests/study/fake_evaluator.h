@@ -36,6 +36,7 @@ class FakeEvaluator : public ArmEvaluator {
 
   Arm canonicalize(const Arm& arm) const override {
     KV_CHECK_ARG(arm.quant != "bogus", "unknown quantizer 'bogus'");
+    KV_CHECK(arm.quant != "kivi:k2:v2:g64:r128", UnsupportedError, "g64 does not divide head_dim 32");
     Arm a = arm;
     if (a.quant == "fp8:e4m3") a.quant = "fp8";
     return a;

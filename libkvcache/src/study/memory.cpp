@@ -13,7 +13,7 @@
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
-#include "kivi_spec.h"
+#include "cache/cache_scheme.h"
 
 namespace kvcache::study {
 namespace {
@@ -80,42 +80,51 @@ ModelShape resolve_model_shape(const std::string& name_or_path) {
   return model_shape_preset(name_or_path);  // throws, listing the presets
 }
 
-KvFormat kv_format(const std::string& spec, int64_t head_dim) {
-  KV_CHECK_ARG(head_dim > 0, "kv_format: head_dim must be > 0, got ", head_dim);
-  KvFormat f;
-  const auto parts = split_spec(spec);
-  if (parts[0] == "kivi") {
-    const auto p = ParsedSpec::parse(spec, kivi_table());
-    f.spec = spec;  // as given: the scheme's canonical form belongs to the cache library
-    const double g = static_cast<double>(p.integer("g"));
-    f.key_raw_bits = static_cast<double>(p.integer("k"));
-    f.value_raw_bits = static_cast<double>(p.integer("v"));
-    f.key_bits = f.key_raw_bits + 32.0 / g;
-    f.value_bits = f.value_raw_bits + 32.0 / g;
-    f.residual_tokens = p.integer("r");
-    return f;
-  }
+namespace {
+
+struct StreamBits {
+  double raw = 0;
+  double effective = 0;
+  int64_t per_tensor_bytes = 0;
+};
+
+/// Measures one stream's quantizer on a sample of 256 tokens (a multiple of g per channel).
+StreamBits measure_stream(const std::string& spec, int64_t head_dim) {
   const auto q = make_quantizer(spec);
-  f.spec = q->spec();
-  // A sample of 256 tokens, or a multiple of the group size for per-channel groups.
   int64_t tokens = 256;
   if (q->group_axis() == GroupAxis::kPerChannel) {
-    for (const auto& part : split_spec(f.spec)) {
-      if (part.size() > 1 && part[0] == 'g' && part.find_first_not_of("0123456789", 1) == std::string::npos) {
-        const int64_t g = std::stoll(part.substr(1));
-        if (g > 0) tokens = g * ((256 + g - 1) / g);
-      }
-    }
+    const int64_t g = cache::spec_group_size(spec);
+    if (g > 0) tokens = g * ((256 + g - 1) / g);
   }
   auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
   const at::Tensor x = at::randn({1, 1, tokens, head_dim}, gen, at::TensorOptions().dtype(at::kFloat));
   const QuantizedTensor qt = q->quantize(x);
   const double values = static_cast<double>(qt.numel());
-  const double code_bits = static_cast<double>(qt.codes.numel() * static_cast<int64_t>(qt.codes.element_size())) * 8.0;
-  f.key_raw_bits = f.value_raw_bits = code_bits / values;
-  f.key_bits = f.value_bits = q->bits_per_value(head_dim);
-  const double extra = static_cast<double>(qt.nbytes()) - f.key_bits * values / 8.0;
-  f.per_tensor_bytes = extra > 0.5 ? static_cast<int64_t>(std::llround(extra)) : 0;
+  StreamBits b;
+  b.raw = static_cast<double>(qt.codes.numel() * static_cast<int64_t>(qt.codes.element_size())) * 8.0 / values;
+  b.effective = q->bits_per_value(head_dim);
+  const double extra = static_cast<double>(qt.nbytes()) - b.effective * values / 8.0;
+  b.per_tensor_bytes = extra > 0.5 ? static_cast<int64_t>(std::llround(extra)) : 0;
+  return b;
+}
+
+}  // namespace
+
+KvFormat kv_format(const std::string& spec, int64_t head_dim) {
+  KV_CHECK_ARG(head_dim > 0, "kv_format: head_dim must be > 0, got ", head_dim);
+  const cache::CacheScheme scheme = cache::parse_cache_scheme(spec, 0, head_dim);
+  const StreamBits k = measure_stream(scheme.key.quantizer, head_dim);
+  const StreamBits v = measure_stream(scheme.value.quantizer, head_dim);
+  KvFormat f;
+  f.spec = split_spec(spec)[0] == "kivi" ? scheme.canonical : make_quantizer(spec)->spec();
+  f.key_raw_bits = k.raw;
+  f.value_raw_bits = v.raw;
+  f.key_bits = k.effective;
+  f.value_bits = v.effective;
+  f.key_residual_tokens = scheme.key.residual;
+  f.value_residual_tokens = scheme.value.residual;
+  f.residual_bits = 8.0 * static_cast<double>(c10::elementSize(scheme.key.residual_dtype));
+  f.per_tensor_bytes = std::max(k.per_tensor_bytes, v.per_tensor_bytes);
   return f;
 }
 
@@ -128,14 +137,14 @@ MemoryEstimate estimate_kv_memory(const ModelShape& s, const KvFormat& f, int64_
   const double per_token_values = static_cast<double>(s.num_layers * s.num_kv_heads * s.head_dim);  // per K or V
   const double t = static_cast<double>(tokens);
   const double b = static_cast<double>(batch);
-  const double residual = static_cast<double>(std::min<int64_t>(tokens, f.residual_tokens));
-  const double quantized = t - residual;
+  const double res_k = static_cast<double>(std::min<int64_t>(tokens, f.key_residual_tokens));
+  const double res_v = static_cast<double>(std::min<int64_t>(tokens, f.value_residual_tokens));
   MemoryEstimate m;
   m.tokens = tokens;
   m.batch = batch;
   m.raw_bytes = b * per_token_values * t * (f.key_raw_bits + f.value_raw_bits) / 8.0;
   m.effective_bytes = b * per_token_values *
-                          (quantized * (f.key_bits + f.value_bits) + residual * 2.0 * f.residual_bits) / 8.0 +
+                          ((t - res_k) * f.key_bits + (t - res_v) * f.value_bits + (res_k + res_v) * f.residual_bits) / 8.0 +
                       (tokens > 0 ? b * static_cast<double>(s.num_layers) * 2.0 * static_cast<double>(f.per_tensor_bytes) : 0.0);
   const double values = b * per_token_values * t * 2.0;
   m.raw_bits_per_value = values > 0 ? m.raw_bytes * 8.0 / values : 0.0;

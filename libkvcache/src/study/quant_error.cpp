@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "kivi_spec.h"
+#include "cache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 
@@ -20,12 +20,7 @@ struct Pooled {
   void add(const Quantizer& q, at::Tensor x) {
     if (q.group_axis() == GroupAxis::kPerChannel) {
       // Groups run along tokens: keep a whole number of groups (the spec's g<N>).
-      int64_t g = 0;
-      for (const auto& part : split_spec(q.spec())) {
-        if (part.size() > 1 && part[0] == 'g' && part.find_first_not_of("0123456789", 1) == std::string::npos) {
-          g = std::stoll(part.substr(1));
-        }
-      }
+      const int64_t g = cache::spec_group_size(q.spec());
       if (g > 0) {
         const int64_t keep = x.size(2) / g * g;
         KV_CHECK_ARG(keep > 0, "quantizer '", q.spec(), "' groups ", g, " tokens per channel but the sample has only ",
@@ -52,25 +47,20 @@ std::string f(double v, const char* fmt) {
 
 ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples) {
   KV_CHECK_ARG(!samples.empty(), "measure_reconstruction('", quant, "'): no K/V samples");
-  std::unique_ptr<Quantizer> qk;
-  std::unique_ptr<Quantizer> qv;
-  if (split_spec(quant)[0] == "kivi") {
-    const auto p = ParsedSpec::parse(quant, kivi_table());
-    const std::string g = std::to_string(p.integer("g"));
-    qk = make_quantizer("int" + std::to_string(p.integer("k")) + ":g" + g + ":chan");
-    qv = make_quantizer("int" + std::to_string(p.integer("v")) + ":g" + g);
-  } else {
-    qk = make_quantizer(quant);
-  }
+  // Resolved as the CacheManager resolves CacheConfig::quant (KIVI: int<k>:g<G>:chan keys,
+  // int<v>:g<G> values).
+  const int64_t d = samples[0].k.size(3);
+  const cache::CacheScheme scheme = cache::parse_cache_scheme(quant, 0, d);
+  const auto qk = make_quantizer(scheme.key.quantizer);
+  const auto qv = make_quantizer(scheme.value.quantizer);
   const Quantizer& key_q = *qk;
-  const Quantizer& value_q = qv ? *qv : *qk;
+  const Quantizer& value_q = *qv;
   Pooled k;
   Pooled v;
   for (const auto& s : samples) {
     k.add(key_q, s.k);
     v.add(value_q, s.v);
   }
-  const int64_t d = samples[0].k.size(3);
   ReconstructionResult r;
   r.bits_per_value = 0.5 * (key_q.bits_per_value(d) + value_q.bits_per_value(d));
   r.key_rel_err = k.rel();

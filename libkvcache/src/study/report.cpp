@@ -37,6 +37,7 @@ std::string signed_fmt(double v, const char* f) {
 struct Accum {
   int64_t order = std::numeric_limits<int64_t>::max();
   int64_t tasks = 0, passed = 0, errors = 0;
+  int64_t measured = 0;  ///< task rows without error: memory/speed means are over these
   double peak_sum = 0, peak_max = 0, written_sum = 0, resident_sum = 0;
   double span_sum = 0;
   int64_t span_n = 0;
@@ -156,6 +157,18 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
       a.tasks++;
       a.passed += ok;
       a.errors += !r.error.empty();
+      auto& f = a.fam[r.family];
+      f.first += ok;
+      f.second++;
+      families_seen.insert(r.family);
+      if (r.depth_pct >= 0) {
+        auto& d = a.depth[r.depth_pct];
+        d.first += ok;
+        d.second++;
+        depths.insert(r.depth_pct);
+      }
+      if (!r.error.empty()) continue;
+      a.measured++;
       const double peak = nz(r.value("peak_bytes"));
       a.peak_sum += peak;
       a.peak_max = std::max(a.peak_max, peak);
@@ -169,16 +182,6 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
       a.prefill_s += nz(r.value("prefill_s"));
       a.gen_tokens += nz(r.value("generated_tokens"));
       a.decode_s += nz(r.value("decode_s"));
-      auto& f = a.fam[r.family];
-      f.first += ok;
-      f.second++;
-      families_seen.insert(r.family);
-      if (r.depth_pct >= 0) {
-        auto& d = a.depth[r.depth_pct];
-        d.first += ok;
-        d.second++;
-        depths.insert(r.depth_pct);
-      }
     } else if (r.kind == "text") {
       Accum& a = acc[r.arm];
       a.order = std::min(a.order, r.order);
@@ -232,10 +235,11 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
     x.errors = a.errors;
     const double n = static_cast<double>(a.tasks);
     x.accuracy = a.tasks ? static_cast<double>(a.passed) / n : kNaN;
-    x.peak_kib_mean = a.tasks ? a.peak_sum / n / 1024.0 : kNaN;
-    x.peak_kib_max = a.tasks ? a.peak_max / 1024.0 : kNaN;
-    x.tokens_written_mean = a.tasks ? a.written_sum / n : kNaN;
-    x.tokens_resident_mean = a.tasks ? a.resident_sum / n : kNaN;
+    const double m = static_cast<double>(a.measured);
+    x.peak_kib_mean = a.measured ? a.peak_sum / m / 1024.0 : kNaN;
+    x.peak_kib_max = a.measured ? a.peak_max / 1024.0 : kNaN;
+    x.tokens_written_mean = a.measured ? a.written_sum / m : kNaN;
+    x.tokens_resident_mean = a.measured ? a.resident_sum / m : kNaN;
     x.span_resident_mean = a.span_n ? a.span_sum / static_cast<double>(a.span_n) : kNaN;
     for (const auto& [f, pn] : a.fam) x.family_accuracy[f] = static_cast<double>(pn.first) / static_cast<double>(pn.second);
     for (const auto& [d, pn] : a.depth) {

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvcache/study/sweep.h"
 
+#include <map>
 #include <set>
 
 #include "kvcache/error.h"
@@ -26,6 +27,7 @@ const char* kind_name(ItemKind k) {
 void put_cache_stats(const CacheStats& c, ResultRow& row) {
   row.values["tokens_written"] = static_cast<double>(c.tokens_written);
   row.values["tokens_resident"] = static_cast<double>(c.tokens_resident);
+  row.values["tokens_resident_peak"] = static_cast<double>(c.tokens_resident_peak);
   row.values["peak_bytes"] = static_cast<double>(c.bytes_resident_peak);
   row.values["final_bytes"] = static_cast<double>(c.bytes_resident);
 }
@@ -149,7 +151,18 @@ std::vector<WorkItem> plan_sweep(const std::vector<Arm>& arms, const std::vector
 
 SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& store, Progress* progress) {
   std::vector<Arm> arms;
-  for (const auto& a : opt.arms) arms.push_back(ev.canonicalize(a));
+  // Arms the model cannot run (UnsupportedError from canonicalize, e.g. a group size that does
+  // not divide its head_dim) stay in the plan under their spec as given; their rows carry the
+  // reason. Malformed specs (InvalidArgument) stop the sweep before anything runs.
+  std::map<std::string, std::string> unsupported;
+  for (const auto& a : opt.arms) {
+    try {
+      arms.push_back(ev.canonicalize(a));
+    } catch (const UnsupportedError& e) {
+      arms.push_back(a);
+      unsupported.emplace(a.spec(), e.what());
+    }
+  }
   arms = dedupe(arms);
   const Arm control = ev.canonicalize(opt.control);
   std::set<std::string> ids;
@@ -175,7 +188,10 @@ SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& st
       pending.push_back(&w);
     }
   }
-  if (progress != nullptr) progress->skipped(st.skipped);
+  if (progress != nullptr) {
+    progress->set_total(st.owned);
+    progress->skipped(st.skipped);
+  }
 
   Shared shared;
   for (const WorkItem* w : pending) {
@@ -191,7 +207,11 @@ SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& st
       row.depth_pct = t.depth_pct;
       row.context_target = t.context_target;
     }
+    const auto skip = unsupported.find(w->arm.spec());
     try {
+      if ((w->kind == ItemKind::kTask || w->kind == ItemKind::kText) && skip != unsupported.end()) {
+        throw UnsupportedError("arm " + skip->first + " cannot run on this model: " + skip->second);
+      }
       execute(ev, *w, opt, opt.tasks, control, shared, row);
     } catch (const InvalidArgument& e) {
       row.error = e.what();

@@ -44,19 +44,20 @@ struct KvFormat {
   double value_raw_bits = 16;  ///< code bits per value-cache value
   double key_bits = 16;        ///< effective bits per key value incl. per-group metadata
   double value_bits = 16;      ///< effective bits per value-cache value incl. metadata
-  int64_t residual_tokens = 0; ///< most recent tokens kept in full precision (KIVI's R)
+  int64_t key_residual_tokens = 0;    ///< most recent keys kept in full precision (KIVI's R)
+  int64_t value_residual_tokens = 0;  ///< most recent values kept in full precision
   double residual_bits = 16;   ///< bits per value of residual tokens (fp16)
   int64_t per_tensor_bytes = 0;  ///< per layer, for K and for V each (fp8: 4, one fp32 scale)
 };
 
-/// The storage format of `spec` for heads of `head_dim` values:
-///   - a quantizer spec (anything make_quantizer() accepts: fp32, fp16, bf16, fp8[:e5m2][:scaled],
-///     int8/int4/int2[:g<G>][:chan], ...) is measured: a sample tensor is quantized, raw bits =
-///     code bytes x 8 / values, effective bits = Quantizer::bits_per_value(head_dim), per-tensor
-///     bytes = whatever nbytes() holds beyond that (fp8:scaled's fp32 scale);
-///   - a KIVI scheme spec kivi[:k<b>][:v<b>][:g<G>][:r<R>] (defaults k2 v2 g32 r128; arXiv
-///     2402.02750) uses methods b.0's formula: b + 32/G bits per value (fp16 scale + zero per group)
-///     plus R fp16 residual tokens for K and V.
+/// The storage format of `spec` (a CacheConfig::quant value) for heads of `head_dim` values.
+/// The spec is resolved as the CacheManager does (cache::parse_cache_scheme: a quantizer spec
+/// for both K and V, or a scheme such as kivi:k2:v2:g32:r128 with per-stream quantizers and
+/// fp16 residual windows; per-channel quantizers keep up to g recent tokens in the residual),
+/// then each stream's quantizer is measured: a sample tensor is quantized, raw bits = code
+/// bytes x 8 / values, effective bits = Quantizer::bits_per_value(head_dim), per-tensor bytes =
+/// whatever nbytes() holds beyond that (fp8:scaled's fp32 scale). The residual counts R tokens
+/// for K and for V (methods b.0's approximation; KIVI's key residual really oscillates in [0, R)).
 /// @throws InvalidArgument for an unknown head or bad field (listing what is allowed).
 KvFormat kv_format(const std::string& spec, int64_t head_dim);
 

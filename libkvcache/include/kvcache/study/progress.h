@@ -24,6 +24,8 @@ class Progress {
   /// @param clock        defaults to std::chrono::steady_clock.
   Progress(std::ostream& out, bool interactive, int64_t total, Clock clock = {}, double log_every_s = 30.0);
 
+  /// Sets the number of items (run_sweep calls it once it knows its shard's share).
+  void set_total(int64_t total) { total_ = total; }
   /// `n` items were already finished (resume): counted as done, not in the rate.
   void skipped(int64_t n);
   /// One item finished now; `label` names it (e.g. "int4+full s1-needle-L512-d35-r0").

@@ -22,9 +22,10 @@ struct ReconstructionResult {
 };
 
 /// Quantize-dequantize every sample's K and V with `quant` and measure the error (through
-/// quantizer.h's reconstruction_error). `quant` is a quantizer spec (make_quantizer) or a KIVI
-/// scheme kivi[:k<b>][:v<b>][:g<G>][:r<R>], whose keys use int<k>:g<G>:chan and values
-/// int<v>:g<G> (the residual window is not part of the reconstruction error). Per-channel
+/// quantizer.h's reconstruction_error). `quant` is any CacheConfig::quant value, resolved as the
+/// CacheManager does: a quantizer spec for K and V, or a scheme such as kivi:k2:v2:g32:r128
+/// (keys int<k>:g<G>:chan, values int<v>:g<G>; the residual window is not part of the
+/// reconstruction error). Per-channel
 /// quantizers see each sample's tokens cut to a multiple of their group size.
 /// @throws InvalidArgument for a bad spec, no samples, or samples shorter than one group.
 ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples);

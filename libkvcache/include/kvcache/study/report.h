@@ -8,8 +8,9 @@
 /// Definitions (per arm, over its "task" rows):
 ///   accuracy       passed / tasks (a row with an error counts as not passed);
 ///   Δ pp / Δ tasks accuracy and passed count minus the control's;
-///   peak KV        mean over tasks of CacheStats::bytes_resident_peak (KiB = 1024 B), and its
-///                  ratio to the control's mean;
+///   peak KV        mean of CacheStats::bytes_resident_peak (KiB = 1024 B) over the task rows
+///                  without error (NaN if none: such an arm is never recommended), and its ratio
+///                  to the control's mean; tokens written/resident and speed use the same rows;
 ///   prefill tok/s  Σ prompt_tokens / Σ prefill_s; decode tok/s Σ generated_tokens / Σ decode_s.
 /// Missing numbers are NaN (JSON null, empty CSV cell, "–" in Markdown).
 

@@ -71,8 +71,10 @@ class ArmEvaluator {
   virtual std::string model_id() const = 0;
 
   /// The arm with canonical specs (Quantizer::spec() / the policy's canonical spec with its
-  /// budget), e.g. {"fp8:e4m3", "h2o@50%"} -> {"fp8", "h2o@50%"}.
-  /// @throws InvalidArgument if a spec does not parse (before anything runs).
+  /// budget), e.g. {"fp8", "h2o@50%"} -> {"fp8:e4m3", "h2o@50%"}.
+  /// @throws InvalidArgument if a spec does not parse (the sweep stops before anything runs);
+  ///         UnsupportedError if it parses but this model cannot run it (e.g. KIVI g32 with
+  ///         head_dim 16): the sweep keeps the arm and records the reason in its rows.
   virtual Arm canonicalize(const Arm& arm) const = 0;
 
   /// Renders `task.messages` with the model's chat template (generation prompt added), resets a
@@ -132,7 +134,8 @@ struct SweepStats {
 };
 
 /// Runs the owned, unfinished items of the plan in order and appends one row per item.
-/// @throws InvalidArgument if an arm does not canonicalize or a task id repeats; rethrows
+/// `progress` (optional) gets its total set to the shard's item count.
+/// @throws InvalidArgument if an arm spec is malformed or a task id repeats; rethrows
 ///         non-user errors of the evaluator (rows written so far stay).
 SweepStats run_sweep(ArmEvaluator& evaluator, const SweepOptions& options, ResultsStore& store,
                      Progress* progress = nullptr);
