@@ -1,0 +1,223 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sweep subcommands: run, merge, report, generate.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "commands.h"
+#include "kvcache/error.h"
+#include "kvcache/study/model_evaluator.h"
+#include "kvcache/study/progress.h"
+#include "kvcache/study/report.h"
+#include "kvcache/study/sweep.h"
+#include "kvcache/study/task_suite.h"
+
+namespace kv_study {
+
+using namespace kvcache::study;
+
+namespace {
+
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+void make_dirs(const std::string& dir) {
+  std::string cur;
+  for (size_t i = 0; i <= dir.size(); ++i) {
+    if (i == dir.size() || dir[i] == '/') {
+      if (!cur.empty() && !is_dir(cur)) {
+        KV_CHECK_ARG(::mkdir(cur.c_str(), 0755) == 0 || is_dir(cur), "cannot create directory '", cur, "'");
+      }
+    }
+    if (i < dir.size()) cur.push_back(dir[i]);
+  }
+}
+
+std::string dirname_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+std::string stem(const std::string& path) {
+  std::string base = path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
+  const auto dot = base.rfind('.');
+  return dot == std::string::npos ? base : base.substr(0, dot);
+}
+
+/// The results file of a run in `dir`: results.jsonl, or one per shard.
+std::string results_path(const std::string& dir, const Shard& shard) {
+  if (shard.count == 1) return dir + "/results.jsonl";
+  return dir + "/results.shard" + std::to_string(shard.index) + "of" + std::to_string(shard.count) + ".jsonl";
+}
+
+void report_to(const std::string& results, const std::string& dir, const std::string& model_id,
+               const std::string& control, bool print) {
+  int64_t partial = 0;
+  const auto rows = read_results(results, &partial);
+  const Summary s = summarize(rows, model_id, control);
+  write_summary_files(s, dir);
+  if (print) std::cout << summary_markdown(s);
+  std::cerr << "kv_study: wrote " << dir << "/summary.md, summary.json, summary.csv (" << rows.size() << " rows"
+            << (partial ? ", 1 trailing partial line skipped" : "") << ")\n";
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "run",
+      "Run the sweep: every arm (quant+policy) x every task, plus per-arm perplexity (single-pass and streaming),\n"
+      "KLD and top-1 agreement vs the control, per-quantizer reconstruction error and the attention-error table.\n"
+      "Each finished item is appended and fsync'd to OUT/results.jsonl; rerunning the same command resumes.\n"
+      "Writes OUT/summary.md/json/csv and prints the tables (unsharded runs; after --shard use merge + report).\n"
+      "Example: kv_study run --suite small --configs fp32+full,int4+h2o@50% --out runs/small");
+  auto model = std::make_shared<std::string>(kDefaultModel);
+  auto out = std::make_shared<std::string>();
+  auto suite = std::make_shared<std::string>("default");
+  auto tasks_file = std::make_shared<std::string>();
+  auto seed = std::make_shared<uint64_t>(kDefaultSuiteSeed);
+  auto configs = std::make_shared<std::string>();
+  auto budget = std::make_shared<std::string>();
+  auto shard = std::make_shared<std::string>("0/1");
+  auto threads = std::make_shared<int>(2);
+  auto no_text = std::make_shared<bool>(false);
+  auto no_recon = std::make_shared<bool>(false);
+  auto no_attn = std::make_shared<bool>(false);
+  auto quiet = std::make_shared<bool>(false);
+  cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
+  cmd->add_option("--out", *out, "output directory (default runs/<model stem>-<suite>)");
+  cmd->add_option("--suite", *suite, "task suite: default (222 tasks) or small (20)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"default", "small"}));
+  cmd->add_option("--seed", *seed, "suite seed")->capture_default_str();
+  cmd->add_option("--tasks", *tasks_file, "read tasks from this JSONL file instead of --suite/--seed");
+  cmd->add_option("--configs", *configs,
+                  "arms: comma list or a file with one per line, 'quant+policy' (e.g. int4+h2o@50%); default: the 18 "
+                  "default arms (kv_study list)");
+  cmd->add_option("--budget", *budget, "override the budget of every evicting arm: tokens (256) or percent (25%)");
+  cmd->add_option("--shard", *shard, "run slice i of n (0-based): items with plan index % n == i")->capture_default_str();
+  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_flag("--no-text", *no_text, "skip the perplexity/KLD rows");
+  cmd->add_flag("--no-recon", *no_recon, "skip the reconstruction-error rows");
+  cmd->add_flag("--no-attn", *no_attn, "skip the attention-error rows");
+  cmd->add_flag("--quiet", *quiet, "do not print the tables at the end");
+  cmd->callback([=] {
+    SweepOptions opt;
+    opt.arms = configs->empty() ? default_arms() : parse_arm_list(*configs);
+    if (!budget->empty()) opt.arms = with_budget(opt.arms, *budget);
+    opt.tasks = tasks_file->empty() ? generate_suite(*suite, *seed) : read_tasks_jsonl(*tasks_file);
+    opt.shard = Shard::parse(*shard);
+    opt.text = !*no_text;
+    opt.reconstruction = !*no_recon;
+    opt.attention = !*no_attn;
+    const std::string dir = out->empty() ? "runs/" + stem(*model) + "-" + (tasks_file->empty() ? *suite : stem(*tasks_file)) : *out;
+    make_dirs(dir);
+
+    ModelEvaluatorOptions mopt;
+    mopt.model_path = *model;
+    mopt.threads = *threads;
+    auto evaluator = make_model_evaluator(mopt);
+    const std::string path = results_path(dir, opt.shard);
+    ResultsStore store(path);
+    if (store.repaired_bytes() > 0) {
+      std::cerr << "kv_study: removed a partial last line (" << store.repaired_bytes() << " bytes) from " << path
+                << " (interrupted write)\n";
+    }
+    const int64_t planned_arms = static_cast<int64_t>(opt.arms.size());
+    std::cerr << "kv_study run: model " << evaluator->model_id() << ", " << planned_arms << " arms x " << opt.tasks.size()
+              << " tasks, shard " << opt.shard.to_string() << " -> " << path << "\n";
+    Progress progress(std::cerr, ::isatty(::fileno(stderr)) != 0, /*total: set by run_sweep*/ 0);
+    const auto st = run_sweep(*evaluator, opt, store, &progress);
+    std::cerr << "kv_study run: " << st.executed << " items run, " << st.skipped << " already done, " << st.errors
+              << " with errors; " << store.rows().size() << " rows in " << path << "\n";
+    if (opt.shard.count == 1) {
+      report_to(path, dir, evaluator->model_id(), evaluator->canonicalize(opt.control).spec(), !*quiet);
+    } else {
+      std::cerr << "kv_study run: shard done; combine with: kv_study merge " << dir << "/results.shard*of"
+                << opt.shard.count << ".jsonl --out " << dir << "/results.jsonl && kv_study report " << dir << "\n";
+    }
+  });
+}
+
+void add_merge_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "merge",
+      "Combine results files (e.g. shards) into one: one row per (arm, task, model), first occurrence wins,\n"
+      "rows in plan order (the order of an unsharded run). Trailing partial lines are skipped.\n"
+      "Example: kv_study merge runs/x/results.shard*of8.jsonl --out runs/x/results.jsonl");
+  auto inputs = std::make_shared<std::vector<std::string>>();
+  auto out = std::make_shared<std::string>();
+  cmd->add_option("inputs", *inputs, "results files to merge")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--out", *out, "merged results file")->required();
+  cmd->callback([=] {
+    const auto st = merge_result_files(*inputs, *out);
+    std::cerr << "kv_study merge: " << st.rows_in << " rows in, " << st.rows_out << " out, " << st.duplicates
+              << " duplicates dropped, " << st.conflicts << " conflicting duplicates (first kept), " << st.partial_lines
+              << " partial lines skipped -> " << *out << "\n";
+  });
+}
+
+void add_report_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "report",
+      "Regenerate summary.md/json/csv from a results file (or a run directory holding results.jsonl) and print the tables.");
+  auto input = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  auto model_id = std::make_shared<std::string>();
+  auto control = std::make_shared<std::string>("fp32+full");
+  auto quiet = std::make_shared<bool>(false);
+  cmd->add_option("input", *input, "results.jsonl or a run directory")->required();
+  cmd->add_option("--out", *out, "directory for the summaries (default: next to the results)");
+  cmd->add_option("--model-id", *model_id, "model to summarize when the results hold several");
+  cmd->add_option("--control", *control, "control arm (canonical spec)")->capture_default_str();
+  cmd->add_flag("--quiet", *quiet, "do not print the tables");
+  cmd->callback([=] {
+    const std::string results = is_dir(*input) ? *input + "/results.jsonl" : *input;
+    const std::string dir = out->empty() ? dirname_of(results) : *out;
+    make_dirs(dir);
+    report_to(results, dir, *model_id, *control, !*quiet);
+  });
+}
+
+void add_generate_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "generate",
+      "One arm, one prompt: greedy reply through the managed cache, then the cache statistics.\n"
+      "Example: kv_study generate --arm int4+h2o@50% --prompt 'What is two plus two?'");
+  auto model = std::make_shared<std::string>(kDefaultModel);
+  auto arm = std::make_shared<std::string>("fp32+full");
+  auto prompt = std::make_shared<std::string>();
+  auto system = std::make_shared<std::string>("You are a helpful assistant.");
+  auto max_new = std::make_shared<int64_t>(64);
+  auto threads = std::make_shared<int>(2);
+  cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
+  cmd->add_option("--arm", *arm, "quant+policy")->capture_default_str();
+  cmd->add_option("--prompt", *prompt, "user message")->required();
+  cmd->add_option("--system", *system, "system message ('' for none)")->capture_default_str();
+  cmd->add_option("--max-new-tokens", *max_new, "generation limit")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->callback([=] {
+    ModelEvaluatorOptions mopt;
+    mopt.model_path = *model;
+    mopt.threads = *threads;
+    auto ev = make_model_evaluator(mopt);
+    const Arm a = ev->canonicalize(parse_arm(*arm));
+    kvcache::study::Task t;
+    t.id = "generate";
+    if (!system->empty()) t.messages.push_back({"system", *system});
+    t.messages.push_back({"user", *prompt});
+    t.max_new_tokens = *max_new;
+    const Generation g = ev->run_task(a, t);
+    std::cout << g.output << "\n";
+    std::cerr << "arm " << a.spec() << " | prompt " << g.prompt_tokens << " tokens, generated " << g.generated_tokens
+              << " | tokens written " << g.cache.tokens_written << ", resident " << g.cache.tokens_resident
+              << " | KV bytes resident " << g.cache.bytes_resident << ", peak " << g.cache.bytes_resident_peak
+              << " | prefill " << g.prefill_seconds << " s, decode " << g.decode_seconds << " s\n";
+  });
+}
+
+}  // namespace kv_study

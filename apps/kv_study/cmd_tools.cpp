@@ -1,0 +1,200 @@
+// SPDX-License-Identifier: Apache-2.0
+// Model-free subcommands: memory, suite, quant (synthetic), list.
+#include <iostream>
+#include <sstream>
+
+#include "commands.h"
+#include "kvcache/error.h"
+#include "kvcache/quantizer.h"
+#include "kvcache/study/arm.h"
+#include "kvcache/study/memory.h"
+#include "kvcache/study/model_evaluator.h"
+#include "kvcache/study/quant_error.h"
+#include "kvcache/study/task_suite.h"
+
+namespace kv_study {
+
+using namespace kvcache::study;
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const auto b = item.find_first_not_of(" \t");
+    if (b == std::string::npos) continue;
+    out.push_back(item.substr(b, item.find_last_not_of(" \t") - b + 1));
+  }
+  return out;
+}
+
+namespace {
+
+std::string format_number(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+int64_t parse_int(const std::string& s, const char* what) {
+  try {
+    size_t pos = 0;
+    const long long v = std::stoll(s, &pos);
+    KV_CHECK_ARG(pos == s.size(), what, " '", s, "' is not an integer");
+    return v;
+  } catch (const std::logic_error&) {
+    throw kvcache::InvalidArgument(std::string(what) + " '" + s + "' is not an integer");
+  }
+}
+
+}  // namespace
+
+void add_memory_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "memory",
+      "KV-cache memory calculator: raw bits (no scales/zeros, the quantization deep-dive's convention) and\n"
+      "effective bytes (codes + per-group metadata + residual window), decimal GB and binary MiB.\n"
+      "Example: kv_study memory --model llama-3-8b --context 131072 --quant fp16,int2");
+  auto model = std::make_shared<std::string>("llama-3-8b");
+  auto contexts = std::make_shared<std::string>("4096,32768,131072");
+  auto quants = std::make_shared<std::string>("fp16,fp8,int8,int4,int2,kivi:k2:v2:g32:r128,kivi:k4:v4:g32:r128");
+  auto batch = std::make_shared<int64_t>(1);
+  cmd->add_option("--model", *model,
+                  "preset (qwen2.5-0.5b, qwen2.5-7b, llama-3-8b), a Hugging Face config.json, or a directory holding one")
+      ->capture_default_str();
+  cmd->add_option("--context", *contexts, "context length(s) in tokens, comma-separated")->capture_default_str();
+  cmd->add_option("--quant", *quants,
+                  "quantizer or cache-scheme spec(s), comma-separated (any make_quantizer spec, or kivi:k<b>:v<b>:g<G>:r<R>)")
+      ->capture_default_str();
+  cmd->add_option("--batch", *batch, "sequences in the batch")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->callback([=] {
+    const ModelShape shape = resolve_model_shape(*model);
+    std::vector<KvFormat> formats;
+    for (const auto& q : split_list(*quants)) formats.push_back(kv_format(q, shape.head_dim));
+    std::vector<int64_t> ctx;
+    for (const auto& c : split_list(*contexts)) ctx.push_back(parse_int(c, "--context"));
+    KV_CHECK_ARG(!formats.empty() && !ctx.empty(), "--quant and --context need at least one value each");
+    std::cout << memory_table_markdown(shape, formats, ctx, *batch);
+    std::cout << "\nraw: code bits only (deep-dive convention); effective: + fp16 scale/zero per group, "
+                 "fp16 residual tokens, per-tensor scales. GB = 1e9 B, MiB = 2^20 B.\n";
+  });
+}
+
+void add_suite_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "suite",
+      "Write tasks as JSONL (one task per line: id, family, depth, context target, messages, answer, scoring rule,\n"
+      "load-bearing span). Evaluation suite: --suite default|small. Training data: --count N (issue 6; use seeds\n"
+      "disjoint from the evaluation seed).\n"
+      "Examples: kv_study suite --suite small --out small.jsonl\n"
+      "          kv_study suite --seed 7 --count 50000 --min-context 64 --max-context 800 --out train.jsonl");
+  auto suite = std::make_shared<std::string>("default");
+  auto seed = std::make_shared<uint64_t>(kDefaultSuiteSeed);
+  auto count = std::make_shared<int64_t>(-1);
+  auto out = std::make_shared<std::string>();
+  auto min_ctx = std::make_shared<int64_t>(64);
+  auto max_ctx = std::make_shared<int64_t>(800);
+  auto families = std::make_shared<std::string>();
+  cmd->add_option("--suite", *suite, "evaluation suite: default (222 tasks) or small (20)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"default", "small"}));
+  cmd->add_option("--seed", *seed, "generator seed")->capture_default_str();
+  cmd->add_option("--count", *count, "training-data mode: number of tasks (random lengths/depths/families)");
+  cmd->add_option("--min-context", *min_ctx, "training mode: smallest context target (approx. tokens)")->capture_default_str();
+  cmd->add_option("--max-context", *max_ctx, "training mode: largest context target (approx. tokens)")->capture_default_str();
+  cmd->add_option("--families", *families, "training mode: comma list of needle,multiturn,instruction,summary (default all)");
+  cmd->add_option("--out", *out, "output JSONL file ('-' for stdout)")->required();
+  cmd->callback([=] {
+    std::vector<kvcache::study::Task> tasks;
+    if (*count >= 0) {
+      TrainingOptions opt;
+      opt.min_context = *min_ctx;
+      opt.max_context = *max_ctx;
+      for (const auto& f : split_list(*families)) opt.families.push_back(parse_family(f));
+      tasks = generate_training_tasks(*seed, *count, opt);
+    } else {
+      tasks = generate_suite(*suite, *seed);
+    }
+    if (*out == "-") {
+      for (const auto& t : tasks) std::cout << task_to_json(t) << "\n";
+    } else {
+      write_tasks_jsonl(*out, tasks);
+      std::cerr << "kv_study suite: wrote " << tasks.size() << " tasks to " << *out << "\n";
+    }
+  });
+}
+
+void add_quant_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "quant",
+      "Quantizer tables without a sweep: reconstruction error (bits/value, key/value relative error) of every\n"
+      "registered quantizer, and the attention error of the four K/V granularity schemes. On a synthetic attention\n"
+      "layer with outlier key channels by default; on Q/K/V captured from a model with --model.");
+  auto specs = std::make_shared<std::string>();
+  auto model = std::make_shared<std::string>();
+  auto tokens = std::make_shared<int64_t>(256);
+  auto head_dim = std::make_shared<int64_t>(64);
+  auto kv_heads = std::make_shared<int64_t>(2);
+  auto q_heads = std::make_shared<int64_t>(14);
+  auto outliers = std::make_shared<int64_t>(4);
+  auto outlier_scale = std::make_shared<double>(8.0);
+  auto seed = std::make_shared<uint64_t>(0);
+  auto bits = std::make_shared<std::string>("2,4");
+  auto group = std::make_shared<int64_t>(32);
+  auto threads = std::make_shared<int>(0);
+  cmd->add_option("--specs", *specs, "comma list of quantizer/scheme specs (default: every registered quantizer + variants)");
+  cmd->add_option("--model", *model, "capture Q/K/V from this exported model instead of synthetic data");
+  cmd->add_option("--threads", *threads, "LibTorch threads with --model (0: default)");
+  cmd->add_option("--tokens", *tokens, "synthetic: tokens")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--head-dim", *head_dim, "synthetic: head_dim")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-heads", *kv_heads, "synthetic: KV heads")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--q-heads", *q_heads, "synthetic: query heads (multiple of --kv-heads)")->capture_default_str();
+  cmd->add_option("--outliers", *outliers, "synthetic: outlier key channels")->capture_default_str();
+  cmd->add_option("--outlier-scale", *outlier_scale, "synthetic: scale and offset of outlier channels")->capture_default_str();
+  cmd->add_option("--seed", *seed, "synthetic: seed")->capture_default_str();
+  cmd->add_option("--bits", *bits, "attention-error bit widths, comma list")->capture_default_str();
+  cmd->add_option("--group", *group, "attention-error min-max group size")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->callback([=] {
+    std::vector<QkvSample> samples;
+    std::string source;
+    if (!model->empty()) {
+      ModelEvaluatorOptions opt;
+      opt.model_path = *model;
+      opt.threads = *threads;
+      samples = make_model_evaluator(opt)->capture_qkv();
+      source = "Q/K/V captured from " + *model + " (" + std::to_string(samples.size()) + " layers)";
+    } else {
+      samples = {synthetic_qkv(*seed, *q_heads, *kv_heads, *tokens, *head_dim, *outliers, *outlier_scale)};
+      source = "synthetic layer: " + std::to_string(*q_heads) + " query / " + std::to_string(*kv_heads) +
+               " KV heads, " + std::to_string(*tokens) + " tokens, head_dim " + std::to_string(*head_dim) + ", " +
+               std::to_string(*outliers) + " outlier key channels (scale and offset " + format_number(*outlier_scale) + ")";
+    }
+    const auto list = specs->empty() ? default_quant_error_specs() : split_list(*specs);
+    std::vector<int> b;
+    for (const auto& x : split_list(*bits)) b.push_back(static_cast<int>(parse_int(x, "--bits")));
+    std::cout << "# Quantizer reconstruction error\n\n" << source << "\n\n" << reconstruction_table_markdown(list, samples);
+    std::cout << "\n# Attention error by K/V granularity (relative Frobenius error of softmax(qK^T/sqrt(d))V and of the "
+                 "probabilities; asymmetric min-max groups of "
+              << *group << ")\n\n"
+              << attention_table_markdown(samples, b, *group);
+  });
+}
+
+void add_list_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("list", "List registered quantizers, eviction policies, cache schemes and the default arms.");
+  cmd->callback([] {
+    std::cout << "# Quantizers (spec: head(:field)*)\n\n";
+    for (const auto& t : kvcache::registered_quantizers()) std::cout << kvcache::describe(t) << "\n";
+    std::cout << "# Cache schemes\n\n"
+                 "kivi — KIVI (arXiv 2402.02750): keys per channel (int<k>:g<G>:chan), values per token (int<v>:g<G>),\n"
+                 "    the last R tokens in fp16; fields k<bits> v<bits> g<group> r<residual> (default kivi:k2:v2:g32:r128)\n\n";
+    std::cout << "# Eviction policies (spec: head(:field)*[@budget], budget @N tokens or @P% of the context)\n\n"
+                 "full, window, sink, h2o, random, snapkv, tova (see the cache library's registered_policies())\n\n";
+    std::cout << "# Default arms of kv_study run (quant+policy)\n\n";
+    for (const auto& a : default_arms()) std::cout << "  " << a.spec() << "\n";
+    std::cout << "\n# Task families\n\n";
+    for (auto f : all_families()) std::cout << "  " << to_string(f) << "\n";
+  });
+}
+
+}  // namespace kv_study

@@ -1,0 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// kv_study subcommands. Each add_* registers one subcommand on the app; its callback runs the
+// command (exceptions propagate to main, which prints them and exits non-zero).
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+namespace kv_study {
+
+void add_memory_command(CLI::App& app);
+void add_suite_command(CLI::App& app);
+void add_quant_command(CLI::App& app);
+void add_list_command(CLI::App& app);
+void add_run_command(CLI::App& app);
+void add_merge_command(CLI::App& app);
+void add_report_command(CLI::App& app);
+void add_generate_command(CLI::App& app);
+
+/// Splits "a,b,c" (trimming blanks, dropping empty items).
+std::vector<std::string> split_list(const std::string& text);
+
+/// The default model of `run`, `generate` and `quant --model`.
+inline const char* kDefaultModel = "models/kvstudy-default.pt";
+/// The default seed of the evaluation suite (training data must use other seeds, issue 6).
+inline constexpr uint64_t kDefaultSuiteSeed = 1234;
+
+}  // namespace kv_study

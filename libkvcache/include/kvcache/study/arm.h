@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file arm.h
+/// An arm of the study: a cache quantizer/scheme spec × an eviction policy spec, written
+/// "quant+policy" (e.g. "int4+h2o@50%", "kivi:k2:v2:g32:r128+full").
+
+#include <string>
+#include <vector>
+
+namespace kvcache::study {
+
+struct Arm {
+  std::string quant = "fp32";   ///< quantizer or cache-scheme spec (CacheConfig::quant)
+  std::string policy = "full";  ///< eviction policy spec with optional @budget (CacheConfig::policy)
+
+  /// "quant+policy".
+  std::string spec() const { return quant + "+" + policy; }
+  bool operator==(const Arm& o) const { return quant == o.quant && policy == o.policy; }
+  bool operator!=(const Arm& o) const { return !(*this == o); }
+};
+
+/// The control arm, "fp32+full": every Δ, KLD and memory ratio is relative to it.
+Arm control_arm();
+
+/// Parses "quant+policy". A text without '+' is a policy if it has an '@budget' or its head is
+/// one of full, window, sink, h2o, random, snapkv, tova, pyramidkv (then quant = "fp32"),
+/// otherwise a quantizer (then policy = "full"). Surrounding whitespace is ignored.
+/// Specs are not validated here (the evaluator canonicalizes them through the factories).
+/// @throws InvalidArgument on an empty part or more than one '+'.
+Arm parse_arm(const std::string& text);
+
+/// The default sweep, in this order: the study seed's 12 (fp32, fp16, fp8:e4m3, int8, int4, int2
+/// with full; fp32 with window@50%, sink@50%, h2o@50%, random@50%; int8+sink@50%;
+/// int4+h2o@50%), then bf16, fp8:e5m2, kivi:k2:v2:g32:r128, kivi:k4:v4:g32:r128 (full),
+/// fp32+snapkv@50%, fp32+tova@50%.
+std::vector<Arm> default_arms();
+
+/// `--configs`: if `text` names a readable file, one arm per line ('#' starts a comment, blank
+/// lines ignored); otherwise a comma-separated list.
+/// @throws InvalidArgument naming the entry (and file line) that does not parse, or if empty.
+std::vector<Arm> parse_arm_list(const std::string& text);
+
+/// `--budget B` ("256" tokens or "25%"): replaces the budget of every arm whose policy is not
+/// "full" (adding one where the policy had none). @throws InvalidArgument for a bad budget.
+std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget);
+
+/// Removes later duplicates (same spec), keeping the first occurrence's position.
+std::vector<Arm> dedupe(const std::vector<Arm>& arms);
+
+}  // namespace kvcache::study

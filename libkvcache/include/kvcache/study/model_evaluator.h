@@ -1,0 +1,51 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file model_evaluator.h
+/// The ArmEvaluator over a real exported model (CausalLM + Tokenizer/ChatTemplate +
+/// CacheManager): what `kv_study run`, `generate` and `quant --model` use.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvcache/study/sweep.h"
+
+namespace kvcache::study {
+
+/// What the evaluator measures, exactly:
+///  - run_task: the task's messages rendered by the model's chat template (ChatTemplate::detect),
+///    encoded with special tokens parsed, greedy generation through a CacheManager built from
+///    CausalLM::cache_config() with the arm's quant/policy (Runner::generate, prefill in
+///    `prefill_chunk` steps), stopped at the model's EOS ids or `<|im_end|>`; the reply decoded
+///    without special tokens. span_resident: the task span mapped to token positions (by encoding
+///    the rendered text up to its ends), the fraction of those positions resident in every layer
+///    and KV head at the end of the request.
+///  - eval_text: the passage's ids; single pass = Runner::score in one step (quantization acts,
+///    eviction cannot); streaming = token by token through Runner::decode_step (each position
+///    sees only what the cache kept), which also yields the logits for KLD / top-1.
+///  - capture_qkv: an unmanaged fp32 forward over the first `capture_tokens` passage tokens;
+///    per layer q (post-RoPE), k (post-RoPE) and v.
+struct ModelEvaluatorOptions {
+  std::string model_path;        ///< exported model (.pt, model ABI v1) with its tokenizer
+  int threads = 0;               ///< intra-op threads for LibTorch (0: leave as is)
+  /// Evaluation passage of the perplexity/KLD rows; empty: filler_passage(passage_seed, text_tokens).
+  std::string text;
+  uint64_t passage_seed = 1234;
+  int64_t text_tokens = 512;     ///< approximate length of the default passage (capped at the
+                                 ///< model's max_position_embeddings)
+  /// Prompt tokens per prefill step of run_task (0: the whole prompt in one step). Chunks let
+  /// eviction act during a long prompt, so peak memory reflects the budget; SnapKV compresses at
+  /// the end of the prompt whatever the chunk.
+  int64_t prefill_chunk = 64;
+  /// Tokens of the passage whose Q/K/V capture_qkv() returns.
+  int64_t capture_tokens = 256;
+  /// Layers whose Q/K/V capture_qkv() returns (empty: every layer).
+  std::vector<int64_t> capture_layers;
+};
+
+/// Builds the evaluator for `options.model_path`.
+/// @throws InvalidArgument if the model cannot be loaded; UnsupportedError where this build
+///         lacks the model runner.
+std::unique_ptr<ArmEvaluator> make_model_evaluator(const ModelEvaluatorOptions& options);
+
+}  // namespace kvcache::study

@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file quant_error.h
+/// The study seed's quantizer reconstruction-error table (bits/value, key and value relative
+/// error) and the deep-dive's attention-error table, on K/V captured from a model or on a
+/// synthetic layer with outlier key channels (`kv_study quant`).
+
+#include <string>
+#include <vector>
+
+#include "kvcache/study/metrics.h"
+
+namespace kvcache::study {
+
+/// Reconstruction error of one quantizer spec on K and V.
+struct ReconstructionResult {
+  double bits_per_value = 0;  ///< Quantizer::bits_per_value(head_dim) (KIVI: mean of K and V)
+  double key_rel_err = 0;     ///< ||K - K_hat||_F / ||K||_F pooled over all samples
+  double value_rel_err = 0;
+  double key_max_abs = 0;     ///< max |K - K_hat|
+  double value_max_abs = 0;
+};
+
+/// Quantize-dequantize every sample's K and V with `quant` and measure the error (through
+/// quantizer.h's reconstruction_error). `quant` is any CacheConfig::quant value, resolved as the
+/// CacheManager does: a quantizer spec for K and V, or a scheme such as kivi:k2:v2:g32:r128
+/// (keys int<k>:g<G>:chan, values int<v>:g<G>; the residual window is not part of the
+/// reconstruction error). Per-channel
+/// quantizers see each sample's tokens cut to a multiple of their group size.
+/// @throws InvalidArgument for a bad spec, no samples, or samples shorter than one group.
+ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples);
+
+/// The specs `kv_study quant` tabulates: every registered quantizer with default fields, then
+/// int4/int2 with g32 per token and per channel, then KIVI-2 and KIVI-4 (g32, r128).
+std::vector<std::string> default_quant_error_specs();
+
+/// Markdown table "| quantizer | bits/value | key rel. error | value rel. error | key max abs | value max abs |"
+/// of `specs` on `samples`; a spec that fails gets its error message in the row.
+std::string reconstruction_table_markdown(const std::vector<std::string>& specs, const std::vector<QkvSample>& samples);
+
+/// Markdown table of scheme_attention_error for the four granularities at `bits`.
+std::string attention_table_markdown(const std::vector<QkvSample>& samples, const std::vector<int>& bits, int64_t group);
+
+}  // namespace kvcache::study

@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file report.h
+/// Summaries of a results file: the study seed's tables as Markdown (summary.md), JSON
+/// (summary.json, read by tools/plot_results.py) and CSV (summary.csv, one row per arm), and a
+/// recommendations table generated from the measured numbers by fixed rules (docs/study.md).
+///
+/// Definitions (per arm, over its "task" rows):
+///   accuracy       passed / tasks (a row with an error counts as not passed);
+///   Δ pp / Δ tasks accuracy and passed count minus the control's;
+///   peak KV        mean of CacheStats::bytes_resident_peak (KiB = 1024 B) over the task rows
+///                  without error (NaN if none: such an arm is never recommended), and its ratio
+///                  to the control's mean; tokens written/resident and speed use the same rows;
+///   prefill tok/s  Σ prompt_tokens / Σ prefill_s; decode tok/s Σ generated_tokens / Σ decode_s.
+/// Missing numbers are NaN (JSON null, empty CSV cell, "–" in Markdown).
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kvcache/study/results.h"
+
+namespace kvcache::study {
+
+struct ArmSummary {
+  std::string arm;
+  bool is_control = false;
+  int64_t tasks = 0;
+  int64_t passed = 0;
+  int64_t errors = 0;
+  double accuracy = 0;      ///< passed / tasks, in [0, 1]
+  double delta_pp = 0;      ///< (accuracy - control accuracy) * 100
+  int64_t delta_tasks = 0;  ///< passed - control passed
+  double peak_kib_mean = 0;
+  double peak_kib_max = 0;
+  double memory_ratio = 0;  ///< peak_kib_mean / control's
+  double tokens_written_mean = 0;
+  double tokens_resident_mean = 0;
+  double span_resident_mean = 0;  ///< NaN if not measured
+  std::map<std::string, double> family_accuracy;  ///< by family name
+  std::map<int, double> depth_accuracy;           ///< needle tasks by depth_pct
+  std::map<int, int64_t> depth_tasks;
+  double ppl_single = 0, ppl_stream = 0, kld_mean = 0, kld_max = 0, top1 = 0;  ///< NaN if no "text" row
+  double prefill_tps = 0, decode_tps = 0;
+  double total_seconds = 0;  ///< Σ prefill_s + decode_s over the arm's tasks
+};
+
+struct ReconstructionSummary {
+  std::string quant;
+  double bits_per_value = 0, key_rel_err = 0, value_rel_err = 0;
+  std::string error;
+};
+
+struct AttentionSummary {
+  std::string scheme;       ///< granularity key ("kivi")
+  std::string description;  ///< "per-channel K + per-token V (KIVI)"
+  std::map<int, double> out_rel_err;   ///< by bits
+  std::map<int, double> prob_rel_err;  ///< by bits
+};
+
+struct Recommendation {
+  std::string rule;      ///< the rule, in words
+  std::string arm;       ///< chosen arm, or "" if none qualifies
+  std::string evidence;  ///< the numbers that decided it
+};
+
+struct Summary {
+  std::string model;
+  std::string control;
+  bool has_control = false;
+  std::vector<std::string> families;  ///< in suite order
+  std::vector<int> depths;            ///< ascending
+  std::vector<ArmSummary> arms;       ///< in plan order
+  std::vector<ReconstructionSummary> reconstruction;
+  std::vector<AttentionSummary> attention;
+  std::vector<int> attention_bits;
+  std::vector<Recommendation> recommendations;
+  std::vector<std::string> notes;  ///< warnings (unequal task counts, error rows, missing control)
+};
+
+/// Model ids present in the rows, in first-appearance order.
+std::vector<std::string> models_in(const std::vector<ResultRow>& rows);
+
+/// Summarizes the rows of `model` (empty: the only model present).
+/// @throws InvalidArgument if `model` is empty and the rows hold several models (listing them),
+///         or if no row belongs to the model.
+Summary summarize(const std::vector<ResultRow>& rows, const std::string& model = "",
+                  const std::string& control = "fp32+full");
+
+/// The recommendation rules, applied to `summary.arms` (summarize() already calls this).
+std::vector<Recommendation> recommend(const Summary& summary);
+
+std::string summary_markdown(const Summary& summary);
+std::string summary_json(const Summary& summary);
+std::string summary_csv(const Summary& summary);
+
+/// Writes summary.md, summary.json and summary.csv into `dir` (created if missing).
+void write_summary_files(const Summary& summary, const std::string& dir);
+
+}  // namespace kvcache::study

@@ -1,0 +1,117 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "kvcache/study/arm.h"
+
+#include <fstream>
+#include <set>
+#include <sys/stat.h>
+
+#include "kvcache/error.h"
+#include "kvcache/spec.h"
+
+namespace kvcache::study {
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const auto e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+bool is_policy_head(const std::string& spec) {
+  static const std::set<std::string> kHeads = {"full", "window", "sink", "h2o", "random", "snapkv", "tova", "pyramidkv"};
+  const auto colon = spec.find_first_of(":@");
+  return kHeads.count(spec.substr(0, colon)) > 0;
+}
+
+bool is_regular_file(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+}  // namespace
+
+Arm control_arm() { return Arm{"fp32", "full"}; }
+
+Arm parse_arm(const std::string& text) {
+  const std::string t = trim(text);
+  KV_CHECK_ARG(!t.empty(), "empty arm spec (expected quant+policy, e.g. 'int4+h2o@50%')");
+  const auto plus = t.find('+');
+  if (plus == std::string::npos) {
+    if (t.find('@') != std::string::npos || is_policy_head(t)) return Arm{"fp32", t};
+    return Arm{t, "full"};
+  }
+  KV_CHECK_ARG(t.find('+', plus + 1) == std::string::npos, "arm '", t,
+               "' has more than one '+' (expected quant+policy, e.g. 'int4+h2o@50%')");
+  Arm a{trim(t.substr(0, plus)), trim(t.substr(plus + 1))};
+  KV_CHECK_ARG(!a.quant.empty() && !a.policy.empty(), "arm '", t,
+               "' has an empty side (expected quant+policy, e.g. 'int4+h2o@50%')");
+  return a;
+}
+
+std::vector<Arm> default_arms() {
+  return {
+      {"fp32", "full"},           {"fp16", "full"},          {"fp8:e4m3", "full"},
+      {"int8", "full"},           {"int4", "full"},          {"int2", "full"},
+      {"fp32", "window@50%"},     {"fp32", "sink@50%"},      {"fp32", "h2o@50%"},
+      {"fp32", "random@50%"},     {"int8", "sink@50%"},      {"int4", "h2o@50%"},
+      {"bf16", "full"},           {"fp8:e5m2", "full"},      {"kivi:k2:v2:g32:r128", "full"},
+      {"kivi:k4:v4:g32:r128", "full"}, {"fp32", "snapkv@50%"}, {"fp32", "tova@50%"},
+  };
+}
+
+std::vector<Arm> parse_arm_list(const std::string& text) {
+  std::vector<Arm> arms;
+  if (is_regular_file(text)) {
+    std::ifstream in(text);
+    KV_CHECK_ARG(in.good(), "cannot read configs file '", text, "'");
+    std::string line;
+    int lineno = 0;
+    while (std::getline(in, line)) {
+      ++lineno;
+      const auto hash = line.find('#');
+      if (hash != std::string::npos) line.resize(hash);
+      if (trim(line).empty()) continue;
+      try {
+        arms.push_back(parse_arm(line));
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(detail::str_cat(text, ":", lineno, ": ", e.what()));
+      }
+    }
+  } else {
+    size_t start = 0;
+    while (start <= text.size()) {
+      const auto comma = text.find(',', start);
+      const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      if (!trim(item).empty()) arms.push_back(parse_arm(item));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
+  KV_CHECK_ARG(!arms.empty(), "--configs '", text, "' lists no arm (expected e.g. 'fp32+full,int4+h2o@50%' or a file)");
+  return arms;
+}
+
+std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget) {
+  std::string b = trim(budget);
+  if (!b.empty() && b[0] == '@') b = b.substr(1);
+  const Budget parsed = Budget::parse(b);  // validates
+  for (auto& a : arms) {
+    auto [head, old] = split_budget(a.policy);
+    (void)old;
+    if (head == "full") continue;
+    a.policy = head + parsed.to_string();
+  }
+  return arms;
+}
+
+std::vector<Arm> dedupe(const std::vector<Arm>& arms) {
+  std::vector<Arm> out;
+  std::set<std::string> seen;
+  for (const auto& a : arms) {
+    if (seen.insert(a.spec()).second) out.push_back(a);
+  }
+  return out;
+}
+
+}  // namespace kvcache::study

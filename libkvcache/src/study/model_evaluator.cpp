@@ -1,0 +1,239 @@
+// SPDX-License-Identifier: Apache-2.0
+// The ArmEvaluator over an exported model: CausalLM + Tokenizer/ChatTemplate + Runner over a
+// CacheManager per request.
+#include "kvcache/study/model_evaluator.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "cache/cache_scheme.h"
+#include "kvcache/error.h"
+#include "kvcache/eviction_policy.h"
+#include "kvcache/model/causal_lm.h"
+#include "kvcache/model/chat_template.h"
+#include "kvcache/model/runner.h"
+#include "kvcache/model/tokenizer.h"
+#include "kvcache/quantizer.h"
+#include "kvcache/study/task_suite.h"
+
+namespace kvcache::study {
+namespace {
+
+/// "<file stem>@<8 hex digits of FNV-1a over the file>" (files over 256 MiB: over the size and
+/// the first and last 64 MiB).
+std::string file_id(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  KV_CHECK_ARG(in.good(), "cannot read model file '", path, "'");
+  const int64_t size = static_cast<int64_t>(in.tellg());
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&](const char* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      h ^= static_cast<unsigned char>(p[i]);
+      h *= 1099511628211ULL;
+    }
+  };
+  std::vector<char> buf(1 << 20);
+  auto hash_range = [&](int64_t begin, int64_t end) {
+    in.seekg(begin);
+    for (int64_t off = begin; off < end;) {
+      const auto n = static_cast<std::streamsize>(std::min<int64_t>(end - off, static_cast<int64_t>(buf.size())));
+      in.read(buf.data(), n);
+      mix(buf.data(), static_cast<size_t>(n));
+      off += n;
+    }
+  };
+  const int64_t kWhole = int64_t{256} << 20;
+  const int64_t kEdge = int64_t{64} << 20;
+  if (size <= kWhole) {
+    hash_range(0, size);
+  } else {
+    mix(reinterpret_cast<const char*>(&size), sizeof size);
+    hash_range(0, kEdge);
+    hash_range(size - kEdge, size);
+  }
+  std::string base = path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%08llx", static_cast<unsigned long long>(h & 0xffffffffULL));
+  return base + "@" + hex;
+}
+
+class ModelArmEvaluator : public ArmEvaluator {
+ public:
+  explicit ModelArmEvaluator(const ModelEvaluatorOptions& opt)
+      : opt_(opt),
+        model_(CausalLM::load(opt.model_path, LoadOptions{opt.threads})),
+        runner_(model_),
+        tokenizer_(load_tokenizer(model_)),
+        template_(ChatTemplate::detect(model_.config().model_type, model_.extra_file("tokenizer_config.json"))),
+        model_id_(file_id(opt.model_path)) {
+    eos_ = model_.config().eos_token_ids;
+    if (auto im_end = tokenizer_.find_added_token("<|im_end|>")) {
+      if (std::find(eos_.begin(), eos_.end(), im_end->id) == eos_.end()) eos_.push_back(im_end->id);
+    }
+    if (auto e = tokenizer_.eos_id()) {
+      if (std::find(eos_.begin(), eos_.end(), *e) == eos_.end()) eos_.push_back(*e);
+    }
+    const std::string text = opt.text.empty() ? filler_passage(opt.passage_seed, opt.text_tokens) : opt.text;
+    text_ids_ = tokenizer_.encode(text, SpecialTokens::kIgnore, PostProcess::kApply);
+    const int64_t max_pos = model_.config().max_position_embeddings;
+    if (max_pos > 0 && static_cast<int64_t>(text_ids_.size()) > max_pos) text_ids_.resize(static_cast<size_t>(max_pos));
+    KV_CHECK_ARG(text_ids_.size() >= 2, "evaluation passage of '", opt.model_path, "' has fewer than 2 tokens");
+  }
+
+  std::string model_id() const override { return model_id_; }
+
+  Arm canonicalize(const Arm& arm) const override {
+    Arm a;
+    // Well-formed at all? (InvalidArgument stops the sweep.)
+    const auto scheme = cache::parse_cache_scheme(arm.quant, 0, /*head_dim=*/0);
+    a.quant = split_spec(arm.quant)[0] == "kivi" ? scheme.canonical : make_quantizer(arm.quant)->spec();
+    a.policy = make_eviction_policy(arm.policy)->spec();
+    // Runnable on this model? (UnsupportedError: the arm's rows record why.)
+    try {
+      CacheManager probe(config_for(a));
+      (void)probe;
+    } catch (const InvalidArgument& e) {
+      throw UnsupportedError(e.what());
+    }
+    return a;
+  }
+
+  Generation run_task(const Arm& arm, const Task& task) override {
+    std::vector<ChatMessage> msgs;
+    for (const auto& m : task.messages) msgs.push_back({m.role, m.content});
+    const std::string rendered = template_.render(msgs, /*add_generation_prompt=*/true);
+    const auto ids = tokenizer_.encode(rendered, SpecialTokens::kParse, PostProcess::kApply);
+    CacheManager cache(config_for(arm));
+    GenerationOptions go;
+    go.max_new_tokens = task.max_new_tokens;
+    go.prefill_chunk = opt_.prefill_chunk;
+    go.eos_token_ids = eos_;
+    const GenerationResult r = runner_.generate(ids, go, cache);
+    Generation g;
+    g.output = tokenizer_.decode(r.tokens, /*skip_special=*/true);
+    g.prompt_tokens = r.prompt_tokens;
+    g.generated_tokens = static_cast<int64_t>(r.tokens.size());
+    g.cache = cache.stats();
+    g.prefill_seconds = r.prefill_seconds;
+    g.decode_seconds = r.decode_seconds;
+    g.span_resident = span_resident(task, msgs, rendered, cache);
+    return g;
+  }
+
+  TextEval eval_text(const Arm& arm) override {
+    TextEval te;
+    const int64_t n = static_cast<int64_t>(text_ids_.size());
+    {
+      CacheManager single(config_for(arm));
+      te.single_logprobs = runner_.score(text_ids_, single, /*chunk_size=*/0).logprobs;
+    }
+    CacheManager stream(config_for(arm));
+    stream.reset(n);
+    std::vector<at::Tensor> rows;
+    rows.reserve(static_cast<size_t>(n - 1));
+    for (int64_t t = 0; t + 1 < n; ++t) rows.push_back(runner_.decode_step(text_ids_[static_cast<size_t>(t)], stream));
+    te.stream_logits = at::stack(rows).to(at::kFloat);  // [N-1, V]
+    const auto targets = at::tensor(std::vector<int64_t>(text_ids_.begin() + 1, text_ids_.end()), at::kLong);
+    te.stream_logprobs = at::log_softmax(te.stream_logits.to(at::kDouble), -1).gather(1, targets.unsqueeze(1)).squeeze(1);
+    te.cache = stream.stats();
+    return te;
+  }
+
+  ReconstructionResult reconstruction(const std::string& quant) override {
+    return measure_reconstruction(quant, capture_qkv());
+  }
+
+  std::vector<QkvSample> capture_qkv() override {
+    if (!captured_.empty()) return captured_;
+    const int64_t t = std::min<int64_t>(opt_.capture_tokens, static_cast<int64_t>(text_ids_.size()));
+    const auto ids = at::tensor(std::vector<int64_t>(text_ids_.begin(), text_ids_.begin() + t), at::kLong).unsqueeze(0);
+    const auto pos = at::arange(t, at::kLong);
+    const auto& c = model_.config();
+    const int64_t groups = c.num_attention_heads / c.num_key_value_heads;
+    const auto mask = at::ones({t, t}, at::kBool).triu(1);
+    at::Tensor h = model_.embed(ids);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const QKV x = model_.qkv(l, h, pos);
+      const at::Tensor k = model_.rope(x.k, pos).to(at::kFloat);
+      const at::Tensor v = x.v.to(at::kFloat);
+      const at::Tensor q = x.q.to(at::kFloat);
+      auto scores = at::matmul(q, k.repeat_interleave(groups, 1).transpose(2, 3)) / std::sqrt(static_cast<double>(c.head_dim));
+      const auto probs = at::softmax(scores.masked_fill(mask, -INFINITY), -1);
+      h = model_.finish(l, h, at::matmul(probs, v.repeat_interleave(groups, 1)).to(h.scalar_type()));
+      const bool wanted = opt_.capture_layers.empty() ||
+                          std::find(opt_.capture_layers.begin(), opt_.capture_layers.end(), l) != opt_.capture_layers.end();
+      if (wanted) captured_.push_back(QkvSample{l, q, k, v});
+    }
+    KV_CHECK_ARG(!captured_.empty(), "capture_layers selects no layer of the model (", c.num_hidden_layers, " layers)");
+    return captured_;
+  }
+
+ private:
+  static Tokenizer load_tokenizer(const CausalLM& m) {
+    TokenizerFiles f;
+    f.tokenizer_json = m.extra_file("tokenizer.json");
+    f.vocab_json = m.extra_file("vocab.json");
+    f.merges_txt = m.extra_file("merges.txt");
+    f.tokenizer_config_json = m.extra_file("tokenizer_config.json");
+    KV_CHECK_ARG(!f.tokenizer_json.empty() || !f.vocab_json.empty(), "model '", m.path(),
+                 "' holds no tokenizer (export it with tools/export_torchscript.py from a checkpoint with tokenizer.json)");
+    return Tokenizer::from_texts(f);
+  }
+
+  CacheConfig config_for(const Arm& arm) const {
+    CacheConfig cfg = model_.cache_config();
+    cfg.quant = arm.quant;
+    cfg.policy = arm.policy;
+    return cfg;
+  }
+
+  /// Fraction of the task span's token positions resident in every layer / KV head now.
+  double span_resident(const Task& task, const std::vector<ChatMessage>& msgs, const std::string& rendered,
+                       const CacheManager& cache) const {
+    if (task.span.message < 0 || task.span.message >= static_cast<int64_t>(msgs.size())) return -1;
+    // Locate each message's content in the rendered text, in order.
+    size_t from = 0;
+    size_t content_at = std::string::npos;
+    for (int64_t i = 0; i <= task.span.message; ++i) {
+      const auto at = rendered.find(msgs[static_cast<size_t>(i)].content, from);
+      if (at == std::string::npos) return -1;
+      content_at = at;
+      from = at + msgs[static_cast<size_t>(i)].content.size();
+    }
+    std::string before = rendered.substr(0, content_at + static_cast<size_t>(task.span.begin));
+    while (!before.empty() && (before.back() == ' ' || before.back() == '\n')) before.pop_back();
+    const std::string through = rendered.substr(0, content_at + static_cast<size_t>(task.span.end));
+    const auto a = static_cast<int64_t>(tokenizer_.encode(before, SpecialTokens::kParse, PostProcess::kApply).size());
+    const auto b = static_cast<int64_t>(tokenizer_.encode(through, SpecialTokens::kParse, PostProcess::kApply).size());
+    if (b <= a) return -1;
+    double sum = 0;
+    int64_t n = 0;
+    for (int64_t l = 0; l < model_.config().num_hidden_layers; ++l) {
+      const auto pos = cache.get(l).positions;  // [H_kv, T_res]
+      const auto in_span = ((pos >= a) & (pos < b)).sum(1).to(at::kDouble) / static_cast<double>(b - a);
+      sum += in_span.sum().item<double>();
+      n += pos.size(0);
+    }
+    return n > 0 ? sum / static_cast<double>(n) : -1;
+  }
+
+  ModelEvaluatorOptions opt_;
+  CausalLM model_;
+  Runner runner_;
+  Tokenizer tokenizer_;
+  ChatTemplate template_;
+  std::string model_id_;
+  std::vector<int64_t> eos_;
+  std::vector<int64_t> text_ids_;
+  std::vector<QkvSample> captured_;
+};
+
+}  // namespace
+
+std::unique_ptr<ArmEvaluator> make_model_evaluator(const ModelEvaluatorOptions& options) {
+  return std::make_unique<ModelArmEvaluator>(options);
+}
+
+}  // namespace kvcache::study

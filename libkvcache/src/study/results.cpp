@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "kvcache/study/results.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kvcache/error.h"
+
+namespace kvcache::study {
+namespace {
+
+using json = nlohmann::json;  // std::map-backed: keys sorted, deterministic output
+
+std::string read_all(int fd, const std::string& path) {
+  std::string data;
+  char buf[1 << 16];
+  KV_CHECK_ARG(::lseek(fd, 0, SEEK_SET) == 0, "cannot seek '", path, "': ", std::strerror(errno));
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    KV_CHECK_ARG(n >= 0, "cannot read '", path, "': ", std::strerror(errno));
+    if (n == 0) break;
+    data.append(buf, static_cast<size_t>(n));
+  }
+  return data;
+}
+
+/// Splits `data` into complete lines; returns the byte length of the complete part.
+size_t complete_lines(const std::string& data, std::vector<std::string>* lines) {
+  const size_t last_nl = data.rfind('\n');
+  const size_t complete = last_nl == std::string::npos ? 0 : last_nl + 1;
+  size_t start = 0;
+  while (start < complete) {
+    const size_t nl = data.find('\n', start);
+    lines->push_back(data.substr(start, nl - start));
+    start = nl + 1;
+  }
+  return complete;
+}
+
+std::vector<ResultRow> parse_lines(const std::vector<std::string>& lines, const std::string& path) {
+  std::vector<ResultRow> rows;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (lines[i].find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      rows.push_back(row_from_json(lines[i]));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat(path, ":", i + 1, ": not a result row: ", e.what()));
+    }
+  }
+  return rows;
+}
+
+void write_fully(int fd, const std::string& data, const std::string& path) {
+  size_t off = 0;
+  while (off < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + off, data.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    KV_CHECK(n > 0, InternalError, "write to '", path, "' failed: ", std::strerror(errno));
+    off += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+std::string ResultRow::key() const { return arm + '\t' + task + '\t' + model; }
+
+double ResultRow::value(const std::string& name) const {
+  auto it = values.find(name);
+  return it == values.end() ? NAN : it->second;
+}
+
+std::string row_to_json(const ResultRow& r) {
+  json j;
+  j["order"] = r.order;
+  j["kind"] = r.kind;
+  j["arm"] = r.arm;
+  j["task"] = r.task;
+  j["model"] = r.model;
+  if (r.kind == "task") {
+    j["family"] = r.family;
+    j["depth_pct"] = r.depth_pct;
+    j["context_target"] = r.context_target;
+    j["passed"] = r.passed;
+    j["output"] = r.output;
+  }
+  if (!r.error.empty()) j["error"] = r.error;
+  json v = json::object();
+  for (const auto& [k, x] : r.values) {
+    if (std::isfinite(x)) v[k] = x;
+  }
+  j["values"] = v;
+  return j.dump();
+}
+
+ResultRow row_from_json(const std::string& line) {
+  json j;
+  try {
+    j = json::parse(line);
+  } catch (const json::exception& e) {
+    throw InvalidArgument(detail::str_cat("invalid JSON: ", e.what()));
+  }
+  KV_CHECK_ARG(j.is_object(), "a result row must be a JSON object");
+  ResultRow r;
+  try {
+    r.order = j.at("order").get<int64_t>();
+    r.kind = j.at("kind").get<std::string>();
+    r.arm = j.at("arm").get<std::string>();
+    r.task = j.at("task").get<std::string>();
+    r.model = j.at("model").get<std::string>();
+    r.family = j.value("family", std::string());
+    r.depth_pct = j.value("depth_pct", -1);
+    r.context_target = j.value("context_target", int64_t{0});
+    r.passed = j.value("passed", false);
+    r.output = j.value("output", std::string());
+    r.error = j.value("error", std::string());
+    if (j.contains("values")) {
+      for (const auto& [k, x] : j.at("values").items()) r.values[k] = x.get<double>();
+    }
+  } catch (const json::exception& e) {
+    throw InvalidArgument(detail::str_cat("missing or mistyped field: ", e.what()));
+  }
+  return r;
+}
+
+Shard Shard::parse(const std::string& text) {
+  const auto slash = text.find('/');
+  KV_CHECK_ARG(slash != std::string::npos, "shard '", text, "' must be i/n with 0 <= i < n, e.g. 0/4");
+  Shard s;
+  try {
+    size_t a = 0;
+    size_t b = 0;
+    s.index = std::stoll(text.substr(0, slash), &a);
+    s.count = std::stoll(text.substr(slash + 1), &b);
+    KV_CHECK_ARG(a == slash && b == text.size() - slash - 1, "shard '", text, "' must be i/n, e.g. 0/4");
+  } catch (const std::logic_error&) {
+    throw InvalidArgument("shard '" + text + "' must be i/n with integers, e.g. 0/4");
+  }
+  KV_CHECK_ARG(s.count >= 1 && s.index >= 0 && s.index < s.count, "shard '", text,
+               "': need 0 <= i < n (shards are 0-based, like SLURM_ARRAY_TASK_ID with --array=0-(n-1))");
+  return s;
+}
+
+ResultsStore::ResultsStore(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  KV_CHECK_ARG(fd_ >= 0, "cannot open results file '", path, "': ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd_);
+    fd_ = -1;
+    throw InvalidArgument("results file '" + path + "' is locked by another running kv_study process");
+  }
+  try {
+    const std::string data = read_all(fd_, path);
+    std::vector<std::string> lines;
+    const size_t complete = complete_lines(data, &lines);
+    if (complete < data.size()) {
+      // A crash in the middle of a row's write(2): drop the partial line.
+      KV_CHECK(::ftruncate(fd_, static_cast<off_t>(complete)) == 0, InternalError, "cannot truncate '", path,
+               "': ", std::strerror(errno));
+      KV_CHECK(::fsync(fd_) == 0, InternalError, "fsync '", path, "' failed: ", std::strerror(errno));
+      repaired_bytes_ = static_cast<int64_t>(data.size() - complete);
+    }
+    rows_ = parse_lines(lines, path);
+    for (size_t i = 0; i < rows_.size(); ++i) {
+      KV_CHECK_ARG(index_.emplace(rows_[i].key(), i).second, path, ": duplicate row for arm '", rows_[i].arm,
+                   "', task '", rows_[i].task, "', model '", rows_[i].model, "'");
+    }
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+ResultsStore::~ResultsStore() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool ResultsStore::contains(const std::string& key) const { return index_.count(key) > 0; }
+
+void ResultsStore::append(const ResultRow& row) {
+  const std::string key = row.key();
+  KV_CHECK_ARG(!contains(key), "results file '", path_, "' already holds arm '", row.arm, "', task '", row.task,
+               "', model '", row.model, "'");
+  write_fully(fd_, row_to_json(row) + "\n", path_);
+  KV_CHECK(::fsync(fd_) == 0, InternalError, "fsync '", path_, "' failed: ", std::strerror(errno));
+  index_.emplace(key, rows_.size());
+  rows_.push_back(row);
+}
+
+std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines) {
+  std::ifstream in(path, std::ios::binary);
+  KV_CHECK_ARG(in.good(), "cannot open results file '", path, "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string data = ss.str();
+  std::vector<std::string> lines;
+  const size_t complete = complete_lines(data, &lines);
+  if (partial_lines != nullptr) *partial_lines = complete < data.size() ? 1 : 0;
+  return parse_lines(lines, path);
+}
+
+void write_results(const std::string& path, const std::vector<ResultRow>& rows) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  KV_CHECK_ARG(fd >= 0, "cannot write '", tmp, "': ", std::strerror(errno));
+  std::string data;
+  for (const auto& r : rows) data += row_to_json(r) + "\n";
+  try {
+    write_fully(fd, data, tmp);
+    KV_CHECK(::fsync(fd) == 0, InternalError, "fsync '", tmp, "' failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  KV_CHECK_ARG(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "': ",
+               std::strerror(errno));
+}
+
+std::vector<ResultRow> merge_rows(const std::vector<std::vector<ResultRow>>& inputs, MergeStats* stats) {
+  MergeStats st;
+  std::map<std::string, ResultRow> by_key;
+  for (const auto& rows : inputs) {
+    for (const auto& r : rows) {
+      ++st.rows_in;
+      auto [it, inserted] = by_key.emplace(r.key(), r);
+      if (!inserted) {
+        if (row_to_json(it->second) == row_to_json(r)) {
+          ++st.duplicates;
+        } else {
+          ++st.conflicts;
+        }
+      }
+    }
+  }
+  std::vector<ResultRow> out;
+  out.reserve(by_key.size());
+  for (auto& [k, r] : by_key) out.push_back(std::move(r));
+  std::stable_sort(out.begin(), out.end(), [](const ResultRow& a, const ResultRow& b) {
+    if (a.order != b.order) return a.order < b.order;
+    return a.key() < b.key();
+  });
+  st.rows_out = static_cast<int64_t>(out.size());
+  if (stats != nullptr) *stats = st;
+  return out;
+}
+
+MergeStats merge_result_files(const std::vector<std::string>& inputs, const std::string& output) {
+  KV_CHECK_ARG(!inputs.empty(), "merge: no input files");
+  std::vector<std::vector<ResultRow>> all;
+  int64_t partial = 0;
+  for (const auto& p : inputs) {
+    int64_t pl = 0;
+    all.push_back(read_results(p, &pl));
+    partial += pl;
+  }
+  MergeStats st;
+  auto rows = merge_rows(all, &st);
+  st.partial_lines = partial;
+  write_results(output, rows);
+  return st;
+}
+
+}  // namespace kvcache::study

@@ -1,0 +1,235 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "kvcache/study/sweep.h"
+
+#include <map>
+#include <set>
+
+#include "kvcache/error.h"
+#include "kvcache/study/progress.h"
+
+namespace kvcache::study {
+namespace {
+
+const char* kind_name(ItemKind k) {
+  switch (k) {
+    case ItemKind::kAttention:
+      return "attn";
+    case ItemKind::kReconstruction:
+      return "recon";
+    case ItemKind::kTask:
+      return "task";
+    case ItemKind::kText:
+      return "text";
+  }
+  return "?";
+}
+
+void put_cache_stats(const CacheStats& c, ResultRow& row) {
+  row.values["tokens_written"] = static_cast<double>(c.tokens_written);
+  row.values["tokens_resident"] = static_cast<double>(c.tokens_resident);
+  row.values["tokens_resident_peak"] = static_cast<double>(c.tokens_resident_peak);
+  row.values["peak_bytes"] = static_cast<double>(c.bytes_resident_peak);
+  row.values["final_bytes"] = static_cast<double>(c.bytes_resident);
+}
+
+/// The sweep's lazily computed shared inputs.
+struct Shared {
+  std::optional<std::vector<QkvSample>> qkv;
+  std::optional<TextEval> control_text;
+};
+
+void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, const std::vector<Task>& tasks,
+             const Arm& control, Shared& shared, ResultRow& row) {
+  switch (item.kind) {
+    case ItemKind::kAttention: {
+      if (!shared.qkv) shared.qkv = ev.capture_qkv();
+      const auto e = scheme_attention_error(*shared.qkv, item.granularity, item.bits, opt.attention_group);
+      row.values["out_rel_err"] = e.out_rel_fro;
+      row.values["prob_rel_err"] = e.prob_rel_fro;
+      row.values["bits"] = item.bits;
+      row.values["group"] = static_cast<double>(opt.attention_group);
+      break;
+    }
+    case ItemKind::kReconstruction: {
+      const auto r = ev.reconstruction(item.quant);
+      row.values["bits_per_value"] = r.bits_per_value;
+      row.values["key_rel_err"] = r.key_rel_err;
+      row.values["value_rel_err"] = r.value_rel_err;
+      row.values["key_max_abs"] = r.key_max_abs;
+      row.values["value_max_abs"] = r.value_max_abs;
+      break;
+    }
+    case ItemKind::kTask: {
+      const Task& task = tasks[static_cast<size_t>(item.task_index)];
+      const Generation g = ev.run_task(item.arm, task);
+      row.output = g.output;
+      row.passed = score_output(task.rule, g.output);
+      row.values["prompt_tokens"] = static_cast<double>(g.prompt_tokens);
+      row.values["generated_tokens"] = static_cast<double>(g.generated_tokens);
+      row.values["prefill_s"] = g.prefill_seconds;
+      row.values["decode_s"] = g.decode_seconds;
+      if (g.span_resident >= 0) row.values["span_resident"] = g.span_resident;
+      put_cache_stats(g.cache, row);
+      break;
+    }
+    case ItemKind::kText: {
+      TextEval te = ev.eval_text(item.arm);
+      NllAccumulator single;
+      single.add(te.single_logprobs);
+      NllAccumulator stream;
+      stream.add(te.stream_logprobs);
+      row.values["ppl_single"] = single.perplexity();
+      row.values["ppl_stream"] = stream.perplexity();
+      row.values["scored_tokens"] = static_cast<double>(stream.tokens());
+      put_cache_stats(te.cache, row);
+      if (!shared.control_text) {
+        shared.control_text = item.arm == control ? te : ev.eval_text(control);
+      }
+      const auto cmp = compare_logits(shared.control_text->stream_logits, te.stream_logits);
+      row.values["kld_mean"] = cmp.kld_mean;
+      row.values["kld_max"] = cmp.kld_max;
+      row.values["top1"] = cmp.top1_agreement;
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<WorkItem> plan_sweep(const std::vector<Arm>& arms, const std::vector<Task>& tasks,
+                                 const SweepOptions& options) {
+  std::vector<WorkItem> plan;
+  auto add = [&](WorkItem w) {
+    w.order = static_cast<int64_t>(plan.size());
+    plan.push_back(std::move(w));
+  };
+  if (options.attention) {
+    for (auto g : all_granularities()) {
+      for (int bits : options.attention_bits) {
+        WorkItem w;
+        w.kind = ItemKind::kAttention;
+        w.granularity = g;
+        w.bits = bits;
+        w.row_task = "attn:" + key(g) + ":b" + std::to_string(bits);
+        add(w);
+      }
+    }
+  }
+  if (options.reconstruction) {
+    std::set<std::string> seen;
+    for (const auto& a : arms) {
+      if (!seen.insert(a.quant).second) continue;
+      WorkItem w;
+      w.kind = ItemKind::kReconstruction;
+      w.quant = a.quant;
+      w.row_arm = a.quant;
+      w.row_task = "recon";
+      add(w);
+    }
+  }
+  for (const auto& a : arms) {
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      WorkItem w;
+      w.kind = ItemKind::kTask;
+      w.arm = a;
+      w.task_index = static_cast<int64_t>(i);
+      w.row_arm = a.spec();
+      w.row_task = tasks[i].id;
+      add(w);
+    }
+    if (options.text) {
+      WorkItem w;
+      w.kind = ItemKind::kText;
+      w.arm = a;
+      w.row_arm = a.spec();
+      w.row_task = "text";
+      add(w);
+    }
+  }
+  return plan;
+}
+
+SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& store, Progress* progress) {
+  std::vector<Arm> arms;
+  // Arms the model cannot run (UnsupportedError from canonicalize, e.g. a group size that does
+  // not divide its head_dim) stay in the plan under their spec as given; their rows carry the
+  // reason. Malformed specs (InvalidArgument) stop the sweep before anything runs.
+  std::map<std::string, std::string> unsupported;
+  for (const auto& a : opt.arms) {
+    try {
+      arms.push_back(ev.canonicalize(a));
+    } catch (const UnsupportedError& e) {
+      arms.push_back(a);
+      unsupported.emplace(a.spec(), e.what());
+    }
+  }
+  arms = dedupe(arms);
+  const Arm control = ev.canonicalize(opt.control);
+  std::set<std::string> ids;
+  for (const auto& t : opt.tasks) {
+    KV_CHECK_ARG(ids.insert(t.id).second, "task id '", t.id, "' appears twice in the task list");
+  }
+  const std::string model = ev.model_id();
+  const auto plan = plan_sweep(arms, opt.tasks, opt);
+
+  SweepStats st;
+  st.planned = static_cast<int64_t>(plan.size());
+  std::vector<const WorkItem*> pending;
+  for (const auto& w : plan) {
+    if (!opt.shard.owns(w.order)) continue;
+    ++st.owned;
+    ResultRow probe;
+    probe.arm = w.row_arm;
+    probe.task = w.row_task;
+    probe.model = model;
+    if (store.contains(probe.key())) {
+      ++st.skipped;
+    } else {
+      pending.push_back(&w);
+    }
+  }
+  if (progress != nullptr) {
+    progress->set_total(st.owned);
+    progress->skipped(st.skipped);
+  }
+
+  Shared shared;
+  for (const WorkItem* w : pending) {
+    ResultRow row;
+    row.order = w->order;
+    row.kind = kind_name(w->kind);
+    row.arm = w->row_arm;
+    row.task = w->row_task;
+    row.model = model;
+    if (w->kind == ItemKind::kTask) {
+      const Task& t = opt.tasks[static_cast<size_t>(w->task_index)];
+      row.family = to_string(t.family);
+      row.depth_pct = t.depth_pct;
+      row.context_target = t.context_target;
+    }
+    const auto skip = unsupported.find(w->arm.spec());
+    try {
+      if ((w->kind == ItemKind::kTask || w->kind == ItemKind::kText) && skip != unsupported.end()) {
+        throw UnsupportedError("arm " + skip->first + " cannot run on this model: " + skip->second);
+      }
+      execute(ev, *w, opt, opt.tasks, control, shared, row);
+    } catch (const InvalidArgument& e) {
+      row.error = e.what();
+    } catch (const CapacityError& e) {
+      row.error = e.what();
+    } catch (const UnsupportedError& e) {
+      row.error = e.what();
+    }
+    if (!row.error.empty()) {
+      row.passed = false;
+      ++st.errors;
+    }
+    store.append(row);
+    ++st.executed;
+    if (progress != nullptr) progress->done(row.arm.empty() ? row.task : row.arm + " " + row.task);
+  }
+  if (progress != nullptr) progress->finish();
+  return st;
+}
+
+}  // namespace kvcache::study

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tools/plot_results.py on a synthetic summary.json."""
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+import plot_results  # noqa: E402
+
+
+def synthetic_summary():
+    def arm(name, acc, ratio, ppl, depth, control=False):
+        return {"arm": name, "is_control": control, "accuracy": acc, "memory_ratio": ratio,
+                "ppl_single": ppl, "ppl_stream": None if ppl is None else ppl + 0.5,
+                "depth_accuracy": depth}
+    return {
+        "model": "synthetic", "control": "fp32+full", "depths": [5, 35, 65, 95],
+        "arms": [
+            arm("fp32+full", 0.95, 1.0, 10.0, {"5": 1.0, "35": 1.0, "65": 1.0, "95": 1.0}, True),
+            arm("int8+full", 0.95, 0.27, 10.01, {"5": 1.0, "35": 1.0, "65": 1.0, "95": 1.0}),
+            arm("int4+full", 0.90, 0.14, 10.3, {"5": 0.9, "35": 1.0, "65": 1.0, "95": 1.0}),
+            arm("fp32+h2o@50%", 0.70, 0.50, 11.0, {"5": 0.2, "35": 0.5}),
+            arm("int2+full", 0.30, 0.08, None, {}),
+            arm("broken", None, None, None, {}),
+        ],
+    }
+
+
+class ParetoFrontTest(unittest.TestCase):
+    def test_hand_checked_front(self):
+        pts = [(1.0, 95), (0.27, 95), (0.14, 90), (0.5, 70), (0.08, 30), (0.27, 80)]
+        # (1.0, 95) is dominated by (0.27, 95); (0.5, 70) by (0.27, 95); (0.27, 80) by (0.27, 95)
+        self.assertEqual(plot_results.pareto_front(pts), [4, 2, 1])
+
+    def test_ties_keep_both(self):
+        self.assertEqual(plot_results.pareto_front([(1, 1), (1, 1)]), [0, 1])
+        self.assertEqual(plot_results.pareto_front([]), [])
+
+
+class PlotTest(unittest.TestCase):
+    def test_writes_three_pngs(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "summary.json")
+            with open(path, "w") as f:
+                json.dump(synthetic_summary(), f)
+            out = plot_results.make_plots(path)
+            self.assertEqual([os.path.basename(p) for p in out], ["pareto.png", "depth_heatmap.png", "ppl_accuracy.png"])
+            for p in out:
+                self.assertTrue(p.startswith(os.path.join(d, "plots")))
+                with open(p, "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+                self.assertGreater(os.path.getsize(p), 2000)
+            self.assertEqual(plot_results.main([path, "--out", os.path.join(d, "o")]), 0)
+
+    def test_bad_input_is_an_error(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "x.json")
+            with open(path, "w") as f:
+                json.dump({"model": "m"}, f)
+            self.assertEqual(plot_results.main([path]), 1)
+            self.assertEqual(plot_results.main([os.path.join(d, "missing.json")]), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()

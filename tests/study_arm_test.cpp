@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: Apache-2.0
+// Arm specs: "quant+policy" parsing, the default list, --configs lists/files, --budget.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "kvcache/error.h"
+#include "kvcache/study/arm.h"
+
+using namespace kvcache;
+using namespace kvcache::study;
+
+TEST(StudyArm, ParseForms) {
+  EXPECT_EQ(parse_arm("int4+h2o@50%"), (Arm{"int4", "h2o@50%"}));
+  EXPECT_EQ(parse_arm(" kivi:k2:v2:g32:r128 + full "), (Arm{"kivi:k2:v2:g32:r128", "full"}));
+  EXPECT_EQ(parse_arm("int8"), (Arm{"int8", "full"}));
+  EXPECT_EQ(parse_arm("snapkv@50%"), (Arm{"fp32", "snapkv@50%"}));
+  EXPECT_EQ(parse_arm("window:w256"), (Arm{"fp32", "window:w256"}));
+  EXPECT_EQ(parse_arm("full"), control_arm());
+  EXPECT_EQ(parse_arm("fp8:e5m2+sink:s4@25%").spec(), "fp8:e5m2+sink:s4@25%");
+  EXPECT_THROW(parse_arm(""), InvalidArgument);
+  EXPECT_THROW(parse_arm("int4+"), InvalidArgument);
+  EXPECT_THROW(parse_arm("+full"), InvalidArgument);
+  EXPECT_THROW(parse_arm("a+b+c"), InvalidArgument);
+}
+
+TEST(StudyArm, DefaultListIsTheSeedsTwelvePlusSix) {
+  const auto arms = default_arms();
+  ASSERT_EQ(arms.size(), 18u);
+  const std::vector<std::string> want = {
+      "fp32+full", "fp16+full", "fp8:e4m3+full", "int8+full", "int4+full", "int2+full",
+      "fp32+window@50%", "fp32+sink@50%", "fp32+h2o@50%", "fp32+random@50%", "int8+sink@50%", "int4+h2o@50%",
+      "bf16+full", "fp8:e5m2+full", "kivi:k2:v2:g32:r128+full", "kivi:k4:v4:g32:r128+full",
+      "fp32+snapkv@50%", "fp32+tova@50%"};
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(arms[i].spec(), want[i]);
+  EXPECT_EQ(arms[0], control_arm());
+}
+
+TEST(StudyArm, ConfigsCommaListAndFile) {
+  auto a = parse_arm_list("fp32+full, int4+h2o@50%,,snapkv@25%");
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(a[2].spec(), "fp32+snapkv@25%");
+  const std::string path = ::testing::TempDir() + "/study_arms.txt";
+  {
+    std::ofstream out(path);
+    out << "# arms\nfp32+full\n\n  int4+h2o@50%   # heavy hitter\nkivi:k2:v2:g32:r128\n";
+  }
+  auto f = parse_arm_list(path);
+  ASSERT_EQ(f.size(), 3u);
+  EXPECT_EQ(f[1].spec(), "int4+h2o@50%");
+  EXPECT_EQ(f[2].spec(), "kivi:k2:v2:g32:r128+full");
+  {
+    std::ofstream out(path);
+    out << "fp32+full\nint4++h2o\n";
+  }
+  try {
+    parse_arm_list(path);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(":2:"), std::string::npos) << e.what();
+  }
+  std::remove(path.c_str());
+  EXPECT_THROW(parse_arm_list(" , "), InvalidArgument);
+}
+
+TEST(StudyArm, BudgetOverrideAndDedupe) {
+  auto arms = with_budget(default_arms(), "25%");
+  EXPECT_EQ(arms[0].spec(), "fp32+full");
+  EXPECT_EQ(arms[6].spec(), "fp32+window@25%");
+  EXPECT_EQ(arms[11].spec(), "int4+h2o@25%");
+  auto t = with_budget({parse_arm("fp32+window:w64"), parse_arm("int4+h2o@50%")}, "@128");
+  EXPECT_EQ(t[0].spec(), "fp32+window:w64@128");
+  EXPECT_EQ(t[1].spec(), "int4+h2o@128");
+  EXPECT_THROW(with_budget(default_arms(), "150%"), InvalidArgument);
+  EXPECT_THROW(with_budget(default_arms(), "abc"), InvalidArgument);
+  auto d = dedupe({parse_arm("int4"), parse_arm("fp32+full"), parse_arm("int4+full")});
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(d[0].spec(), "int4+full");
+}

@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: Apache-2.0
+// The memory calculator against the quantization deep-dive's numbers and methods b.0.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "kvcache/error.h"
+#include "kvcache/study/memory.h"
+
+using namespace kvcache;
+using namespace kvcache::study;
+
+namespace {
+const ModelShape kLlama = model_shape_preset("llama-3-8b");
+double gb(double bytes) { return bytes / 1e9; }
+}  // namespace
+
+TEST(StudyMemory, Llama3DeepDiveNumbers) {
+  const auto fp16 = kv_format("fp16", 128);
+  EXPECT_EQ(estimate_kv_memory(kLlama, fp16, 1).raw_bytes, 131072.0);  // 128 KiB per token
+  EXPECT_EQ(format_gb(estimate_kv_memory(kLlama, fp16, 4096).raw_bytes), "0.54 GB");
+  EXPECT_EQ(format_gb(estimate_kv_memory(kLlama, fp16, 131072).raw_bytes), "17.18 GB");
+  EXPECT_NEAR(gb(estimate_kv_memory(kLlama, fp16, 131072).raw_bytes), 17.179869184, 1e-9);
+  EXPECT_EQ(format_gb(estimate_kv_memory(kLlama, kv_format("int2", 128), 131072).raw_bytes), "2.15 GB");
+  EXPECT_EQ(format_gb(estimate_kv_memory(kLlama, kv_format("int4", 128), 32768).raw_bytes), "1.07 GB");
+  EXPECT_EQ(format_mib(estimate_kv_memory(kLlama, fp16, 4096).raw_bytes), "512.0 MiB");
+  // fp16 has no metadata: raw == effective.
+  auto m = estimate_kv_memory(kLlama, fp16, 4096);
+  EXPECT_EQ(m.raw_bytes, m.effective_bytes);
+  EXPECT_EQ(m.effective_bits_per_value, 16.0);
+}
+
+TEST(StudyMemory, Qwen05BMethodsB0) {
+  const auto q = model_shape_preset("qwen2.5-0.5b");
+  const auto fp16 = kv_format("bf16", 64);
+  EXPECT_EQ(estimate_kv_memory(q, fp16, 1).raw_bytes, 12288.0);
+  EXPECT_EQ(format_mib(estimate_kv_memory(q, fp16, 4096).raw_bytes), "48.0 MiB");
+  EXPECT_EQ(format_mib(estimate_kv_memory(q, fp16, 32768).raw_bytes), "384.0 MiB");
+  EXPECT_EQ(estimate_kv_memory(q, kv_format("fp32", 64), 10, 3).raw_bytes, 12288.0 * 2 * 10 * 3);
+}
+
+TEST(StudyMemory, EffectiveBitsIncludeMetadataAndResidual) {
+  const auto q = model_shape_preset("qwen2.5-0.5b");
+  // HF int4 g64: 4.5 bits/value; int2 g64 2.5; q8-like int8 g32 9.0; int4 with one group per
+  // 64-value head: 4.5 (the quantizer's own bits_per_value).
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kv_format("int4", 64), 4096).effective_bits_per_value, 4.5);
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kv_format("int4", 128), 4096).effective_bits_per_value, 4.25);
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kv_format("int2:g64", 64), 4096).effective_bits_per_value, 2.5);
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kv_format("int8:g32", 64), 4096).effective_bits_per_value, 9.0);
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kv_format("int4", 128), 4096).raw_bits_per_value, 4.0);
+  // KIVI-2 g32 r128 (methods b.0): T = 4096 -> 3.41 bpv (4.7x vs fp16); T = 512 -> 6.25 bpv (2.56x).
+  const auto kivi2 = kv_format("kivi:k2:v2:g32:r128", 64);
+  EXPECT_NEAR(estimate_kv_memory(q, kivi2, 4096).effective_bits_per_value, 3.40625, 1e-12);
+  EXPECT_NEAR(16.0 / estimate_kv_memory(q, kivi2, 4096).effective_bits_per_value, 4.70, 0.01);
+  EXPECT_NEAR(estimate_kv_memory(q, kivi2, 512).effective_bits_per_value, 6.25, 1e-12);
+  EXPECT_NEAR(16.0 / estimate_kv_memory(q, kivi2, 512).effective_bits_per_value, 2.56, 0.01);
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kivi2, 512).raw_bits_per_value, 2.0);
+  // fewer tokens than the residual: everything fp16
+  EXPECT_DOUBLE_EQ(estimate_kv_memory(q, kivi2, 100).effective_bits_per_value, 16.0);
+  EXPECT_DOUBLE_EQ(kv_format("kivi:k4:v4", 64).key_bits, 5.0);  // KIVI-4 g32: 5.0 bpv
+  // fp8: 8 bits; the scaled variant adds one fp32 scale per layer for K and V
+  auto f8 = estimate_kv_memory(q, kv_format("fp8:e5m2", 64), 1000);
+  EXPECT_EQ(f8.effective_bytes, f8.raw_bytes);
+  EXPECT_EQ(f8.raw_bits_per_value, 8.0);
+  auto f8s = estimate_kv_memory(q, kv_format("fp8:scaled", 64), 1000);
+  EXPECT_EQ(f8s.effective_bytes - f8s.raw_bytes, 24 * 2 * 4);
+  // per-channel groups (KIVI-style keys) are measured on a multiple of their group size
+  const auto chan = kv_format("int2:g48:chan", 64);
+  EXPECT_DOUBLE_EQ(chan.key_raw_bits, 2.0);
+  EXPECT_DOUBLE_EQ(chan.key_bits, 2.0 + 32.0 / 48);
+  EXPECT_EQ(kv_format("fp8", 64).spec, "fp8:e4m3");  // the quantizer's canonical spec
+}
+
+TEST(StudyMemory, BadSpecsAndArguments) {
+  EXPECT_THROW(kv_format("int9", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("int4:q3", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("fp8:e3m4", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("fp16:g4", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("kivi:k9", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("gear", 64), InvalidArgument);
+  EXPECT_THROW(estimate_kv_memory(kLlama, kv_format("fp16", 128), -1), InvalidArgument);
+  EXPECT_THROW(estimate_kv_memory(kLlama, kv_format("fp16", 128), 1, 0), InvalidArgument);
+  EXPECT_THROW(model_shape_preset("gpt-5"), InvalidArgument);
+}
+
+TEST(StudyMemory, ReadsConfigJson) {
+  const std::string shared = std::string(KVCACHE_SOURCE_DIR) + "/../shared/data/models";
+  if (!std::ifstream(shared + "/qwen2.5-0.5b-instruct/config.json").good()) {
+    GTEST_SKIP() << "../shared/data/models not found next to the repository";
+  }
+  const auto q = resolve_model_shape(shared + "/qwen2.5-0.5b-instruct/config.json");
+  EXPECT_EQ(q.num_layers, 24);
+  EXPECT_EQ(q.num_kv_heads, 2);
+  EXPECT_EQ(q.head_dim, 64);  // hidden_size 896 / 14 heads
+  EXPECT_EQ(estimate_kv_memory(q, kv_format("fp16", 128), 1).raw_bytes, 12288.0);
+  const auto ts = resolve_model_shape(shared + "/tinystories-656k");  // a directory
+  EXPECT_EQ(ts.num_layers, 2);
+  EXPECT_EQ(ts.num_kv_heads, 4);
+  EXPECT_EQ(ts.head_dim, 16);
+  EXPECT_THROW(resolve_model_shape(shared + "/no-such-model/config.json"), InvalidArgument);
+}
+
+TEST(StudyMemory, MarkdownTable) {
+  auto md = memory_table_markdown(kLlama, {kv_format("fp16", 128), kv_format("int2:g64", 128)}, {131072}, 1);
+  EXPECT_NE(md.find("fp16 131072 B/token (128 KiB)"), std::string::npos) << md;
+  EXPECT_NE(md.find("| fp16 | 131072 | 131072 | 17.18 GB | 16384.0 MiB |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| int2:g64 | 131072 | 16384 | 2.15 GB | 2048.0 MiB | 2.68 GB | 2560.0 MiB | 2.500 | 6.40x |"), std::string::npos) << md;
+}

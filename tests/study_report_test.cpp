@@ -1,0 +1,238 @@
+// SPDX-License-Identifier: Apache-2.0
+// Summaries on synthetic rows: every table's numbers, the generated recommendations, and the
+// Markdown / JSON / CSV renderings.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kvcache/error.h"
+#include "kvcache/study/report.h"
+
+using namespace kvcache;
+using namespace kvcache::study;
+
+namespace {
+
+int64_t g_order = 0;
+
+ResultRow task_row(const std::string& arm, int i, bool passed, double peak, int depth = -1,
+                   const std::string& family = "needle") {
+  ResultRow r;
+  r.order = g_order++;
+  r.kind = "task";
+  r.arm = arm;
+  r.task = "t" + std::to_string(i);
+  r.model = "m1";
+  r.family = family;
+  r.depth_pct = depth;
+  r.passed = passed;
+  r.values = {{"peak_bytes", peak}, {"tokens_written", 100}, {"tokens_resident", arm.find('@') != std::string::npos ? 50 : 100},
+              {"prompt_tokens", 95}, {"generated_tokens", 5}, {"prefill_s", 0.5}, {"decode_s", 0.25}};
+  return r;
+}
+
+ResultRow text_row(const std::string& arm, double ppl, double kld) {
+  ResultRow r;
+  r.order = g_order++;
+  r.kind = "text";
+  r.arm = arm;
+  r.task = "text";
+  r.model = "m1";
+  r.values = {{"ppl_single", ppl}, {"ppl_stream", ppl + 1}, {"kld_mean", kld}, {"kld_max", 2 * kld}, {"top1", 1 - kld}};
+  return r;
+}
+
+/// 10 tasks per arm: t0..t3 needle at depths 5/35/65/95, t4..t9 summary.
+/// control: 9 passed (t9 fails), peak 1024 B;  int4+full: 8 passed (t0, t9 fail), 256 B;
+/// fp32+h2o@50%: 9 passed (t3 fails), 512 B;   int2+full: 5 passed, 128 B.
+std::vector<ResultRow> rows() {
+  g_order = 0;
+  std::vector<ResultRow> out;
+  const int depths[] = {5, 35, 65, 95};
+  auto arm = [&](const std::string& name, std::vector<int> fails, double peak) {
+    for (int i = 0; i < 10; ++i) {
+      const bool pass = std::find(fails.begin(), fails.end(), i) == fails.end();
+      out.push_back(i < 4 ? task_row(name, i, pass, peak, depths[i]) : task_row(name, i, pass, peak, -1, "summary"));
+    }
+  };
+  arm("fp32+full", {9}, 1024);
+  out.push_back(text_row("fp32+full", 10.0, 0.0));
+  arm("int4+full", {0, 9}, 256);
+  out.push_back(text_row("int4+full", 10.5, 0.02));
+  arm("fp32+h2o@50%", {3}, 512);
+  out.push_back(text_row("fp32+h2o@50%", 10.2, 0.05));
+  arm("int2+full", {0, 1, 4, 5, 6}, 128);
+  // int2 has no text row: its perplexity cells are missing
+  ResultRow rec;
+  rec.order = g_order++;
+  rec.kind = "recon";
+  rec.arm = "int4";
+  rec.task = "recon";
+  rec.model = "m1";
+  rec.values = {{"bits_per_value", 4.5}, {"key_rel_err", 0.12}, {"value_rel_err", 0.08}};
+  out.push_back(rec);
+  for (int bits : {2, 4}) {
+    ResultRow a;
+    a.order = g_order++;
+    a.kind = "attn";
+    a.arm = "";
+    a.task = "attn:kivi:b" + std::to_string(bits);
+    a.model = "m1";
+    a.values = {{"out_rel_err", bits == 2 ? 0.3 : 0.05}, {"prob_rel_err", bits == 2 ? 0.2 : 0.03}, {"group", 32}};
+    out.push_back(a);
+  }
+  return out;
+}
+
+const ArmSummary& arm(const Summary& s, const std::string& name) {
+  for (const auto& a : s.arms) {
+    if (a.arm == name) return a;
+  }
+  throw std::runtime_error("no arm " + name);
+}
+
+}  // namespace
+
+TEST(StudyReport, PerArmNumbers) {
+  const auto s = summarize(rows());
+  EXPECT_EQ(s.model, "m1");
+  ASSERT_TRUE(s.has_control);
+  ASSERT_EQ(s.arms.size(), 4u);
+  EXPECT_EQ(s.arms[0].arm, "fp32+full");  // plan order
+  EXPECT_EQ(s.arms[3].arm, "int2+full");
+  const auto& c = arm(s, "fp32+full");
+  EXPECT_TRUE(c.is_control);
+  EXPECT_EQ(c.passed, 9);
+  EXPECT_DOUBLE_EQ(c.accuracy, 0.9);
+  EXPECT_DOUBLE_EQ(c.peak_kib_mean, 1.0);
+  EXPECT_DOUBLE_EQ(c.memory_ratio, 1.0);
+  const auto& q = arm(s, "int4+full");
+  EXPECT_NEAR(q.delta_pp, -10.0, 1e-9);
+  EXPECT_EQ(q.delta_tasks, -1);
+  EXPECT_DOUBLE_EQ(q.memory_ratio, 0.25);
+  EXPECT_DOUBLE_EQ(q.family_accuracy.at("needle"), 0.75);
+  EXPECT_DOUBLE_EQ(q.family_accuracy.at("summary"), 5.0 / 6.0);
+  EXPECT_DOUBLE_EQ(q.depth_accuracy.at(5), 0.0);
+  EXPECT_DOUBLE_EQ(q.depth_accuracy.at(95), 1.0);
+  EXPECT_DOUBLE_EQ(q.ppl_single, 10.5);
+  EXPECT_DOUBLE_EQ(q.ppl_stream, 11.5);
+  EXPECT_DOUBLE_EQ(q.kld_mean, 0.02);
+  EXPECT_DOUBLE_EQ(q.prefill_tps, 190.0);  // 950 tokens / 5 s
+  EXPECT_DOUBLE_EQ(q.decode_tps, 20.0);    // 50 tokens / 2.5 s
+  EXPECT_DOUBLE_EQ(arm(s, "fp32+h2o@50%").tokens_resident_mean, 50.0);
+  EXPECT_DOUBLE_EQ(arm(s, "fp32+h2o@50%").depth_accuracy.at(95), 0.0);
+  EXPECT_TRUE(std::isnan(arm(s, "int2+full").ppl_stream));
+  EXPECT_EQ(s.families, (std::vector<std::string>{"needle", "summary"}));
+  EXPECT_EQ(s.depths, (std::vector<int>{5, 35, 65, 95}));
+  ASSERT_EQ(s.reconstruction.size(), 1u);
+  EXPECT_EQ(s.reconstruction[0].quant, "int4");
+  ASSERT_EQ(s.attention.size(), 1u);
+  EXPECT_EQ(s.attention[0].description, "per-channel K + per-token V (KIVI)");
+  EXPECT_DOUBLE_EQ(s.attention[0].out_rel_err.at(2), 0.3);
+}
+
+TEST(StudyReport, RecommendationsFollowTheRules) {
+  const auto s = summarize(rows());
+  ASSERT_EQ(s.recommendations.size(), 5u);
+  // R1: within one task of the control (>= 8 passed): int4 (0.25x) beats h2o (0.5x) and control.
+  EXPECT_EQ(s.recommendations[0].arm, "int4+full");
+  EXPECT_NE(s.recommendations[0].evidence.find("passed 8/10"), std::string::npos) << s.recommendations[0].evidence;
+  // R2: best accuracy at <= 50% memory: h2o (90%) over int4 (80%) and int2 (50%).
+  EXPECT_EQ(s.recommendations[1].arm, "fp32+h2o@50%");
+  // R3: <= 25%: int4 (80%) over int2 (50%).
+  EXPECT_EQ(s.recommendations[2].arm, "int4+full");
+  // R4: lowest streaming perplexity at <= 50%: h2o 11.2 < int4 11.5 (int2 has none).
+  EXPECT_EQ(s.recommendations[3].arm, "fp32+h2o@50%");
+  // R5: fastest decode within one task: all 20 tok/s -> the first in plan order (the control).
+  EXPECT_EQ(s.recommendations[4].arm, "fp32+full");
+  // Without control rows nothing is recommended.
+  std::vector<ResultRow> no_ctrl;
+  for (const auto& r : rows()) {
+    if (r.arm != "fp32+full") no_ctrl.push_back(r);
+  }
+  const auto n = summarize(no_ctrl);
+  EXPECT_FALSE(n.has_control);
+  for (const auto& r : n.recommendations) EXPECT_TRUE(r.arm.empty());
+  EXPECT_FALSE(n.notes.empty());
+}
+
+TEST(StudyReport, ErrorRowsCountAsFailuresButNotAsMemory) {
+  auto r = rows();
+  for (int i = 0; i < 10; ++i) {
+    auto e = task_row("kivi:k2:v2:g32:r128+full", i, false, 0);
+    e.error = "cannot run on this model";
+    e.values.clear();
+    r.push_back(e);
+  }
+  auto half = task_row("int8+full", 0, false, 0);  // one error row, nine measured rows
+  half.error = "budget too small";
+  half.values.clear();
+  r.push_back(half);
+  for (int i = 1; i < 10; ++i) r.push_back(task_row("int8+full", i, true, 2048));
+  const auto s = summarize(r);
+  const auto& k = arm(s, "kivi:k2:v2:g32:r128+full");
+  EXPECT_EQ(k.errors, 10);
+  EXPECT_EQ(k.passed, 0);
+  EXPECT_TRUE(std::isnan(k.peak_kib_mean));
+  EXPECT_TRUE(std::isnan(k.memory_ratio));
+  const auto& i8 = arm(s, "int8+full");
+  EXPECT_EQ(i8.passed, 9);
+  EXPECT_DOUBLE_EQ(i8.peak_kib_mean, 2.0);  // over the 9 measured rows, not 18/10
+  for (const auto& rec : s.recommendations) EXPECT_NE(rec.arm, "kivi:k2:v2:g32:r128+full") << rec.rule;
+  EXPECT_EQ(s.recommendations[0].arm, "int4+full");
+  bool noted = false;
+  for (const auto& n : s.notes) noted |= n.find("11 rows carry an error") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
+TEST(StudyReport, MarkdownJsonCsv) {
+  const auto s = summarize(rows());
+  const std::string md = summary_markdown(s);
+  EXPECT_NE(md.find("| int4+full | 8/10 | 80.0% | -10.0 pp (-1) | 0.2 | 0.25 | 100.0 | 100.0 | 0 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| fp32+full | 9/10 | 90.0% | control | 1.0 | 1.00 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| arm | 5% | 35% | 65% | 95% |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| fp32+h2o@50% | 100.0% | 100.0% | 100.0% | 0.0% |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| int2+full | 50.0% | – | – | – | – | – |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| int4 | 4.50 | 0.1200 | 0.0800 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| per-channel K + per-token V (KIVI) | 0.3000 | 0.2000 | 0.0500 | 0.0300 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| int4+full | 190.0 | 20.0 | 7.5 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("`int4+full`"), std::string::npos);
+
+  const auto j = nlohmann::json::parse(summary_json(s));
+  EXPECT_EQ(j["arms"].size(), 4u);
+  EXPECT_EQ(j["arms"][1]["arm"], "int4+full");
+  EXPECT_DOUBLE_EQ(j["arms"][1]["memory_ratio"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["arms"][1]["depth_accuracy"]["95"].get<double>(), 1.0);
+  EXPECT_TRUE(j["arms"][3]["ppl_stream"].is_null());
+  EXPECT_EQ(j["recommendations"][0]["arm"], "int4+full");
+  EXPECT_DOUBLE_EQ(j["attention"][0]["bits"]["2"]["out_rel_err"].get<double>(), 0.3);
+
+  const std::string csv = summary_csv(s);
+  std::istringstream in(csv);
+  std::string header, first, second;
+  std::getline(in, header);
+  std::getline(in, first);
+  std::getline(in, second);
+  EXPECT_EQ(header.rfind("arm,is_control,tasks,passed,errors,accuracy,delta_pp,delta_tasks,peak_kib_mean", 0), 0u);
+  EXPECT_NE(header.find(",acc_needle,acc_summary,needle_d5,needle_d35,needle_d65,needle_d95"), std::string::npos) << header;
+  EXPECT_EQ(second.rfind("int4+full,0,10,8,0,0.8,-10,-1,0.25,0.25,0.25,", 0), 0u) << second;
+}
+
+TEST(StudyReport, ModelSelectionAndWrite) {
+  auto r = rows();
+  auto other = r[0];
+  other.model = "m2";
+  r.push_back(other);
+  EXPECT_THROW(summarize(r), InvalidArgument);
+  EXPECT_EQ(summarize(r, "m2").arms.size(), 1u);
+  EXPECT_THROW(summarize(r, "m3"), InvalidArgument);
+  EXPECT_EQ(models_in(r), (std::vector<std::string>{"m1", "m2"}));
+  const std::string dir = ::testing::TempDir() + "/study_report_out";
+  write_summary_files(summarize(r, "m1"), dir);
+  for (const char* f : {"/summary.md", "/summary.json", "/summary.csv"}) {
+    EXPECT_TRUE(std::ifstream(dir + f).good()) << f;
+  }
+}

@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+// results.jsonl: row serialization, crash repair, locking, shards, merge.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "kvcache/error.h"
+#include "kvcache/study/results.h"
+
+using namespace kvcache;
+using namespace kvcache::study;
+
+namespace {
+std::string tmp(const std::string& name) {
+  const std::string p = ::testing::TempDir() + "/study_results_" + name;
+  std::remove(p.c_str());
+  return p;
+}
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+ResultRow row(int64_t order, const std::string& arm, const std::string& task) {
+  ResultRow r;
+  r.order = order;
+  r.kind = "task";
+  r.arm = arm;
+  r.task = task;
+  r.model = "m";
+  r.family = "needle";
+  r.depth_pct = 35;
+  r.context_target = 512;
+  r.passed = true;
+  r.output = "48213\n\"quoted\"";
+  r.values = {{"peak_bytes", 1024}, {"prefill_s", 0.125}, {"nan", NAN}};
+  return r;
+}
+}  // namespace
+
+TEST(StudyResults, RowJsonRoundTripIsStable) {
+  const auto r = row(3, "int4+full", "t1");
+  const std::string j = row_to_json(r);
+  EXPECT_EQ(j.find('\n'), std::string::npos);
+  EXPECT_EQ(j.find("nan"), std::string::npos);  // non-finite values are dropped
+  const auto back = row_from_json(j);
+  EXPECT_EQ(row_to_json(back), j);
+  EXPECT_EQ(back.output, r.output);
+  EXPECT_EQ(back.value("peak_bytes"), 1024);
+  EXPECT_TRUE(std::isnan(back.value("nan")));
+  EXPECT_EQ(back.key(), "int4+full\tt1\tm");
+  EXPECT_THROW(row_from_json("{\"order\":1}"), InvalidArgument);
+  EXPECT_THROW(row_from_json("[1,2]"), InvalidArgument);
+}
+
+TEST(StudyResults, StoreAppendsReopensAndRepairsPartialLine) {
+  const std::string path = tmp("store.jsonl");
+  {
+    ResultsStore s(path);
+    s.append(row(0, "a", "t0"));
+    s.append(row(1, "a", "t1"));
+    EXPECT_THROW(s.append(row(5, "a", "t1")), InvalidArgument);  // key already present
+  }
+  const std::string good = slurp(path);
+  EXPECT_EQ(std::count(good.begin(), good.end(), '\n'), 2);
+  const std::string torn = "{\"order\":2,\"kind\":\"task\",\"ar";
+  {
+    std::ofstream out(path, std::ios::app | std::ios::binary);
+    out << torn;
+  }
+  {
+    ResultsStore s(path);
+    EXPECT_EQ(s.repaired_bytes(), static_cast<int64_t>(torn.size()));
+    ASSERT_EQ(s.rows().size(), 2u);
+    EXPECT_TRUE(s.contains(row(0, "a", "t0").key()));
+    EXPECT_FALSE(s.contains(row(0, "a", "t2").key()));
+  }
+  EXPECT_EQ(slurp(path), good);  // truncated back to the complete rows
+  int64_t partial = 0;
+  {
+    std::ofstream out(path, std::ios::app | std::ios::binary);
+    out << "{\"par";
+  }
+  EXPECT_EQ(read_results(path, &partial).size(), 2u);  // readers skip it without writing
+  EXPECT_EQ(partial, 1);
+}
+
+TEST(StudyResults, CorruptCompleteLineIsAnErrorNotSilentlyDropped) {
+  const std::string path = tmp("corrupt.jsonl");
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << row_to_json(row(0, "a", "t0")) << "\n" << "garbage\n";
+  }
+  try {
+    ResultsStore s(path);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(":2:"), std::string::npos) << e.what();
+  }
+}
+
+TEST(StudyResults, SecondWriterIsLockedOut) {
+  const std::string path = tmp("locked.jsonl");
+  ResultsStore a(path);
+  EXPECT_THROW(ResultsStore b(path), InvalidArgument);
+}
+
+TEST(StudyResults, ShardParseAndOwnership) {
+  auto s = Shard::parse("1/3");
+  EXPECT_EQ(s.index, 1);
+  EXPECT_EQ(s.count, 3);
+  EXPECT_TRUE(s.owns(4));
+  EXPECT_FALSE(s.owns(5));
+  EXPECT_EQ(s.to_string(), "1/3");
+  for (const char* bad : {"3/3", "-1/3", "1/0", "1", "a/b", "1/3x", ""}) {
+    EXPECT_THROW(Shard::parse(bad), InvalidArgument) << bad;
+  }
+}
+
+TEST(StudyResults, MergeDedupesAndSortsByPlanOrder) {
+  auto r0 = row(0, "a", "t0");
+  auto r1 = row(1, "a", "t1");
+  auto r2 = row(2, "b", "t0");
+  auto r1b = r1;
+  r1b.passed = false;  // same key, different content
+  MergeStats st;
+  auto out = merge_rows({{r2, r0}, {r1, r0}, {r1b}}, &st);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].task, "t0");
+  EXPECT_EQ(out[1].task, "t1");
+  EXPECT_TRUE(out[1].passed);  // the first seen wins
+  EXPECT_EQ(out[2].arm, "b");
+  EXPECT_EQ(st.rows_in, 5);
+  EXPECT_EQ(st.duplicates, 1);
+  EXPECT_EQ(st.conflicts, 1);
+  const std::string a = tmp("m_a.jsonl");
+  const std::string b = tmp("m_b.jsonl");
+  write_results(a, {r2});
+  write_results(b, {r0, r1});
+  const std::string m = tmp("m_out.jsonl");
+  merge_result_files({a, b}, m);
+  EXPECT_EQ(slurp(m), row_to_json(r0) + "\n" + row_to_json(r1) + "\n" + row_to_json(r2) + "\n");
+}
