@@ -4,10 +4,9 @@
 
 #include "kvcache/model/causal_lm.h"
 
+#include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <ATen/Parallel.h>
 
 #include <fstream>
 #include <memory>
@@ -32,14 +31,18 @@ class CausalLMTest : public ::testing::Test {
     if (!t::have_shared_data() || !t::have_tool("export_torchscript.py")) return;
     pt_ = t::export_hf(t::shared_data() + "/models/tinystories-656k", "ts656k.pt", &error_);
     if (!error_.empty()) return;
-    bad_ = t::cached_artifact("bad_modules", kBadModules, [](const std::string& out) {
-      std::filesystem::create_directories(out);
-      return t::run_python("OUT = '" + out + "'\n" + kBadModules, out + "/make.py");
-    }, &error_);
+    bad_ = t::cached_artifact(
+        "bad_modules", kBadModules,
+        [](const std::string& out) {
+          std::filesystem::create_directories(out);
+          return t::run_python("OUT = '" + out + "'\n" + kBadModules, out + "/make.py");
+        },
+        &error_);
   }
   void SetUp() override {
     if (!t::have_shared_data()) GTEST_SKIP() << "../shared/data is absent";
-    if (!t::have_tool("export_torchscript.py")) GTEST_SKIP() << "tools/export_torchscript.py absent";
+    if (!t::have_tool("export_torchscript.py"))
+      GTEST_SKIP() << "tools/export_torchscript.py absent";
     ASSERT_EQ(error_, "");
     dir_ = std::make_unique<t::TempDir>();
   }
@@ -182,7 +185,8 @@ TEST_F(CausalLMTest, TruncatedFileIsAClearError) {
   {
     std::ifstream in(pt_, std::ios::binary);
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+    std::ofstream(p, std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
   }
   try {
     CausalLM::load(p);
@@ -246,8 +250,8 @@ TEST_F(CausalLMTest, ConfigBadHeadRatioIsNamed) {
     CausalLM::load(p);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("num_attention_heads (2)"),
-                                HasSubstr("num_key_value_heads (3)")));
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("num_attention_heads (2)"), HasSubstr("num_key_value_heads (3)")));
   }
 }
 
@@ -257,7 +261,8 @@ TEST_F(CausalLMTest, ConfigWrongTypeIsNamed) {
     CausalLM::load(p);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("'hidden_size'"), HasSubstr("integer"), HasSubstr("\"8\"")));
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("'hidden_size'"), HasSubstr("integer"), HasSubstr("\"8\"")));
   }
 }
 

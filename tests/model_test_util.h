@@ -37,7 +37,9 @@ inline std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-inline nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
+inline nlohmann::json read_json(const std::string& path) {
+  return nlohmann::json::parse(read_file(path));
+}
 
 /// A fresh temp dir for one test, removed with its contents.
 struct TempDir {
@@ -60,7 +62,8 @@ struct TempDir {
 inline std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 inline fs::path artifact_root() {
-  const fs::path p = fs::temp_directory_path() / ("kvcache-test-artifacts-" + std::to_string(::getuid()));
+  const fs::path p =
+      fs::temp_directory_path() / ("kvcache-test-artifacts-" + std::to_string(::getuid()));
   fs::create_directories(p);
   return p;
 }
@@ -86,7 +89,8 @@ inline std::string cached_artifact(const std::string& name, const std::string& k
   h << std::hex << std::hash<std::string>{}(key + KVCACHE_PYTHON);
   const fs::path final_path = artifact_root() / (h.str() + "-" + name);
   if (fs::exists(final_path)) return final_path.string();
-  const fs::path tmp = artifact_root() / ("tmp-" + std::to_string(::getpid()) + "-" + h.str() + "-" + name);
+  const fs::path tmp =
+      artifact_root() / ("tmp-" + std::to_string(::getpid()) + "-" + h.str() + "-" + name);
   std::error_code ec;
   fs::remove_all(tmp, ec);
   *error = produce(tmp.string());
@@ -100,7 +104,8 @@ inline std::string cached_artifact(const std::string& name, const std::string& k
 }
 
 /// `tools/<tool> args` with the torch interpreter.
-inline std::string run_tool(const std::string& tool, const std::string& args, const std::string& log) {
+inline std::string run_tool(const std::string& tool, const std::string& args,
+                            const std::string& log) {
   return run_logged(std::string(KVCACHE_PYTHON) + " " + quote(tool_path(tool)) + " " + args, log);
 }
 
@@ -123,10 +128,13 @@ inline std::string export_hf(const std::string& hf_dir, const std::string& name,
                           std::to_string(fs::exists(hf_dir + "/model.safetensors")
                                              ? fs::file_size(hf_dir + "/model.safetensors")
                                              : 0);
-  return cached_artifact(name, key, [&](const std::string& out) {
-    return run_tool("export_torchscript.py", quote(hf_dir) + " " + quote(out) + " " + extra_args,
-                    out + ".log");
-  }, error);
+  return cached_artifact(
+      name, key,
+      [&](const std::string& out) {
+        return run_tool("export_torchscript.py",
+                        quote(hf_dir) + " " + quote(out) + " " + extra_args, out + ".log");
+      },
+      error);
 }
 
 }  // namespace kvcache::testing

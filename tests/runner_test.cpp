@@ -72,7 +72,8 @@ std::string stories260k_dir() { return t::shared_data() + "/models/stories260K";
 const TestModel& tinystories() {
   static const TestModel m = make_model(
       [](std::string* err) -> std::string {
-        if (!t::have_tool("export_torchscript.py")) return *err = "SKIP: tools/export_torchscript.py absent", "";
+        if (!t::have_tool("export_torchscript.py"))
+          return *err = "SKIP: tools/export_torchscript.py absent", "";
         return t::export_hf(tinystories_dir(), "ts656k.pt", err);
       },
       {1, 80, 147, 201, 282, 57, 8, 1137, 117, 1513, 101, 87, 1076, 1005, 361, 1377, 436});
@@ -110,15 +111,19 @@ const TestModel& qwen_random(int layers) {
     slot = std::make_unique<TestModel>(make_model(
         [layers](std::string* err) -> std::string {
           if (!t::have_tool("make_random_checkpoint.py") || !t::have_tool("export_torchscript.py"))
-            return *err = "SKIP: tools/make_random_checkpoint.py or export_torchscript.py absent", "";
+            return *err = "SKIP: tools/make_random_checkpoint.py or export_torchscript.py absent",
+                   "";
           const std::string args =
-              "--config " + t::quote(t::shared_data() + "/models/qwen2.5-0.5b-instruct/config.json") +
+              "--config " +
+              t::quote(t::shared_data() + "/models/qwen2.5-0.5b-instruct/config.json") +
               " --tokenizer-dir " + t::quote(t::shared_data() + "/tokenizers/qwen2") +
               " --seed 0 --dtype bf16 --num-layers " + std::to_string(layers);
           const std::string ck = t::cached_artifact(
-              "qwen-random-l" + std::to_string(layers), t::tool_key("make_random_checkpoint.py", args),
+              "qwen-random-l" + std::to_string(layers),
+              t::tool_key("make_random_checkpoint.py", args),
               [&](const std::string& out) {
-                return t::run_tool("make_random_checkpoint.py", t::quote(out) + " " + args, out + ".log");
+                return t::run_tool("make_random_checkpoint.py", t::quote(out) + " " + args,
+                                   out + ".log");
               },
               err);
           if (ck.empty()) return "";
@@ -130,11 +135,11 @@ const TestModel& qwen_random(int layers) {
   return *slot;
 }
 
-#define REQUIRE_MODEL(m)                                 \
-  do {                                                   \
-    if (!(m).skip.empty()) GTEST_SKIP() << (m).skip;     \
-    ASSERT_EQ((m).error, "");                            \
-    ASSERT_TRUE((m).lm != nullptr);                      \
+#define REQUIRE_MODEL(m)                             \
+  do {                                               \
+    if (!(m).skip.empty()) GTEST_SKIP() << (m).skip; \
+    ASSERT_EQ((m).error, "");                        \
+    ASSERT_TRUE((m).lm != nullptr);                  \
   } while (0)
 
 at::Tensor to_tensor(const nlohmann::json& j) {
@@ -248,8 +253,9 @@ void expect_prompt_kv_matches_golden(const CausalLM& lm, const Golden& g, bool a
   };
   at::Tensor k = flat(g.kv.at("k_post_rope")).view(shape).permute({0, 2, 1, 3});
   if (adjacent_pairs) {
-    k = k.reshape({shape[0], shape[2], shape[1], shape[3] / 2, 2}).transpose(-1, -2).reshape(
-        {shape[0], shape[2], shape[1], shape[3]});
+    k = k.reshape({shape[0], shape[2], shape[1], shape[3] / 2, 2})
+            .transpose(-1, -2)
+            .reshape({shape[0], shape[2], shape[1], shape[3]});
   }
   const at::Tensor v = flat(g.kv.at("v")).view(shape).permute({0, 2, 1, 3});
   for (int64_t l = 0; l < shape[0]; ++l) {
@@ -296,8 +302,8 @@ TEST(RunnerGolden, Stories260KGreedyIdsAndLogits) {
 TEST(RunnerGolden, PerplexityOfOwnContinuationMatchesReadme) {
   // READMEs of ../shared/data/models: prompt + 60 greedy tokens score 4.72 (TinyStories-656K,
   // 66 predicted tokens) and 1.49 (stories260K, 64 predicted tokens).
-  for (const auto& [model, dir, ppl] :
-       {std::tuple{&tinystories, tinystories_dir(), 4.72}, std::tuple{&stories260k, stories260k_dir(), 1.49}}) {
+  for (const auto& [model, dir, ppl] : {std::tuple{&tinystories, tinystories_dir(), 4.72},
+                                        std::tuple{&stories260k, stories260k_dir(), 1.49}}) {
     const TestModel& m = (*model)();
     if (!m.skip.empty()) continue;
     ASSERT_EQ(m.error, "");
@@ -333,7 +339,8 @@ void expect_control_arm(const TestModel& m) {
   ASSERT_EQ(r.tokens.size(), 64u);
   const auto P = static_cast<int64_t>(m.prompt.size());
   const std::vector<int64_t> seq = concat(m.prompt, r.tokens, 63);
-  const at::Tensor ref = m.lm->forward(detail::ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0];
+  const at::Tensor ref =
+      m.lm->forward(detail::ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0];
   const at::Tensor ref_rows = ref.slice(0, P - 1, P + 63);
   EXPECT_LT(max_abs_diff(r.logits, ref_rows), 1e-4);
   const at::Tensor ref_ids = ref_rows.argmax(-1);
@@ -415,8 +422,8 @@ TEST(RunnerFullShape, QwenRandom24LayersControlArm) {
 // Text in, text out: the export's own tokenizer with the golden prompts.
 
 TEST(RunnerGolden, TokenizerAndGenerationReproduceTheGoldenText) {
-  for (const auto& [model, dir] : {std::pair{&tinystories, tinystories_dir()},
-                                   std::pair{&stories260k, stories260k_dir()}}) {
+  for (const auto& [model, dir] :
+       {std::pair{&tinystories, tinystories_dir()}, std::pair{&stories260k, stories260k_dir()}}) {
     const TestModel& m = (*model)();
     if (!m.skip.empty()) continue;
     ASSERT_EQ(m.error, "");
@@ -451,7 +458,8 @@ at::Tensor windowed_reference_logprobs(const CausalLM& lm, const std::vector<int
     const QKV qkv = lm.qkv(l, h, pos);
     const at::Tensor k = lm.rope(qkv.k, pos).repeat_interleave(G, 1);
     const at::Tensor v = qkv.v.repeat_interleave(G, 1);
-    at::Tensor s = at::matmul(qkv.q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(c.head_dim));
+    at::Tensor s =
+        at::matmul(qkv.q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(c.head_dim));
     s = s.masked_fill(hidden, -INFINITY);
     h = lm.finish(l, h, at::matmul(at::softmax(s, -1), v));
   }
@@ -488,8 +496,8 @@ TEST(RunnerEviction, EveryPolicyRunsWithinBudget) {
   const Runner runner(*m.lm);
   GenerationOptions o = greedy(12);
   o.stop_at_eos = false;  // evicted contexts may well end the story early
-  for (const std::string policy : {"window@8", "sink:s2@8", "h2o@8", "random:seed3@8", "tova@8",
-                                   "snapkv:w4@24"}) {
+  for (const std::string policy :
+       {"window@8", "sink:s2@8", "h2o@8", "random:seed3@8", "tova@8", "snapkv:w4@24"}) {
     for (int64_t chunk : {0, 4}) {
       CacheConfig c = m.lm->cache_config();
       c.policy = policy;
@@ -589,7 +597,8 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
   expect_throw([&] { runner.generate({}, greedy(4), cache); }, "prompt must not be empty");
   expect_throw([&] { runner.generate({1, 2048}, greedy(4), cache); }, "token id 2048 at index 1");
   expect_throw([&] { runner.generate({1, -1}, greedy(4), cache); }, "token id -1");
-  expect_throw([&] { runner.generate({1}, greedy(0), cache); }, "max_new_tokens must be >= 1, got 0");
+  expect_throw([&] { runner.generate({1}, greedy(0), cache); },
+               "max_new_tokens must be >= 1, got 0");
   expect_throw([&] { runner.generate({1}, greedy(2, -3), cache); }, "chunk_size must be >= 0");
   expect_throw([&] { runner.score({1}, cache); }, "at least 2 tokens, got 1");
   expect_throw([&] { runner.decode_step(5000, cache); }, "token id 5000");

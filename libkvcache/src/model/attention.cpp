@@ -40,9 +40,10 @@ void check_cache_fits(const CacheConfig& c, const ModelConfig& m, const char* fn
   KV_CHECK_ARG(c.num_layers == m.num_hidden_layers && c.num_q_heads == m.num_attention_heads &&
                    c.num_kv_heads == m.num_key_value_heads && c.head_dim == m.head_dim,
                fn, ": cache config (layers=", c.num_layers, ", H_q=", c.num_q_heads,
-               ", H_kv=", c.num_kv_heads, ", D=", c.head_dim, ") does not fit the model (layers=",
-               m.num_hidden_layers, ", H_q=", m.num_attention_heads, ", H_kv=",
-               m.num_key_value_heads, ", D=", m.head_dim, "); build it from CausalLM::cache_config()");
+               ", H_kv=", c.num_kv_heads, ", D=", c.head_dim,
+               ") does not fit the model (layers=", m.num_hidden_layers,
+               ", H_q=", m.num_attention_heads, ", H_kv=", m.num_key_value_heads,
+               ", D=", m.head_dim, "); build it from CausalLM::cache_config()");
 }
 
 }  // namespace kvcache::detail

@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <nlohmann/json.hpp>
 #include <thread>
 #include <utility>
 
@@ -27,13 +27,13 @@ constexpr const char* kExportFormat = "libkvcache-torchscript";
 constexpr int64_t kAbiVersion = 1;
 
 /// Extra files looked up in the archive (absent ones are simply not reported).
-const char* const kExtraNames[] = {kExportFile,     kConfigFile,           "tokenizer.json",
-                                   "vocab.json",    "merges.txt",          "tokenizer_config.json",
+const char* const kExtraNames[] = {kExportFile,    kConfigFile,  "tokenizer.json",
+                                   "vocab.json",   "merges.txt", "tokenizer_config.json",
                                    kGenerationFile};
 
 /// Method name and its argument count without `self`, as ABI v1 defines them.
-const std::pair<const char*, size_t> kAbiMethods[] = {
-    {"embed", 1}, {"qkv", 3}, {"rope", 2}, {"finish", 3}, {"head", 1}, {"forward", 1}};
+const std::pair<const char*, size_t> kAbiMethods[] = {{"embed", 1},  {"qkv", 3},  {"rope", 2},
+                                                      {"finish", 3}, {"head", 1}, {"forward", 1}};
 
 /// First line of a c10::Error message (LibTorch appends a long C++ backtrace).
 std::string first_line(const std::string& s) {
@@ -45,8 +45,8 @@ json parse_json(const std::string& path, const char* name, const std::string& te
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
-    throw InvalidArgument(detail::str_cat("'", path, "': extra file ", name,
-                                          " is not valid JSON: ", e.what()));
+    throw InvalidArgument(
+        detail::str_cat("'", path, "': extra file ", name, " is not valid JSON: ", e.what()));
   }
 }
 
@@ -84,10 +84,10 @@ std::vector<int64_t> id_list(const json& j, const std::string& path, const char*
   std::vector<int64_t> ids;
   if (!j.contains(field) || j.at(field).is_null()) return ids;
   const json& e = j.at(field);
-  const bool ok = e.is_number_integer() ||
-                  (e.is_array() && std::all_of(e.begin(), e.end(), [](const json& x) {
-                     return x.is_number_integer();
-                   }));
+  const bool ok =
+      e.is_number_integer() || (e.is_array() && std::all_of(e.begin(), e.end(), [](const json& x) {
+                                  return x.is_number_integer();
+                                }));
   KV_CHECK_ARG(ok, "'", path, "': ", file, ": field '", field,
                "' must be an integer or a list of integers, got ", e.dump());
   if (e.is_number_integer()) {
@@ -209,9 +209,8 @@ CausalLM CausalLM::load(const std::string& path, const LoadOptions& options) {
     }
   }
   for (int64_t e : impl->config.eos_token_ids) {
-    KV_CHECK_ARG(e >= 0 && e < impl->config.vocab_size, "'", path,
-                 "': eos_token_id ", e, " is outside the vocabulary [0, ",
-                 impl->config.vocab_size, ")");
+    KV_CHECK_ARG(e >= 0 && e < impl->config.vocab_size, "'", path, "': eos_token_id ", e,
+                 " is outside the vocabulary [0, ", impl->config.vocab_size, ")");
   }
 
   for (const auto& [name, nargs] : kAbiMethods) {
@@ -248,8 +247,9 @@ TokenizerFiles CausalLM::tokenizer_files() const {
   f.vocab_json = extra_file("vocab.json");
   f.merges_txt = extra_file("merges.txt");
   f.tokenizer_config_json = extra_file("tokenizer_config.json");
-  KV_CHECK_ARG(!f.tokenizer_json.empty() || (!f.vocab_json.empty() && !f.merges_txt.empty()),
-               "'", impl_->path, "' holds no tokenizer: extra file tokenizer.json (or vocab.json + "
+  KV_CHECK_ARG(!f.tokenizer_json.empty() || (!f.vocab_json.empty() && !f.merges_txt.empty()), "'",
+               impl_->path,
+               "' holds no tokenizer: extra file tokenizer.json (or vocab.json + "
                "merges.txt) is missing (export from a checkpoint directory that has one)");
   return f;
 }

@@ -29,8 +29,11 @@ class ConcatKVCache {
   void reset(int64_t /*context_length*/) {
     for (auto& l : layers_) l = Layer{};
   }
-  int64_t next_position(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).length; }
-  void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  int64_t next_position(int64_t layer) const {
+    return layers_.at(static_cast<size_t>(layer)).length;
+  }
+  void append(int64_t layer, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& positions) {
     Layer& s = layers_.at(static_cast<size_t>(layer));
     const at::Tensor kr = config_.rope(k, positions);
     const at::Tensor p = positions.view({1, -1}).expand({k.size(1), positions.numel()});

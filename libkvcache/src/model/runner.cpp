@@ -9,8 +9,7 @@
 namespace kvcache {
 
 double ScoreResult::perplexity() const {
-  KV_CHECK_ARG(logprobs.defined() && logprobs.numel() > 0,
-               "ScoreResult::perplexity: no log-probs");
+  KV_CHECK_ARG(logprobs.defined() && logprobs.numel() > 0, "ScoreResult::perplexity: no log-probs");
   return std::exp(-logprobs.to(at::kDouble).mean().item<double>());
 }
 

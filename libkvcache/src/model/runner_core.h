@@ -2,9 +2,9 @@
 #pragma once
 /// @file runner_core.h (private)
 /// The managed forward pass, written once over any cache type with CacheManager's verbs
-/// (config, reset, next_position(layer), append, get, needs_attention, observe_attention, end_step).
-/// Runner instantiates it for CacheManager; bench/bench_model.cpp also instantiates it for
-/// ConcatKVCache to measure the CacheManager's overhead on the same code path.
+/// (config, reset, next_position(layer), append, get, needs_attention, observe_attention,
+/// end_step). Runner instantiates it for CacheManager; bench/bench_model.cpp also instantiates it
+/// for ConcatKVCache to measure the CacheManager's overhead on the same code path.
 
 #include <ATen/ATen.h>
 
@@ -63,7 +63,8 @@ at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, Cache& cac
     cache.append(l, x.k.to(at::kFloat), x.v.to(at::kFloat), pos);
     const LayerKV kv = cache.get(l);
     at::Tensor probs;
-    at::Tensor out = gqa_attention(x.q, kv.k, kv.v, kv.positions, pos, want_probs ? &probs : nullptr);
+    at::Tensor out =
+        gqa_attention(x.q, kv.k, kv.v, kv.positions, pos, want_probs ? &probs : nullptr);
     if (want_probs) cache.observe_attention(l, probs);
     h = model.finish(l, h, out.to(h.scalar_type()));
   }
@@ -91,8 +92,8 @@ at::Tensor prefill_with(const CausalLM& model, const std::vector<int64_t>& ids, 
   at::Tensor logits;
   for (int64_t s = 0; s < n; s += c) {
     const int64_t t = std::min(c, n - s);
-    logits = forward_step(model, ids_tensor(ids.data() + s, t), cache, /*is_prefill_end=*/s + t == n,
-                          LogitsFor::kLastToken);
+    logits = forward_step(model, ids_tensor(ids.data() + s, t), cache,
+                          /*is_prefill_end=*/s + t == n, LogitsFor::kLastToken);
   }
   return logits.view({-1});
 }

@@ -26,19 +26,19 @@ namespace kvcache {
 
 /// The normalised model configuration stored as `config.json` inside the export.
 struct ModelConfig {
-  std::string model_type;               ///< "llama" or "qwen2"
-  int64_t hidden_size = 0;              ///< d
-  int64_t num_hidden_layers = 0;        ///< L
-  int64_t num_attention_heads = 0;      ///< H_q
-  int64_t num_key_value_heads = 0;      ///< H_kv (divides H_q)
-  int64_t head_dim = 0;                 ///< D
-  int64_t intermediate_size = 0;        ///< MLP width
-  double rope_theta = 0.0;              ///< RoPE base
-  double rms_norm_eps = 0.0;            ///< RMSNorm epsilon
-  bool tie_word_embeddings = false;     ///< lm_head shares the embedding matrix
-  bool attention_bias = false;          ///< q/k/v projections carry biases (Qwen2)
-  int64_t vocab_size = 0;               ///< V
-  int64_t bos_token_id = -1;            ///< -1 when the config has none (first id if a list)
+  std::string model_type;            ///< "llama" or "qwen2"
+  int64_t hidden_size = 0;           ///< d
+  int64_t num_hidden_layers = 0;     ///< L
+  int64_t num_attention_heads = 0;   ///< H_q
+  int64_t num_key_value_heads = 0;   ///< H_kv (divides H_q)
+  int64_t head_dim = 0;              ///< D
+  int64_t intermediate_size = 0;     ///< MLP width
+  double rope_theta = 0.0;           ///< RoPE base
+  double rms_norm_eps = 0.0;         ///< RMSNorm epsilon
+  bool tie_word_embeddings = false;  ///< lm_head shares the embedding matrix
+  bool attention_bias = false;       ///< q/k/v projections carry biases (Qwen2)
+  int64_t vocab_size = 0;            ///< V
+  int64_t bos_token_id = -1;         ///< -1 when the config has none (first id if a list)
   /// Every id that ends generation: config.json's eos_token_id (int or list) united with
   /// generation_config.json's when the export holds one. May be empty.
   std::vector<int64_t> eos_token_ids;
