@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "kvcache/error.h"
+#include "kvcache/eviction_policy.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/study/arm.h"
 #include "kvcache/study/memory.h"
@@ -185,11 +186,10 @@ void add_list_command(CLI::App& app) {
   cmd->callback([] {
     std::cout << "# Quantizers (spec: head(:field)*)\n\n";
     for (const auto& t : kvcache::registered_quantizers()) std::cout << kvcache::describe(t) << "\n";
-    std::cout << "# Cache schemes\n\n"
-                 "kivi — KIVI (arXiv 2402.02750): keys per channel (int<k>:g<G>:chan), values per token (int<v>:g<G>),\n"
-                 "    the last R tokens in fp16; fields k<bits> v<bits> g<group> r<residual> (default kivi:k2:v2:g32:r128)\n\n";
-    std::cout << "# Eviction policies (spec: head(:field)*[@budget], budget @N tokens or @P% of the context)\n\n"
-                 "full, window, sink, h2o, random, snapkv, tova (see the cache library's registered_policies())\n\n";
+    std::cout << "# Cache schemes (CacheConfig::quant besides a plain quantizer spec)\n\n";
+    for (const auto& t : cache_scheme_tables()) std::cout << kvcache::describe(t) << "\n";
+    std::cout << "# Eviction policies (spec: head(:field)*[@budget]; budget @N tokens or @P% of prompt + max new tokens)\n\n";
+    for (const auto& t : kvcache::registered_policies()) std::cout << kvcache::describe(t) << "\n";
     std::cout << "# Default arms of kv_study run (quant+policy)\n\n";
     for (const auto& a : default_arms()) std::cout << "  " << a.spec() << "\n";
     std::cout << "\n# Task families\n\n";

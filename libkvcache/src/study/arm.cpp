@@ -5,6 +5,7 @@
 #include <set>
 #include <sys/stat.h>
 
+#include "cache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
 
@@ -104,6 +105,8 @@ std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget) {
   }
   return arms;
 }
+
+std::vector<ParamTable> cache_scheme_tables() { return cache::registered_cache_schemes(); }
 
 std::vector<Arm> dedupe(const std::vector<Arm>& arms) {
   std::vector<Arm> out;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/spec.h"
+
 namespace kvcache::study {
 
 struct Arm {
@@ -43,6 +45,10 @@ std::vector<Arm> parse_arm_list(const std::string& text);
 /// `--budget B` ("256" tokens or "25%"): replaces the budget of every arm whose policy is not
 /// "full" (adding one where the policy had none). @throws InvalidArgument for a bad budget.
 std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget);
+
+/// Parameter tables of the cache schemes an arm's quant may name besides a quantizer spec
+/// (kivi), for `kv_study list`.
+std::vector<ParamTable> cache_scheme_tables();
 
 /// Removes later duplicates (same spec), keeping the first occurrence's position.
 std::vector<Arm> dedupe(const std::vector<Arm>& arms);
