@@ -21,6 +21,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -116,6 +117,19 @@ void bench_kernel(benchmark::State& state, int bits, int64_t g, bool dequant, st
   set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
 }
 
+/// Calibration under the current machine load: std::memcpy of the fp32 tensor into a
+/// preallocated buffer (STREAM-copy-like; bytes = fp32 input, as for the quantizers).
+void bench_memcpy(benchmark::State& state, std::vector<int64_t> shape) {
+  const at::Tensor& x = tensor_for(shape);
+  std::vector<float> out(static_cast<size_t>(x.numel()), 0.0f);
+  for (auto _ : state) {
+    std::memcpy(out.data(), x.data_ptr<float>(), out.size() * sizeof(float));
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, x, 32.0, 0.0);
+}
+
 struct RefCase {
   int bits;
   int64_t g;  // 0 = head_dim
@@ -188,6 +202,8 @@ void register_all() {
     }
   }
   for (const auto& shape : target_shapes) {
+    benchmark::RegisterBenchmark(("memcpy/fp32/" + shape_name(shape)).c_str(), bench_memcpy, shape)
+        ->Unit(benchmark::kMillisecond);
     for (const std::string s : {"int8:g32", "int4:g32"}) {
       benchmark::RegisterBenchmark(("quantize/" + s + "/" + shape_name(shape)).c_str(), bench_quantize, s, shape)
           ->Unit(benchmark::kMillisecond);
