@@ -1,0 +1,225 @@
+"""tools/train_default_model.py: the byte-level BPE and ChatML rendering (hand-made text), the
+Python scoring rules, and a --smoke training run on the C++ task generator (kv_study) that must
+write a loadable ABI v1 export whose forward equals the training module's logits, with a
+tokenizer that round-trips the suite text and splits it exactly like the Qwen2 regex."""
+import json
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvtest_util as U  # noqa: E402
+
+import train_default_model as T  # noqa: E402
+from kvcache_tools.safetensors_io import SafetensorsFile  # noqa: E402
+
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Read the text.\n\nThe access code is 40712. The cat likes tea.\n\n"
+                                    "Question: What is the access code?"}]
+
+
+class Tokenizer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        text = T.render_chatml(CHAT, True) + "40712" + T.IM_END + "\n"
+        cls.tok = T.train_bpe([text] * 3 + ["It is a cold day in the park. The old dog sits by the river."] * 2, 400)
+
+    def test_vocab_layout(self):
+        tok = self.tok
+        self.assertEqual(tok.vocab[T.BYTE_ENC[ord("a")]], ord("a"))  # bytes first, by value
+        n = len(tok)
+        self.assertLessEqual(n, 400)
+        self.assertEqual([tok.vocab[s] for s in T.SPECIALS], [n - 3, n - 2, n - 1])
+        self.assertEqual(len(tok.merges), n - 256 - 3)
+
+    def test_specials_and_digits(self):
+        tok = self.tok
+        ids = tok.encode("<|im_start|>user\nThe code is 40712.<|im_end|>")
+        self.assertEqual(ids[0], tok.special_ids[T.IM_START])
+        self.assertEqual(ids[-1], tok.special_ids[T.IM_END])
+        digits = [tok.decode([i]) for i in ids if tok.decode([i]).isdigit()]
+        self.assertEqual(digits, ["4", "0", "7", "1", "2"])  # one token per digit
+        self.assertIn(tok.vocab["Ġcode"], ids)  # a frequent word is one token, with its space
+
+    def test_round_trip(self):
+        for s in [T.render_chatml(CHAT, True), "Unseen words: zebra xylophone 123!?\n\n  x", "a  b\t\nc"]:
+            self.assertEqual(self.tok.decode(self.tok.encode(s)), s)
+
+    def test_pretokenize_matches_qwen2_rules(self):
+        self.assertEqual(T.pretokenize("Hello, it's 42 o'clock!\n\n  Bye  now"),
+                         ["Hello", ",", " it", "'s", " ", "4", "2", " o", "'clock", "!\n\n", " ", " Bye", " ", " now"])
+        n = T.check_split_regex([T.render_chatml(CHAT, True), "It's  12 ab\n\n cd!? e", "x\r\n\ty  "])
+        if n == 0:
+            self.skipTest("perl not installed: the Qwen2 regex check needs it")
+        self.assertGreater(n, 40)
+
+    def test_tokenizer_json_round_trip(self):
+        doc = T.tokenizer_json(self.tok)
+        self.assertEqual(doc["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"], T.QWEN2_SPLIT_REGEX)
+        self.assertEqual(doc["normalizer"], {"type": "NFC"})
+        again = T.Tokenizer.from_json(json.loads(json.dumps(doc)))
+        s = T.render_chatml(CHAT, True)
+        self.assertEqual(again.encode(s), self.tok.encode(s))
+
+    def test_chatml_default_system_prompt(self):
+        self.assertEqual(T.render_chatml([{"role": "user", "content": "Hi"}], True),
+                         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+    def test_loss_weights(self):
+        task = {"messages": CHAT, "answer": "40712"}
+        ids, w = T.encode_task(self.tok, task, 0.25)
+        self.assertEqual(len(ids), len(w))
+        # the reply (5 digits) and <|im_end|> are the last 6 targets, weight 1; the last position predicts nothing
+        self.assertEqual(w[-1], 0.0)
+        self.assertEqual(list(w[-7:-1]), [1.0] * 6)
+        self.assertEqual(float(w[-8]), 0.25)
+        self.assertEqual(self.tok.decode(ids[-6:].tolist()), "40712<|im_end|>")
+
+
+class Scoring(unittest.TestCase):
+    def test_rules(self):
+        S = T.score_output
+        self.assertTrue(S({"kind": "word", "arg": "4071"}, " 4071<|im_end|>junk"))
+        self.assertFalse(S({"kind": "word", "arg": "4071"}, "40712"))
+        self.assertTrue(S({"kind": "uppercase", "arg": ""}, "GOODBYE, SEE YOU SOON."))
+        self.assertFalse(S({"kind": "uppercase", "arg": ""}, "GOODBYE, see"))
+        self.assertFalse(S({"kind": "uppercase", "arg": ""}, "123"))
+        self.assertTrue(S({"kind": "starts_with", "arg": "mango"}, "Mango, the sky is blue."))
+        self.assertTrue(S({"kind": "ends_with", "arg": "mango"}, "The sky is blue, mango."))
+        self.assertFalse(S({"kind": "ends_with", "arg": "mango"}, "The sky is blue, mangos."))
+        self.assertTrue(S({"kind": "exact", "arg": "a b"}, "  a b\n"))
+        self.assertTrue(S({"kind": "contains", "arg": "Red"}, "a red house"))
+
+
+class SmokeRun(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        try:
+            cls.gen = T.find_generator(None)
+        except T.ToolError as e:
+            raise unittest.SkipTest(str(e))
+        torch.set_num_threads(1)
+        cls.tmp = tempfile.mkdtemp(prefix="kvcache_train_")
+        cls.out = os.path.join(cls.tmp, "run")
+        cls.pt = os.path.join(cls.tmp, "model.pt")
+        rc, _, err = U.run_tool("train_default_model.py", "--smoke", "--threads", "1", "--generator", cls.gen,
+                                "--out", cls.out, "--export", cls.pt)
+        if rc != 0:
+            raise AssertionError(f"--smoke run failed ({rc}):\n{err[-3000:]}")
+        cls.err = err
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_export_loads_and_matches_training_module(self):
+        m = torch.jit.load(self.pt)
+        module, extra, cfg, info = U.load_export(self.pt)
+        self.assertEqual(info["model_type"], "qwen2")
+        self.assertEqual(cfg["num_key_value_heads"], 2)
+        self.assertTrue(cfg["tie_word_embeddings"])
+        self.assertIn("<|im_start|>", json.loads(extra["tokenizer_config.json"])["chat_template"])
+        tok = T.Tokenizer.from_json(json.loads(extra["tokenizer.json"]))
+        ids = torch.tensor([tok.encode(T.render_chatml(CHAT, True))])
+        logits = m.forward(ids)
+        self.assertEqual(list(logits.shape), [1, ids.shape[1], cfg["vocab_size"]])
+        # the training module with the safetensors weights gives the same logits
+        ref = T.Qwen2Small(cfg)
+        st = SafetensorsFile(os.path.join(self.out, "hf", "model.safetensors"))
+        names = {k: k for k in st.tensors}
+        sd = {}
+        for k in ref.state_dict():
+            hf = "model." + k.replace(".q_proj", ".self_attn.q_proj").replace(".k_proj", ".self_attn.k_proj") \
+                .replace(".v_proj", ".self_attn.v_proj").replace(".o_proj", ".self_attn.o_proj") \
+                .replace(".gate_proj", ".mlp.gate_proj").replace(".up_proj", ".mlp.up_proj") \
+                .replace(".down_proj", ".mlp.down_proj")
+            sd[k] = st.get(names[hf], torch.float32)
+        ref.load_state_dict(sd)
+        with torch.no_grad():
+            want = ref(ids)
+        self.assertLess(float((logits - want).abs().max()), 1e-4)
+
+    def test_tokenizer_round_trips_suite(self):
+        with open(os.path.join(self.out, "tokenizer.json"), encoding="utf-8") as f:
+            tok = T.Tokenizer.from_json(json.load(f))
+        suite = [json.loads(x) for x in open(os.path.join(self.out, "data", "suite-small-s1234.jsonl"))]
+        self.assertEqual(len(suite), 20)
+        texts = [T.render_chatml(t["messages"], True) + t["answer"] for t in suite]
+        for s in texts:
+            self.assertEqual(tok.decode(tok.encode(s)), s)
+        if T.check_split_regex(texts) == 0:
+            self.skipTest("perl not installed: the Qwen2 regex check needs it")
+
+    def test_eval_written(self):
+        with open(os.path.join(self.out, "eval.json")) as f:
+            res = json.load(f)
+        self.assertEqual(res["overall"][1], 20)
+        self.assertEqual(res["steps"], 10)
+        self.assertIn("step 10/10", self.err)
+
+    def test_resume_is_a_no_op_at_the_end(self):
+        rc, _, err = U.run_tool("train_default_model.py", "--smoke", "--threads", "1", "--generator", self.gen,
+                                "--out", self.out, "--export", self.pt + ".2.pt", "--resume", "--final-eval", "none")
+        self.assertEqual(rc, 0, err[-2000:])
+        self.assertIn("resumed from", err)
+        a = U.load_export(self.pt)[0]
+        b = U.load_export(self.pt + ".2.pt")[0]
+        ids = torch.arange(12).view(1, 12)
+        self.assertTrue(torch.equal(a.forward(ids), b.forward(ids)))
+
+
+COMMITTED = os.path.join(U.REPO, "models", "kvstudy-default.pt")
+# pass count of the committed model on the small suite (seed 1234, 20 tasks) with the Python greedy
+# loop over its ABI methods (train_default_model.evaluate); update together with the model
+COMMITTED_SMALL_PASS = 3
+
+
+class CommittedModel(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not os.path.exists(COMMITTED):
+            raise unittest.SkipTest(f"{COMMITTED} not committed yet")
+        torch.set_num_threads(1)
+        cls.module, cls.extra, cls.cfg, cls.info = U.load_export(COMMITTED)
+        cls.tok = T.Tokenizer.from_json(json.loads(cls.extra["tokenizer.json"]))
+
+    def test_loads_with_the_chat_format(self):
+        self.assertEqual(self.info["model_type"], "qwen2")
+        self.assertEqual(self.info["dtype"], "float32")
+        self.assertLessEqual(os.path.getsize(COMMITTED), 16_000_000)
+        self.assertGreaterEqual(self.cfg["max_position_embeddings"], 1024)
+        self.assertEqual(self.cfg["num_key_value_heads"], 2)
+        tc = json.loads(self.extra["tokenizer_config.json"])
+        self.assertIn("<|im_start|>", tc["chat_template"])
+        self.assertEqual(tc["default_system_prompt"], T.DEFAULT_SYSTEM_PROMPT)
+        self.assertEqual(self.cfg["eos_token_id"], self.tok.special_ids[T.IM_END])
+        ids = torch.tensor([self.tok.encode(T.render_chatml(CHAT, True))])
+        logits = self.module.forward(ids)
+        self.assertEqual(list(logits.shape), [1, ids.shape[1], self.cfg["vocab_size"]])
+        self.assertTrue(bool(torch.isfinite(logits).all()))
+
+    def test_tokenizer_round_trips_chat_text(self):
+        for s in [T.render_chatml(CHAT, True) + "40712<|im_end|>\n", "Unseen: zebra 0987!\n\n  x"]:
+            self.assertEqual(self.tok.decode(self.tok.encode(s)), s)
+
+    def test_small_suite_exact_pass_count(self):
+        try:
+            gen = T.find_generator(None)
+        except T.ToolError as e:
+            self.skipTest(str(e))
+        with tempfile.TemporaryDirectory() as d:
+            suite = T.generate(gen, "small", os.path.join(d, "small.jsonl"), seed=1234)
+        for t in suite:
+            s = T.render_chatml(t["messages"], True) + t["answer"]
+            self.assertEqual(self.tok.decode(self.tok.encode(s)), s)
+        res = T.evaluate(self.module, self.cfg["num_hidden_layers"], self.tok, suite)
+        self.assertEqual(res["overall"], (COMMITTED_SMALL_PASS, 20), T.fmt_summary(res))
+
+
+if __name__ == "__main__":
+    unittest.main()
