@@ -232,6 +232,21 @@ TEST(QuantizerBitsPerValue, StudySeedFiguresAtHeadDim64) {
   EXPECT_EQ(make_quantizer("int4")->bits_per_value(128), 4.25);
 }
 
+// Later formats (KVQuant outliers, GEAR low-rank factors) ride in `side`; memory stays measured.
+TEST(QuantizedTensorApi, NbytesCountsEveryHeldTensorIncludingSide) {
+  QuantizedTensor q;
+  q.shape = {1, 2, 8, 64};
+  EXPECT_EQ(q.numel(), 1024);
+  EXPECT_EQ(q.nbytes(), 0);
+  q.codes = at::zeros({1, 2, 8, 32}, at::kByte);                  // 512
+  q.scales = at::zeros({1, 2, 8, 1}, at::kHalf);                  // 32
+  q.zeros = at::zeros({1, 2, 8, 1}, at::kHalf);                   // 32
+  q.side["outlier_values"] = at::zeros({10}, at::kHalf);          // 20
+  q.side["outlier_index"] = at::zeros({10}, at::kInt);            // 40
+  q.side["lowrank_a"] = at::zeros({1, 2, 8, 4}, at::kFloat);      // 256
+  EXPECT_EQ(q.nbytes(), 512 + 32 + 32 + 20 + 40 + 256);
+}
+
 TEST(ReconstructionErrorApi, HandCheckedValues) {
   at::Tensor x = at::tensor({3.0f, 4.0f}).reshape({1, 1, 1, 2});
   ReconstructionError e = reconstruction_error(x, at::zeros_like(x));

@@ -4,9 +4,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <limits>
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
@@ -299,6 +301,30 @@ TEST(IntPacking, PackUnpackRoundTrip) {
       EXPECT_TRUE(at::equal(quant::ref::unpack_codes(packed, bits, 8, axis, codes.sizes()), codes));
     }
   }
+}
+
+TEST(IntQuantizerThreads, ThreadCountDoesNotChangeResults) {
+  at::Tensor x = testing::outlier_kv({2, 4, 256, 64}, 51);
+  const int before = at::get_num_threads();
+  for (const char* spec : {"int8:g32", "int4", "int2:g16:chan", "fp8:e4m3", "fp16"}) {
+    auto q = make_quantizer(spec);
+    at::set_num_threads(1);
+    QuantizedTensor one = q->quantize(x);
+    at::Tensor y1 = q->dequantize(one);
+    at::set_num_threads(2);
+    QuantizedTensor two = q->quantize(x);
+    EXPECT_TRUE(at::equal(one.codes, two.codes)) << spec;
+    EXPECT_TRUE(at::equal(q->dequantize(two), y1)) << spec;
+  }
+  // NaN detection is per chunk: still found (and named) with several threads.
+  x[1][3][200][7] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    make_quantizer("int4:g32")->quantize(x);
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[1, 3, 200, 7]"));
+  }
+  at::set_num_threads(before);
 }
 
 TEST(IntQuantizerFormat, MetadataShapes) {
