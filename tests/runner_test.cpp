@@ -324,6 +324,8 @@ struct ModelParam {
   const TestModel& (*get)();
 };
 
+void PrintTo(const ModelParam& p, std::ostream* os) { *os << p.name; }
+
 const TestModel& qwen_random_2l() { return qwen_random(2); }
 
 void expect_control_arm(const TestModel& m) {
