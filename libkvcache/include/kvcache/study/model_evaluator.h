@@ -31,7 +31,7 @@ struct ModelEvaluatorOptions {
   /// Evaluation passage of the perplexity/KLD rows; empty: filler_passage(passage_seed, text_tokens).
   std::string text;
   uint64_t passage_seed = 1234;
-  int64_t text_tokens = 512;     ///< approximate length of the default passage (capped at the
+  int64_t text_tokens = 256;     ///< approximate length of the default passage (capped at the
                                  ///< model's max_position_embeddings)
   /// Prompt tokens per prefill step of run_task (0: the whole prompt in one step). Chunks let
   /// eviction act during a long prompt, so peak memory reflects the budget; SnapKV compresses at
