@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvcache_tools.errors import ToolError  # noqa: E402
-from kvcache_tools.safetensors_io import atomic_output, write_safetensors  # noqa: E402
+from kvcache_tools.errors import ToolError, run_cli  # noqa: E402
+from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  # noqa: E402
 from kvcache_tools.tokenizer_json import SPIECE_UNDERLINE, dumps, sentencepiece_bpe  # noqa: E402
 
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
@@ -151,9 +151,7 @@ def convert(bin_path: str, tok_path: str, out_dir: str) -> None:
     write_safetensors(os.path.join(out_dir, "model.safetensors"), weights, {"format": "pt", "source": src})
     for name, doc in (("config.json", config), ("tokenizer.json", tok), ("tokenizer_config.json", tok_config),
                       ("generation_config.json", gen_config)):
-        with atomic_output(os.path.join(out_dir, name)) as tmp:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(dumps(doc) + "\n")
+        write_text_atomic(os.path.join(out_dir, name), dumps(doc) + "\n")
 
 
 def main(argv=None) -> int:
@@ -162,13 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("tokenizer", help="llama2.c tokenizer .bin (e.g. tok512.bin)")
     ap.add_argument("out_dir", help="output directory (created if missing)")
     args = ap.parse_args(argv)
-    try:
-        convert(args.checkpoint, args.tokenizer, args.out_dir)
-    except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out_dir}")
-    return 0
+    return run_cli(lambda: convert(args.checkpoint, args.tokenizer, args.out_dir), f"wrote {args.out_dir}")
 
 
 if __name__ == "__main__":

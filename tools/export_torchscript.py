@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvcache_tools.errors import ToolError  # noqa: E402
+from kvcache_tools.errors import run_cli  # noqa: E402
 from kvcache_tools.export import DTYPES, export_checkpoint  # noqa: E402
 
 
@@ -28,14 +28,16 @@ def main(argv=None) -> int:
                     help="weight/activation dtype of the export (default fp32; logits are always fp32)")
     args = ap.parse_args(argv)
     t0 = time.time()
-    try:
-        extra = export_checkpoint(args.checkpoint_dir, args.out, args.dtype)
-    except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB, {args.dtype}, "
-          f"extra files: {', '.join(sorted(extra))}) in {time.time() - t0:.1f} s")
-    return 0
+    extra = {}
+
+    def action():
+        extra.update(export_checkpoint(args.checkpoint_dir, args.out, args.dtype))
+
+    rc = run_cli(action, f"wrote {args.out}")
+    if rc == 0:
+        print(f"  {os.path.getsize(args.out) / 1e6:.1f} MB, {args.dtype}, extra files: {', '.join(sorted(extra))}, "
+              f"{time.time() - t0:.1f} s")
+    return rc
 
 
 if __name__ == "__main__":

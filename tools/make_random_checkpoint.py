@@ -30,13 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from kvcache_tools.config import load_json, normalize_config  # noqa: E402
-from kvcache_tools.errors import ToolError  # noqa: E402
-from kvcache_tools.model import BIAS_TENSORS, GLOBAL_TENSORS, LAYER_TENSORS, expected_shapes  # noqa: E402
-from kvcache_tools.safetensors_io import LazyTensor, atomic_output, write_safetensors  # noqa: E402
+from kvcache_tools.errors import ToolError, run_cli  # noqa: E402
+from kvcache_tools.export import DTYPES  # noqa: E402
+from kvcache_tools.model import GLOBAL_TENSORS, expected_shapes, per_layer_tensors  # noqa: E402
+from kvcache_tools.safetensors_io import LazyTensor, write_safetensors, write_text_atomic  # noqa: E402
 from kvcache_tools.tokenizer_json import (dumps, qwen2_byte_level, qwen2_tokenizer_config,  # noqa: E402
                                           read_merges)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
@@ -44,12 +44,6 @@ def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype) -
         return torch.ones(shape, dtype=dtype)
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return (torch.randn(shape, generator=g, dtype=torch.float32) * std).to(dtype)
-
-
-def write_text(path: str, text: str) -> None:
-    with atomic_output(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
 
 
 def write_tokenizer(tok_dir: str, out_dir: str) -> None:
@@ -73,13 +67,13 @@ def write_tokenizer(tok_dir: str, out_dir: str) -> None:
                         f"{len(vocab) if isinstance(vocab, dict) else type(vocab).__name__}")
     shutil.copyfile(vj, os.path.join(out_dir, "vocab.json"))
     shutil.copyfile(mt, os.path.join(out_dir, "merges.txt"))
-    write_text(os.path.join(out_dir, "tokenizer.json"), dumps(qwen2_byte_level(vocab, merges)) + "\n")
+    write_text_atomic(os.path.join(out_dir, "tokenizer.json"), dumps(qwen2_byte_level(vocab, merges)) + "\n")
     templates = sorted(glob.glob(os.path.join(tok_dir, "*.jinja")))
     if len(templates) != 1:
         raise ToolError(f"{tok_dir}: expected exactly one *.jinja chat template, found {len(templates)}")
     with open(templates[0], "r", encoding="utf-8") as f:
         template = f.read().rstrip("\n")
-    write_text(os.path.join(out_dir, "tokenizer_config.json"), dumps(qwen2_tokenizer_config(template)) + "\n")
+    write_text_atomic(os.path.join(out_dir, "tokenizer_config.json"), dumps(qwen2_tokenizer_config(template)) + "\n")
 
 
 def make(out_dir: str, config_path: str, tok_dir: str, seed: int, dtype_name: str, num_layers, std: float) -> None:
@@ -92,15 +86,13 @@ def make(out_dir: str, config_path: str, tok_dir: str, seed: int, dtype_name: st
         if "max_window_layers" in raw:
             raw["max_window_layers"] = min(raw["max_window_layers"], num_layers)
     cfg = normalize_config(raw, config_path)  # validates; the raw config is what gets written
-    dtype = DTYPES[dtype_name]
+    dtype, dtype_str = DTYPES[dtype_name]
     shapes = expected_shapes(cfg)
     names = {"embed_tokens": GLOBAL_TENSORS["embed_tokens"], "final_norm": GLOBAL_TENSORS["final_norm"]}
     tensors = [(names[k], shapes[k]) for k in names]
     if not cfg["tie_word_embeddings"]:
         tensors.append((GLOBAL_TENSORS["lm_head"], shapes["lm_head"]))
-    per_layer = dict(LAYER_TENSORS)
-    if cfg["attention_bias"]:
-        per_layer.update(BIAS_TENSORS)
+    per_layer = per_layer_tensors(cfg)
     for i in range(cfg["num_hidden_layers"]):
         tensors += [(pattern.format(i=i), shapes[buf]) for buf, pattern in per_layer.items()]
     os.makedirs(out_dir, exist_ok=True)
@@ -108,9 +100,9 @@ def make(out_dir: str, config_path: str, tok_dir: str, seed: int, dtype_name: st
     lazy = [(n, LazyTensor(s, dtype, (lambda n=n, s=s: random_tensor(n, s, seed, std, dtype)))) for n, s in tensors]
     write_safetensors(os.path.join(out_dir, "model.safetensors"), lazy, {"format": "pt", "note": note})
     raw = dict(raw)
-    raw["torch_dtype"] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype_name]
+    raw["torch_dtype"] = dtype_str
     raw["_kvcache_note"] = note
-    write_text(os.path.join(out_dir, "config.json"), json.dumps(raw, indent=2) + "\n")
+    write_text_atomic(os.path.join(out_dir, "config.json"), json.dumps(raw, indent=2) + "\n")
     gen = os.path.join(os.path.dirname(os.path.abspath(config_path)), "generation_config.json")
     if os.path.isfile(gen):
         shutil.copyfile(gen, os.path.join(out_dir, "generation_config.json"))
@@ -127,13 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers (quick variants)")
     ap.add_argument("--std", type=float, default=0.02, help="init std (default 0.02)")
     args = ap.parse_args(argv)
-    try:
-        make(args.out_dir, args.config, args.tokenizer_dir, args.seed, args.dtype, args.num_layers, args.std)
-    except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out_dir}")
-    return 0
+    return run_cli(lambda: make(args.out_dir, args.config, args.tokenizer_dir, args.seed, args.dtype,
+                                args.num_layers, args.std), f"wrote {args.out_dir}")
 
 
 if __name__ == "__main__":

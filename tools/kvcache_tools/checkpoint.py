@@ -8,7 +8,7 @@ import torch
 
 from .config import load_json, normalize_config
 from .errors import ToolError
-from .model import BIAS_TENSORS, GLOBAL_TENSORS, LAYER_TENSORS, expected_shapes
+from .model import GLOBAL_TENSORS, expected_shapes, per_layer_tensors
 from .safetensors_io import SafetensorsFile
 
 WEIGHTS_FILE = "model.safetensors"
@@ -103,10 +103,7 @@ def load_weights(ckpt_dir: str, cfg: Dict, dtype: torch.dtype) -> Tuple[Dict[str
         return f.get(hf_name, dtype)
 
     weights: Dict[str, torch.Tensor] = {}
-    per_layer = dict(LAYER_TENSORS)
-    if cfg["attention_bias"]:
-        per_layer.update(BIAS_TENSORS)
-    for buf, pattern in per_layer.items():
+    for buf, pattern in per_layer_tensors(cfg).items():
         out = torch.empty([L] + shapes[buf], dtype=dtype)
         for i in range(L):
             out[i].copy_(fetch(buf, pattern.format(i=i)))

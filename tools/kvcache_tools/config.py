@@ -125,12 +125,7 @@ def normalize_config(raw: Any, where: str = "config.json",
         attention_bias = _bool(raw, "attention_bias", where, False)
 
     gen = generation_config if isinstance(generation_config, dict) else {}
-    bos = raw.get("bos_token_id", gen.get("bos_token_id"))
-    eos = raw.get("eos_token_id", gen.get("eos_token_id"))
-    if bos is None:
-        bos = gen.get("bos_token_id")
-    if eos is None:
-        eos = gen.get("eos_token_id")
+    bos, eos = (raw.get(k) if raw.get(k) is not None else gen.get(k) for k in ("bos_token_id", "eos_token_id"))
 
     cfg.update({
         "model_type": mt,

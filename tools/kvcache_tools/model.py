@@ -39,6 +39,15 @@ GLOBAL_TENSORS = {
 }
 
 
+def per_layer_tensors(cfg: Dict) -> Dict[str, str]:
+    """Stacked buffer name -> HF tensor name pattern (with {i}) of every per-layer tensor the
+    config implies (q/k/v biases only with attention_bias)."""
+    names = dict(LAYER_TENSORS)
+    if cfg["attention_bias"]:
+        names.update(BIAS_TENSORS)
+    return names
+
+
 def expected_shapes(cfg: Dict) -> Dict[str, List[int]]:
     """Per-tensor shape (without the leading L) of every stacked buffer, from a normalised config."""
     d, D = cfg["hidden_size"], cfg["head_dim"]

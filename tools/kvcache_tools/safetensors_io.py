@@ -184,6 +184,13 @@ def write_safetensors(path: str, tensors: Iterable[Tuple[str, TensorLike]],
                 f.write(_tensor_bytes(tensor))
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """Writes a UTF-8 text file through atomic_output."""
+    with atomic_output(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
 class atomic_output:
     """Context manager yielding a temp path next to `path`; renamed onto `path` on success, deleted
     on any exception, so a failed or interrupted run leaves no half-written output."""
