@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Exact small cases for every eviction policy: scripted attention, known survivors.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -48,7 +49,8 @@ TEST(EvictionPolicyFactory, SpecsRoundTrip) {
   for (const std::string spec :
        {"full", "window:w256", "window@50%", "sink@50%", "sink:s2:w10", "sink:s8@256",
         "h2o@50%", "h2o:r64@256", "h2o:h128:r128", "random:seed7@50%", "random@100",
-        "snapkv@50%", "snapkv:w16:k7:max@1024", "tova@512"}) {
+        "snapkv@50%", "snapkv:w16:k7:max@1024", "tova@512", "pyramid@50%",
+        "pyramid:w64:b10:max@25%"}) {
     auto p = make_eviction_policy(spec);
     EXPECT_EQ(p->spec(), spec);
     EXPECT_EQ(make_eviction_policy(p->spec())->spec(), spec);
@@ -63,7 +65,7 @@ TEST(EvictionPolicyFactory, RegisteredTablesAndErrors) {
   std::vector<std::string> heads;
   for (const auto& t : registered_policies()) heads.push_back(t.head);
   EXPECT_EQ(heads, (std::vector<std::string>{"full", "window", "sink", "h2o", "random", "snapkv",
-                                             "tova"}));
+                                             "tova", "pyramid"}));
   try {
     make_eviction_policy("lru@50%");
     FAIL() << "expected InvalidArgument";
@@ -213,6 +215,7 @@ TEST(H2OPolicy, ErrorsWithoutAttentionAndOnBadShapes) {
   EXPECT_THROW(p->observe(1, at::zeros({1, 2, 1, 8})), InvalidArgument);  // layer out of range
   EXPECT_THROW(make_eviction_policy("h2o:h3:r2@4"), CapacityError);       // 5 > 4
   EXPECT_EQ(make("h2o@1", 0)->token_budget(), 1);  // r = max(1/2, 1) = 1, h = 0
+  EXPECT_EQ(make("h2o:h4:r0", 0)->token_budget(), 5);  // no budget: h + the protected newest
 }
 
 TEST(TovaPolicy, LastQueryAveragedOverAllHeadsSharedSelection) {
@@ -336,6 +339,48 @@ TEST(EvictionPolicyHelpers, ReduceToKvHeadsIsGroupMean) {
   EXPECT_TRUE(at::allclose(r[0][0], p[0][3][0]));
   EXPECT_TRUE(at::allclose(r[1][0], p[0][10][0]));
   EXPECT_THROW(evict::reduce_to_kv_heads(p, 4), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvcache
+
+namespace kvcache {
+namespace {
+
+// methods.md b.10: Qwen2.5-0.5B, T = 4096, r = 0.5, w = 64, β = 20 → 3994, 3824, …, 102.
+TEST(PyramidKVPolicy, QwenLayerBudgets) {
+  auto b = evict::PyramidKVPolicy::budgets(4096, 2048, 64, 20, 24);
+  ASSERT_EQ(b.size(), 24u);
+  EXPECT_EQ(b[0], 3994);
+  EXPECT_EQ(b[1], 3824);
+  EXPECT_EQ(b[23], 102);
+  int64_t total = 0;
+  for (auto x : b) total += x;
+  EXPECT_EQ(total, 49152);  // 24 × 2048
+  for (size_t i = 1; i < b.size(); ++i) EXPECT_LT(b[i], b[i - 1]);
+  // r = 0.75 and 0.875: min < w → uniform fallback.
+  EXPECT_EQ(evict::PyramidKVPolicy::budgets(4096, 1024, 64, 20, 24), std::vector<int64_t>(24, 1024));
+  EXPECT_EQ(evict::PyramidKVPolicy::budgets(4096, 512, 64, 20, 24), std::vector<int64_t>(24, 512));
+  // Clipping: max = 2·60 − 6 = 114 > T − w = 96 → max 96, min = 24.
+  EXPECT_EQ(evict::PyramidKVPolicy::budgets(100, 60, 4, 10, 3), (std::vector<int64_t>{96, 60, 24}));
+}
+
+TEST(PyramidKVPolicy, PerLayerPlansAtPrefillEnd) {
+  // 3 layers, 20-token prompt, budget 50% of 20 → n = 10; β = 2 → [15, 10, 5].
+  auto p = make("pyramid:w2:k1:b2@50%", 20, /*hq=*/2, /*hkv=*/2, /*layers=*/3);
+  EXPECT_EQ(p->spec(), "pyramid:w2:k1:b2@50%");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  for (int64_t l = 0; l < 3; ++l) p->observe(l, at::softmax(at::randn({1, 2, 4, 20}, gen), -1));
+  const int64_t want[] = {15, 10, 5};
+  for (int64_t l = 0; l < 3; ++l) {
+    auto rows = plan_rows(p->plan_keep(ctx_for(l, 20, 20, true)));
+    ASSERT_EQ(rows.size(), 2u);
+    EXPECT_EQ(static_cast<int64_t>(rows[0].size()), want[l]) << "layer " << l;
+    EXPECT_EQ(rows[0].back(), 19);
+    EXPECT_EQ(rows[1][rows[1].size() - 2], 18);  // the window w = 2 is kept
+    EXPECT_EQ(p->layer_budget(l), want[l]);
+  }
+  EXPECT_FALSE(p->needs_attention());
 }
 
 }  // namespace

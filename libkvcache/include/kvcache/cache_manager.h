@@ -12,6 +12,12 @@
 ///      including the tokens just appended;
 ///   3. `observe_attention(l, probs)`          — only if `needs_attention()`;
 /// then once per step `end_step()`, which runs the eviction plan and compacts.
+///
+/// Storage (docs/cache-manager.md): per layer, per stream (K, V) and per KV head, quantized
+/// storage followed by a full-precision residual of the most recent tokens. Bytes are
+/// measured from what is stored. get() reads a float32 compute view kept equal to the
+/// dequantized stored form and updated incrementally (the analogue of a dequant-on-the-fly
+/// attention kernel); it is not counted as resident memory.
 
 #include <ATen/ATen.h>
 
@@ -103,27 +109,36 @@ class CacheManager {
   void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
 
   /// K/V/positions of everything resident in `layer` (dequantized, float32, post-RoPE),
-  /// oldest first, including the tokens appended in the current step.
+  /// oldest first, including the tokens appended in the current step, in their stored form.
+  /// The tensors are VIEWS into the manager's buffers (possibly non-contiguous): valid until
+  /// the next append/end_step/reset; clone() to keep them. O(1).
   LayerKV get(int64_t layer) const;
 
-  /// True if the policy consumes attention probabilities (h2o, snapkv, tova).
+  /// True if the policy consumes attention probabilities now (h2o, tova: always; snapkv:
+  /// until the end of prefill). Query it every step.
   bool needs_attention() const;
 
   /// Attention probabilities of the current step's queries over `get(layer)`'s keys:
-  /// `[B, H_q, T_q, T_res]` float32.
+  /// `[B, H_q, T_q, T_res]` float32. Any number of query rows T_q (TOVA uses the last,
+  /// SnapKV the last w over the prompt, H2O sums them all).
+  /// @throws InvalidArgument if the shape does not match the layer's resident tokens.
   void observe_attention(int64_t layer, const at::Tensor& probs);
 
   /// Ends a forward step (a prefill chunk or a decode token): runs the eviction plan on
   /// every layer and compacts. `is_prefill_end` marks the last chunk of the prompt
   /// (SnapKV compresses there).
+  /// @throws InvalidArgument if layers appended different token counts in this step, or a
+  ///         policy lacks the attention it needs; CapacityError if a budget cannot hold the
+  ///         policy's protected tokens.
   void end_step(bool is_prefill_end = false);
 
   /// Logical length: tokens seen by `layer` (== tokens_written per KV head).
   int64_t logical_length(int64_t layer) const;
   /// Physical length: tokens stored by `layer` now (per KV head).
   int64_t physical_length(int64_t layer) const;
-  /// Position to give the next appended token (the logical length, or the physical length
-  /// in PositionMode::kRerotate) of layer 0.
+  /// Position to give the next appended token of layer 0: the last written position + 1
+  /// (= the logical length when positions start at 0 without gaps), or the physical length
+  /// in PositionMode::kRerotate.
   int64_t next_position() const;
   /// Same for `layer` (layers differ only in kRerotate mode with layer-dependent budgets).
   int64_t next_position(int64_t layer) const;
@@ -131,13 +146,14 @@ class CacheManager {
   /// The eviction policy (budget, spec).
   const EvictionPolicy& policy() const;
 
-  /// Totals over all layers.
+  /// Totals over all layers (token counts summed over layers; peaks are peaks of the totals).
   CacheStats stats() const;
   /// Per-layer counters.
   CacheStats layer_stats(int64_t layer) const;
 
-  /// Verifies internal invariants (lengths, sorted positions, byte accounting).
-  /// @throws InternalError describing the first violation.
+  /// Verifies internal invariants (lengths, sorted positions, residual rules, byte counters
+  /// == nbytes() of the stored tensors, compute views == dequantized stored form). O(T·D):
+  /// for tests and debugging. @throws InternalError describing the first violation.
   void check_invariants() const;
 
  private:

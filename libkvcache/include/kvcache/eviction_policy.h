@@ -115,7 +115,8 @@ class EvictionPolicy {
 };
 
 /// Builds a policy from `head(:field)*[@budget]`, e.g. "full", "window:w256", "sink:s4@50%",
-/// "h2o:r64@256", "random:seed7@50%", "snapkv:w32:k5@50%", "tova@512".
+/// "h2o:r64@256", "random:seed7@50%", "snapkv:w32:k5@50%", "tova@512", "pyramid@50%"
+/// (docs/policies.md lists fields and rules).
 /// @throws InvalidArgument for unknown heads (listing the registered ones), bad fields or a
 ///         missing budget; CapacityError when an absolute budget cannot hold the protected
 ///         tokens (e.g. sinks + window).

@@ -176,6 +176,8 @@ const std::vector<Registration>& registry() {
        [](const ParsedSpec& s, Budget b) { return std::make_unique<SnapKVPolicy>(s, b); }},
       {&TovaPolicy::table,
        [](const ParsedSpec& s, Budget b) { return std::make_unique<TovaPolicy>(s, b); }},
+      {&PyramidKVPolicy::table,
+       [](const ParsedSpec& s, Budget b) { return std::make_unique<PyramidKVPolicy>(s, b); }},
   };
   return regs;
 }

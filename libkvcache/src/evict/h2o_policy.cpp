@@ -34,13 +34,9 @@ std::string H2OPolicy::spec() const {
 void H2OPolicy::on_reset() {
   scores_.assign(static_cast<size_t>(shape().num_layers), at::Tensor());
   if (budget().kind == Budget::Kind::kFraction && context_length() == 0) return;  // unresolved
-  int64_t b = 0;
-  if (budget().kind == Budget::Kind::kNone) {
-    b = h_param_ + r_param_;
-  } else {
-    b = resolved_budget();
-  }
   // The newest token is protected, so the recent window is at least 1 token.
+  const int64_t b = budget().kind == Budget::Kind::kNone ? h_param_ + std::max<int64_t>(r_param_, 1)
+                                                         : resolved_budget();
   recent_ = r_param_ >= 0 ? std::max<int64_t>(r_param_, 1) : std::max<int64_t>(b / 2, 1);
   heavy_ = h_param_ >= 0 ? h_param_ : b - recent_;
   KV_CHECK(b >= 1 && heavy_ >= 0 && heavy_ + recent_ <= b, CapacityError, "h2o: budget of ", b,

@@ -5,7 +5,6 @@
 /// make_eviction_policy; declared here so unit tests can reach the scoring helpers).
 
 #include <cstdint>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -140,7 +139,7 @@ class TovaPolicy final : public EvictionPolicy {
 /// max pads with −inf). Keeps the top (keep − w) per KV head + the whole window, where keep =
 /// budget − (context_length − prompt_length), so that the budget still holds after the
 /// request's last new token. Decode tokens are appended and never evicted.
-class SnapKVPolicy final : public EvictionPolicy {
+class SnapKVPolicy : public EvictionPolicy {
  public:
   static const ParamTable& table();
   SnapKVPolicy(const ParsedSpec& spec, Budget budget);
@@ -154,8 +153,18 @@ class SnapKVPolicy final : public EvictionPolicy {
   static at::Tensor pool(const at::Tensor& scores, int64_t kernel, bool use_max);
 
  protected:
+  SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel, bool use_max);
   void on_reset() override;
   void do_observe(int64_t layer, const at::Tensor& probs) override;
+  /// Prompt tokens `layer` keeps when the uniform count is `uniform_keep` for a prompt of
+  /// `prompt` resident tokens (SnapKV: uniform).
+  virtual int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) {
+    (void)layer;
+    (void)prompt;
+    return uniform_keep;
+  }
+  const char* name() const { return spec_text_.rfind("pyramid", 0) == 0 ? "pyramid" : "snapkv"; }
+  int64_t window() const { return window_; }
 
  private:
   std::string spec_text_;
@@ -164,6 +173,33 @@ class SnapKVPolicy final : public EvictionPolicy {
   bool prefill_done_ = false;
   int64_t layers_done_ = 0;
   std::vector<at::Tensor> rows_;  ///< per layer `[H_kv, n_rows <= w, T]` last query rows
+};
+
+/// `pyramid:w<N>:k<N>:b<beta>:avg|max`: PyramidKV (arXiv 2406.02069; kvpress PyramidKVPress):
+/// SnapKV scoring with layer budgets decreasing linearly from layer 0 to the last layer
+/// around the uniform count n (methods.md b.10): min = n/β, max = 2n − min, clipped to
+/// max ≤ T − w (then min = 2n − max); layer l keeps round_half_even(max − l·(max − min)/(L−1));
+/// uniform SnapKV unless T ≥ max ≥ min ≥ w.
+class PyramidKVPolicy final : public SnapKVPolicy {
+ public:
+  static const ParamTable& table();
+  PyramidKVPolicy(const ParsedSpec& spec, Budget budget);
+
+  /// Per-layer kept prompt tokens for a prompt of `prompt` tokens, uniform count `n`,
+  /// window `w`, `beta`, `layers` layers.
+  static std::vector<int64_t> budgets(int64_t prompt, int64_t n, int64_t w, double beta,
+                                      int64_t layers);
+  /// After the prompt: that layer's kept prompt tokens + the decode reserve.
+  int64_t layer_budget(int64_t layer) const override;
+
+ protected:
+  void on_reset() override;
+  int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) override;
+
+ private:
+  double beta_;
+  std::vector<int64_t> budgets_;  ///< computed at the first layer's prefill end
+  int64_t reserve_ = 0;           ///< decode tokens reserved when budgets_ was computed
 };
 
 /// Splittable 64-bit generator (SplitMix64) used by RandomPolicy: portable across standard

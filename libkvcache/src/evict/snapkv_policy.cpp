@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // SnapKV (Li et al., arXiv 2404.14469; FasterDecoding/SnapKV, kvpress SnapKVPress).
+#include <cmath>
 #include <limits>
 #include <numeric>
 
@@ -21,15 +22,19 @@ const ParamTable& SnapKVPolicy::table() {
 }
 
 SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget)
+    : SnapKVPolicy(spec, budget, spec.integer("w"), spec.integer("k"), spec.choice("pool") == "max") {}
+
+SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel,
+                           bool use_max)
     : EvictionPolicy(budget),
       spec_text_(spec.canonical()),
-      window_(spec.integer("w")),
-      kernel_(spec.integer("k")),
-      use_max_(spec.choice("pool") == "max") {
-  KV_CHECK_ARG(kernel_ % 2 == 1, "snapkv: kernel k must be odd (padding k/2 keeps the length), got k",
-               kernel_);
-  KV_CHECK_ARG(budget.kind != Budget::Kind::kNone,
-               "snapkv needs a budget: 'snapkv@1024' or 'snapkv@50%'");
+      window_(window),
+      kernel_(kernel),
+      use_max_(use_max) {
+  KV_CHECK_ARG(kernel_ % 2 == 1, spec.head(),
+               ": kernel k must be odd (padding k/2 keeps the length), got k", kernel_);
+  KV_CHECK_ARG(budget.kind != Budget::Kind::kNone, spec.head(), " needs a budget: '", spec.head(),
+               "@1024' or '", spec.head(), "@50%'");
 }
 
 std::string SnapKVPolicy::spec() const { return spec_text_ + budget().to_string(); }
@@ -85,15 +90,19 @@ KeepPlan SnapKVPolicy::plan_keep(const EvictionContext& ctx) {
   // Reserve room for the request's remaining tokens so the budget holds after the last one.
   const int64_t reserve =
       context_length() > ctx.logical_length ? context_length() - ctx.logical_length : 0;
-  const int64_t keep_n = layer_budget(ctx.layer) - reserve;
-  if (keep_n >= t) return {};
+  const int64_t uniform = layer_budget(ctx.layer) - reserve;
   const int64_t w = std::min(window_, t);
-  KV_CHECK(keep_n >= w, CapacityError, "snapkv: budget of ", layer_budget(ctx.layer), " tokens (",
+  KV_CHECK(uniform >= w, CapacityError, name(), ": budget of ", layer_budget(ctx.layer), " tokens (",
            budget().to_string(), " of ", context_length(), ") minus ", reserve,
-           " tokens reserved for decoding leaves ", keep_n, " prompt tokens, fewer than the w=", w,
+           " tokens reserved for decoding leaves ", uniform, " prompt tokens, fewer than the w=", w,
            " observation window that is always kept");
+  const int64_t keep_n = prompt_keep(ctx.layer, t, uniform);
+  if (keep_n >= t) {
+    rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
+    return {};
+  }
   const auto& rows = rows_.at(static_cast<size_t>(ctx.layer));
-  KV_CHECK_ARG(rows.defined() && rows.size(2) == t, "snapkv: layer ", ctx.layer, " has ", t,
+  KV_CHECK_ARG(rows.defined() && rows.size(2) == t, name(), ": layer ", ctx.layer, " has ", t,
                " prompt tokens but attention was observed over ", rows.defined() ? rows.size(2) : 0,
                "; call observe_attention(layer, probs) for the prompt chunks");
   const int64_t prefix = t - w;
@@ -111,6 +120,60 @@ KeepPlan SnapKVPolicy::plan_keep(const EvictionContext& ctx) {
   }
   rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
   return {per_head_plan(keep)};
+}
+
+// ---------------------------------------------------------------- pyramid
+const ParamTable& PyramidKVPolicy::table() {
+  static const ParamTable t{
+      "pyramid",
+      "PyramidKV (arXiv 2406.02069): SnapKV scoring, layer budgets decreasing linearly with depth",
+      {{"w", "observation window: last prompt queries (always kept)", ParamDef::Kind::kInt, 32, 1,
+        1e9, {}},
+       {"k", "pooling kernel (odd)", ParamDef::Kind::kInt, 5, 1, 1e6, {}},
+       {"b", "beta: the last layer keeps n/beta", ParamDef::Kind::kFloat, 20, 1, 1e6, {}},
+       {"pool", "pooling of scores along keys", ParamDef::Kind::kChoice, 0, 0, 0, {"avg", "max"}}}};
+  return t;
+}
+
+PyramidKVPolicy::PyramidKVPolicy(const ParsedSpec& spec, Budget budget)
+    : SnapKVPolicy(spec, budget, spec.integer("w"), spec.integer("k"), spec.choice("pool") == "max"),
+      beta_(spec.num("b")) {}
+
+void PyramidKVPolicy::on_reset() {
+  SnapKVPolicy::on_reset();
+  budgets_.clear();
+}
+
+std::vector<int64_t> PyramidKVPolicy::budgets(int64_t prompt, int64_t n, int64_t w, double beta,
+                                              int64_t layers) {
+  std::vector<int64_t> out(static_cast<size_t>(layers), n);
+  if (layers < 2) return out;
+  double mn = static_cast<double>(n) / beta;
+  double mx = 2.0 * static_cast<double>(n) - mn;
+  if (mx > static_cast<double>(prompt - w)) {
+    mx = static_cast<double>(prompt - w);
+    mn = 2.0 * static_cast<double>(n) - mx;
+  }
+  // kvpress falls back to uniform SnapKV unless T >= max >= min >= w.
+  if (!(static_cast<double>(prompt) >= mx && mx >= mn && mn >= static_cast<double>(w))) return out;
+  const double step = (mx - mn) / static_cast<double>(layers - 1);
+  for (int64_t l = 0; l < layers; ++l) {
+    out[static_cast<size_t>(l)] = static_cast<int64_t>(std::nearbyint(mx - static_cast<double>(l) * step));
+  }
+  return out;
+}
+
+int64_t PyramidKVPolicy::layer_budget(int64_t layer) const {
+  if (budgets_.empty()) return SnapKVPolicy::layer_budget(layer);
+  return budgets_.at(static_cast<size_t>(layer)) + reserve_;
+}
+
+int64_t PyramidKVPolicy::prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) {
+  if (budgets_.empty()) {
+    reserve_ = SnapKVPolicy::layer_budget(layer) - uniform_keep;
+    budgets_ = budgets(prompt, uniform_keep, std::min(window(), prompt), beta_, shape().num_layers);
+  }
+  return budgets_.at(static_cast<size_t>(layer));
 }
 
 }  // namespace kvcache::evict

@@ -2,6 +2,7 @@
 #include "quant/float_quantizer.h"
 
 #include "kvcache/error.h"
+#include "quant/cast_kernels.h"
 #include "quant/checks.h"
 
 namespace kvcache::quant {
@@ -16,15 +17,26 @@ double FloatCastQuantizer::bits_per_value(int64_t /*head_dim*/) const {
 }
 
 QuantizedTensor FloatCastQuantizer::do_quantize(const at::Tensor& x) const {
+  const std::string where = "quantize(x) [" + name_ + "]";
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
   QuantizedTensor q;
   q.format = name_;
   q.shape = x.sizes().vec();
   q.dtype = x.scalar_type();
-  // Always a fresh contiguous tensor: a cache must not alias the caller's buffer.
+  // Always a fresh tensor: a cache must not alias the caller's buffer.
   q.codes = at::empty(x.sizes(), x.options().dtype(storage_));
-  q.codes.copy_(x);
-  if (storage_ != at::kFloat && storage_ != x.scalar_type()) {
-    const std::string where = "quantize(x) [" + name_ + "]";
+  const float* src = xf.data_ptr<float>();
+  const int64_t n = xf.numel();
+  CastStatus st;
+  if (storage_ == at::kFloat) {
+    st = copy_fp32(src, n, q.codes.data_ptr<float>());
+  } else if (storage_ == at::kHalf) {
+    st = cast_to_fp16(src, n, reinterpret_cast<uint16_t*>(q.codes.data_ptr<at::Half>()));
+  } else {
+    st = cast_to_bf16(src, n, reinterpret_cast<uint16_t*>(q.codes.data_ptr<at::BFloat16>()));
+  }
+  if (st.nonfinite) throw_first_nonfinite(x, where);
+  if (st.overflow) {
     if (storage_ == at::kHalf) {
       check_no_overflow(x, q.codes, where, "fp16", "±65504");
     } else {

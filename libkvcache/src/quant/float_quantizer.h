@@ -19,6 +19,7 @@ class FloatCastQuantizer final : public Quantizer {
   double bits_per_value(int64_t head_dim) const override;
 
  protected:
+  bool checks_finite_itself() const override { return true; }
   QuantizedTensor do_quantize(const at::Tensor& x) const override;
   at::Tensor do_dequantize(const QuantizedTensor& q) const override;
 

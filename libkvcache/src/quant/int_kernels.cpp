@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/error.h"
@@ -18,16 +20,20 @@
 namespace kvcache::quant {
 namespace {
 
-/// Rounds `v` to the metadata type, stores it, and returns the stored value as float.
-KV_ALWAYS_INLINE float store_meta(float v, c10::Half* out) {
-  c10::Half h(v);
-  *out = h;
+/// Metadata → float inside vectorized loops (branch-free software conversion).
+KV_ALWAYS_INLINE float load_meta(c10::Half v) { return fp16_to_float(v.x); }
+KV_ALWAYS_INLINE float load_meta(float v) { return v; }
+/// Metadata → float for one value (one F16C instruction in the AVX2/AVX-512 clones).
+KV_ALWAYS_INLINE float load_meta_scalar(c10::Half v) {
+#if defined(__FLT16_MAX__)
+  _Float16 h;
+  std::memcpy(&h, &v.x, sizeof h);
   return static_cast<float>(h);
+#else
+  return fp16_to_float(v.x);
+#endif
 }
-KV_ALWAYS_INLINE float store_meta(float v, float* out) {
-  *out = v;
-  return v;
-}
+KV_ALWAYS_INLINE float load_meta_scalar(float v) { return v; }
 
 /// Code of x for stored zero z and inverse scale inv: clamp then round-half-to-even (the
 /// clamp bounds are integers, so this equals round-then-clamp).
@@ -42,64 +48,117 @@ KV_ALWAYS_INLINE uint32_t code_of(float x, float z, float inv) {
 
 struct Flags {
   uint32_t bad = 0;
-  bool meta_overflow = false;
-  bool scale_overflow = false;
+  uint32_t meta_overflow = 0;
+  uint32_t scale_overflow = 0;
 };
 
-/// Computes and stores scale/zero from a group's min and max; returns stored s, z and inv.
+/// Metadata of n groups from their min and max, vectorized across groups: stores
+/// s = meta((mx − mn) / L) and z = meta(mn), and returns the stored values as float in
+/// s_f / z_f and the inverse scale (0 for a constant group) in inv. `z_f` may alias `mn`.
 template <int BITS, typename MetaT>
-KV_ALWAYS_INLINE void make_meta(float mn, float mx, MetaT* s_out, MetaT* z_out, float* s, float* z,
-                                float* inv, Flags* f) {
+KV_ALWAYS_INLINE void make_meta(int64_t n, const float* mn, const float* __restrict mx, MetaT* __restrict s_out,
+                                MetaT* __restrict z_out, float* __restrict s_f, float* z_f, float* __restrict inv,
+                                Flags* f) {
   constexpr float kMax = static_cast<float>((1 << BITS) - 1);
-  const float scale = (mx - mn) / kMax;
-  f->scale_overflow |= !std::isfinite(scale);
-  *s = store_meta(scale, s_out);
-  *z = store_meta(mn, z_out);
-  f->meta_overflow |= std::isinf(*s) || std::isinf(*z);
-  *inv = *s != 0.0f ? 1.0f / *s : 0.0f;
+  uint32_t scale_bad = 0, meta_bad = 0;
+#pragma omp simd reduction(| : scale_bad, meta_bad)
+  for (int64_t i = 0; i < n; ++i) {
+    const float scale = (mx[i] - mn[i]) / kMax;
+    scale_bad |= nonfinite_bit(scale);
+    float s, z;
+    if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      const uint16_t hs = fp16_bits(scale);
+      const uint16_t hz = fp16_bits(mn[i]);
+      meta_bad |= fp16_nonfinite_bit(hs) | fp16_nonfinite_bit(hz);
+      s_out[i].x = hs;
+      z_out[i].x = hz;
+      s = fp16_to_float(hs);
+      z = fp16_to_float(hz);
+    } else {
+      s_out[i] = scale;
+      z_out[i] = mn[i];
+      s = scale;
+      z = mn[i];
+    }
+    s_f[i] = s;
+    z_f[i] = z;
+    inv[i] = s != 0.0f ? 1.0f / s : 0.0f;
+  }
+  f->scale_overflow |= scale_bad;
+  f->meta_overflow |= meta_bad;
 }
 
 // ---------------------------------------------------------------- per-token
-template <int BITS, typename MetaT>
-KV_ALWAYS_INLINE void quant_tok(const float* x, int64_t g0, int64_t g1, int64_t g, uint8_t* codes,
-                                MetaT* sc, MetaT* ze, Flags* f) {
+// Groups are processed in chunks of kChunk: (1) min/max of each group, (2) the metadata of
+// the whole chunk as one vector loop (the scalar divide/convert chain per group would
+// otherwise dominate at g = 32), (3) the codes of each group.
+// G > 0: group size known at compile time (the common 32/64/128); G == 0: runtime `g_rt`.
+constexpr int64_t kChunk = 16;
+
+template <int BITS, typename MetaT, int64_t G>
+KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g1, int64_t g_rt,
+                                uint8_t* __restrict codes, MetaT* __restrict sc, MetaT* __restrict ze, Flags* f) {
   constexpr int64_t K = 8 / BITS;
+  const int64_t g = G > 0 ? G : g_rt;
   const int64_t q = g / K;  // bytes per group
+  // NaN/Inf flags are OR-ed lane-wise across all groups and reduced once at the end (a
+  // per-group horizontal reduction would cost as much as the min/max ones).
+  constexpr int64_t kLanes = 16;
+  const int64_t g_lanes = g - g % kLanes;
+  alignas(64) uint32_t bad_lanes[kLanes] = {};
   uint32_t bad = 0;
-  for (int64_t k = g0; k < g1; ++k) {
-    const float* p = x + k * g;
-    uint8_t* o = codes + k * q;
-    float mn = p[0];
-    float mx = p[0];
-#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(| : bad)
-    for (int64_t i = 0; i < g; ++i) {
-      const float v = p[i];
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
-      bad |= nonfinite_bit(v);
+  alignas(64) float mn[kChunk], mx[kChunk], sv[kChunk], inv[kChunk];
+  for (int64_t k0 = g0; k0 < g1; k0 += kChunk) {
+    const int64_t n = std::min(kChunk, g1 - k0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* __restrict p = x + (k0 + i) * g;
+      float lo = p[0];
+      float hi = p[0];
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+      for (int64_t e = 0; e < g; ++e) {
+        const float v = p[e];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+      }
+      for (int64_t e0 = 0; e0 < g_lanes; e0 += kLanes) {
+        for (int64_t l = 0; l < kLanes; ++l) bad_lanes[l] |= nonfinite_bit(p[e0 + l]);
+      }
+      for (int64_t e = g_lanes; e < g; ++e) bad |= nonfinite_bit(p[e]);
+      mn[i] = lo;
+      mx[i] = hi;
     }
-    float s, z, inv;
-    make_meta<BITS>(mn, mx, sc + k, ze + k, &s, &z, &inv, f);
-    for (int64_t j = 0; j < q; ++j) {
-      uint32_t byte = 0;
-      for (int64_t m = 0; m < K; ++m) byte |= code_of<BITS>(p[j + m * q], z, inv) << (m * BITS);
-      o[j] = static_cast<uint8_t>(byte);
+    make_meta<BITS>(n, mn, mx, sc + k0, ze + k0, sv, mn, inv, f);  // mn now holds the stored zero
+    for (int64_t i = 0; i < n; ++i) {
+      const float* __restrict p = x + (k0 + i) * g;
+      uint8_t* __restrict o = codes + (k0 + i) * q;
+      const float z = mn[i];
+      const float iv = inv[i];
+#pragma omp simd
+      for (int64_t j = 0; j < q; ++j) {
+        uint32_t byte = 0;
+        for (int64_t m = 0; m < K; ++m) byte |= code_of<BITS>(p[j + m * q], z, iv) << (m * BITS);
+        o[j] = static_cast<uint8_t>(byte);
+      }
     }
   }
+  for (int64_t l = 0; l < kLanes; ++l) bad |= bad_lanes[l];
   f->bad |= bad;
 }
 
-template <int BITS, typename MetaT>
-KV_ALWAYS_INLINE void dequant_tok(const uint8_t* codes, const MetaT* sc, const MetaT* ze, int64_t g0,
-                                  int64_t g1, int64_t g, float* out) {
+template <int BITS, typename MetaT, int64_t G>
+KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* __restrict sc,
+                                  const MetaT* __restrict ze, int64_t g0, int64_t g1, int64_t g_rt,
+                                  float* __restrict out) {
   constexpr int64_t K = 8 / BITS;
   constexpr uint32_t kMask = (1u << BITS) - 1u;
+  const int64_t g = G > 0 ? G : g_rt;
   const int64_t q = g / K;
   for (int64_t k = g0; k < g1; ++k) {
-    const float s = static_cast<float>(sc[k]);
-    const float z = static_cast<float>(ze[k]);
-    const uint8_t* in = codes + k * q;
-    float* o = out + k * g;
+    const float s = load_meta_scalar(sc[k]);
+    const float z = load_meta_scalar(ze[k]);
+    const uint8_t* __restrict in = codes + k * q;
+    float* __restrict o = out + k * g;
+#pragma omp simd
     for (int64_t j = 0; j < q; ++j) {
       const uint32_t byte = in[j];
       for (int64_t m = 0; m < K; ++m) {
@@ -111,15 +170,16 @@ KV_ALWAYS_INLINE void dequant_tok(const uint8_t* codes, const MetaT* sc, const M
 
 // ---------------------------------------------------------------- per-channel
 template <int BITS, typename MetaT>
-KV_ALWAYS_INLINE void quant_chan(const float* x, int64_t b0, int64_t b1, int64_t g, int64_t d,
-                                 uint8_t* codes, MetaT* sc, MetaT* ze, Flags* f) {
+KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t b1, int64_t g, int64_t d,
+                                 uint8_t* __restrict codes, MetaT* __restrict sc, MetaT* __restrict ze,
+                                 Flags* f) {
   constexpr int64_t K = 8 / BITS;
   const int64_t q = g / K;  // code rows per block
   std::vector<float> buf(static_cast<size_t>(4 * d));
   float* mn = buf.data();
-  float* mx = mn + d;
-  float* sv = mx + d;
-  float* inv = sv + d;
+  float* __restrict mx = mn + d;
+  float* __restrict sv = mx + d;
+  float* __restrict inv = sv + d;
   uint32_t bad = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const float* p = x + b * g * d;
@@ -139,16 +199,11 @@ KV_ALWAYS_INLINE void quant_chan(const float* x, int64_t b0, int64_t b1, int64_t
         bad |= nonfinite_bit(v);
       }
     }
-    MetaT* s_out = sc + b * d;
-    MetaT* z_out = ze + b * d;
-    for (int64_t c = 0; c < d; ++c) {
-      float z;
-      make_meta<BITS>(mn[c], mx[c], s_out + c, z_out + c, sv + c, &z, inv + c, f);
-      mn[c] = z;  // mn now holds the stored zero
-    }
+    make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, sv, mn, inv, f);  // mn now holds the stored zero
     uint8_t* o = codes + b * q * d;
     for (int64_t j = 0; j < q; ++j) {
-      uint8_t* orow = o + j * d;
+      uint8_t* __restrict orow = o + j * d;
+#pragma omp simd
       for (int64_t c = 0; c < d; ++c) {
         uint32_t byte = 0;
         for (int64_t m = 0; m < K; ++m) {
@@ -162,25 +217,27 @@ KV_ALWAYS_INLINE void quant_chan(const float* x, int64_t b0, int64_t b1, int64_t
 }
 
 template <int BITS, typename MetaT>
-KV_ALWAYS_INLINE void dequant_chan(const uint8_t* codes, const MetaT* sc, const MetaT* ze, int64_t b0,
-                                   int64_t b1, int64_t g, int64_t d, float* out) {
+KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT* __restrict sc,
+                                   const MetaT* __restrict ze, int64_t b0, int64_t b1, int64_t g, int64_t d,
+                                   float* __restrict out) {
   constexpr int64_t K = 8 / BITS;
   constexpr uint32_t kMask = (1u << BITS) - 1u;
   const int64_t q = g / K;
   std::vector<float> buf(static_cast<size_t>(2 * d));
-  float* sv = buf.data();
-  float* zv = sv + d;
+  float* __restrict sv = buf.data();
+  float* __restrict zv = sv + d;
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t c = 0; c < d; ++c) {
-      sv[c] = static_cast<float>(sc[b * d + c]);
-      zv[c] = static_cast<float>(ze[b * d + c]);
+      sv[c] = load_meta(sc[b * d + c]);
+      zv[c] = load_meta(ze[b * d + c]);
     }
     const uint8_t* in = codes + b * q * d;
     float* o = out + b * g * d;
     for (int64_t j = 0; j < q; ++j) {
       const uint8_t* irow = in + j * d;
       for (int64_t m = 0; m < K; ++m) {
-        float* orow = o + (j + m * q) * d;
+        float* __restrict orow = o + (j + m * q) * d;
+#pragma omp simd
         for (int64_t c = 0; c < d; ++c) {
           orow[c] = static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask) * sv[c] + zv[c];
         }
@@ -189,28 +246,58 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* codes, const MetaT* sc, const 
   }
 }
 
+/// Per-token kernels with the group size fixed at compile time when it is one of the
+/// common sizes (32, 64, 128): the inner loops then fully unroll into vector code.
+template <int BITS, typename MetaT>
+KV_ALWAYS_INLINE void quant_tok_any(const float* x, int64_t g0, int64_t g1, int64_t g, uint8_t* codes, MetaT* sc,
+                                    MetaT* ze, Flags* f) {
+  switch (g) {
+    case 32:
+      return quant_tok<BITS, MetaT, 32>(x, g0, g1, g, codes, sc, ze, f);
+    case 64:
+      return quant_tok<BITS, MetaT, 64>(x, g0, g1, g, codes, sc, ze, f);
+    case 128:
+      return quant_tok<BITS, MetaT, 128>(x, g0, g1, g, codes, sc, ze, f);
+    default:
+      return quant_tok<BITS, MetaT, 0>(x, g0, g1, g, codes, sc, ze, f);
+  }
+}
+
+template <int BITS, typename MetaT>
+KV_ALWAYS_INLINE void dequant_tok_any(const uint8_t* codes, const MetaT* sc, const MetaT* ze, int64_t g0, int64_t g1,
+                                      int64_t g, float* out) {
+  switch (g) {
+    case 32:
+      return dequant_tok<BITS, MetaT, 32>(codes, sc, ze, g0, g1, g, out);
+    case 64:
+      return dequant_tok<BITS, MetaT, 64>(codes, sc, ze, g0, g1, g, out);
+    case 128:
+      return dequant_tok<BITS, MetaT, 128>(codes, sc, ze, g0, g1, g, out);
+    default:
+      return dequant_tok<BITS, MetaT, 0>(codes, sc, ze, g0, g1, g, out);
+  }
+}
+
 // ---------------------------------------------------------------- multiversioned entry points
 // One non-template function per (bits, meta type) so target_clones applies to each.
-#define KV_DEFINE_KERNELS(BITS, MT, SUFFIX)                                                        \
-  KV_TARGET_CLONES void quant_tok_##SUFFIX(const float* x, int64_t g0, int64_t g1, int64_t g,      \
-                                           uint8_t* codes, void* sc, void* ze, Flags* f) {         \
-    quant_tok<BITS, MT>(x, g0, g1, g, codes, static_cast<MT*>(sc), static_cast<MT*>(ze), f);       \
-  }                                                                                                \
-  KV_TARGET_CLONES void dequant_tok_##SUFFIX(const uint8_t* codes, const void* sc, const void* ze, \
-                                             int64_t g0, int64_t g1, int64_t g, float* out) {      \
-    dequant_tok<BITS, MT>(codes, static_cast<const MT*>(sc), static_cast<const MT*>(ze), g0, g1, g, \
-                          out);                                                                    \
-  }                                                                                                \
-  KV_TARGET_CLONES void quant_chan_##SUFFIX(const float* x, int64_t b0, int64_t b1, int64_t g,     \
-                                            int64_t d, uint8_t* codes, void* sc, void* ze,         \
-                                            Flags* f) {                                            \
-    quant_chan<BITS, MT>(x, b0, b1, g, d, codes, static_cast<MT*>(sc), static_cast<MT*>(ze), f);   \
-  }                                                                                                \
-  KV_TARGET_CLONES void dequant_chan_##SUFFIX(const uint8_t* codes, const void* sc, const void* ze, \
-                                              int64_t b0, int64_t b1, int64_t g, int64_t d,        \
-                                              float* out) {                                        \
-    dequant_chan<BITS, MT>(codes, static_cast<const MT*>(sc), static_cast<const MT*>(ze), b0, b1, g, \
-                           d, out);                                                                \
+#define KV_DEFINE_KERNELS(BITS, MT, SUFFIX)                                                                \
+  KV_TARGET_CLONES void quant_tok_##SUFFIX(const float* x, int64_t g0, int64_t g1, int64_t g,              \
+                                           uint8_t* codes, void* sc, void* ze, Flags* f) {                 \
+    quant_tok_any<BITS, MT>(x, g0, g1, g, codes, static_cast<MT*>(sc), static_cast<MT*>(ze), f);           \
+  }                                                                                                        \
+  KV_TARGET_CLONES void dequant_tok_##SUFFIX(const uint8_t* codes, const void* sc, const void* ze,         \
+                                             int64_t g0, int64_t g1, int64_t g, float* out) {              \
+    dequant_tok_any<BITS, MT>(codes, static_cast<const MT*>(sc), static_cast<const MT*>(ze), g0, g1, g,    \
+                              out);                                                                        \
+  }                                                                                                        \
+  KV_TARGET_CLONES void quant_chan_##SUFFIX(const float* x, int64_t b0, int64_t b1, int64_t g, int64_t d,  \
+                                            uint8_t* codes, void* sc, void* ze, Flags* f) {                \
+    quant_chan<BITS, MT>(x, b0, b1, g, d, codes, static_cast<MT*>(sc), static_cast<MT*>(ze), f);           \
+  }                                                                                                        \
+  KV_TARGET_CLONES void dequant_chan_##SUFFIX(const uint8_t* codes, const void* sc, const void* ze,        \
+                                              int64_t b0, int64_t b1, int64_t g, int64_t d, float* out) {  \
+    dequant_chan<BITS, MT>(codes, static_cast<const MT*>(sc), static_cast<const MT*>(ze), b0, b1, g, d,    \
+                           out);                                                                           \
   }
 
 KV_DEFINE_KERNELS(8, c10::Half, 8h)

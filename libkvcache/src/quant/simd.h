@@ -38,6 +38,48 @@ KV_ALWAYS_INLINE uint32_t nonfinite_bit(float v) {
   return static_cast<uint32_t>((float_bits(v) & 0x7f800000u) == 0x7f800000u);
 }
 
+/// Bits as a float.
+KV_ALWAYS_INLINE float bits_float(uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+/// float32 → IEEE binary16 bits, round-to-nearest-even, overflow to ±Inf (NaN → NaN).
+/// Branch-free float/integer arithmetic (the FP16 library's fp16_ieee_from_fp32_value, also
+/// used by c10::Half), so loops over it vectorize on any SIMD ISA; GCC 12 cannot vectorize
+/// _Float16 conversions without AVX512-FP16.
+KV_ALWAYS_INLINE uint16_t fp16_bits(float f) {
+  const float scale_to_inf = bits_float(0x77800000u);   // 2^112
+  const float scale_to_zero = bits_float(0x08800000u);  // 2^-110
+  const uint32_t w = float_bits(f);
+  float base = (bits_float(w & 0x7fffffffu) * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = bits_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
+  const uint32_t mantissa_bits = bits & 0x00000fffu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+/// IEEE binary16 bits → float32 (exact). Branch-free (FP16's fp16_ieee_to_fp32_value).
+KV_ALWAYS_INLINE float fp16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_float((two_w >> 4) + (0xe0u << 23)) * bits_float(0x07800000u);  // × 2^-112
+  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t result = sign | (two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized));
+  return bits_float(result);
+}
+
+/// 1 if binary16 bits `h` are ±Inf or NaN.
+KV_ALWAYS_INLINE uint32_t fp16_nonfinite_bit(uint16_t h) { return static_cast<uint32_t>((h & 0x7c00u) == 0x7c00u); }
+
 /// Integer code of y ∈ [0, 2^22) rounded half-to-even: adding 1.5·2^23 leaves rint(y) in
 /// the low mantissa bits under the default rounding mode. Plain SSE2 arithmetic, unlike
 /// rintf (which needs SSE4.1 to vectorize). The caller masks the result to its bit width.

@@ -1,0 +1,70 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "quant/cast_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+
+#include "quant/simd.h"
+
+namespace kvcache::quant {
+namespace {
+
+/// Round-to-nearest-even truncation of float32 to its upper 16 bits (finite input).
+KV_ALWAYS_INLINE uint16_t bf16_bits(float v) {
+  const uint32_t u = float_bits(v);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Flags: bit 0 = non-finite input, bit 1 = output is ±Inf (exponent all ones).
+KV_TARGET_CLONES uint32_t fp16_range(const float* __restrict x, int64_t b, int64_t e, uint16_t* __restrict out) {
+  uint32_t bad = 0, ovf = 0;
+#pragma omp simd reduction(| : bad, ovf)
+  for (int64_t i = b; i < e; ++i) {
+    const uint16_t h = fp16_bits(x[i]);
+    out[i] = h;
+    bad |= nonfinite_bit(x[i]);
+    ovf |= static_cast<uint32_t>((h & 0x7c00u) == 0x7c00u);
+  }
+  return bad | (ovf << 1);
+}
+
+KV_TARGET_CLONES uint32_t bf16_range(const float* __restrict x, int64_t b, int64_t e, uint16_t* __restrict out) {
+  uint32_t bad = 0, ovf = 0;
+#pragma omp simd reduction(| : bad, ovf)
+  for (int64_t i = b; i < e; ++i) {
+    const uint16_t h = bf16_bits(x[i]);
+    out[i] = h;
+    bad |= nonfinite_bit(x[i]);
+    ovf |= static_cast<uint32_t>((h & 0x7f80u) == 0x7f80u);
+  }
+  return bad | (ovf << 1);
+}
+
+KV_TARGET_CLONES uint32_t copy_range(const float* __restrict x, int64_t b, int64_t e, float* __restrict out) {
+  uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t i = b; i < e; ++i) {
+    out[i] = x[i];
+    bad |= nonfinite_bit(x[i]);
+  }
+  return bad;
+}
+
+template <typename Fn, typename Out>
+CastStatus run(Fn fn, const float* x, int64_t n, Out* out) {
+  std::atomic<uint32_t> flags{0};
+  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { flags.fetch_or(fn(x, b, e, out)); });
+  CastStatus s;
+  s.nonfinite = (flags.load() & 1u) != 0;
+  s.overflow = (flags.load() & 2u) != 0;
+  return s;
+}
+
+}  // namespace
+
+CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out) { return run(fp16_range, x, n, out); }
+CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out) { return run(bf16_range, x, n, out); }
+CastStatus copy_fp32(const float* x, int64_t n, float* out) { return run(copy_range, x, n, out); }
+
+}  // namespace kvcache::quant
