@@ -560,6 +560,40 @@ TEST(RunnerEviction, RerotatedSinkCacheKeepsPositionsContiguous) {
 }
 
 // ----------------------------------------------------------------------------------------
+// Half-precision exports: the runner feeds K/V to the cache in float32, attends in float32 and
+// casts the attention output back to the export dtype for `finish`.
+
+TEST(RunnerHalfPrecision, Bf16AndFp16ExportsTrackTheFp32Golden) {
+  if (!t::have_shared_data()) GTEST_SKIP() << "../shared/data is absent";
+  if (!t::have_tool("export_torchscript.py")) GTEST_SKIP() << "tools/export_torchscript.py absent";
+  const Golden g = read_golden(tinystories_dir());
+  for (const char* dtype : {"bf16", "fp16"}) {
+    std::string err;
+    const std::string pt = t::export_hf(tinystories_dir(), std::string("ts656k-") + dtype + ".pt",
+                                        &err, std::string("--dtype ") + dtype);
+    ASSERT_EQ(err, "");
+    const CausalLM lm = CausalLM::load(pt, LoadOptions{1});
+    CacheManager cache = fp32_full_cache(lm);
+    const GenerationResult r = Runner(lm).generate(g.prompt_ids, greedy(60), cache);
+    // Measured: bf16 0.093, fp16 0.0096 at position 6; all 60 greedy ids equal.
+    const double tol = std::string(dtype) == "bf16" ? 0.2 : 0.02;
+    EXPECT_LT(max_abs_diff(r.logits[0], to_tensor(g.logits.at("pos6_last_prompt"))), tol) << dtype;
+    EXPECT_LT(max_abs_diff(r.logits[10], to_tensor(g.logits.at("pos16"))), tol) << dtype;
+    EXPECT_EQ(r.tokens, g.greedy_ids) << dtype;
+    // Against the export's own unmanaged forward (same dtype), teacher-forced.
+    const auto P = static_cast<int64_t>(g.prompt_ids.size());
+    const std::vector<int64_t> seq = concat(g.prompt_ids, r.tokens, 59);
+    const at::Tensor ref =
+        lm.forward(detail::ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0].slice(
+            0, P - 1, P + 59);
+    // The managed path keeps K/V and attention in float32, so it sits closer to the fp32
+    // golden than the export's own half-precision forward does (measured max |logit
+    // difference| managed vs forward: bf16 0.21, fp16 0.023); the greedy choices agree.
+    EXPECT_TRUE(at::equal(ref.argmax(-1), r.logits.argmax(-1))) << dtype;
+  }
+}
+
+// ----------------------------------------------------------------------------------------
 // Stopping and bad input.
 
 TEST(Runner, StopsAtEosAndAtMaxNewTokens) {
