@@ -218,6 +218,15 @@ TEST_F(Qwen2Tokenizer, RejectsInvalidUtf8AndBadIds) {
   EXPECT_THAT(invalid_argument_message([] { (void)tok_->id_to_token(1000000); }), HasSubstr("1000000"));
 }
 
+TEST_F(Qwen2Tokenizer, LenientDecodeReplacesPaddingIds) {
+  // 9707 = "Hello", 0 = "!", 151645 = <|im_end|>; 151665 and 151935 are padding rows of the
+  // Qwen2.5 embedding (no token), -1 is no id at all.
+  EXPECT_EQ(tok_->decode_lenient({9707, 151665, 0, 151935}), "Hello\xEF\xBF\xBD!\xEF\xBF\xBD");
+  EXPECT_EQ(tok_->decode_lenient({-1, 9707, 151645}, /*skip_special=*/true), "\xEF\xBF\xBDHello");
+  EXPECT_EQ(tok_->decode_lenient({9707, 0}), tok_->decode({9707, 0}));
+  EXPECT_EQ(tok_->decode_lenient({}), "");
+}
+
 /// Qwen2.5's tokenizer.json layout (the file itself is not in ../shared; it is rebuilt here
 /// from vocab.json + merges.txt with the pipeline the official file declares), with merges in
 /// the newer [left, right] array form.

@@ -172,6 +172,23 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
   return out;
 }
 
+std::string Tokenizer::decode_lenient(const std::vector<int64_t>& ids, bool skip_special) const {
+  const Impl& im = *impl_;
+  const auto size = static_cast<int64_t>(im.id_to_token.size());
+  std::string out;
+  std::vector<int64_t> run;
+  for (const int64_t id : ids) {
+    if (id >= 0 && id < size && im.id_state[static_cast<size_t>(id)] != 0) {
+      run.push_back(id);
+      continue;
+    }
+    out += decode(run, skip_special);
+    out += "\xEF\xBF\xBD";  // U+FFFD
+    run.clear();
+  }
+  return out + decode(run, skip_special);
+}
+
 std::optional<int64_t> Tokenizer::token_to_id(const std::string& token) const {
   const auto a = impl_->added_by_content.find(token);
   if (a != impl_->added_by_content.end()) return impl_->added[a->second].id;

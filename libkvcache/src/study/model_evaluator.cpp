@@ -112,7 +112,7 @@ class ModelArmEvaluator : public ArmEvaluator {
     go.eos_token_ids = eos_;
     const GenerationResult r = runner_.generate(ids, go, cache);
     Generation g;
-    g.output = tokenizer_.decode(r.tokens, /*skip_special=*/true);
+    g.output = tokenizer_.decode_lenient(r.tokens, /*skip_special=*/true);
     g.prompt_tokens = r.prompt_tokens;
     g.generated_tokens = static_cast<int64_t>(r.tokens.size());
     g.cache = cache.stats();

@@ -115,6 +115,11 @@ class Tokenizer {
   /// @param skip_special drop special added tokens (BOS, EOS, `<|im_end|>`).
   /// @throws InvalidArgument when an id is negative, >= vocab_size() or unassigned.
   std::string decode(const std::vector<int64_t>& ids, bool skip_special = false) const;
+  /// decode() for model output: an id that is not a token of this tokenizer (the padding rows
+  /// of an embedding larger than the vocabulary, e.g. Qwen2.5's ids 151,665..151,935, which a
+  /// random-weight or broken model can emit) becomes U+FFFD instead of an error; the runs of
+  /// valid ids between them are decoded as by decode().
+  std::string decode_lenient(const std::vector<int64_t>& ids, bool skip_special = false) const;
 
   /// Id of a vocabulary or added token given by its exact string (as stored in the vocab,
   /// e.g. "Ġthe" for byte-level, "▁the" for SentencePiece), or nullopt.
