@@ -16,7 +16,12 @@ Pipeline (deterministic for a fixed --seed and torch 1.13 CPU on 2 threads):
     <|im_end|>. Chats are ChatML; the reply ends with <|im_end|> (EOS).
  3. Model: Qwen2 architecture (GQA with 2 KV heads, RoPE rotate_half, RMSNorm, SwiGLU, q/k/v
     biases, tied embeddings), trained with AdamW on the reply tokens (weight 1; earlier assistant
-    turns too) plus a small LM loss on the prompt, batches packed by length.
+    turns too) plus a small LM loss on the prompt, batches packed by length. Curriculum
+    (--phases): needle tasks at short contexts first, then all families, then long needles,
+    then everything up to ~800 prompt tokens. For the first --first-token-steps steps only the
+    first token of each reply carries loss: with the whole reply in the loss from step 0 the
+    model sat on the needle plateau (first digit at chance after 900 steps); trained on the
+    first digit alone it retrieves that digit in ~100 steps, and the rest of the code follows.
  4. Output: an HF-style dir OUT/hf (config.json model_type qwen2, model.safetensors, tokenizer.json,
     tokenizer_config.json, generation_config.json) exported through tools/export_torchscript.py's
     code path to --export; evaluation by greedy decoding over the exported module's ABI methods.
@@ -308,12 +313,16 @@ def find_generator(arg: Optional[str]) -> str:
                     "build kv_study or pass --generator")
 
 
+FAMILIES = ("needle", "multiturn", "instruction", "summary")
+
+
 def generator_cmd(gen: str, mode: str, out: str, seed: int, count: int = 0, min_ctx: int = 0,
-                  max_ctx: int = 0) -> List[str]:
+                  max_ctx: int = 0, families: str = "") -> List[str]:
     """argv of the generator for a suite ('default'/'small') or 'train' data."""
     if mode == "train":
-        return [gen, "suite", "--count", str(count), "--seed", str(seed), "--min-context", str(min_ctx),
-                "--max-context", str(max_ctx), "--out", out]
+        cmd = [gen, "suite", "--count", str(count), "--seed", str(seed), "--min-context", str(min_ctx),
+               "--max-context", str(max_ctx), "--out", out]
+        return cmd + (["--families", families] if families else [])
     return [gen, "suite", "--suite", mode, "--seed", str(seed), "--out", out]
 
 
@@ -621,12 +630,36 @@ def log(msg: str, t0: float):
     print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_phases(spec: str) -> List[Tuple[int, int, int]]:
-    """'steps:min:max,...' -> [(steps, min_ctx, max_ctx)]."""
+def parse_phases(spec: str) -> List[Tuple[int, int, int, str]]:
+    """'steps:min_ctx:max_ctx[:fam+fam],...' -> [(steps, min_ctx, max_ctx, families)], where
+    families is '' (all four) or a comma list for `kv_study suite --families`."""
     out = []
     for p in spec.split(","):
-        s, lo, hi = (int(x) for x in p.split(":"))
-        out.append((s, lo, hi))
+        f = p.split(":")
+        if len(f) not in (3, 4):
+            raise ToolError(f"bad phase {p!r}: expected steps:min_ctx:max_ctx[:family+family]")
+        try:
+            s, lo, hi = (int(x) for x in f[:3])
+        except ValueError:
+            raise ToolError(f"bad phase {p!r}: steps, min_ctx and max_ctx must be integers") from None
+        fams = f[3].split("+") if len(f) == 4 else []
+        for fam in fams:
+            if fam not in FAMILIES:
+                raise ToolError(f"bad phase {p!r}: unknown family {fam!r} (expected {', '.join(FAMILIES)})")
+        if s <= 0 or lo > hi:
+            raise ToolError(f"bad phase {p!r}: need steps > 0 and min_ctx <= max_ctx")
+        out.append((s, lo, hi, ",".join(fams)))
+    return out
+
+
+def first_token_weights(w: np.ndarray, reply_tokens: int) -> np.ndarray:
+    """Loss weights of the first-token warm-up for a sequence from encode_task whose final reply
+    (with its <|im_end|>) has `reply_tokens` tokens: 1 at the position that predicts the reply's
+    first token, 0 elsewhere."""
+    if reply_tokens < 1 or reply_tokens + 1 > len(w):
+        raise ToolError(f"reply of {reply_tokens} tokens does not fit a sequence of {len(w)}")
+    out = np.zeros_like(w)
+    out[len(w) - reply_tokens - 1] = 1.0
     return out
 
 
@@ -706,18 +739,22 @@ def main(argv=None) -> int:
                     help="no training: export OUT/ckpt.pt as it is (and run --final-eval)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and corpus (seconds), for tests")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=192)
+    ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=384)
     ap.add_argument("--max-positions", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=4096, help="tokenizer vocab limit (specials included)")
-    ap.add_argument("--phases", default="1000:48:200,1500:48:480,2500:48:800",
-                    help="curriculum 'steps:min_ctx:max_ctx,...' (approx tokens of the prompt)")
+    ap.add_argument("--phases", default="1500:48:110:needle,1000:48:400,1000:160:800:needle,2000:48:800",
+                    help="curriculum 'steps:min_ctx:max_ctx[:family+family],...' (context in approx tokens of "
+                         "the prompt; families of the training tasks, default all four)")
+    ap.add_argument("--first-token-steps", type=int, default=150,
+                    help="warm-up: for this many steps only the first token of each reply carries loss (a "
+                         "needle's first digit; learning it first lets retrieval of the rest follow)")
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--lm-weight", type=float, default=0.1, help="loss weight of non-reply tokens")
     ap.add_argument("--eval-every", type=int, default=1000, help="steps between evaluations (0: only at the end)")
@@ -729,6 +766,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 32, 2, 4, 2, 64
         args.phases, args.tokens_per_batch, args.warmup = "6:48:120,4:48:200", 1024, 2
+        args.first_token_steps = 2
         args.eval_every, args.log_every, args.final_eval, args.vocab = 0, 2, "small", 600
         args.max_positions = 1024
     torch.manual_seed(args.seed)
@@ -750,13 +788,16 @@ def run(args, t0: float) -> int:
 
     # ---- data ----
     phase_tasks = []
-    for pi, (steps, lo, hi) in enumerate(phases):
+    for pi, (steps, lo, hi, fams) in enumerate(phases):
         avg = 0.5 * (lo + hi) + 12
         count = int(math.ceil(steps * args.tokens_per_batch * 0.9 / avg))
         seed = 1000 + 100 * args.seed + pi
-        path = os.path.join(args.out, "data", f"train-s{seed}-n{count}-c{lo}-{hi}.jsonl")
-        phase_tasks.append(generate(gen, "train", path, seed=seed, count=count, min_ctx=lo, max_ctx=hi))
-        log(f"phase {pi}: {len(phase_tasks[-1])} tasks (seed {seed}, contexts {lo}..{hi}) for {steps} steps", t0)
+        tag = "-" + fams.replace(",", "+") if fams else ""
+        path = os.path.join(args.out, "data", f"train-s{seed}-n{count}-c{lo}-{hi}{tag}.jsonl")
+        phase_tasks.append(generate(gen, "train", path, seed=seed, count=count, min_ctx=lo, max_ctx=hi,
+                                    families=fams))
+        log(f"phase {pi}: {len(phase_tasks[-1])} tasks (seed {seed}, contexts {lo}..{hi}, families "
+            f"{fams or 'all'}) for {steps} steps", t0)
     suite = generate(gen, "small" if args.smoke else "default",
                      os.path.join(args.out, "data", f"suite-{'small' if args.smoke else 'default'}-s{args.eval_seed}.jsonl"),
                      seed=args.eval_seed)
@@ -835,6 +876,15 @@ def run(args, t0: float) -> int:
     eval_subset = suite[::k][:args.eval_tasks]
 
     # ---- train ----
+    first_cache: Dict[int, List] = {}
+
+    def first_seqs(pi: int):
+        """Phase pi's sequences with first-token warm-up weights (built once)."""
+        if pi not in first_cache:
+            first_cache[pi] = [(a, first_token_weights(b, len(tok.encode(t["answer"])) + 1))
+                               for (a, b), t in zip(data[pi], phase_tasks[pi])]
+        return first_cache[pi]
+
     bounds = np.cumsum([0] + [p[0] for p in phases])
     last_ckpt = time.time()
     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
@@ -852,7 +902,7 @@ def run(args, t0: float) -> int:
             batches = make_batches(seqs, args.tokens_per_batch, np.random.default_rng([args.seed, pi, epoch]))
         while local < len(batches) and step < int(bounds[pi + 1]):
             ts = time.time()
-            ids, w = collate(seqs, batches[local])
+            ids, w = collate(seqs if step >= args.first_token_steps else first_seqs(pi), batches[local])
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr, args.warmup)
             logits = model(ids)

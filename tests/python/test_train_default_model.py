@@ -81,6 +81,36 @@ class Tokenizer(unittest.TestCase):
         self.assertEqual(self.tok.decode(ids[-6:].tolist()), "40712<|im_end|>")
 
 
+    def test_first_token_warmup_weights(self):
+        task = {"messages": CHAT, "answer": "40712"}
+        ids, w = T.encode_task(self.tok, task, 0.25)
+        f = T.first_token_weights(w, 6)
+        self.assertEqual(float(f.sum()), 1.0)
+        # the position that predicts the reply's first digit "4" (the "\n" after "assistant")
+        at = int(f.argmax())
+        self.assertEqual(at, len(ids) - 7)
+        self.assertEqual(self.tok.decode([int(ids[at + 1])]), "4")
+        with self.assertRaises(T.ToolError):
+            T.first_token_weights(w, len(w))
+
+
+class Phases(unittest.TestCase):
+    def test_parse(self):
+        self.assertEqual(T.parse_phases("1200:48:160:needle,2000:48:800"),
+                         [(1200, 48, 160, "needle"), (2000, 48, 800, "")])
+        self.assertEqual(T.parse_phases("10:48:100:needle+summary"), [(10, 48, 100, "needle,summary")])
+        self.assertEqual(T.generator_cmd("kv", "train", "o.jsonl", 7, 5, 48, 100, "needle")[-2:],
+                         ["--families", "needle"])
+
+    def test_bad_phases_name_the_problem(self):
+        for bad, want in [("10:48", "steps:min_ctx:max_ctx"), ("x:48:100", "integers"),
+                          ("10:48:100:poem", "unknown family 'poem'"), ("10:200:100", "min_ctx <= max_ctx"),
+                          ("0:48:100", "steps > 0")]:
+            with self.assertRaises(T.ToolError) as cm:
+                T.parse_phases(bad)
+            self.assertIn(want, str(cm.exception))
+
+
 class Scoring(unittest.TestCase):
     def test_rules(self):
         S = T.score_output
@@ -147,7 +177,8 @@ class SmokeRun(unittest.TestCase):
     def test_tokenizer_round_trips_suite(self):
         with open(os.path.join(self.out, "tokenizer.json"), encoding="utf-8") as f:
             tok = T.Tokenizer.from_json(json.load(f))
-        suite = [json.loads(x) for x in open(os.path.join(self.out, "data", "suite-small-s1234.jsonl"))]
+        with open(os.path.join(self.out, "data", "suite-small-s1234.jsonl"), encoding="utf-8") as f:
+            suite = [json.loads(x) for x in f]
         self.assertEqual(len(suite), 20)
         texts = [T.render_chatml(t["messages"], True) + t["answer"] for t in suite]
         for s in texts:
