@@ -94,5 +94,31 @@ class KvStudyCliTest(unittest.TestCase):
             self.assertIn(needle, r.stderr, args)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_MODEL = os.path.join(REPO, "models", "kvstudy-default.pt")
+
+
+@unittest.skipUnless(os.path.exists(KV_STUDY), f"{KV_STUDY} not built")
+@unittest.skipUnless(os.path.exists(DEFAULT_MODEL), "models/kvstudy-default.pt not committed")
+class DefaultModelTest(unittest.TestCase):
+    def test_control_on_the_small_suite_is_the_default_model(self):
+        """`kv_study run` with no --model uses models/kvstudy-default.pt (relative to the working
+        directory, the repo root here); its fp32+full control passes exactly the count that the
+        Python greedy loop over the same export gets (test_train_default_model.COMMITTED_SMALL_PASS)."""
+        import sys
+        sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+        from test_train_default_model import COMMITTED_SMALL_PASS
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "fp32+full",
+                                "--out", d, "--threads", "1", "--no-text", "--no-recon", "--no-attn", "--quiet"],
+                               capture_output=True, text=True, timeout=600, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("kvstudy-default.pt", r.stderr)
+            with open(os.path.join(d, "summary.json")) as f:
+                arm = json.load(f)["arms"][0]
+        self.assertEqual(arm["arm"], "fp32+full")
+        self.assertEqual((arm["passed"], arm["tasks"]), (COMMITTED_SMALL_PASS, 20))
+
+
 if __name__ == "__main__":
     unittest.main()
