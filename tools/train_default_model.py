@@ -404,18 +404,22 @@ class Layer(torch.nn.Module):
         self.down_proj = torch.nn.Linear(I, d, bias=False)
 
     def forward(self, h, cos, sin, mask):
+        """mask: additive causal mask `[g*T, T]` float (0 / -inf), the `[T, T]` mask repeated for
+        the g query heads of a KV group."""
         B, T, _ = h.shape
         x = self.input_layernorm(h)
         q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.Hk, self.D).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.Hk, self.D).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
+        # the 1/sqrt(D) scale on q ([B,H,T,D]) instead of on the [.., T, T] scores, and the mask as
+        # the C of one baddbmm: no extra passes over the scores forward or backward (fwd+bwd of a
+        # 5 x 760 batch: 4.9 s -> 2.3 s at 2 threads)
+        q = (q * cos + rotate_half(q) * sin) * (1.0 / math.sqrt(self.D))
         k = k * cos + rotate_half(k) * sin
         g = self.H // self.Hk
         # GQA without repeating K/V: group the query heads of each KV head
-        qg = q.reshape(B, self.Hk, g * T, self.D)
-        s = torch.matmul(qg, k.transpose(-1, -2)).view(B, self.Hk, g, T, T) * (1.0 / math.sqrt(self.D))
-        s = s.masked_fill(mask, float("-inf"))
+        qg = q.reshape(B * self.Hk, g * T, self.D)
+        s = torch.baddbmm(mask, qg, k.reshape(B * self.Hk, T, self.D).transpose(1, 2))
         p = torch.softmax(s, dim=-1).view(B, self.Hk, g * T, T)
         o = torch.matmul(p, v).view(B, self.H, T, self.D).transpose(1, 2).reshape(B, T, self.H * self.D)
         h = h + self.o_proj(o)
@@ -453,7 +457,8 @@ class Qwen2Small(torch.nn.Module):
         ang = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((ang, ang), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        g = self.c["num_attention_heads"] // self.c["num_key_value_heads"]
+        mask = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).repeat(g, 1)
         h = self.embed_tokens(ids)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
