@@ -51,7 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvcache_tools.errors import ToolError  # noqa: E402
 from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  # noqa: E402
-from kvcache_tools.tokenizer_json import QWEN2_SPLIT_REGEX, added_token  # noqa: E402
+from kvcache_tools.tokenizer_json import QWEN2_SPLIT_REGEX, qwen2_byte_level  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,24 +222,9 @@ def train_bpe(texts: Sequence[str], vocab_size: int, min_frequency: int = 2) -> 
 
 
 def tokenizer_json(tok: Tokenizer) -> Dict:
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     model_vocab = {t: i for t, i in tok.vocab.items() if t not in SPECIALS}
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [added_token(tok.vocab[s], s, True, False) for s in SPECIALS],
-        "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT_REGEX}, "behavior": "Isolated", "invert": False},
-            byte_level,
-        ]},
-        "post_processor": dict(byte_level),
-        "decoder": dict(byte_level),
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": model_vocab, "merges": [f"{a} {b}" for a, b in tok.merges]},
-    }
+    return qwen2_byte_level(model_vocab, [f"{a} {b}" for a, b in tok.merges],
+                            [(tok.vocab[s], s, True) for s in SPECIALS])
 
 
 def tokenizer_config(tok: Tokenizer, max_len: int) -> Dict:

@@ -108,16 +108,16 @@ def read_merges(text: str, where: str) -> List[str]:
     return out
 
 
-def qwen2_byte_level(vocab: Dict[str, int], merges: List[str]) -> Dict:
+def qwen2_byte_level(vocab: Dict[str, int], merges: List[str], added=None) -> Dict:
     """Qwen2/2.5 tokenizer.json: NFC normalizer; pre-tokenizer Split(QWEN2_SPLIT_REGEX, Isolated) +
     ByteLevel(no prefix space, no regex); ByteLevel BPE without unk / byte fallback; ByteLevel decoder;
-    the 22 added tokens (ids 151643..151664)."""
+    `added` as (id, content, special) triples, default Qwen2's 22 added tokens (ids 151643..151664)."""
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [added_token(i, t, s, False) for i, t, s in QWEN2_ADDED_TOKENS],
+        "added_tokens": [added_token(i, t, s, False) for i, t, s in (QWEN2_ADDED_TOKENS if added is None else added)],
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT_REGEX}, "behavior": "Isolated", "invert": False},
