@@ -20,6 +20,22 @@ using namespace kvcache::study;
 
 namespace {
 
+/// The evaluator for `path`, with a pointer to what to do when the default model is asked for
+/// and this checkout has none (it is trained by tools/train_default_model.py, issue 6).
+std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int threads) {
+  struct stat st {};
+  if (path == kDefaultModel && ::stat(path.c_str(), &st) != 0) {
+    throw kvcache::InvalidArgument(
+        std::string("the default model '") + kDefaultModel +
+        "' is not in this checkout (docs/default-model.md); pass --model M.pt (tools/export_torchscript.py exports a "
+        "Hugging Face checkpoint), or run tools/main_job.sh, which studies TinyStories-656K from ../shared instead");
+  }
+  ModelEvaluatorOptions mopt;
+  mopt.model_path = path;
+  mopt.threads = threads;
+  return make_model_evaluator(mopt);
+}
+
 bool is_dir(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
@@ -115,12 +131,8 @@ void add_run_command(CLI::App& app) {
     opt.reconstruction = !*no_recon;
     opt.attention = !*no_attn;
     const std::string dir = out->empty() ? "runs/" + stem(*model) + "-" + (tasks_file->empty() ? *suite : stem(*tasks_file)) : *out;
+    auto evaluator = load_evaluator(*model, *threads);  // before make_dirs: a bad model leaves no directory
     make_dirs(dir);
-
-    ModelEvaluatorOptions mopt;
-    mopt.model_path = *model;
-    mopt.threads = *threads;
-    auto evaluator = make_model_evaluator(mopt);
     const std::string path = results_path(dir, opt.shard);
     ResultsStore store(path);
     if (store.repaired_bytes() > 0) {
@@ -201,10 +213,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--max-new-tokens", *max_new, "generation limit")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->callback([=] {
-    ModelEvaluatorOptions mopt;
-    mopt.model_path = *model;
-    mopt.threads = *threads;
-    auto ev = make_model_evaluator(mopt);
+    auto ev = load_evaluator(*model, *threads);
     const Arm a = ev->canonicalize(parse_arm(*arm));
     kvcache::study::Task t;
     t.id = "generate";
