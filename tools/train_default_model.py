@@ -17,11 +17,14 @@ Pipeline (deterministic for a fixed --seed and torch 1.13 CPU on 2 threads):
  3. Model: Qwen2 architecture (GQA with 2 KV heads, RoPE rotate_half, RMSNorm, SwiGLU, q/k/v
     biases, tied embeddings), trained with AdamW on the reply tokens (weight 1; earlier assistant
     turns too) plus a small LM loss on the prompt, batches packed by length. Curriculum
-    (--phases): needle tasks at short contexts first, then all families, then long needles,
-    then everything up to ~800 prompt tokens. For the first --first-token-steps steps only the
-    first token of each reply carries loss: with the whole reply in the loss from step 0 the
-    model sat on the needle plateau (first digit at chance after 900 steps); trained on the
-    first digit alone it retrieves that digit in ~100 steps, and the rest of the code follows.
+    (--phases, DEFAULT_PHASES): needle tasks at short contexts first, then all families at
+    short contexts, then needle and all-family stretches at about 2x longer contexts each, then
+    everything up to ~800 prompt tokens. A phase may start with a key-token warm-up: only the
+    reply token that spells what the scoring rule asks for (a needle's first digit, the word of a
+    starts_with/ends_with rule, the name/colour/number of a summary) carries loss. With whole
+    replies in the loss from the start the model sits on a retrieval plateau (the key token at
+    chance after 900 steps); on the key token alone it learns to retrieve it in ~100 steps
+    (needle digits) to ~350 steps (words), and the rest of the reply follows.
  4. Output: an HF-style dir OUT/hf (config.json model_type qwen2, model.safetensors, tokenizer.json,
     tokenizer_config.json, generation_config.json) exported through tools/export_torchscript.py's
     code path to --export; evaluation by greedy decoding over the exported module's ABI methods.
@@ -54,6 +57,11 @@ from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  #
 from kvcache_tools.tokenizer_json import QWEN2_SPLIT_REGEX, qwen2_byte_level  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The curriculum (docs/default-model.md): needles at short contexts with a first-digit warm-up; all
+# families at short contexts with a key-token warm-up; needle and all-family stretches at about 2x
+# longer contexts each; then everything up to ~800 prompt tokens.
+DEFAULT_PHASES = ("2000:48:110:needle:150,1000:48:110::500,300:100:250:needle,300:100:250,"
+                  "300:200:450:needle,300:200:450,300:400:800:needle,300:400:800,1500:48:800")
 
 # ---------------------------------------------------------------------------------------------
 # ChatML
@@ -620,36 +628,68 @@ def log(msg: str, t0: float):
     print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_phases(spec: str) -> List[Tuple[int, int, int, str]]:
-    """'steps:min_ctx:max_ctx[:fam+fam],...' -> [(steps, min_ctx, max_ctx, families)], where
-    families is '' (all four) or a comma list for `kv_study suite --families`."""
+def parse_phases(spec: str) -> List[Tuple[int, int, int, str, int]]:
+    """'steps:min_ctx:max_ctx[:fam+fam[:key_steps]],...' -> [(steps, min_ctx, max_ctx, families,
+    key_steps)], where families is '' (all four; also an empty field) or a comma list for
+    `kv_study suite --families`, and key_steps (default 0) is the length of the phase's key-token
+    warm-up (key_token_weights)."""
     out = []
     for p in spec.split(","):
         f = p.split(":")
-        if len(f) not in (3, 4):
-            raise ToolError(f"bad phase {p!r}: expected steps:min_ctx:max_ctx[:family+family]")
+        if len(f) not in (3, 4, 5):
+            raise ToolError(f"bad phase {p!r}: expected steps:min_ctx:max_ctx[:family+family[:key_steps]]")
         try:
             s, lo, hi = (int(x) for x in f[:3])
+            key_steps = int(f[4]) if len(f) == 5 else 0
         except ValueError:
-            raise ToolError(f"bad phase {p!r}: steps, min_ctx and max_ctx must be integers") from None
-        fams = f[3].split("+") if len(f) == 4 else []
+            raise ToolError(f"bad phase {p!r}: steps, min_ctx, max_ctx and key_steps must be integers") from None
+        fams = f[3].split("+") if len(f) >= 4 and f[3] else []
         for fam in fams:
             if fam not in FAMILIES:
                 raise ToolError(f"bad phase {p!r}: unknown family {fam!r} (expected {', '.join(FAMILIES)})")
         if s <= 0 or lo > hi:
             raise ToolError(f"bad phase {p!r}: need steps > 0 and min_ctx <= max_ctx")
-        out.append((s, lo, hi, ",".join(fams)))
+        if not 0 <= key_steps <= s:
+            raise ToolError(f"bad phase {p!r}: need 0 <= key_steps <= steps")
+        out.append((s, lo, hi, ",".join(fams), key_steps))
     return out
 
 
-def first_token_weights(w: np.ndarray, reply_tokens: int) -> np.ndarray:
-    """Loss weights of the first-token warm-up for a sequence from encode_task whose final reply
-    (with its <|im_end|>) has `reply_tokens` tokens: 1 at the position that predicts the reply's
-    first token, 0 elsewhere."""
+def key_token_index(tok: Tokenizer, task: Dict) -> Optional[int]:
+    """Index, among the reply's tokens, of the first token that spells the scoring rule's argument
+    (its first whole-word, case-insensitive occurrence in the answer): a needle's first digit, the
+    word a starts_with/ends_with rule asks for, the name/colour/number a summary must recall.
+    None when the rule has no argument (uppercase) or the answer does not contain it."""
+    arg = task["rule"].get("arg", "").lower()
+    ans = task["answer"]
+    lo = ans.lower()
+    start = lo.find(arg) if arg else -1
+    while start >= 0:
+        end = start + len(arg)
+        if (start == 0 or not lo[start - 1].isalnum()) and (end == len(lo) or not lo[end].isalnum()):
+            break
+        start = lo.find(arg, start + 1)
+    if start < 0:
+        return None
+    pos = 0
+    for i, t in enumerate(tok.encode(ans)):
+        pos += len(tok.decode([t]))
+        if pos > start:
+            return i
+    return None
+
+
+def key_token_weights(w: np.ndarray, reply_tokens: int, key_index: Optional[int]) -> np.ndarray:
+    """Loss weights of the key-token warm-up for a sequence from encode_task whose final reply
+    (with its <|im_end|>) has `reply_tokens` tokens: 1 at the position that predicts reply token
+    `key_index` (key_token_index), 0 elsewhere (all 0 when key_index is None)."""
     if reply_tokens < 1 or reply_tokens + 1 > len(w):
         raise ToolError(f"reply of {reply_tokens} tokens does not fit a sequence of {len(w)}")
     out = np.zeros_like(w)
-    out[len(w) - reply_tokens - 1] = 1.0
+    if key_index is not None:
+        if not 0 <= key_index < reply_tokens:
+            raise ToolError(f"key token {key_index} outside a reply of {reply_tokens} tokens")
+        out[len(w) - reply_tokens - 1 + key_index] = 1.0
     return out
 
 
@@ -736,12 +776,11 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=384)
     ap.add_argument("--max-positions", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=4096, help="tokenizer vocab limit (specials included)")
-    ap.add_argument("--phases", default="1500:48:110:needle,1000:48:400,1000:160:800:needle,2000:48:800",
-                    help="curriculum 'steps:min_ctx:max_ctx[:family+family],...' (context in approx tokens of "
-                         "the prompt; families of the training tasks, default all four)")
-    ap.add_argument("--first-token-steps", type=int, default=150,
-                    help="warm-up: for this many steps only the first token of each reply carries loss (a "
-                         "needle's first digit; learning it first lets retrieval of the rest follow)")
+    ap.add_argument("--phases", default=DEFAULT_PHASES,
+                    help="curriculum 'steps:min_ctx:max_ctx[:family+family[:key_steps]],...' (context in approx "
+                         "tokens of the prompt; families of the training tasks, empty = all four; for the "
+                         "first key_steps steps of a phase only each reply's key token carries loss: a "
+                         "needle's first digit, the word or fact a rule asks for)")
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
@@ -755,8 +794,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 32, 2, 4, 2, 64
-        args.phases, args.tokens_per_batch, args.warmup = "6:48:120,4:48:200", 1024, 2
-        args.first_token_steps = 2
+        args.phases, args.tokens_per_batch, args.warmup = "6:48:120::2,4:48:200", 1024, 2
         args.eval_every, args.log_every, args.final_eval, args.vocab = 0, 2, "small", 600
         args.max_positions = 1024
     torch.manual_seed(args.seed)
@@ -778,7 +816,7 @@ def run(args, t0: float) -> int:
 
     # ---- data ----
     phase_tasks = []
-    for pi, (steps, lo, hi, fams) in enumerate(phases):
+    for pi, (steps, lo, hi, fams, _) in enumerate(phases):
         avg = 0.5 * (lo + hi) + 12
         count = int(math.ceil(steps * args.tokens_per_batch * 0.9 / avg))
         seed = 1000 + 100 * args.seed + pi
@@ -866,14 +904,14 @@ def run(args, t0: float) -> int:
     eval_subset = suite[::k][:args.eval_tasks]
 
     # ---- train ----
-    first_cache: Dict[int, List] = {}
+    key_cache: Dict[int, List] = {}
 
-    def first_seqs(pi: int):
-        """Phase pi's sequences with first-token warm-up weights (built once)."""
-        if pi not in first_cache:
-            first_cache[pi] = [(a, first_token_weights(b, len(tok.encode(t["answer"])) + 1))
-                               for (a, b), t in zip(data[pi], phase_tasks[pi])]
-        return first_cache[pi]
+    def key_seqs(pi: int):
+        """Phase pi's sequences with key-token warm-up weights (built once)."""
+        if pi not in key_cache:
+            key_cache[pi] = [(a, key_token_weights(b, len(tok.encode(t["answer"])) + 1, key_token_index(tok, t)))
+                             for (a, b), t in zip(data[pi], phase_tasks[pi])]
+        return key_cache[pi]
 
     bounds = np.cumsum([0] + [p[0] for p in phases])
     last_ckpt = time.time()
@@ -892,14 +930,15 @@ def run(args, t0: float) -> int:
             batches = make_batches(seqs, args.tokens_per_batch, np.random.default_rng([args.seed, pi, epoch]))
         while local < len(batches) and step < int(bounds[pi + 1]):
             ts = time.time()
-            ids, w = collate(seqs if step >= args.first_token_steps else first_seqs(pi), batches[local])
+            warm = step - int(bounds[pi]) < phases[pi][4]
+            ids, w = collate(key_seqs(pi) if warm else seqs, batches[local])
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr, args.warmup)
             logits = model(ids)
             nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                   reduction="none").view(ids.shape[0], -1)
             ww = w[:, :-1]
-            loss = (nll * ww).sum() / ww.sum()
+            loss = (nll * ww).sum() / ww.sum().clamp_min(1.0)  # a warm-up batch may hold no key token
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -81,31 +81,51 @@ class Tokenizer(unittest.TestCase):
         self.assertEqual(self.tok.decode(ids[-6:].tolist()), "40712<|im_end|>")
 
 
-    def test_first_token_warmup_weights(self):
-        task = {"messages": CHAT, "answer": "40712"}
+    def test_key_token_warmup_weights(self):
+        task = {"messages": CHAT, "answer": "40712", "rule": {"kind": "word", "arg": "40712"}}
         ids, w = T.encode_task(self.tok, task, 0.25)
-        f = T.first_token_weights(w, 6)
+        self.assertEqual(T.key_token_index(self.tok, task), 0)  # a needle's key is its first digit
+        f = T.key_token_weights(w, 6, 0)
         self.assertEqual(float(f.sum()), 1.0)
         # the position that predicts the reply's first digit "4" (the "\n" after "assistant")
         at = int(f.argmax())
         self.assertEqual(at, len(ids) - 7)
         self.assertEqual(self.tok.decode([int(ids[at + 1])]), "4")
+        # key 3: the position that predicts "1"; no key: no loss at all
+        self.assertEqual(self.tok.decode([int(ids[int(T.key_token_weights(w, 6, 3).argmax()) + 1])]), "1")
+        self.assertEqual(float(T.key_token_weights(w, 6, None).sum()), 0.0)
         with self.assertRaises(T.ToolError):
-            T.first_token_weights(w, len(w))
+            T.key_token_weights(w, len(w), 0)
+        with self.assertRaises(T.ToolError):
+            T.key_token_weights(w, 6, 6)
+
+    def test_key_token_index_finds_the_rule_word(self):
+        def key(answer, kind, arg=""):
+            task = {"answer": answer, "rule": {"kind": kind, "arg": arg}}
+            i = T.key_token_index(self.tok, task)
+            return None if i is None else self.tok.decode([self.tok.encode(answer)[i]])
+        self.assertEqual(key("The code, dog.", "ends_with", "dog"), " dog")
+        self.assertEqual(key("Code the code.", "starts_with", "code"), "C")  # case-insensitive, first token
+        self.assertEqual(key("codes 12 code", "word", "code"), " code")  # whole words only
+        self.assertEqual(key("a 40712 b", "word", "0712"), None)
+        self.assertEqual(key("GOODBYE.", "uppercase"), None)
 
 
 class Phases(unittest.TestCase):
     def test_parse(self):
-        self.assertEqual(T.parse_phases("1200:48:160:needle,2000:48:800"),
-                         [(1200, 48, 160, "needle"), (2000, 48, 800, "")])
-        self.assertEqual(T.parse_phases("10:48:100:needle+summary"), [(10, 48, 100, "needle,summary")])
+        self.assertEqual(T.parse_phases("1200:48:160:needle:150,2000:48:800"),
+                         [(1200, 48, 160, "needle", 150), (2000, 48, 800, "", 0)])
+        self.assertEqual(T.parse_phases("10:48:100:needle+summary"), [(10, 48, 100, "needle,summary", 0)])
+        self.assertEqual(T.parse_phases("10:48:100::10"), [(10, 48, 100, "", 10)])
+        self.assertEqual(len(T.parse_phases(T.DEFAULT_PHASES)), 9)
         self.assertEqual(T.generator_cmd("kv", "train", "o.jsonl", 7, 5, 48, 100, "needle")[-2:],
                          ["--families", "needle"])
 
     def test_bad_phases_name_the_problem(self):
         for bad, want in [("10:48", "steps:min_ctx:max_ctx"), ("x:48:100", "integers"),
                           ("10:48:100:poem", "unknown family 'poem'"), ("10:200:100", "min_ctx <= max_ctx"),
-                          ("0:48:100", "steps > 0")]:
+                          ("0:48:100", "steps > 0"), ("10:48:100::11", "key_steps <= steps"),
+                          ("10:48:100::x", "integers"), ("10:48:100:needle:1:2", "steps:min_ctx:max_ctx")]:
             with self.assertRaises(T.ToolError) as cm:
                 T.parse_phases(bad)
             self.assertIn(want, str(cm.exception))
