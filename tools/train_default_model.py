@@ -57,11 +57,13 @@ from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  #
 from kvcache_tools.tokenizer_json import QWEN2_SPLIT_REGEX, qwen2_byte_level  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The curriculum (docs/default-model.md): needles at short contexts with a first-digit warm-up; all
-# families at short contexts with a key-token warm-up; needle and all-family stretches at about 2x
-# longer contexts each; then everything up to ~800 prompt tokens.
-DEFAULT_PHASES = ("2000:48:110:needle:150,1000:48:110::500,300:100:250:needle,300:100:250,"
-                  "300:200:450:needle,300:200:450,300:400:800:needle,300:400:800,1500:48:800")
+# The curriculum (docs/default-model.md): the other families at short contexts with a key-token
+# warm-up (their word retrieval); needles at short contexts with a first-digit warm-up; all
+# families up to 400 tokens; needle and all-family stretches at about 2x longer contexts each;
+# then everything up to ~800 prompt tokens.
+DEFAULT_PHASES = ("1000:48:110:multiturn+instruction+summary:700,1500:48:110:needle:150,1000:48:400,"
+                  "300:100:250:needle,300:100:250,300:200:450:needle,300:200:450,300:400:800:needle,"
+                  "300:400:800,1500:48:800")
 
 # ---------------------------------------------------------------------------------------------
 # ChatML
