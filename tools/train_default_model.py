@@ -506,6 +506,22 @@ def _words(s: str) -> List[str]:
     return re.findall(r"[A-Za-z0-9]+", s)
 
 
+def find_word(text: str, word: str) -> int:
+    """Index of the first case-insensitive occurrence of `word` in `text` as a whole word (not
+    inside a longer run of letters/digits; a boundary counts only where `word` itself starts or
+    ends alphanumeric, as contains_word in task.cpp), or -1; -1 for an empty word."""
+    lo, a = text.lower(), word.lower()
+    start = lo.find(a) if a else -1
+    while start >= 0:
+        end = start + len(a)
+        left_ok = start == 0 or not lo[start - 1].isalnum() or not a[0].isalnum()
+        right_ok = end == len(lo) or not lo[end].isalnum() or not a[-1].isalnum()
+        if left_ok and right_ok:
+            return start
+        start = lo.find(a, start + 1)
+    return -1
+
+
 def score_output(rule: Dict, output: str) -> bool:
     out, kind, arg = normalize_output(output), rule["kind"], rule.get("arg", "")
     if kind == "exact":
@@ -513,14 +529,7 @@ def score_output(rule: Dict, output: str) -> bool:
     if kind == "contains":
         return arg.lower() in out.lower()
     if kind == "word":
-        lo, a = out.lower(), arg.lower()
-        start = lo.find(a)
-        while start >= 0:
-            end = start + len(a)
-            if (start == 0 or not lo[start - 1].isalnum()) and (end == len(lo) or not lo[end].isalnum()):
-                return True
-            start = lo.find(a, start + 1)
-        return False
+        return find_word(out, arg) >= 0
     if kind == "regex":
         return re.search(arg, out) is not None
     if kind == "uppercase":
@@ -662,19 +671,11 @@ def key_token_index(tok: Tokenizer, task: Dict) -> Optional[int]:
     (its first whole-word, case-insensitive occurrence in the answer): a needle's first digit, the
     word a starts_with/ends_with rule asks for, the name/colour/number a summary must recall.
     None when the rule has no argument (uppercase) or the answer does not contain it."""
-    arg = task["rule"].get("arg", "").lower()
-    ans = task["answer"]
-    lo = ans.lower()
-    start = lo.find(arg) if arg else -1
-    while start >= 0:
-        end = start + len(arg)
-        if (start == 0 or not lo[start - 1].isalnum()) and (end == len(lo) or not lo[end].isalnum()):
-            break
-        start = lo.find(arg, start + 1)
+    start = find_word(task["answer"], task["rule"].get("arg", ""))
     if start < 0:
         return None
     pos = 0
-    for i, t in enumerate(tok.encode(ans)):
+    for i, t in enumerate(tok.encode(task["answer"])):
         pos += len(tok.decode([t]))
         if pos > start:
             return i

@@ -136,6 +136,8 @@ class Scoring(unittest.TestCase):
         S = T.score_output
         self.assertTrue(S({"kind": "word", "arg": "4071"}, " 4071<|im_end|>junk"))
         self.assertFalse(S({"kind": "word", "arg": "4071"}, "40712"))
+        self.assertFalse(S({"kind": "word", "arg": ""}, "anything"))  # as contains_word in task.cpp
+        self.assertTrue(S({"kind": "word", "arg": "-12"}, "x-12"))  # no boundary where the word is not alnum
         self.assertTrue(S({"kind": "uppercase", "arg": ""}, "GOODBYE, SEE YOU SOON."))
         self.assertFalse(S({"kind": "uppercase", "arg": ""}, "GOODBYE, see"))
         self.assertFalse(S({"kind": "uppercase", "arg": ""}, "123"))
