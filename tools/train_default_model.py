@@ -665,16 +665,17 @@ def parse_phases(spec: str) -> List[Tuple[int, int, int, str, int]]:
     return out
 
 
-def key_token_index(tok: Tokenizer, task: Dict) -> Optional[int]:
-    """Index, among the reply's tokens, of the first token that spells the scoring rule's argument
-    (its first whole-word, case-insensitive occurrence in the answer): a needle's first digit, the
-    word a starts_with/ends_with rule asks for, the name/colour/number a summary must recall.
+def key_token_index(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] = None) -> Optional[int]:
+    """Index, among the reply's tokens (`answer_ids`, tok.encode(task["answer"]) if not given), of
+    the first token that spells the scoring rule's argument (its first whole-word,
+    case-insensitive occurrence in the answer): a needle's first digit, the word a
+    starts_with/ends_with rule asks for, the name/colour/number a summary must recall.
     None when the rule has no argument (uppercase) or the answer does not contain it."""
     start = find_word(task["answer"], task["rule"].get("arg", ""))
     if start < 0:
         return None
     pos = 0
-    for i, t in enumerate(tok.encode(task["answer"])):
+    for i, t in enumerate(tok.encode(task["answer"]) if answer_ids is None else answer_ids):
         pos += len(tok.decode([t]))
         if pos > start:
             return i
@@ -909,10 +910,12 @@ def run(args, t0: float) -> int:
     key_cache: Dict[int, List] = {}
 
     def key_seqs(pi: int):
-        """Phase pi's sequences with key-token warm-up weights (built once)."""
+        """Phase pi's sequences with key-token warm-up weights (built once; each answer encoded once)."""
         if pi not in key_cache:
-            key_cache[pi] = [(a, key_token_weights(b, len(tok.encode(t["answer"])) + 1, key_token_index(tok, t)))
-                             for (a, b), t in zip(data[pi], phase_tasks[pi])]
+            key_cache[pi] = []
+            for (a, b), t in zip(data[pi], phase_tasks[pi]):
+                ans = tok.encode(t["answer"])
+                key_cache[pi].append((a, key_token_weights(b, len(ans) + 1, key_token_index(tok, t, ans))))
         return key_cache[pi]
 
     bounds = np.cumsum([0] + [p[0] for p in phases])
