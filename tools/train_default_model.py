@@ -16,16 +16,17 @@ Pipeline (deterministic for a fixed --seed and torch 1.13 CPU on 2 threads):
     <|im_end|>. Chats are ChatML; the reply ends with <|im_end|> (EOS).
  3. Model: Qwen2 architecture (GQA with 2 KV heads, RoPE rotate_half, RMSNorm, SwiGLU, q/k/v
     biases, tied embeddings), trained with AdamW on the reply tokens (weight 1; earlier assistant
-    turns too) plus a small LM loss on the prompt, batches packed by length. Curriculum
-    (--phases, DEFAULT_PHASES): needle tasks at short contexts first, then all families up to
-    400 tokens, then needle stretches at about 2x longer contexts each, then everything up to
-    ~800 prompt tokens. A phase may start with a key-token warm-up: only the
-    reply token that spells what the scoring rule asks for (a needle's first digit, the word of a
-    starts_with/ends_with rule, the name/colour/number of a summary) carries loss. With whole
-    replies in the loss from the start the model sits on a retrieval plateau (the key token at
-    chance after 900 steps); on the key token alone it learns to retrieve it in ~100 steps
-    (needle digits) to ~350 steps (words), and the rest of the reply follows (though word
-    retrieval is lost again over 1500 needle-only steps: docs/default-model.md, finding 10).
+    turns too) plus a small LM loss on the prompt, batches packed by length, plus a key-token
+    term (--key-weight x the mean NLL of the tokens that spell what the scoring rule asks for: a
+    needle's digits, the word of a starts_with/ends_with rule, a summary's name). Curriculum
+    (--phases, DEFAULT_PHASES): key-token warm-ups at the shortest contexts, then whole needle
+    codes at short contexts, all families up to 400 tokens, needle stretches at about 2x longer
+    contexts each, then everything up to ~800 prompt tokens. In a phase's warm-up only the first
+    key token of each reply carries loss. With whole replies in the loss from the start the model
+    sits on a retrieval plateau; on the key token alone one family learns to retrieve it in
+    ~150 steps, but four families mixed from the start learn late, and a retrieval learned first
+    blocks the others, so the words and summaries come first (docs/default-model.md, findings
+    1, 7-13).
  4. Output: an HF-style dir OUT/hf (config.json model_type qwen2, model.safetensors, tokenizer.json,
     tokenizer_config.json, generation_config.json) exported through tools/export_torchscript.py's
     code path to --export; evaluation by greedy decoding over the exported module's ABI methods.
@@ -58,11 +59,15 @@ from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  #
 from kvcache_tools.tokenizer_json import QWEN2_SPLIT_REGEX, qwen2_byte_level  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The curriculum (docs/default-model.md, run dm7: the best periodic eval measured so far, below the
-# bar): needles at short contexts with a first-digit warm-up; all families up to 400 tokens;
-# needle stretches at about 2x longer contexts each; then everything up to ~800 prompt tokens.
-DEFAULT_PHASES = ("2000:48:110:needle:150,1000:48:400,300:100:250:needle,300:200:450:needle,"
-                  "300:400:800:needle,3000:48:800")
+# The curriculum (docs/default-model.md, "The recipe now in the script": assembled from findings
+# 6, 11 and 13, not yet run end to end): key-token warm-ups at 48-64 tokens, the words and
+# summaries first, then all four families (the needle's first digit); whole needle codes at short
+# contexts; all families up to 400 tokens; needle stretches at about 2x longer contexts each; an
+# all-family stretch; then everything from 160 to ~800 prompt tokens. --key-weight 2 keeps every
+# family's key tokens in the loss after the warm-ups.
+DEFAULT_PHASES = ("600:48:64:multiturn+instruction+summary:600,800:48:64::800,1500:48:110:needle,1000:48:400,"
+                  "300:100:250:needle,300:200:450:needle,300:400:800:needle,500:400:800,1500:160:800")
+DEFAULT_KEY_WEIGHT = 2.0
 
 # ---------------------------------------------------------------------------------------------
 # ChatML
@@ -397,9 +402,11 @@ class Layer(torch.nn.Module):
         self.up_proj = torch.nn.Linear(d, I, bias=False)
         self.down_proj = torch.nn.Linear(I, d, bias=False)
 
-    def forward(self, h, cos, sin, mask):
-        """mask: additive causal mask `[g*T, T]` float (0 / -inf), the `[T, T]` mask repeated for
-        the g query heads of a KV group."""
+    def forward(self, h, cos, sin, masks):
+        """masks: [(q0, q1, mask)] query chunks of the causal attention: queries q0..q1-1 attend to
+        keys 0..q1-1 under the additive mask `[g*(q1-q0), q1]` float (0 / -inf; the chunk's rows of
+        the causal mask, repeated for the g query heads of a KV group). Chunking skips most of the
+        masked upper triangle (Qwen2Small.forward)."""
         B, T, _ = h.shape
         x = self.input_layernorm(h)
         q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)
@@ -412,13 +419,22 @@ class Layer(torch.nn.Module):
         k = k * cos + rotate_half(k) * sin
         g = self.H // self.Hk
         # GQA without repeating K/V: group the query heads of each KV head
-        qg = q.reshape(B * self.Hk, g * T, self.D)
-        s = torch.baddbmm(mask, qg, k.reshape(B * self.Hk, T, self.D).transpose(1, 2))
-        p = torch.softmax(s, dim=-1).view(B, self.Hk, g * T, T)
-        o = torch.matmul(p, v).view(B, self.H, T, self.D).transpose(1, 2).reshape(B, T, self.H * self.D)
+        q4 = q.reshape(B * self.Hk, g, T, self.D)
+        kt = k.reshape(B * self.Hk, T, self.D).transpose(1, 2)
+        vf = v.reshape(B * self.Hk, T, self.D)
+        outs = []
+        for q0, q1, mask in masks:
+            qg = q4[:, :, q0:q1].reshape(B * self.Hk, g * (q1 - q0), self.D)
+            p = torch.softmax(torch.baddbmm(mask, qg, kt[:, :, :q1]), dim=-1)
+            outs.append(torch.bmm(p, vf[:, :q1]).view(B * self.Hk, g, q1 - q0, self.D))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        o = o.view(B, self.H, T, self.D).transpose(1, 2).reshape(B, T, self.H * self.D)
         h = h + self.o_proj(o)
         x = self.post_attention_layernorm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+ATTN_CHUNK = 192  # query rows per chunk of the training attention (Layer.forward)
 
 
 class Qwen2Small(torch.nn.Module):
@@ -452,10 +468,14 @@ class Qwen2Small(torch.nn.Module):
         emb = torch.cat((ang, ang), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         g = self.c["num_attention_heads"] // self.c["num_key_value_heads"]
-        mask = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).repeat(g, 1)
+        full = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        # query chunks of ~ATTN_CHUNK rows: a chunk's scores cover keys up to its last query only
+        n = max(1, round(T / ATTN_CHUNK))
+        cuts = [T * i // n for i in range(n + 1)]
+        masks = [(a, b, full[a:b, :b].repeat(g, 1)) for a, b in zip(cuts[:-1], cuts[1:])]
         h = self.embed_tokens(ids)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, masks)
         return F.linear(self.norm(h), self.embed_tokens.weight)
 
     def hf_state(self) -> Dict[str, torch.Tensor]:
@@ -665,35 +685,60 @@ def parse_phases(spec: str) -> List[Tuple[int, int, int, str, int]]:
     return out
 
 
-def key_token_index(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] = None) -> Optional[int]:
-    """Index, among the reply's tokens (`answer_ids`, tok.encode(task["answer"]) if not given), of
-    the first token that spells the scoring rule's argument (its first whole-word,
-    case-insensitive occurrence in the answer): a needle's first digit, the word a
-    starts_with/ends_with rule asks for, the name/colour/number a summary must recall.
-    None when the rule has no argument (uppercase) or the answer does not contain it."""
-    start = find_word(task["answer"], task["rule"].get("arg", ""))
+def key_token_span(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] = None) -> Optional[Tuple[int, int]]:
+    """[first, end) indices, among the reply's tokens (`answer_ids`, tok.encode(task["answer"]) if
+    not given), of the tokens that spell the scoring rule's argument (its first whole-word,
+    case-insensitive occurrence in the answer): a needle's digits, the word a
+    starts_with/ends_with rule asks for, the name a summary must recall. None when the rule has no
+    argument (uppercase) or the answer does not contain it."""
+    arg = task["rule"].get("arg", "")
+    start = find_word(task["answer"], arg)
     if start < 0:
         return None
-    pos = 0
+    first, pos = None, 0
     for i, t in enumerate(tok.encode(task["answer"]) if answer_ids is None else answer_ids):
         pos += len(tok.decode([t]))
-        if pos > start:
-            return i
+        if first is None and pos > start:
+            first = i
+        if first is not None and pos >= start + len(arg):
+            return first, i + 1
     return None
 
 
-def key_token_weights(w: np.ndarray, reply_tokens: int, key_index: Optional[int]) -> np.ndarray:
-    """Loss weights of the key-token warm-up for a sequence from encode_task whose final reply
-    (with its <|im_end|>) has `reply_tokens` tokens: 1 at the position that predicts reply token
-    `key_index` (key_token_index), 0 elsewhere (all 0 when key_index is None)."""
+def key_token_index(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] = None) -> Optional[int]:
+    """Index of the first token of key_token_span (a needle's first digit, the rule's word), or
+    None."""
+    span = key_token_span(tok, task, answer_ids)
+    return None if span is None else span[0]
+
+
+def key_token_weights(w: np.ndarray, reply_tokens: int, key_index: Optional[int],
+                      key_end: Optional[int] = None) -> np.ndarray:
+    """Key-token loss weights for a sequence from encode_task whose final reply (with its
+    <|im_end|>) has `reply_tokens` tokens: 1 at the positions that predict reply tokens
+    key_index .. key_end-1 (key_end default key_index+1: the key token alone), 0 elsewhere (all 0
+    when key_index is None)."""
     if reply_tokens < 1 or reply_tokens + 1 > len(w):
         raise ToolError(f"reply of {reply_tokens} tokens does not fit a sequence of {len(w)}")
     out = np.zeros_like(w)
     if key_index is not None:
-        if not 0 <= key_index < reply_tokens:
-            raise ToolError(f"key token {key_index} outside a reply of {reply_tokens} tokens")
-        out[len(w) - reply_tokens - 1 + key_index] = 1.0
+        end = key_index + 1 if key_end is None else key_end
+        if not 0 <= key_index < end <= reply_tokens:
+            raise ToolError(f"key tokens {key_index}..{end - 1} outside a reply of {reply_tokens} tokens")
+        at = len(w) - reply_tokens - 1
+        out[at + key_index:at + end] = 1.0
     return out
+
+
+def batch_loss(nll: torch.Tensor, w: torch.Tensor, key_w: torch.Tensor, main_weight: float,
+               key_weight: float) -> torch.Tensor:
+    """Training loss of a batch: main_weight * (sum(nll * w) / sum(w)) + key_weight * (mean NLL of
+    the key tokens; key_w = 1 at the positions that predict them: key_token_weights). nll, w,
+    key_w: [B, T-1] float. A key-token warm-up step is main_weight 0, key_weight 1; a batch
+    without key tokens (all uppercase tasks) contributes 0 to the key term."""
+    main = (nll * w).sum() / w.sum().clamp_min(1e-6)
+    key = (nll * key_w).sum() / key_w.sum().clamp_min(1.0)
+    return main_weight * main + key_weight * key
 
 
 def make_batches(seqs: List[Tuple[np.ndarray, np.ndarray]], token_budget: int, rng: np.random.Generator):
@@ -716,14 +761,14 @@ def make_batches(seqs: List[Tuple[np.ndarray, np.ndarray]], token_budget: int, r
 
 
 def collate(seqs, idx):
+    """seqs[i] = (ids, weight arrays...): one [len(idx), T] tensor per element, zero-padded."""
     T = max(len(seqs[i][0]) for i in idx)
-    ids = np.zeros((len(idx), T), dtype=np.int64)
-    w = np.zeros((len(idx), T), dtype=np.float32)
+    out = [np.zeros((len(idx), T), dtype=np.int64)] + \
+        [np.zeros((len(idx), T), dtype=np.float32) for _ in seqs[idx[0]][1:]]
     for r, i in enumerate(idx):
-        a, b = seqs[i]
-        ids[r, :len(a)] = a
-        w[r, :len(b)] = b
-    return torch.from_numpy(ids), torch.from_numpy(w)
+        for o, a in zip(out, seqs[i]):
+            o[r, :len(a)] = a
+    return tuple(torch.from_numpy(o) for o in out)
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, floor: float = 0.1) -> float:
@@ -768,6 +813,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-seed", type=int, default=1234,
                     help="seed of the held-out evaluation suite (kv_study's default suite seed)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    ap.add_argument("--init-from", help="experiments: start from the model weights of this OUT/ckpt.pt "
+                    "(a checkpoint of the same --out's tokenizer), with a fresh optimizer at step 0")
     ap.add_argument("--export-only", action="store_true",
                     help="no training: export OUT/ckpt.pt as it is (and run --final-eval)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and corpus (seconds), for tests")
@@ -789,12 +836,23 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--lm-weight", type=float, default=0.1, help="loss weight of non-reply tokens")
+    ap.add_argument("--key-weight", type=float, default=DEFAULT_KEY_WEIGHT,
+                    help="weight of the key-token term outside warm-ups: loss = weighted mean NLL of the "
+                         "reply and prompt + KEY_WEIGHT * mean NLL of the batch's key tokens (every token "
+                         "that spells the rule's argument: a needle's digits, the rule's word)")
+    ap.add_argument("--warmup-gate", type=float, default=None,
+                    help="at the end of a phase's key-token warm-up, if the mean key NLL of its last 50 steps "
+                         "is above this, start over from step 0 with the next init seed (0: never; default 1.0, "
+                         "0 with --smoke)")
+    ap.add_argument("--max-restarts", type=int, default=3, help="restarts --warmup-gate may make")
     ap.add_argument("--eval-every", type=int, default=1000, help="steps between evaluations (0: only at the end)")
     ap.add_argument("--eval-tasks", type=int, default=44, help="tasks of the default suite per periodic eval")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--final-eval", choices=["none", "small", "default"], default="default")
     args = ap.parse_args(argv)
+    if args.warmup_gate is None:
+        args.warmup_gate = 0.0 if args.smoke else 1.0
     if args.smoke:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 32, 2, 4, 2, 64
         args.phases, args.tokens_per_batch, args.warmup = "6:48:120::2,4:48:200", 1024, 2
@@ -866,29 +924,40 @@ def run(args, t0: float) -> int:
     cfg["bos_token_id"] = tok.special_ids[ENDOFTEXT]
     cfg["eos_token_id"] = tok.special_ids[IM_END]
     model = Qwen2Small(cfg)
-    model.init_weights(torch.Generator().manual_seed(args.seed))
+
+    def fresh_start(attempt: int):
+        """Model weights from init seed seed + 7919 * attempt (attempt 0: --seed) and a new optimizer."""
+        model.init_weights(torch.Generator().manual_seed(args.seed + 7919 * attempt))
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    attempt = 0
+    opt = fresh_start(attempt)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M params, config {json.dumps({k: cfg[k] for k in ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'intermediate_size', 'vocab_size')})}", t0)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     step = 0
     train_time = 0.0
     ckpt_path = os.path.join(args.out, "ckpt.pt")
     if args.export_only and not os.path.exists(ckpt_path):
         raise ToolError(f"--export-only: {ckpt_path} does not exist")
+    if args.init_from:
+        if not os.path.exists(args.init_from):
+            raise ToolError(f"--init-from: {args.init_from} does not exist")
+        model.load_state_dict(torch.load(args.init_from)["model"])
+        log(f"weights from {args.init_from} (optimizer and step start fresh)", t0)
     if (args.resume or args.export_only) and os.path.exists(ckpt_path):
         ck = torch.load(ckpt_path)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        step, train_time = ck["step"], ck["train_time"]
+        step, train_time, attempt = ck["step"], ck["train_time"], ck.get("attempt", 0)
         log(f"resumed from {ckpt_path} at step {step}", t0)
 
     def save_ckpt():
         tmp = ckpt_path + ".tmp"
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "train_time": train_time, "args": vars(args)}, tmp)
+                    "train_time": train_time, "attempt": attempt, "args": vars(args)}, tmp)
         os.replace(tmp, ckpt_path)
 
     hf_dir = os.path.join(args.out, "hf")
@@ -910,17 +979,27 @@ def run(args, t0: float) -> int:
     key_cache: Dict[int, List] = {}
 
     def key_seqs(pi: int):
-        """Phase pi's sequences with key-token warm-up weights (built once; each answer encoded once)."""
+        """Phase pi's sequences as (ids, loss weights, warm-up weights (the first key token),
+        key-term weights (every token of the key span), family index) (built once per phase; each
+        answer encoded once)."""
         if pi not in key_cache:
             key_cache[pi] = []
             for (a, b), t in zip(data[pi], phase_tasks[pi]):
                 ans = tok.encode(t["answer"])
-                key_cache[pi].append((a, key_token_weights(b, len(ans) + 1, key_token_index(tok, t, ans))))
+                span = key_token_span(tok, t, ans)
+                first = None if span is None else span[0]
+                key_cache[pi].append((a, b, key_token_weights(b, len(ans) + 1, first),
+                                      key_token_weights(b, len(ans) + 1, first, None if span is None else span[1]),
+                                      np.full(1, FAMILIES.index(t["family"]), dtype=np.float32)))
+            if pi > 0:
+                key_cache.pop(pi - 1, None)
         return key_cache[pi]
 
     bounds = np.cumsum([0] + [p[0] for p in phases])
     last_ckpt = time.time()
     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
+    key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
+    warm_losses: List[float] = []
     model.train()
     while step < total and not args.export_only:
         pi = int(np.searchsorted(bounds, step, side="right") - 1)
@@ -936,14 +1015,17 @@ def run(args, t0: float) -> int:
         while local < len(batches) and step < int(bounds[pi + 1]):
             ts = time.time()
             warm = step - int(bounds[pi]) < phases[pi][4]
-            ids, w = collate(key_seqs(pi) if warm else seqs, batches[local])
+            ids, w, kw1, kws, fam = collate(key_seqs(pi), batches[local])
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr, args.warmup)
             logits = model(ids)
             nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                   reduction="none").view(ids.shape[0], -1)
-            ww = w[:, :-1]
-            loss = (nll * ww).sum() / ww.sum().clamp_min(1.0)  # a warm-up batch may hold no key token
+            ww, kk = w[:, :-1], (kw1 if warm else kws)[:, :-1]
+            loss = batch_loss(nll, ww, kk, 0.0, 1.0) if warm else batch_loss(nll, ww, kk, 1.0, args.key_weight)
+            key_nll = nll * kk
+            if warm:
+                warm_losses.append(float(loss))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -956,11 +1038,18 @@ def run(args, t0: float) -> int:
             am = (ww == 1.0)
             ans_loss += float((nll * am).sum())
             ans_n += float(am.sum())
+            per_row = (key_nll.sum(1) / kk.sum(1).clamp_min(1.0)).detach()  # mean over a row's key tokens
+            for r in range(ids.shape[0]):
+                if float(kk[r].sum()) > 0:
+                    key_acc[int(fam[r, 0])] += float(per_row[r])
+                    key_n[int(fam[r, 0])] += 1
             if step % args.log_every == 0 or step == total:
+                keys = " ".join(f"{f[:5]} {key_acc[i] / key_n[i]:.2f}" for i, f in enumerate(FAMILIES) if key_n[i])
                 log(f"step {step}/{total} phase {pi} lr {lr_at(step - 1, total, args.lr, args.warmup):.2e} "
-                    f"loss {loss_acc / wsum_acc:.4f} reply-nll {ans_loss / max(ans_n, 1):.4f} "
+                    f"loss {loss_acc / wsum_acc:.4f} reply-nll {ans_loss / max(ans_n, 1):.4f} key-nll [{keys}] "
                     f"batch {ids.shape[0]}x{ids.shape[1]} train {train_time / 60:.1f} min", t0)
                 loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
+                key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
             if time.time() - last_ckpt > args.ckpt_minutes * 60:
                 save_ckpt()
                 last_ckpt = time.time()
@@ -970,6 +1059,21 @@ def run(args, t0: float) -> int:
                 export_and_eval(eval_subset, f"subset of {len(eval_subset)}")
                 model.train()
                 last_ckpt = time.time()
+            if warm and step - int(bounds[pi]) == phases[pi][4] and args.warmup_gate > 0:
+                # the end of a key-token warm-up: did it break the retrieval plateau? (finding 14)
+                tail = warm_losses[-50:]
+                m = sum(tail) / len(tail)
+                warm_losses = []
+                if m > args.warmup_gate and attempt < args.max_restarts:
+                    attempt += 1
+                    log(f"phase {pi}: key-token warm-up ended at key NLL {m:.2f} > --warmup-gate "
+                        f"{args.warmup_gate}: restart {attempt}/{args.max_restarts} from step 0 with init seed "
+                        f"{args.seed + 7919 * attempt}", t0)
+                    opt = fresh_start(attempt)
+                    step = 0
+                    break
+                log(f"phase {pi}: key-token warm-up ended at key NLL {m:.2f}" +
+                    ("" if m <= args.warmup_gate else f" > --warmup-gate {args.warmup_gate} (no restart left)"), t0)
     if not args.export_only:
         save_ckpt()
     model.eval()

@@ -94,10 +94,28 @@ class Tokenizer(unittest.TestCase):
         # key 3: the position that predicts "1"; no key: no loss at all
         self.assertEqual(self.tok.decode([int(ids[int(T.key_token_weights(w, 6, 3).argmax()) + 1])]), "1")
         self.assertEqual(float(T.key_token_weights(w, 6, None).sum()), 0.0)
+        # the key term's span: the five digits, not the <|im_end|>
+        self.assertEqual(T.key_token_span(self.tok, task), (0, 5))
+        f = T.key_token_weights(w, 6, 0, 5)
+        self.assertEqual("".join(self.tok.decode([int(ids[i + 1])]) for i in range(len(f)) if f[i]), "40712")
+        with self.assertRaises(T.ToolError):
+            T.key_token_weights(w, 6, 2, 2)  # an empty span
         with self.assertRaises(T.ToolError):
             T.key_token_weights(w, len(w), 0)
         with self.assertRaises(T.ToolError):
             T.key_token_weights(w, 6, 6)
+
+    def test_batch_loss_adds_the_key_token_term(self):
+        nll = torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 0.5]])
+        w = torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 0.0]])
+        kw = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # one key token (nll 2), row 1: none
+        main = (1 * 0.5 + 2 + 4 + 3 + 5) / 4.5
+        self.assertAlmostEqual(float(T.batch_loss(nll, w, kw, 1.0, 0.0)), main, places=5)
+        self.assertAlmostEqual(float(T.batch_loss(nll, w, kw, 1.0, 2.0)), main + 2 * 2.0, places=5)
+        self.assertAlmostEqual(float(T.batch_loss(nll, w, kw, 0.0, 1.0)), 2.0, places=6)  # warm-up step
+        kw[1, 0] = 1.0  # two key tokens: their mean
+        self.assertAlmostEqual(float(T.batch_loss(nll, w, kw, 0.0, 1.0)), 2.5, places=6)
+        self.assertEqual(float(T.batch_loss(nll, w, torch.zeros_like(kw), 0.0, 1.0)), 0.0)
 
     def test_key_token_index_finds_the_rule_word(self):
         def key(answer, kind, arg=""):
@@ -110,6 +128,13 @@ class Tokenizer(unittest.TestCase):
         self.assertEqual(key("a 40712 b", "word", "0712"), None)
         self.assertEqual(key("GOODBYE.", "uppercase"), None)
 
+        def span(answer, kind, arg=""):
+            r = T.key_token_span(self.tok, {"answer": answer, "rule": {"kind": kind, "arg": arg}})
+            return None if r is None else "|".join(self.tok.decode([t]) for t in self.tok.encode(answer)[r[0]:r[1]])
+        self.assertEqual(span("The code is 40712.", "word", "40712"), "4|0|7|1|2")
+        self.assertEqual(span("Bye, dog.", "ends_with", "dog"), " dog")
+        self.assertEqual(span("GOODBYE.", "uppercase"), None)
+
 
 class Phases(unittest.TestCase):
     def test_parse(self):
@@ -117,7 +142,12 @@ class Phases(unittest.TestCase):
                          [(1200, 48, 160, "needle", 150), (2000, 48, 800, "", 0)])
         self.assertEqual(T.parse_phases("10:48:100:needle+summary"), [(10, 48, 100, "needle,summary", 0)])
         self.assertEqual(T.parse_phases("10:48:100::10"), [(10, 48, 100, "", 10)])
-        self.assertEqual(len(T.parse_phases(T.DEFAULT_PHASES)), 6)
+        # a family named twice is drawn twice as often by the generator (it picks uniformly from the list)
+        self.assertEqual(T.parse_phases("10:48:64:needle+needle+summary"), [(10, 48, 64, "needle,needle,summary", 0)])
+        phases = T.parse_phases(T.DEFAULT_PHASES)
+        self.assertEqual(len(phases), 9)
+        self.assertEqual(sum(p[0] for p in phases), 6800)
+        self.assertEqual(phases[0][3:], ("multiturn,instruction,summary", 600))  # the words first (finding 11)
         self.assertEqual(T.generator_cmd("kv", "train", "o.jsonl", 7, 5, 48, 100, "needle")[-2:],
                          ["--families", "needle"])
 
@@ -129,6 +159,45 @@ class Phases(unittest.TestCase):
             with self.assertRaises(T.ToolError) as cm:
                 T.parse_phases(bad)
             self.assertIn(want, str(cm.exception))
+
+
+class TrainingAttention(unittest.TestCase):
+    def test_chunked_causal_attention_matches_a_naive_reference(self):
+        """The training model's query-chunked attention (Layer.forward) equals plain causal
+        softmax attention with repeated KV heads, for a sequence cut into several uneven chunks."""
+        c = dict(hidden_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                 rms_norm_eps=1e-6, num_hidden_layers=1, vocab_size=50, rope_theta=10000.0)
+        m = T.Qwen2Small(c)
+        m.init_weights(torch.Generator().manual_seed(3))
+        ids = torch.randint(0, 50, (2, 71), generator=torch.Generator().manual_seed(4))
+        saved = T.ATTN_CHUNK
+        try:
+            T.ATTN_CHUNK = 20  # 71 rows -> 4 chunks (17, 18, 18, 18 rows)
+            with torch.no_grad():
+                got = m(ids)
+        finally:
+            T.ATTN_CHUNK = saved
+        L = m.layers[0]
+        B, S = ids.shape
+        pos = torch.arange(S, dtype=torch.float32)
+        ang = pos[:, None] * m.inv_freq[None, :]
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        with torch.no_grad():
+            h = m.embed_tokens(ids)
+            x = L.input_layernorm(h)
+            q = L.q_proj(x).view(B, S, 4, 8).transpose(1, 2)
+            k = L.k_proj(x).view(B, S, 2, 8).transpose(1, 2)
+            v = L.v_proj(x).view(B, S, 2, 8).transpose(1, 2)
+            q, k = q * cos + T.rotate_half(q) * sin, k * cos + T.rotate_half(k) * sin
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+            sc = (q @ k.transpose(-1, -2)) / 8 ** 0.5
+            sc = sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+            o = (torch.softmax(sc, -1) @ v).transpose(1, 2).reshape(B, S, 32)
+            h = h + L.o_proj(o)
+            x = L.post_attention_layernorm(h)
+            h = h + L.down_proj(torch.nn.functional.silu(L.gate_proj(x)) * L.up_proj(x))
+            want = torch.nn.functional.linear(m.norm(h), m.embed_tokens.weight)
+        self.assertLess(float((got - want).abs().max()), 1e-5)
 
 
 class Scoring(unittest.TestCase):
@@ -225,6 +294,19 @@ class SmokeRun(unittest.TestCase):
         ids = torch.arange(12).view(1, 12)
         self.assertTrue(torch.equal(a.forward(ids), b.forward(ids)))
 
+
+    def test_warmup_gate_restarts_with_the_next_init_seed(self):
+        """A key-token warm-up that ends above --warmup-gate starts the run over from step 0 with
+        init seed seed + 7919 (--max-restarts 1: once), and the run still completes."""
+        out = os.path.join(self.tmp, "gate")
+        rc, _, err = U.run_tool("train_default_model.py", "--smoke", "--threads", "1", "--generator", self.gen,
+                                "--out", out, "--export", os.path.join(out, "m.pt"), "--final-eval", "none",
+                                "--warmup-gate", "0.001", "--max-restarts", "1")
+        self.assertEqual(rc, 0, err[-2000:])
+        self.assertIn("restart 1/1 from step 0 with init seed 9153", err)  # 1234 + 7919
+        self.assertIn("(no restart left)", err)
+        self.assertIn("training done: 10 steps", err)
+        self.assertEqual(torch.load(os.path.join(out, "ckpt.pt"))["attempt"], 1)
 
 COMMITTED = os.path.join(U.REPO, "models", "kvstudy-default.pt")
 # pass count of the committed model on the small suite (seed 1234, 20 tasks) with the Python greedy
