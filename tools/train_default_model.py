@@ -943,9 +943,13 @@ def run(args, t0: float) -> int:
     if args.export_only and not os.path.exists(ckpt_path):
         raise ToolError(f"--export-only: {ckpt_path} does not exist")
     if args.init_from:
-        if not os.path.exists(args.init_from):
-            raise ToolError(f"--init-from: {args.init_from} does not exist")
-        model.load_state_dict(torch.load(args.init_from)["model"])
+        if not os.path.isfile(args.init_from):
+            raise ToolError(f"--init-from: {args.init_from} is not a file (expected a run's OUT/ckpt.pt)")
+        try:
+            model.load_state_dict(torch.load(args.init_from)["model"])
+        except (RuntimeError, KeyError) as e:
+            raise ToolError(f"--init-from {args.init_from}: not a checkpoint of this model config and "
+                            f"tokenizer (copy that run's tokenizer.json into --out): {str(e).strip().splitlines()[-1].strip()}") from None
         log(f"weights from {args.init_from} (optimizer and step start fresh)", t0)
     if (args.resume or args.export_only) and os.path.exists(ckpt_path):
         ck = torch.load(ckpt_path)
@@ -1071,6 +1075,8 @@ def run(args, t0: float) -> int:
                         f"{args.seed + 7919 * attempt}", t0)
                     opt = fresh_start(attempt)
                     step = 0
+                    loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
+                    key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
                     break
                 log(f"phase {pi}: key-token warm-up ended at key NLL {m:.2f}" +
                     ("" if m <= args.warmup_gate else f" > --warmup-gate {args.warmup_gate} (no restart left)"), t0)

@@ -308,6 +308,19 @@ class SmokeRun(unittest.TestCase):
         self.assertIn("training done: 10 steps", err)
         self.assertEqual(torch.load(os.path.join(out, "ckpt.pt"))["attempt"], 1)
 
+    def test_init_from_takes_the_weights_and_names_a_bad_checkpoint(self):
+        out = os.path.join(self.tmp, "init")
+        os.makedirs(out)
+        shutil.copy(os.path.join(self.out, "tokenizer.json"), out)  # the same tokenizer: the same shapes
+        common = ["--smoke", "--threads", "1", "--generator", self.gen, "--out", out,
+                  "--export", os.path.join(out, "m.pt"), "--final-eval", "none"]
+        rc, _, err = U.run_tool("train_default_model.py", *common, "--init-from", os.path.join(self.out, "ckpt.pt"))
+        self.assertEqual(rc, 0, err[-2000:])
+        self.assertIn("weights from", err)
+        rc, _, err = U.run_tool("train_default_model.py", *common, "--init-from", os.path.join(out, "missing.pt"))
+        self.assertEqual(rc, 2)
+        self.assertIn("missing.pt is not a file", err)
+
 COMMITTED = os.path.join(U.REPO, "models", "kvstudy-default.pt")
 # pass count of the committed model on the small suite (seed 1234, 20 tasks) with the Python greedy
 # loop over its ABI methods (train_default_model.evaluate); update together with the model
