@@ -842,7 +842,7 @@ def main(argv=None) -> int:
                          "that spells the rule's argument: a needle's digits, the rule's word)")
     ap.add_argument("--warmup-gate", type=float, default=None,
                     help="at the end of a phase's key-token warm-up, if the mean key NLL of its last 50 steps "
-                         "is above this, start over from step 0 with the next init seed (0: never; default 1.0, "
+                         "is above this for any family, start over from step 0 with the next init seed (0: never; default 1.0, "
                          "0 with --smoke)")
     ap.add_argument("--max-restarts", type=int, default=3, help="restarts --warmup-gate may make")
     ap.add_argument("--eval-every", type=int, default=1000, help="steps between evaluations (0: only at the end)")
@@ -1003,7 +1003,7 @@ def run(args, t0: float) -> int:
     last_ckpt = time.time()
     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
     key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
-    warm_losses: List[float] = []
+    warm_hist: List[np.ndarray] = []  # per warm-up step: [sum of key NLL, rows] per family
     model.train()
     while step < total and not args.export_only:
         pi = int(np.searchsorted(bounds, step, side="right") - 1)
@@ -1028,8 +1028,6 @@ def run(args, t0: float) -> int:
             ww, kk = w[:, :-1], (kw1 if warm else kws)[:, :-1]
             loss = batch_loss(nll, ww, kk, 0.0, 1.0) if warm else batch_loss(nll, ww, kk, 1.0, args.key_weight)
             key_nll = nll * kk
-            if warm:
-                warm_losses.append(float(loss))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1043,10 +1041,14 @@ def run(args, t0: float) -> int:
             ans_loss += float((nll * am).sum())
             ans_n += float(am.sum())
             per_row = (key_nll.sum(1) / kk.sum(1).clamp_min(1.0)).detach()  # mean over a row's key tokens
+            step_keys = np.zeros((2, len(FAMILIES)))
             for r in range(ids.shape[0]):
                 if float(kk[r].sum()) > 0:
-                    key_acc[int(fam[r, 0])] += float(per_row[r])
-                    key_n[int(fam[r, 0])] += 1
+                    step_keys[:, int(fam[r, 0])] += (float(per_row[r]), 1)
+            key_acc = [a + b for a, b in zip(key_acc, step_keys[0])]
+            key_n = [a + b for a, b in zip(key_n, step_keys[1])]
+            if warm:
+                warm_hist.append(step_keys)
             if step % args.log_every == 0 or step == total:
                 keys = " ".join(f"{f[:5]} {key_acc[i] / key_n[i]:.2f}" for i, f in enumerate(FAMILIES) if key_n[i])
                 log(f"step {step}/{total} phase {pi} lr {lr_at(step - 1, total, args.lr, args.warmup):.2e} "
@@ -1064,22 +1066,26 @@ def run(args, t0: float) -> int:
                 model.train()
                 last_ckpt = time.time()
             if warm and step - int(bounds[pi]) == phases[pi][4] and args.warmup_gate > 0:
-                # the end of a key-token warm-up: did it break the retrieval plateau? (finding 14)
-                tail = warm_losses[-50:]
-                m = sum(tail) / len(tail)
-                warm_losses = []
+                # the end of a key-token warm-up: did it break the retrieval plateau of every family
+                # in it? (finding 14)
+                tot = sum(warm_hist[-50:])
+                warm_hist = []
+                means = {f: tot[0, i] / tot[1, i] for i, f in enumerate(FAMILIES) if tot[1, i] > 0}
+                m = max(means.values()) if means else 0.0
+                desc = ", ".join(f"{f} {v:.2f}" for f, v in means.items())
                 if m > args.warmup_gate and attempt < args.max_restarts:
                     attempt += 1
-                    log(f"phase {pi}: key-token warm-up ended at key NLL {m:.2f} > --warmup-gate "
-                        f"{args.warmup_gate}: restart {attempt}/{args.max_restarts} from step 0 with init seed "
-                        f"{args.seed + 7919 * attempt}", t0)
+                    log(f"phase {pi}: key-token warm-up ended at key NLL {desc} (last 50 steps); "
+                        f"{m:.2f} > --warmup-gate {args.warmup_gate}: restart {attempt}/{args.max_restarts} "
+                        f"from step 0 with init seed {args.seed + 7919 * attempt}", t0)
                     opt = fresh_start(attempt)
                     step = 0
                     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
                     key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
                     break
-                log(f"phase {pi}: key-token warm-up ended at key NLL {m:.2f}" +
-                    ("" if m <= args.warmup_gate else f" > --warmup-gate {args.warmup_gate} (no restart left)"), t0)
+                log(f"phase {pi}: key-token warm-up ended at key NLL {desc} (last 50 steps)" +
+                    ("" if m <= args.warmup_gate else f"; {m:.2f} > --warmup-gate {args.warmup_gate} (no restart left)"),
+                    t0)
     if not args.export_only:
         save_ckpt()
     model.eval()
