@@ -983,18 +983,16 @@ def run(args, t0: float) -> int:
     key_cache: Dict[int, List] = {}
 
     def key_seqs(pi: int):
-        """Phase pi's sequences as (ids, loss weights, warm-up weights (the first key token),
-        key-term weights (every token of the key span), family index) (built once per phase; each
-        answer encoded once)."""
+        """Phase pi's sequences as (ids, loss weights, key-span weights) and each task's index in
+        FAMILIES (built once per phase; each answer encoded once)."""
         if pi not in key_cache:
-            key_cache[pi] = []
+            seqs_k, fams = [], []
             for (a, b), t in zip(data[pi], phase_tasks[pi]):
                 ans = tok.encode(t["answer"])
                 span = key_token_span(tok, t, ans)
-                first = None if span is None else span[0]
-                key_cache[pi].append((a, b, key_token_weights(b, len(ans) + 1, first),
-                                      key_token_weights(b, len(ans) + 1, first, None if span is None else span[1]),
-                                      np.full(1, FAMILIES.index(t["family"]), dtype=np.float32)))
+                seqs_k.append((a, b, key_token_weights(b, len(ans) + 1, *(span or (None,)))))
+                fams.append(FAMILIES.index(t["family"]))
+            key_cache[pi] = (seqs_k, np.array(fams))
             if pi > 0:
                 key_cache.pop(pi - 1, None)
         return key_cache[pi]
@@ -1002,7 +1000,7 @@ def run(args, t0: float) -> int:
     bounds = np.cumsum([0] + [p[0] for p in phases])
     last_ckpt = time.time()
     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
-    key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
+    key_stats = np.zeros((2, len(FAMILIES)))  # [sum of rows' mean key NLL, rows] per family, since the last log
     warm_hist: List[np.ndarray] = []  # per warm-up step: [sum of key NLL, rows] per family
     model.train()
     while step < total and not args.export_only:
@@ -1019,13 +1017,18 @@ def run(args, t0: float) -> int:
         while local < len(batches) and step < int(bounds[pi + 1]):
             ts = time.time()
             warm = step - int(bounds[pi]) < phases[pi][4]
-            ids, w, kw1, kws, fam = collate(key_seqs(pi), batches[local])
+            seqs_k, fams = key_seqs(pi)
+            ids, w, kws = collate(seqs_k, batches[local])
+            fam = fams[batches[local]]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr, args.warmup)
             logits = model(ids)
             nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                   reduction="none").view(ids.shape[0], -1)
-            ww, kk = w[:, :-1], (kw1 if warm else kws)[:, :-1]
+            kk = kws[:, :-1]
+            if warm:  # the first key token of each row only
+                kk = kk * (kk.cumsum(1) == 1)
+            ww = w[:, :-1]
             loss = batch_loss(nll, ww, kk, 0.0, 1.0) if warm else batch_loss(nll, ww, kk, 1.0, args.key_weight)
             key_nll = nll * kk
             opt.zero_grad(set_to_none=True)
@@ -1040,22 +1043,22 @@ def run(args, t0: float) -> int:
             am = (ww == 1.0)
             ans_loss += float((nll * am).sum())
             ans_n += float(am.sum())
-            per_row = (key_nll.sum(1) / kk.sum(1).clamp_min(1.0)).detach()  # mean over a row's key tokens
-            step_keys = np.zeros((2, len(FAMILIES)))
-            for r in range(ids.shape[0]):
-                if float(kk[r].sum()) > 0:
-                    step_keys[:, int(fam[r, 0])] += (float(per_row[r]), 1)
-            key_acc = [a + b for a, b in zip(key_acc, step_keys[0])]
-            key_n = [a + b for a, b in zip(key_n, step_keys[1])]
+            nk = kk.sum(1)
+            has = (nk > 0).numpy()
+            per_row = (key_nll.sum(1) / nk.clamp_min(1.0)).detach().numpy()  # mean over a row's key tokens
+            step_keys = np.stack([np.bincount(fam[has], per_row[has], len(FAMILIES)),
+                                  np.bincount(fam[has], None, len(FAMILIES))])
+            key_stats += step_keys
             if warm:
                 warm_hist.append(step_keys)
             if step % args.log_every == 0 or step == total:
-                keys = " ".join(f"{f[:5]} {key_acc[i] / key_n[i]:.2f}" for i, f in enumerate(FAMILIES) if key_n[i])
+                keys = " ".join(f"{f[:5]} {key_stats[0, i] / key_stats[1, i]:.2f}"
+                                for i, f in enumerate(FAMILIES) if key_stats[1, i])
                 log(f"step {step}/{total} phase {pi} lr {lr_at(step - 1, total, args.lr, args.warmup):.2e} "
                     f"loss {loss_acc / wsum_acc:.4f} reply-nll {ans_loss / max(ans_n, 1):.4f} key-nll [{keys}] "
                     f"batch {ids.shape[0]}x{ids.shape[1]} train {train_time / 60:.1f} min", t0)
                 loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
-                key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
+                key_stats[:] = 0
             if time.time() - last_ckpt > args.ckpt_minutes * 60:
                 save_ckpt()
                 last_ckpt = time.time()
@@ -1081,7 +1084,7 @@ def run(args, t0: float) -> int:
                     opt = fresh_start(attempt)
                     step = 0
                     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
-                    key_acc, key_n = [0.0] * len(FAMILIES), [0] * len(FAMILIES)
+                    key_stats[:] = 0
                     break
                 log(f"phase {pi}: key-token warm-up ended at key NLL {desc} (last 50 steps)" +
                     ("" if m <= args.warmup_gate else f"; {m:.2f} > --warmup-gate {args.warmup_gate} (no restart left)"),
