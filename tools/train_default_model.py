@@ -65,8 +65,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # contexts; all families up to 400 tokens; needle stretches at about 2x longer contexts each; an
 # all-family stretch; then everything from 160 to ~800 prompt tokens. --key-weight 2 keeps every
 # family's key tokens in the loss after the warm-ups.
-DEFAULT_PHASES = ("600:48:64:multiturn+instruction+summary:600,800:48:64::800,1500:48:110:needle,1000:48:400,"
-                  "300:100:250:needle,300:200:450:needle,300:400:800:needle,500:400:800,1500:160:800")
+NEEDLE_HEAVY = "needle+needle+multiturn+instruction+summary"  # 40% needles
+DEFAULT_PHASES = ("800:48:64::500,1000:48:110,800:48:400,"
+                  f"600:100:250:{NEEDLE_HEAVY},600:200:450:{NEEDLE_HEAVY},800:400:800:{NEEDLE_HEAVY},1000:160:800")
+DEFAULT_ATTN_SUP = 1.0
+DEFAULT_ATTN_SUP_LAYER = 1
+DEFAULT_ATTN_SUP_HEADS = "0,2"  # two KV groups: two value projections carry the copies (run e5)
+DEFAULT_WARMUP_GATE = 2.0  # at chance a key token costs ~2.2-2.5 nats (9-12 candidates)
 DEFAULT_KEY_WEIGHT = 2.0
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +406,18 @@ class Layer(torch.nn.Module):
         self.gate_proj = torch.nn.Linear(d, I, bias=False)
         self.up_proj = torch.nn.Linear(d, I, bias=False)
         self.down_proj = torch.nn.Linear(I, d, bias=False)
+        self.sup = None  # attention supervision of this layer (--attn-sup): (rows, query pos, key pos, head)
+        self.sup_nll = None
+
+    def supervised_nll(self, q, k, b, qp, kp, hd):
+        """-log of the attention probability of query head hd[n] at row b[n], position qp[n] on key
+        position kp[n] (causal), [N]. q: [B, H, T, D] (scaled, rotated), k: [B, Hk, T, D]."""
+        qv = q[b, hd, qp]                                           # [N, D]
+        kv = k[b, hd // (self.H // self.Hk)]                        # [N, T, D]
+        s = torch.einsum("nd,ntd->nt", qv, kv)
+        t = torch.arange(s.shape[1])
+        s = s.masked_fill(t[None, :] > qp[:, None], float("-inf"))
+        return torch.logsumexp(s, dim=1) - s.gather(1, kp[:, None])[:, 0]
 
     def forward(self, h, cos, sin, masks):
         """masks: [(q0, q1, mask)] query chunks of the causal attention: queries q0..q1-1 attend to
@@ -427,6 +444,8 @@ class Layer(torch.nn.Module):
             qg = q4[:, :, q0:q1].reshape(B * self.Hk, g * (q1 - q0), self.D)
             p = torch.softmax(torch.baddbmm(mask, qg, kt[:, :, :q1]), dim=-1)
             outs.append(torch.bmm(p, vf[:, :q1]).view(B * self.Hk, g, q1 - q0, self.D))
+        if self.sup is not None:
+            self.sup_nll = self.supervised_nll(q, k, *self.sup)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         o = o.view(B, self.H, T, self.D).transpose(1, 2).reshape(B, T, self.H * self.D)
         h = h + self.o_proj(o)
@@ -712,6 +731,53 @@ def key_token_index(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] 
     return None if span is None else span[0]
 
 
+def prompt_arg_positions(tok: Tokenizer, task: Dict, ids: Sequence[int], n_answer: int) -> List[int]:
+    """Positions, in a sequence from encode_task whose final reply has n_answer tokens (without
+    its <|im_end|>), of the prompt tokens that spell the scoring rule's argument inside the span
+    the generator marks (`span`: the needle sentence, the rule, the story's first sentence), e.g.
+    the digits of "The access code is 7195." or " apple" in "...with the word apple.". Empty
+    when the task has no argument or span."""
+    sp, arg = task.get("span"), task["rule"].get("arg", "")
+    msgs = task["messages"]
+    if not sp or not arg or not msgs or msgs[0]["role"] != "system":
+        return []
+    sent = msgs[sp["message"]]["content"][sp["begin"]:sp["end"]]
+    a = find_word(sent, arg)
+    if a < 0:
+        return []
+    n_prompt = len(ids) - n_answer - 1
+    offs, pos = [], 0
+    for t in ids[:n_prompt]:
+        offs.append(pos)
+        pos += len(tok.decode([t]))
+    at = tok.decode(list(ids[:n_prompt])).find(sent)
+    if at < 0:
+        return []
+    lo, hi = at + a, at + a + len(arg)
+    ends = offs[1:] + [pos]
+    return [j for j in range(n_prompt) if ends[j] > lo and offs[j] < hi]
+
+
+def attn_targets(tok: Tokenizer, task: Dict, ids: Sequence[int], answer_ids: Sequence[int]) -> np.ndarray:
+    """Retrieval targets of attention supervision (--attn-sup) for a sequence from encode_task:
+    rows (query position, key position, slot), int64 [N, 3]. For the reply's key tokens
+    (key_token_span), the position that predicts key token i (the query) and the prompt token
+    that spells the same piece of the rule's argument (prompt_arg_positions). Slot 0: the first
+    key token (found by content: the token after "code is", "the word", "named"...); slot 1: the
+    later ones (an induction step: the prompt token after the one just copied). When the argument
+    has another number of tokens in the prompt than in the reply (" apple" / "Apple" may split
+    differently), only the first key token is supervised. Empty when the task has no key span."""
+    span = key_token_span(tok, task, list(answer_ids))
+    prompt = prompt_arg_positions(tok, task, ids, len(answer_ids))
+    if span is None or not prompt:
+        return np.zeros((0, 3), dtype=np.int64)
+    n_prompt = len(ids) - len(answer_ids) - 1
+    first, end = span
+    reply = list(range(first, end)) if len(prompt) == end - first else [first]
+    rows = [(n_prompt + i - 1, prompt[k], 0 if k == 0 else 1) for k, i in enumerate(reply)]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
 def key_token_weights(w: np.ndarray, reply_tokens: int, key_index: Optional[int],
                       key_end: Optional[int] = None) -> np.ndarray:
     """Key-token loss weights for a sequence from encode_task whose final reply (with its
@@ -842,17 +908,31 @@ def main(argv=None) -> int:
                          "that spells the rule's argument: a needle's digits, the rule's word)")
     ap.add_argument("--warmup-gate", type=float, default=None,
                     help="at the end of a phase's key-token warm-up, if the mean key NLL of its last 50 steps "
-                         "is above this for any family, start over from step 0 with the next init seed (0: never; default 1.0, "
+                         f"is above this for any family, start over from step 0 with the next init seed (0: never; default {DEFAULT_WARMUP_GATE}, "
                          "0 with --smoke)")
     ap.add_argument("--max-restarts", type=int, default=3, help="restarts --warmup-gate may make")
+    ap.add_argument("--attn-sup", type=float, default=DEFAULT_ATTN_SUP,
+                    help="weight of the attention supervision: -log of the attention that head 0 of layer "
+                         "--attn-sup-layer puts, at the position before a reply's first key token, on that "
+                         "token in the prompt, and head 1 at the later key tokens (attn_targets); 0: off")
+    ap.add_argument("--attn-sup-layer", type=int, default=DEFAULT_ATTN_SUP_LAYER, help="layer of the supervised heads")
+    ap.add_argument("--attn-sup-heads", default=DEFAULT_ATTN_SUP_HEADS,
+                    help="query heads supervised for the first key token and for the later ones, 'A,B'")
     ap.add_argument("--eval-every", type=int, default=1000, help="steps between evaluations (0: only at the end)")
     ap.add_argument("--eval-tasks", type=int, default=44, help="tasks of the default suite per periodic eval")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--final-eval", choices=["none", "small", "default"], default="default")
     args = ap.parse_args(argv)
+    try:
+        args.attn_sup_heads = [int(x) for x in args.attn_sup_heads.split(",")]
+        if len(args.attn_sup_heads) != 2:
+            raise ValueError
+    except ValueError:
+        print(f"error: --attn-sup-heads {args.attn_sup_heads!r}: expected two head indices 'A,B'", file=sys.stderr)
+        return 2
     if args.warmup_gate is None:
-        args.warmup_gate = 0.0 if args.smoke else 1.0
+        args.warmup_gate = 0.0 if args.smoke else DEFAULT_WARMUP_GATE
     if args.smoke:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 32, 2, 4, 2, 64
         args.phases, args.tokens_per_batch, args.warmup = "6:48:120::2,4:48:200", 1024, 2
@@ -872,6 +952,12 @@ def main(argv=None) -> int:
 def run(args, t0: float) -> int:
     gen = find_generator(args.generator)
     phases = parse_phases(args.phases)
+    if args.attn_sup > 0:
+        if not -args.layers <= args.attn_sup_layer < args.layers:
+            raise ToolError(f"--attn-sup-layer {args.attn_sup_layer}: the model has {args.layers} layers")
+        bad = [h for h in args.attn_sup_heads if not 0 <= h < args.heads]
+        if bad:
+            raise ToolError(f"--attn-sup-heads: head {bad[0]} out of range (the model has {args.heads} query heads)")
     os.makedirs(os.path.join(args.out, "data"), exist_ok=True)
     total = sum(p[0] for p in phases)
 
@@ -986,13 +1072,19 @@ def run(args, t0: float) -> int:
         """Phase pi's sequences as (ids, loss weights, key-span weights) and each task's index in
         FAMILIES (built once per phase; each answer encoded once)."""
         if pi not in key_cache:
-            seqs_k, fams = [], []
+            seqs_k, fams, sups = [], [], []
             for (a, b), t in zip(data[pi], phase_tasks[pi]):
                 ans = tok.encode(t["answer"])
                 span = key_token_span(tok, t, ans)
+                # the argument in the prompt is drawn at random: its LM loss only teaches the uniform
+                # guess, which with tied embeddings pulls the candidates' embeddings together (digits:
+                # mean cosine 0.70 at step 1000 of r6) and the copy of a code then cannot tell them apart
+                b = b.copy()
+                b[[p - 1 for p in prompt_arg_positions(tok, t, a, len(ans))]] = 0.0
                 seqs_k.append((a, b, key_token_weights(b, len(ans) + 1, *(span or (None,)))))
                 fams.append(FAMILIES.index(t["family"]))
-            key_cache[pi] = (seqs_k, np.array(fams))
+                sups.append(attn_targets(tok, t, a, ans) if args.attn_sup > 0 else None)
+            key_cache[pi] = (seqs_k, np.array(fams), sups)
             if pi > 0:
                 key_cache.pop(pi - 1, None)
         return key_cache[pi]
@@ -1002,6 +1094,9 @@ def run(args, t0: float) -> int:
     loss_acc, wsum_acc, ans_loss, ans_n = 0.0, 0.0, 0.0, 0.0
     key_stats = np.zeros((2, len(FAMILIES)))  # [sum of rows' mean key NLL, rows] per family, since the last log
     warm_hist: List[np.ndarray] = []  # per warm-up step: [sum of key NLL, rows] per family
+    sup_stats = np.zeros((2, 2))  # attention supervision: [sum of NLL, count] for the first / later key tokens
+    sup_layer = model.layers[args.attn_sup_layer]
+    sup_heads = torch.tensor(args.attn_sup_heads)  # query head of slot 0 (first key token), slot 1 (later ones)
     model.train()
     while step < total and not args.export_only:
         pi = int(np.searchsorted(bounds, step, side="right") - 1)
@@ -1017,9 +1112,13 @@ def run(args, t0: float) -> int:
         while local < len(batches) and step < int(bounds[pi + 1]):
             ts = time.time()
             warm = step - int(bounds[pi]) < phases[pi][4]
-            seqs_k, fams = key_seqs(pi)
+            seqs_k, fams, sups = key_seqs(pi)
             ids, w, kws = collate(seqs_k, batches[local])
             fam = fams[batches[local]]
+            if args.attn_sup > 0:
+                rows = [np.column_stack([np.full(len(sups[i]), r), sups[i]]) for r, i in enumerate(batches[local])]
+                st = torch.from_numpy(np.concatenate(rows)) if rows else torch.zeros((0, 4), dtype=torch.int64)
+                sup_layer.sup = (st[:, 0], st[:, 1], st[:, 2], sup_heads[st[:, 3]]) if len(st) else None
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr, args.warmup)
             logits = model(ids)
@@ -1030,6 +1129,13 @@ def run(args, t0: float) -> int:
                 kk = kk * (kk.cumsum(1) == 1)
             ww = w[:, :-1]
             loss = batch_loss(nll, ww, kk, 0.0, 1.0) if warm else batch_loss(nll, ww, kk, 1.0, args.key_weight)
+            if args.attn_sup > 0 and sup_layer.sup is not None:
+                sn = sup_layer.sup_nll
+                loss = loss + args.attn_sup * sn.mean()
+                slot = sup_layer.sup[3].numpy()
+                sn_np = sn.detach().numpy()
+                sup_stats += [[sn_np[slot == 0].sum(), (slot == 0).sum()], [sn_np[slot == 1].sum(), (slot == 1).sum()]]
+                sup_layer.sup, sup_layer.sup_nll = None, None
             key_nll = nll * kk
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -1054,6 +1160,9 @@ def run(args, t0: float) -> int:
             if step % args.log_every == 0 or step == total:
                 keys = " ".join(f"{f[:5]} {key_stats[0, i] / key_stats[1, i]:.2f}"
                                 for i, f in enumerate(FAMILIES) if key_stats[1, i])
+                if args.attn_sup > 0:
+                    keys += " | attn first {:.2f} later {:.2f}".format(*(sup_stats[:, 0] / np.maximum(sup_stats[:, 1], 1)))
+                    sup_stats[:] = 0
                 log(f"step {step}/{total} phase {pi} lr {lr_at(step - 1, total, args.lr, args.warmup):.2e} "
                     f"loss {loss_acc / wsum_acc:.4f} reply-nll {ans_loss / max(ans_n, 1):.4f} key-nll [{keys}] "
                     f"batch {ids.shape[0]}x{ids.shape[1]} train {train_time / 60:.1f} min", t0)

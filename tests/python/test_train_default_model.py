@@ -136,6 +136,38 @@ class Tokenizer(unittest.TestCase):
         self.assertEqual(span("GOODBYE.", "uppercase"), None)
 
 
+    def test_attn_targets_point_at_the_argument_in_the_prompt(self):
+        """Attention supervision targets: the position before each reply key token (query) and the
+        prompt token that spells the same piece of the argument (key); slot 0 for the first."""
+        tok = self.tok
+        user = CHAT[1]["content"]
+        b = user.index("The access code")
+        task = {"messages": CHAT, "answer": "40712", "rule": {"kind": "word", "arg": "40712"},
+                "span": {"message": 1, "begin": b, "end": b + len("The access code is 40712.")}}
+        ids, _ = T.encode_task(tok, task, 0.1)
+        ans = tok.encode("40712")
+        rows = T.attn_targets(tok, task, ids, ans)
+        n_prompt = len(ids) - len(ans) - 1
+        self.assertEqual(rows[:, 0].tolist(), list(range(n_prompt - 1, n_prompt + 4)))
+        self.assertEqual(rows[:, 2].tolist(), [0, 1, 1, 1, 1])
+        self.assertEqual([tok.decode([ids[q + 1]]) for q in rows[:, 0]], list("40712"))  # the reply's digits
+        self.assertEqual([tok.decode([ids[k]]) for k in rows[:, 1]], list("40712"))  # the prompt's digits
+        self.assertTrue((rows[:, 1] < n_prompt).all() and (rows[:, 1] == rows[0, 1] + range(5)).all())
+        # another spelling in the reply ("Tea" against " tea"): the first key token only
+        t2 = {"messages": [CHAT[0], {"role": "user", "content": "Always start with the word tea. Hi."}],
+              "answer": "Tea, hi.", "rule": {"kind": "starts_with", "arg": "tea"},
+              "span": {"message": 1, "begin": 0, "end": 30}}
+        ids2, _ = T.encode_task(tok, t2, 0.1)
+        r2 = T.attn_targets(tok, t2, ids2, tok.encode("Tea, hi."))
+        self.assertEqual(len(r2), 1)
+        self.assertEqual(tok.decode([ids2[r2[0, 1]]]).strip(), "tea")
+        self.assertEqual(tok.decode([ids2[r2[0, 0]]]), "\n")  # the end of "<|im_start|>assistant\n"
+        # no argument, or no span: nothing to supervise
+        self.assertEqual(T.attn_targets(tok, dict(t2, rule={"kind": "uppercase", "arg": ""}), ids2,
+                                        tok.encode("Tea, hi.")).shape, (0, 3))
+        self.assertEqual(T.attn_targets(tok, dict(t2, span=None), ids2, tok.encode("Tea, hi.")).shape, (0, 3))
+
+
 class Phases(unittest.TestCase):
     def test_parse(self):
         self.assertEqual(T.parse_phases("1200:48:160:needle:150,2000:48:800"),
@@ -145,9 +177,11 @@ class Phases(unittest.TestCase):
         # a family named twice is drawn twice as often by the generator (it picks uniformly from the list)
         self.assertEqual(T.parse_phases("10:48:64:needle+needle+summary"), [(10, 48, 64, "needle,needle,summary", 0)])
         phases = T.parse_phases(T.DEFAULT_PHASES)
-        self.assertEqual(len(phases), 9)
-        self.assertEqual(sum(p[0] for p in phases), 6800)
-        self.assertEqual(phases[0][3:], ("multiturn,instruction,summary", 600))  # the words first (finding 11)
+        self.assertEqual(len(phases), 7)
+        self.assertEqual(sum(p[0] for p in phases), 5600)
+        self.assertEqual(phases[0], (800, 48, 64, "", 500))  # all four, key-token warm-up (finding 16)
+        self.assertEqual(phases[-2][1:4], (400, 800, "needle,needle,multiturn,instruction,summary"))
+        self.assertEqual(max(p[2] for p in phases), 800)  # the suite's 768-token contexts are trained
         self.assertEqual(T.generator_cmd("kv", "train", "o.jsonl", 7, 5, 48, 100, "needle")[-2:],
                          ["--families", "needle"])
 
@@ -171,13 +205,17 @@ class TrainingAttention(unittest.TestCase):
         m.init_weights(torch.Generator().manual_seed(3))
         ids = torch.randint(0, 50, (2, 71), generator=torch.Generator().manual_seed(4))
         saved = T.ATTN_CHUNK
+        L = m.layers[0]
+        # attention supervision rows: (batch row, query position, key position, query head)
+        sup = [torch.tensor(c) for c in ([0, 1, 1, 0], [70, 5, 40, 10], [3, 5, 39, 0], [0, 1, 3, 2])]
         try:
             T.ATTN_CHUNK = 20  # 71 rows -> 4 chunks (17, 18, 18, 18 rows)
+            L.sup = tuple(sup)
             with torch.no_grad():
                 got = m(ids)
         finally:
             T.ATTN_CHUNK = saved
-        L = m.layers[0]
+            L.sup = None
         B, S = ids.shape
         pos = torch.arange(S, dtype=torch.float32)
         ang = pos[:, None] * m.inv_freq[None, :]
@@ -192,12 +230,17 @@ class TrainingAttention(unittest.TestCase):
             k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
             sc = (q @ k.transpose(-1, -2)) / 8 ** 0.5
             sc = sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+            logp = torch.log_softmax(sc, -1)
+            want_nll = torch.stack([-logp[b, hd, qp, kp] for b, qp, kp, hd in zip(*sup)])
             o = (torch.softmax(sc, -1) @ v).transpose(1, 2).reshape(B, S, 32)
             h = h + L.o_proj(o)
             x = L.post_attention_layernorm(h)
             h = h + L.down_proj(torch.nn.functional.silu(L.gate_proj(x)) * L.up_proj(x))
             want = torch.nn.functional.linear(m.norm(h), m.embed_tokens.weight)
         self.assertLess(float((got - want).abs().max()), 1e-5)
+        # the supervised heads' -log attention, against the reference's probabilities
+        self.assertLess(float((L.sup_nll - want_nll).abs().max()), 1e-5)
+        self.assertGreater(float(want_nll.min()), 0.0)
 
 
 class Scoring(unittest.TestCase):
@@ -320,6 +363,21 @@ class SmokeRun(unittest.TestCase):
         rc, _, err = U.run_tool("train_default_model.py", *common, "--init-from", os.path.join(out, "missing.pt"))
         self.assertEqual(rc, 2)
         self.assertIn("missing.pt is not a file", err)
+
+    def test_attention_supervision_runs_and_names_bad_heads(self):
+        # the smoke run supervises layer 1, heads 0 and 2 (defaults): the log carries its NLL
+        self.assertRegex(self.err, r"\| attn first \d+\.\d+ later \d+\.\d+\]")
+        common = ["--smoke", "--threads", "1", "--generator", self.gen, "--out", os.path.join(self.tmp, "bad"),
+                  "--final-eval", "none"]
+        rc, _, err = U.run_tool("train_default_model.py", *common, "--attn-sup-heads", "0,4")
+        self.assertEqual(rc, 2)
+        self.assertIn("--attn-sup-heads: head 4 out of range (the model has 4 query heads)", err)
+        rc, _, err = U.run_tool("train_default_model.py", *common, "--attn-sup-heads", "0")
+        self.assertEqual(rc, 2)
+        self.assertIn("expected two head indices", err)
+        rc, _, err = U.run_tool("train_default_model.py", *common, "--attn-sup-layer", "2")
+        self.assertEqual(rc, 2)
+        self.assertIn("--attn-sup-layer 2: the model has 2 layers", err)
 
 COMMITTED = os.path.join(U.REPO, "models", "kvstudy-default.pt")
 # pass count of the committed model on the small suite (seed 1234, 20 tasks) with the Python greedy
