@@ -1118,6 +1118,7 @@ def run(args, t0: float) -> int:
             if args.attn_sup > 0:
                 rows = [np.column_stack([np.full(len(sups[i]), r), sups[i]]) for r, i in enumerate(batches[local])]
                 st = torch.from_numpy(np.concatenate(rows)) if rows else torch.zeros((0, 4), dtype=torch.int64)
+                sup_slot = st[:, 3].numpy()  # 0: first key token, 1: later ones
                 sup_layer.sup = (st[:, 0], st[:, 1], st[:, 2], sup_heads[st[:, 3]]) if len(st) else None
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr, args.warmup)
@@ -1132,9 +1133,8 @@ def run(args, t0: float) -> int:
             if args.attn_sup > 0 and sup_layer.sup is not None:
                 sn = sup_layer.sup_nll
                 loss = loss + args.attn_sup * sn.mean()
-                slot = sup_layer.sup[3].numpy()
                 sn_np = sn.detach().numpy()
-                sup_stats += [[sn_np[slot == 0].sum(), (slot == 0).sum()], [sn_np[slot == 1].sum(), (slot == 1).sum()]]
+                sup_stats += [[sn_np[sup_slot == k].sum(), (sup_slot == k).sum()] for k in (0, 1)]
                 sup_layer.sup, sup_layer.sup_nll = None, None
             key_nll = nll * kk
             opt.zero_grad(set_to_none=True)
