@@ -18,15 +18,16 @@ Pipeline (deterministic for a fixed --seed and torch 1.13 CPU on 2 threads):
     biases, tied embeddings), trained with AdamW on the reply tokens (weight 1; earlier assistant
     turns too) plus a small LM loss on the prompt, batches packed by length, plus a key-token
     term (--key-weight x the mean NLL of the tokens that spell what the scoring rule asks for: a
-    needle's digits, the word of a starts_with/ends_with rule, a summary's name). Curriculum
-    (--phases, DEFAULT_PHASES): key-token warm-ups at the shortest contexts, then whole needle
-    codes at short contexts, all families up to 400 tokens, needle stretches at about 2x longer
-    contexts each, then everything up to ~800 prompt tokens. In a phase's warm-up only the first
-    key token of each reply carries loss. With whole replies in the loss from the start the model
-    sits on a retrieval plateau; on the key token alone one family learns to retrieve it in
-    ~150 steps, but four families mixed from the start learn late, and a retrieval learned first
-    blocks the others, so the words and summaries come first (docs/default-model.md, findings
-    1, 7-13).
+    needle's digits, the word of a starts_with/ends_with rule, a summary's name), plus attention
+    supervision (--attn-sup): one head of layer 1 is trained to attend, from the position before
+    each key token, to the prompt token that spells it (attn_targets). No LM loss falls on the
+    prompt's random argument. Curriculum (--phases, DEFAULT_PHASES): all four families from step 0
+    at 48-64 tokens (the first 500 steps key token only), then whole replies at 48-110 and
+    48-400, needle-heavy stretches at about 2x longer contexts each, then everything from 160 to
+    ~800 prompt tokens. Without the supervision the model sits on a retrieval plateau per family,
+    and a retrieval learned first blocks the others; supervised, all four are learned together
+    (docs/default-model.md, findings 1, 7-17). The committed models/kvstudy-default.pt is this
+    script's defaults at seed 1234.
  4. Output: an HF-style dir OUT/hf (config.json model_type qwen2, model.safetensors, tokenizer.json,
     tokenizer_config.json, generation_config.json) exported through tools/export_torchscript.py's
     code path to --export; evaluation by greedy decoding over the exported module's ABI methods.
@@ -59,12 +60,11 @@ from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  #
 from kvcache_tools.tokenizer_json import QWEN2_SPLIT_REGEX, qwen2_byte_level  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The curriculum (docs/default-model.md, "The recipe now in the script": assembled from findings
-# 6, 11 and 13, not yet run end to end): key-token warm-ups at 48-64 tokens, the words and
-# summaries first, then all four families (the needle's first digit); whole needle codes at short
-# contexts; all families up to 400 tokens; needle stretches at about 2x longer contexts each; an
-# all-family stretch; then everything from 160 to ~800 prompt tokens. --key-weight 2 keeps every
-# family's key tokens in the loss after the warm-ups.
+# The curriculum of the committed model (docs/default-model.md, "The recipe in the script", run
+# r8): all four families at 48-64 tokens with a 500-step key-token warm-up; whole replies at 48-110
+# and 48-400; needle-heavy stretches at about 2x longer contexts each (finding 6); then everything
+# from 160 to ~800 prompt tokens. --key-weight 2 keeps every family's key tokens in the loss after
+# the warm-up; the attention supervision (finding 16) is what lets the four be learned together.
 NEEDLE_HEAVY = "needle+needle+multiturn+instruction+summary"  # 40% needles
 DEFAULT_PHASES = ("800:48:64::500,1000:48:110,800:48:400,"
                   f"600:100:250:{NEEDLE_HEAVY},600:200:450:{NEEDLE_HEAVY},800:400:800:{NEEDLE_HEAVY},1000:160:800")
@@ -758,7 +758,8 @@ def prompt_arg_positions(tok: Tokenizer, task: Dict, ids: Sequence[int], n_answe
     return [j for j in range(n_prompt) if ends[j] > lo and offs[j] < hi]
 
 
-def attn_targets(tok: Tokenizer, task: Dict, ids: Sequence[int], answer_ids: Sequence[int]) -> np.ndarray:
+def attn_targets(tok: Tokenizer, task: Dict, ids: Sequence[int], answer_ids: Sequence[int],
+                 prompt: Optional[List[int]] = None) -> np.ndarray:
     """Retrieval targets of attention supervision (--attn-sup) for a sequence from encode_task:
     rows (query position, key position, slot), int64 [N, 3]. For the reply's key tokens
     (key_token_span), the position that predicts key token i (the query) and the prompt token
@@ -766,9 +767,11 @@ def attn_targets(tok: Tokenizer, task: Dict, ids: Sequence[int], answer_ids: Seq
     key token (found by content: the token after "code is", "the word", "named"...); slot 1: the
     later ones (an induction step: the prompt token after the one just copied). When the argument
     has another number of tokens in the prompt than in the reply (" apple" / "Apple" may split
-    differently), only the first key token is supervised. Empty when the task has no key span."""
+    differently), only the first key token is supervised. Empty when the task has no key span.
+    `prompt`: prompt_arg_positions(...) when the caller has it already."""
     span = key_token_span(tok, task, list(answer_ids))
-    prompt = prompt_arg_positions(tok, task, ids, len(answer_ids))
+    if prompt is None:
+        prompt = prompt_arg_positions(tok, task, ids, len(answer_ids))
     if span is None or not prompt:
         return np.zeros((0, 3), dtype=np.int64)
     n_prompt = len(ids) - len(answer_ids) - 1
@@ -912,12 +915,13 @@ def main(argv=None) -> int:
                          "0 with --smoke)")
     ap.add_argument("--max-restarts", type=int, default=3, help="restarts --warmup-gate may make")
     ap.add_argument("--attn-sup", type=float, default=DEFAULT_ATTN_SUP,
-                    help="weight of the attention supervision: -log of the attention that head 0 of layer "
+                    help="weight of the attention supervision: -log of the attention that head A of layer "
                          "--attn-sup-layer puts, at the position before a reply's first key token, on that "
-                         "token in the prompt, and head 1 at the later key tokens (attn_targets); 0: off")
+                         "token in the prompt, and head B at the later key tokens (attn_targets); 0: off")
     ap.add_argument("--attn-sup-layer", type=int, default=DEFAULT_ATTN_SUP_LAYER, help="layer of the supervised heads")
     ap.add_argument("--attn-sup-heads", default=DEFAULT_ATTN_SUP_HEADS,
-                    help="query heads supervised for the first key token and for the later ones, 'A,B'")
+                    help="query heads A,B supervised for the first key token and for the later ones (in "
+                         "different KV groups, so that each copy has a value projection of its own: finding 16)")
     ap.add_argument("--eval-every", type=int, default=1000, help="steps between evaluations (0: only at the end)")
     ap.add_argument("--eval-tasks", type=int, default=44, help="tasks of the default suite per periodic eval")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
@@ -1079,11 +1083,12 @@ def run(args, t0: float) -> int:
                 # the argument in the prompt is drawn at random: its LM loss only teaches the uniform
                 # guess, which with tied embeddings pulls the candidates' embeddings together (digits:
                 # mean cosine 0.70 at step 1000 of r6) and the copy of a code then cannot tell them apart
+                pp = prompt_arg_positions(tok, t, a, len(ans))
                 b = b.copy()
-                b[[p - 1 for p in prompt_arg_positions(tok, t, a, len(ans))]] = 0.0
+                b[[p - 1 for p in pp]] = 0.0
                 seqs_k.append((a, b, key_token_weights(b, len(ans) + 1, *(span or (None,)))))
                 fams.append(FAMILIES.index(t["family"]))
-                sups.append(attn_targets(tok, t, a, ans) if args.attn_sup > 0 else None)
+                sups.append(attn_targets(tok, t, a, ans, pp) if args.attn_sup > 0 else None)
             key_cache[pi] = (seqs_k, np.array(fams), sups)
             if pi > 0:
                 key_cache.pop(pi - 1, None)
