@@ -704,6 +704,21 @@ def parse_phases(spec: str) -> List[Tuple[int, int, int, str, int]]:
     return out
 
 
+def decoded_bounds(tok: Tokenizer, ids: Sequence[int]) -> Tuple[List[int], str]:
+    """The text of `ids` decoded token by token, and the character offsets where each token
+    starts (len(ids) + 1 entries, the last one the text's length)."""
+    pieces = [tok.decode([t]) for t in ids]
+    bounds = [0]
+    for p in pieces:
+        bounds.append(bounds[-1] + len(p))
+    return bounds, "".join(pieces)
+
+
+def tokens_covering(bounds: List[int], lo: int, hi: int) -> List[int]:
+    """Indices of the tokens (decoded_bounds) whose text overlaps characters [lo, hi)."""
+    return [j for j in range(len(bounds) - 1) if bounds[j + 1] > lo and bounds[j] < hi]
+
+
 def key_token_span(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] = None) -> Optional[Tuple[int, int]]:
     """[first, end) indices, among the reply's tokens (`answer_ids`, tok.encode(task["answer"]) if
     not given), of the tokens that spell the scoring rule's argument (its first whole-word,
@@ -714,14 +729,9 @@ def key_token_span(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] =
     start = find_word(task["answer"], arg)
     if start < 0:
         return None
-    first, pos = None, 0
-    for i, t in enumerate(tok.encode(task["answer"]) if answer_ids is None else answer_ids):
-        pos += len(tok.decode([t]))
-        if first is None and pos > start:
-            first = i
-        if first is not None and pos >= start + len(arg):
-            return first, i + 1
-    return None
+    ids = tok.encode(task["answer"]) if answer_ids is None else answer_ids
+    covering = tokens_covering(decoded_bounds(tok, ids)[0], start, start + len(arg))
+    return (covering[0], covering[-1] + 1) if covering else None
 
 
 def key_token_index(tok: Tokenizer, task: Dict, answer_ids: Optional[List[int]] = None) -> Optional[int]:
@@ -745,17 +755,9 @@ def prompt_arg_positions(tok: Tokenizer, task: Dict, ids: Sequence[int], n_answe
     a = find_word(sent, arg)
     if a < 0:
         return []
-    n_prompt = len(ids) - n_answer - 1
-    offs, pos = [], 0
-    for t in ids[:n_prompt]:
-        offs.append(pos)
-        pos += len(tok.decode([t]))
-    at = tok.decode(list(ids[:n_prompt])).find(sent)
-    if at < 0:
-        return []
-    lo, hi = at + a, at + a + len(arg)
-    ends = offs[1:] + [pos]
-    return [j for j in range(n_prompt) if ends[j] > lo and offs[j] < hi]
+    bounds, text = decoded_bounds(tok, ids[:len(ids) - n_answer - 1])
+    at = text.find(sent)
+    return [] if at < 0 else tokens_covering(bounds, at + a, at + a + len(arg))
 
 
 def attn_targets(tok: Tokenizer, task: Dict, ids: Sequence[int], answer_ids: Sequence[int],
