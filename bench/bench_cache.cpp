@@ -1,11 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Cost of one decode step of the CacheManager (append + get + observe_attention when the
-// policy needs it + end_step) for one layer of Qwen2.5-0.5B shapes (H_q 14, H_kv 2, D 64)
-// at a steady state of T resident tokens (the budget is T, so every step writes one token
-// and evicts one), beside the attention that step serves (q·Kᵀ, softmax, ·V with at:: ops).
-// Multiply by 24 layers for the whole model. Single-threaded (at::set_num_threads(1)).
+// Cost of one decode step of the CacheManager for one layer of Qwen2.5-0.5B shapes (H_q 14,
+// H_kv 2, D 64, batch 1) at a steady state of T resident tokens: the budget is `@T`, so
+// every step writes one token and evicts one (`full` and `snapkv` grow instead: SnapKV
+// compresses at prefill only). One step = append (RoPE through a cached cos/sin table,
+// quantize, store) + attend (one query over the stored blocks; for h2o/tova it also hands the
+// policy the step's attention mass) + end_step (plan, evict). Each part is timed on the
+// thread's CPU clock; `evict_pct` = end_step / attend, the eviction cost against the
+// attention it serves. Multiply by 24 layers for the whole model. One thread.
 //
 //   ./build/bench/bench_cache --benchmark_min_time=0.3
+//   ./build/bench/bench_cache --benchmark_filter='h2o|tova|random' --benchmark_counters_tabular=true
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -36,23 +40,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) {
   return x * cos + at::cat({-x2, x1}, 3) * sin;
 }
 
-/// The attention one decode step computes over T keys: q [1, H_kv, G, D] against
-/// K, V [1, H_kv, T, D] (GQA without copying K/V).
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  auto logits = at::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(kD));
-  return at::matmul(at::softmax(logits, -1), v);
-}
-
-double attention_us(int64_t t) {
-  auto q = at::randn({1, kHkv, kHq / kHkv, kD});
-  auto k = at::randn({1, kHkv, t, kD}), v = at::randn({1, kHkv, t, kD});
-  for (int i = 0; i < 3; ++i) benchmark::DoNotOptimize(attention(q, k, v).data_ptr());
-  // Process CPU time (one thread), comparable to the benchmark's CPU column on a shared box.
-  const int reps = 20;
-  const std::clock_t t0 = std::clock();
-  for (int i = 0; i < reps; ++i) benchmark::DoNotOptimize(attention(q, k, v).data_ptr());
-  const std::clock_t t1 = std::clock();
-  return 1e6 * static_cast<double>(t1 - t0) / CLOCKS_PER_SEC / reps;
+double thread_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
 }
 
 std::string policy_spec(const std::string& head, int64_t t) {
@@ -61,15 +52,6 @@ std::string policy_spec(const std::string& head, int64_t t) {
   if (head == "random") return "random:seed1" + b;
   if (head == "snapkv") return "snapkv@" + std::to_string(4 * t);  // = context: no eviction
   return head + b;
-}
-
-void BM_Attention(benchmark::State& state) {
-  at::set_num_threads(1);
-  const int64_t t = state.range(0);
-  auto q = at::randn({1, kHkv, kHq / kHkv, kD});
-  auto k = at::randn({1, kHkv, t, kD}), v = at::randn({1, kHkv, t, kD});
-  for (auto _ : state) benchmark::DoNotOptimize(attention(q, k, v).data_ptr());
-  state.counters["resident"] = static_cast<double>(t);
 }
 
 void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std::string& policy) {
@@ -90,28 +72,38 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
   for (int64_t p = 0; p < t; p += chunk) {
     const int64_t n = std::min(chunk, t - p);
     m.append(0, at::randn({1, kHkv, n, kD}), at::randn({1, kHkv, n, kD}), at::arange(p, p + n, at::kLong));
-    if (m.needs_attention()) m.observe_attention(0, at::softmax(at::randn({1, kHq, 1, p + n}), -1));
-    m.end_step(p + n >= t);
+    if (m.policy().needs_attention()) m.observe_attention(0, at::softmax(at::randn({1, kHq, 1, p + n}), -1));
+    m.end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
   }
-  const bool grows = policy == "full" || policy == "snapkv";
-  auto probs = at::softmax(at::randn({1, kHq, 1, t + 1}), -1);
-  auto k1 = at::randn({1, kHkv, 1, kD}), v1 = at::randn({1, kHkv, 1, kD});
+  auto k1 = at::randn({1, kHkv, 1, kD}), v1 = at::randn({1, kHkv, 1, kD}), q1 = at::randn({1, kHq, 1, kD});
   int64_t pos = t;
+  double append_us = 0, attend_us = 0, end_us = 0;
   for (auto _ : state) {
-    m.append(0, k1, v1, at::full({1}, pos++, at::kLong));
-    auto kv = m.get(0);
-    benchmark::DoNotOptimize(kv.k.data_ptr());
-    if (m.needs_attention()) m.observe_attention(0, grows ? at::softmax(at::randn({1, kHq, 1, kv.k.size(2)}), -1) : probs);
-    m.end_step();
+    const auto p = at::full({1}, pos++, at::kLong);
+    const double t0 = thread_cpu_us();
+    m.append(0, k1, v1, p);
+    const double t1 = thread_cpu_us();
+    benchmark::DoNotOptimize(m.attend(0, q1, p).data_ptr());
+    const double t2 = thread_cpu_us();
+    m.end_step(kvcache::StepKind::kDecode);
+    const double t3 = thread_cpu_us();
+    append_us += t1 - t0;
+    attend_us += t2 - t1;
+    end_us += t3 - t2;
   }
-  state.counters["resident"] = static_cast<double>(m.physical_length(0));
-  state.counters["attn_us"] = attention_us(t);
-  state.counters["bytes_per_token"] =
-      static_cast<double>(m.stats().bytes_resident) / static_cast<double>(m.physical_length(0));
+  const double n = static_cast<double>(state.iterations());
+  const auto s = m.stats();
+  const double resident = static_cast<double>(m.tokens(0).max_resident());
+  state.counters["resident"] = resident;
+  state.counters["append_us"] = append_us / n;
+  state.counters["attend_us"] = attend_us / n;
+  state.counters["end_step_us"] = end_us / n;
+  state.counters["evict_pct"] = 100.0 * end_us / attend_us;
+  state.counters["B_per_token"] = static_cast<double>(s.bytes_resident) / resident;
+  state.counters["reserved_per_token"] = static_cast<double>(s.bytes_reserved) / resident;
 }
 
 void register_all() {
-  benchmark::RegisterBenchmark("BM_Attention", BM_Attention)->Arg(4096)->Arg(32768)->Unit(benchmark::kMicrosecond);
   const std::vector<std::string> quants = {"fp16", "int8", "int4", "kivi:k2:v2:g32:r128"};
   const std::vector<std::string> policies = {"full", "window", "sink", "h2o", "random", "snapkv", "tova"};
   for (const auto& q : quants) {

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // Model runner speed: prefill and decode tokens/s of an exported model (the random
 // Qwen2.5-0.5B-shape checkpoint in docs/performance.md) through the managed CacheManager
-// (fp32, `full`) and through a bare concatenating cache on the same code path; plus the GEMV
+// (--quant, default fp32; `full`) and through a bare concatenating cache (float32 K/V, at::
+// attention) on the same runner; plus the GEMV
 // shapes of single-token decode (linear vs matmul) that explain the decode figure.
 //
-//   bench_model --model=PATH.pt [--threads=2] [--context=512] [--prefill=128] [--stream-gbps=21]
+//   bench_model --model=PATH.pt [--quant=fp32] [--threads=2] [--context=512] [--prefill=128] [--stream-gbps=21]
 //               [benchmark flags]
 //
 // CPU times are process CPU times (all threads). Timings depend on the machine's load: on a
@@ -28,17 +29,19 @@
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/runner.h"
-#include "model/concat_kv_cache.h"
-#include "model/runner_core.h"
+#include "concat_kv_cache.h"
 
 namespace {
 
 using kvcache::CacheManager;
 using kvcache::CausalLM;
-using kvcache::detail::ConcatKVCache;
+using kvcache::KVCache;
+using kvcache::StepKind;
+using kvcache::bench::ConcatKVCache;
 
 struct Settings {
   std::string model;
+  std::string quant = "fp32";  ///< the managed cache's quantizer / scheme (--quant)
   int threads = 2;
   int64_t context = 512;
   int64_t prefill = 128;
@@ -47,6 +50,7 @@ struct Settings {
 };
 Settings g_settings;
 std::unique_ptr<CausalLM> g_model;
+std::unique_ptr<kvcache::Runner> g_runner;
 
 double peak_rss_bytes() {
   rusage u{};
@@ -61,23 +65,18 @@ std::vector<int64_t> prompt_ids(int64_t n) {
   return ids;
 }
 
-template <class Cache>
-Cache make_cache();
-template <>
-CacheManager make_cache<CacheManager>() {
+enum class Kind { kManaged, kBare };
+
+std::unique_ptr<KVCache> make_cache(Kind kind) {
   kvcache::CacheConfig c = g_model->cache_config();
-  c.quant = "fp32";
+  if (kind == Kind::kBare) return std::make_unique<ConcatKVCache>(std::move(c));
+  c.quant = g_settings.quant;
   c.policy = "full";
-  return CacheManager(std::move(c));
-}
-template <>
-ConcatKVCache make_cache<ConcatKVCache>() {
-  return ConcatKVCache(g_model->cache_config());
+  return std::make_unique<CacheManager>(std::move(c));
 }
 
 /// Fills every layer with `n` tokens of random pre-RoPE K and V in one step.
-template <class Cache>
-void fill_random(Cache& cache, int64_t n) {
+void fill_random(KVCache& cache, int64_t n) {
   const auto& c = g_model->config();
   at::manual_seed(0);
   const at::Tensor pos = at::arange(n, at::kLong);
@@ -85,7 +84,7 @@ void fill_random(Cache& cache, int64_t n) {
     cache.append(l, at::randn({1, c.num_key_value_heads, n, c.head_dim}),
                  at::randn({1, c.num_key_value_heads, n, c.head_dim}), pos);
   }
-  cache.end_step(/*is_prefill_end=*/true);
+  cache.end_step(StepKind::kPrefillEnd);
 }
 
 void common_counters(benchmark::State& state) {
@@ -94,13 +93,12 @@ void common_counters(benchmark::State& state) {
   state.counters["threads"] = at::get_num_threads();
 }
 
-template <class Cache>
-void BM_Prefill(benchmark::State& state) {
+void BM_Prefill(benchmark::State& state, Kind kind) {
   const std::vector<int64_t> ids = prompt_ids(g_settings.prefill);
-  Cache cache = make_cache<Cache>();
+  auto cache = make_cache(kind);
   for (auto _ : state) {
-    cache.reset(g_settings.context);
-    at::Tensor logits = kvcache::detail::prefill_with(*g_model, ids, cache, /*chunk_size=*/0);
+    cache->reset(g_settings.context);
+    at::Tensor logits = g_runner->prefill(ids, *cache, /*chunk_size=*/0);
     benchmark::DoNotOptimize(logits.data_ptr());
   }
   state.SetItemsProcessed(state.iterations() * g_settings.prefill);
@@ -108,23 +106,16 @@ void BM_Prefill(benchmark::State& state) {
   common_counters(state);
 }
 
-template <class Cache>
-void BM_Decode(benchmark::State& state) {
-  Cache cache = make_cache<Cache>();
+void BM_Decode(benchmark::State& state, Kind kind) {
+  auto cache = make_cache(kind);
   const int64_t start = g_settings.context - g_settings.decode_steps;
-  cache.reset(g_settings.context);
-  fill_random(cache, start);
+  cache->reset(g_settings.context);
+  fill_random(*cache, start);
   int64_t token = 1;
   // Warm-up: TorchScript's profiling executor specialises the methods on first calls.
-  for (int i = 0; i < 2; ++i) {
-    token =
-        kvcache::detail::decode_step_with(*g_model, token, cache).argmax().template item<int64_t>();
-  }
+  for (int i = 0; i < 2; ++i) token = g_runner->decode_step(token, *cache).argmax().item<int64_t>();
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto _ : state) {
-    token =
-        kvcache::detail::decode_step_with(*g_model, token, cache).argmax().template item<int64_t>();
-  }
+  for (auto _ : state) token = g_runner->decode_step(token, *cache).argmax().item<int64_t>();
   const double wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   state.SetItemsProcessed(state.iterations());
@@ -142,25 +133,24 @@ void BM_Decode(benchmark::State& state) {
 }
 
 /// The cache's share of one decode step, without the model: per layer append one token
-/// (which rotates its key through the export's `rope`) and get(); then end_step().
-template <class Cache>
-void BM_CacheStep(benchmark::State& state) {
+/// (which rotates its key through the export's `rope`) and attend one query; then end_step().
+void BM_CacheStep(benchmark::State& state, Kind kind) {
   const auto& c = g_model->config();
-  Cache cache = make_cache<Cache>();
+  auto cache = make_cache(kind);
   const int64_t start = g_settings.context - g_settings.decode_steps;
-  cache.reset(g_settings.context);
-  fill_random(cache, start);
+  cache->reset(g_settings.context);
+  fill_random(*cache, start);
   const at::Tensor k = at::randn({1, c.num_key_value_heads, 1, c.head_dim});
   const at::Tensor v = at::randn({1, c.num_key_value_heads, 1, c.head_dim});
+  const at::Tensor q = at::randn({1, c.num_attention_heads, 1, c.head_dim});
   int64_t p = start;
   for (auto _ : state) {
     const at::Tensor pos = at::full({1}, p++, at::kLong);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      cache.append(l, k, v, pos);
-      const kvcache::LayerKV kv = cache.get(l);
-      benchmark::DoNotOptimize(kv.k.data_ptr());
+      cache->append(l, k, v, pos);
+      benchmark::DoNotOptimize(cache->attend(l, q, pos).data_ptr());
     }
-    cache.end_step(/*is_prefill_end=*/false);
+    cache->end_step(StepKind::kDecode);
   }
   state.SetItemsProcessed(state.iterations());
 }
@@ -182,36 +172,27 @@ void BM_Gemv(benchmark::State& state, bool use_linear) {
 
 void register_all() {
   const int64_t steps = g_settings.decode_steps - 2;  // two warm-up steps
-  benchmark::RegisterBenchmark("Prefill/managed_fp32", BM_Prefill<CacheManager>)
-      ->Unit(benchmark::kMillisecond)
-      ->Iterations(2)
-      ->UseRealTime()
-      ->MeasureProcessCPUTime();
-  benchmark::RegisterBenchmark("Prefill/bare_concat", BM_Prefill<ConcatKVCache>)
-      ->Unit(benchmark::kMillisecond)
-      ->Iterations(2)
-      ->UseRealTime()
-      ->MeasureProcessCPUTime();
-  benchmark::RegisterBenchmark("Decode/managed_fp32", BM_Decode<CacheManager>)
-      ->Unit(benchmark::kMillisecond)
-      ->Iterations(steps)
-      ->UseRealTime()
-      ->MeasureProcessCPUTime();
-  benchmark::RegisterBenchmark("Decode/bare_concat", BM_Decode<ConcatKVCache>)
-      ->Unit(benchmark::kMillisecond)
-      ->Iterations(steps)
-      ->UseRealTime()
-      ->MeasureProcessCPUTime();
-  benchmark::RegisterBenchmark("CacheStep/managed_fp32", BM_CacheStep<CacheManager>)
-      ->Unit(benchmark::kMicrosecond)
-      ->Iterations(g_settings.decode_steps)
-      ->UseRealTime()
-      ->MeasureProcessCPUTime();
-  benchmark::RegisterBenchmark("CacheStep/bare_concat", BM_CacheStep<ConcatKVCache>)
-      ->Unit(benchmark::kMicrosecond)
-      ->Iterations(g_settings.decode_steps)
-      ->UseRealTime()
-      ->MeasureProcessCPUTime();
+  const std::string managed = "managed_" + g_settings.quant;
+  struct Row {
+    const char* name;
+    void (*fn)(benchmark::State&, Kind);
+    benchmark::TimeUnit unit;
+    int64_t iterations;
+  };
+  const Row rows[] = {{"Prefill", BM_Prefill, benchmark::kMillisecond, 2},
+                      {"Decode", BM_Decode, benchmark::kMillisecond, steps},
+                      {"CacheStep", BM_CacheStep, benchmark::kMicrosecond, g_settings.decode_steps}};
+  for (const auto& r : rows) {
+    for (Kind kind : {Kind::kManaged, Kind::kBare}) {
+      const std::string name = std::string(r.name) + "/" + (kind == Kind::kManaged ? managed : "bare_concat");
+      auto fn = r.fn;
+      benchmark::RegisterBenchmark(name.c_str(), [fn, kind](benchmark::State& s) { fn(s, kind); })
+          ->Unit(r.unit)
+          ->Iterations(r.iterations)
+          ->UseRealTime()
+          ->MeasureProcessCPUTime();
+    }
+  }
   const auto& c = g_model->config();
   // The decode GEMVs of one layer and the lm_head of this model.
   for (bool lin : {true, false}) {
@@ -242,6 +223,8 @@ int main(int argc, char** argv) {
     std::string v;
     if (take_flag(argv[i], "--model", &v)) {
       g_settings.model = v;
+    } else if (take_flag(argv[i], "--quant", &v)) {
+      g_settings.quant = v;
     } else if (take_flag(argv[i], "--threads", &v)) {
       g_settings.threads = std::stoi(v);
     } else if (take_flag(argv[i], "--context", &v)) {
@@ -275,17 +258,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;
   }
+  g_runner = std::make_unique<kvcache::Runner>(*g_model);
   // Warm-up: TorchScript's profiling executor profiles and optimises each method on its first
   // calls (per input shape), so the first benchmark would otherwise pay for it.
   {
-    ConcatKVCache warm = make_cache<ConcatKVCache>();
-    warm.reset(g_settings.context);
-    const at::Tensor l0 =
-        kvcache::detail::prefill_with(*g_model, prompt_ids(g_settings.prefill), warm, 0);
-    int64_t token = l0.argmax().item<int64_t>();
-    for (int i = 0; i < 3; ++i) {
-      token = kvcache::detail::decode_step_with(*g_model, token, warm).argmax().item<int64_t>();
-    }
+    auto warm = make_cache(Kind::kBare);
+    warm->reset(g_settings.context);
+    int64_t token = g_runner->prefill(prompt_ids(g_settings.prefill), *warm, 0).argmax().item<int64_t>();
+    for (int i = 0; i < 3; ++i) token = g_runner->decode_step(token, *warm).argmax().item<int64_t>();
   }
   register_all();
   int n = static_cast<int>(rest.size());

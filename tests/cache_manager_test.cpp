@@ -57,7 +57,8 @@ TEST(CacheConfig, ValidateNamesTheBadField) {
 
 // fp32 + full: get() is bit-identical to concatenating rope(k) and v chunk by chunk.
 TEST(CacheManager, Fp32FullIsBitIdenticalToConcatenation) {
-  for (int64_t batch : {1, 2}) {
+  {
+    const int64_t batch = 1;
     CacheManager m(make_config(2, 4, 2, 8, "fp32", "full"));
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
     std::vector<std::vector<at::Tensor>> ks(2), vs(2);
@@ -76,16 +77,32 @@ TEST(CacheManager, Fp32FullIsBitIdenticalToConcatenation) {
         EXPECT_TRUE(at::equal(kv.positions,
                               positions_range(0, pos + n).unsqueeze(0).expand({2, pos + n})));
       }
-      m.end_step();
+      m.end_step(StepKind::kDecode);
       m.check_invariants();
       pos += n;
     }
-    EXPECT_EQ(m.logical_length(0), 18);
-    EXPECT_EQ(m.physical_length(1), 18);
-    EXPECT_EQ(m.next_position(), 18);
-    // 18 tokens × 2 layers × (K + V) × 2 heads × 8 × 4 B × batch.
+    EXPECT_EQ(m.tokens(0).written, 18);
+    EXPECT_EQ(testing::physical_length(m, 1), 18);
+    EXPECT_EQ(m.next_position(0), 18);
+    // 18 tokens × 2 layers × (K + V) × 2 heads × 8 × 4 B.
     EXPECT_EQ(m.stats().bytes_resident, 18 * 2 * 2 * 2 * 8 * 4 * batch);
+    // Blocks of 64 tokens: one per layer, stream and head, 64 × 8 × 4 B each.
+    EXPECT_EQ(m.stats().bytes_reserved, 2 * 2 * 2 * 64 * 8 * 4);
   }
+}
+
+TEST(CacheManager, OneSequencePerCache) {
+  CacheManager m(make_config(1, 4, 2, 8, "fp32", "full"));
+  try {
+    m.append(0, at::zeros({2, 2, 3, 8}), at::zeros({2, 2, 3, 8}), positions_range(0, 3));
+    FAIL() << "batch 2 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("B=1"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(m.append(0, at::zeros({1, 2, 3, 8}, at::kDouble), at::zeros({1, 2, 3, 8}, at::kDouble),
+                        positions_range(0, 3)),
+               InvalidArgument);  // float64 is not a cache dtype
+  EXPECT_EQ(m.stats().tokens_written, 0);
 }
 
 TEST(CacheManager, AppendValidation) {
@@ -103,9 +120,9 @@ TEST(CacheManager, AppendValidation) {
   EXPECT_THROW(m.append(0, k, k, at::tensor({0, 2, 1}, at::kLong)), InvalidArgument);
   m.append(0, k, k, positions_range(0, 3));
   EXPECT_THROW(m.append(0, k, k, positions_range(2, 3)), InvalidArgument);  // overlaps
-  EXPECT_THROW(m.end_step(), InvalidArgument);  // layer 1 appended nothing
+  EXPECT_THROW(m.end_step(StepKind::kDecode), InvalidArgument);  // layer 1 appended nothing
   m.append(1, k, k, positions_range(0, 3));
-  EXPECT_NO_THROW(m.end_step());
+  EXPECT_NO_THROW(m.end_step(StepKind::kDecode));
   EXPECT_THROW(m.observe_attention(0, at::zeros({1, 4, 1, 2})), InvalidArgument);  // T_res 3
   m.check_invariants();
 }
@@ -129,14 +146,14 @@ TEST(CacheManager, ChunkedIngestionBookkeeping) {
         m.append(l, testing::randn({1, 2, s.chunk, 4}, gen), testing::randn({1, 2, s.chunk, 4}, gen),
                  positions_range(pos, s.chunk));
         m.check_invariants();
-        EXPECT_EQ(m.layer_stats(l).tokens_resident, s.resident_after_append);
-        EXPECT_EQ(m.layer_stats(l).bytes_resident, s.resident_after_append * per_token);
+        EXPECT_EQ(m.tokens(l).stats.tokens_resident, s.resident_after_append);
+        EXPECT_EQ(m.tokens(l).stats.bytes_resident, s.resident_after_append * per_token);
       }
-      m.end_step(s.chunk > 1 && pos + s.chunk == 15);
+      m.end_step(testing::step_kind(s.chunk > 1 && pos + s.chunk == 15));
       m.check_invariants();
       pos += s.chunk;
       for (int64_t l = 0; l < 2; ++l) {
-        auto st = m.layer_stats(l);
+        auto st = m.tokens(l).stats;
         EXPECT_EQ(st.tokens_written, s.written) << quant << " step " << pos;
         EXPECT_EQ(st.tokens_resident, s.resident_after_end);
         EXPECT_EQ(st.tokens_resident_peak, s.peak_bytes);  // peak tokens
@@ -151,10 +168,10 @@ TEST(CacheManager, ChunkedIngestionBookkeeping) {
     }
     // The window keeps the 8 most recent positions, original positions.
     EXPECT_TRUE(at::equal(m.get(0).positions, positions_range(9, 8).unsqueeze(0).expand({2, 8})));
-    EXPECT_EQ(m.next_position(), 17);
+    EXPECT_EQ(m.next_position(0), 17);
     m.reset(100);
     EXPECT_EQ(m.stats().bytes_resident_peak, 0);
-    EXPECT_EQ(m.physical_length(0), 0);
+    EXPECT_EQ(testing::physical_length(m, 0), 0);
   }
 }
 
@@ -165,22 +182,22 @@ TEST(CacheManager, SinkKeepsSinksAndRecentWithOriginalPositions) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   auto k = testing::randn({1, 2, 10, 4}, gen), v = testing::randn({1, 2, 10, 4}, gen);
   m.append(0, k, v, positions_range(0, 10));
-  m.end_step(true);
+  m.end_step(StepKind::kPrefillEnd);
   m.check_invariants();
   auto kv = m.get(0);
   auto idx = at::tensor({0, 1, 2, 3, 9}, at::kLong);
   EXPECT_TRUE(at::equal(kv.positions, idx.unsqueeze(0).expand({2, 5})));
   EXPECT_TRUE(at::equal(kv.v, v.index_select(2, idx)));
   EXPECT_TRUE(at::equal(kv.k, test_rope(k, positions_range(0, 10)).index_select(2, idx)));
-  EXPECT_EQ(m.next_position(), 10);  // new tokens get their true absolute position
-  EXPECT_EQ(m.logical_length(0), 10);
-  EXPECT_EQ(m.physical_length(0), 5);
+  EXPECT_EQ(m.next_position(0), 10);  // new tokens get their true absolute position
+  EXPECT_EQ(m.tokens(0).written, 10);
+  EXPECT_EQ(testing::physical_length(m, 0), 5);
 }
 
 // H2O end to end with GQA (H_q = 14, H_kv = 2): heads keep different tokens.
 TEST(CacheManager, H2OPerHeadSurvivorsFromObservedAttention) {
   CacheManager m(make_config(1, 14, 2, 4, "int8", "h2o:r2@4"));
-  EXPECT_TRUE(m.needs_attention());
+  EXPECT_TRUE(m.policy().needs_attention());
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   auto k = testing::randn({1, 2, 6, 4}, gen), v = testing::randn({1, 2, 6, 4}, gen);
   m.append(0, k, v, positions_range(0, 6));
@@ -191,7 +208,7 @@ TEST(CacheManager, H2OPerHeadSurvivorsFromObservedAttention) {
   probs[0][9][0][3] = 0.3f;
   m.observe_attention(0, probs);
   auto before = m.get(0).v.clone();
-  m.end_step(true);
+  m.end_step(StepKind::kPrefillEnd);
   m.check_invariants();
   auto kv = m.get(0);
   // KV head 0: heavy {1, 3 (tie 0/2/3 at 0 → most recent 3)}; KV head 1: heavy {0, 3}.
@@ -200,12 +217,12 @@ TEST(CacheManager, H2OPerHeadSurvivorsFromObservedAttention) {
   EXPECT_TRUE(at::equal(kv.v[0][1], before[0][1].index_select(0, at::tensor({0, 3, 4, 5}, at::kLong))));
   // Decode one token: observe over 5 keys, evict back to 4.
   m.append(0, testing::randn({1, 2, 1, 4}, gen), testing::randn({1, 2, 1, 4}, gen), positions_range(6, 1));
-  EXPECT_THROW(m.end_step(), InvalidArgument);  // attention not observed for the new token
+  EXPECT_THROW(m.end_step(StepKind::kDecode), InvalidArgument);  // attention not observed for the new token
   auto p2 = at::full({1, 14, 1, 5}, 0.2f);
   m.observe_attention(0, p2);
-  m.end_step();
+  m.end_step(StepKind::kDecode);
   m.check_invariants();
-  EXPECT_EQ(m.physical_length(0), 4);
+  EXPECT_EQ(testing::physical_length(m, 0), 4);
   EXPECT_EQ(m.get(0).positions[0][3].item<int64_t>(), 6);
 }
 
@@ -219,11 +236,11 @@ TEST(CacheManager, SnapKVCompressesOnceAtPrefillEndThenGrows) {
                positions_range(chunk * 8, 8));
       m.observe_attention(l, testing::random_probs(1, 4, 8, (chunk + 1) * 8, gen));
     }
-    m.end_step(chunk == 1);
+    m.end_step(testing::step_kind(chunk == 1));
     m.check_invariants();
   }
-  EXPECT_EQ(m.physical_length(0), 6);
-  EXPECT_FALSE(m.needs_attention());
+  EXPECT_EQ(testing::physical_length(m, 0), 6);
+  EXPECT_FALSE(m.policy().needs_attention());
   auto pos = m.get(1).positions;
   EXPECT_TRUE(at::equal(pos.narrow(1, 2, 4), positions_range(12, 4).unsqueeze(0).expand({2, 4})));
   for (int64_t step = 0; step < 4; ++step) {
@@ -231,11 +248,11 @@ TEST(CacheManager, SnapKVCompressesOnceAtPrefillEndThenGrows) {
       m.append(l, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen),
                positions_range(16 + step, 1));
     }
-    m.end_step();
+    m.end_step(StepKind::kDecode);
     m.check_invariants();
   }
-  EXPECT_EQ(m.physical_length(0), 10);  // budget holds after the last announced token
-  EXPECT_EQ(m.layer_stats(0).tokens_resident_peak, 16);  // SnapKV holds the whole prompt first
+  EXPECT_EQ(testing::physical_length(m, 0), 10);  // budget holds after the last announced token
+  EXPECT_EQ(m.tokens(0).stats.tokens_resident_peak, 16);  // SnapKV holds the whole prompt first
 }
 
 // StreamingLLM re-rotation: keys stored pre-RoPE; after eviction kept keys carry contiguous
@@ -252,13 +269,13 @@ TEST(CacheManager, RerotateMatchesRopeOfPrunedKeys) {
   for (int64_t step = 0; step < 12; ++step) {
     const int64_t n = step == 0 ? 4 : 1;
     auto k = testing::randn({1, 2, n, 8}, gen);
-    EXPECT_EQ(m.next_position(), static_cast<int64_t>(kept_pre.size()));
-    m.append(0, k, testing::randn({1, 2, n, 8}, gen), positions_range(m.next_position(), n));
+    EXPECT_EQ(m.next_position(0), static_cast<int64_t>(kept_pre.size()));
+    m.append(0, k, testing::randn({1, 2, n, 8}, gen), positions_range(m.next_position(0), n));
     for (int64_t i = 0; i < n; ++i) {
       kept_pre.push_back(k.narrow(2, i, 1));
       orig_pos.push_back(absolute++);
     }
-    m.end_step(step == 0);
+    m.end_step(testing::step_kind(step == 0));
     m.check_invariants();
     if (kept_pre.size() > 5) {  // sinks 2 + window 3
       kept_pre.erase(kept_pre.begin() + 2, kept_pre.end() - 3);
@@ -291,7 +308,7 @@ TEST(CacheManager, PreRopeOriginalPositionsRotatesOnRead) {
   int64_t pos = 0;
   for (int64_t n : {5, 4, 1, 1}) {
     m.append(0, testing::randn({1, 2, n, 8}, gen), testing::randn({1, 2, n, 8}, gen), positions_range(pos, n));
-    m.end_step();
+    m.end_step(StepKind::kDecode);
     m.check_invariants();  // checks k == rope(dequant(stored pre-RoPE keys), positions)
     pos += n;
   }
@@ -307,15 +324,15 @@ TEST(CacheManager, ResidualWindowWithPlainQuantizer) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
   auto v = testing::randn({1, 2, 5, 8}, gen);
   m.append(0, testing::randn({1, 2, 5, 8}, gen), v, positions_range(0, 5));
-  m.end_step(true);
+  m.end_step(StepKind::kPrefillEnd);
   m.check_invariants();
   auto s = cache::CacheManagerAccess::stream(m, 0, false);
   EXPECT_EQ(s.quantized_tokens, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(s.residual_tokens, (std::vector<int64_t>{3, 3}));
-  EXPECT_TRUE(s.gatherable);
-  EXPECT_TRUE(at::equal(s.residual[0], v.narrow(1, 0, 1).narrow(2, 2, 3).to(at::kHalf)));
+  EXPECT_TRUE(s.token_readable);
+  EXPECT_TRUE(at::equal(s.residual[0], v.narrow(1, 0, 1).narrow(2, 2, 3).to(at::kHalf).to(at::kFloat)));
   // Bytes: per head 2 int4 tokens (4 B codes + 2 + 2 B) + 3 fp16 tokens (16 B) = 16 + 48.
-  EXPECT_EQ(m.layer_stats(0).bytes_resident, 2 * 2 * (2 * 8 + 3 * 16));
+  EXPECT_EQ(m.tokens(0).stats.bytes_resident, 2 * 2 * (2 * 8 + 3 * 16));
 }
 
 // Seeded random sequences over quantizers × policies × key storage: check_invariants() after
@@ -349,15 +366,15 @@ TEST(CacheManager, RandomizedInvariants) {
             m.append(l, testing::randn({1, 2, n, 8}, gen) * 2.0, testing::randn({1, 2, n, 8}, gen),
                      positions_range(p0, n));
             m.check_invariants();
-            if (m.needs_attention()) {
-              m.observe_attention(l, testing::random_probs(1, 4, n, m.physical_length(l), gen));
+            if (m.policy().needs_attention()) {
+              m.observe_attention(l, testing::random_probs(1, 4, n, testing::physical_length(m, l), gen));
             }
           }
-          m.end_step(steps == 2);
+          m.end_step(testing::step_kind(steps == 2));
           m.check_invariants();
           written += n;
           ++steps;
-          const auto st = m.layer_stats(1);
+          const auto st = m.tokens(1).stats;
           EXPECT_EQ(st.tokens_written, written);
           if (policy != "full" && policy.rfind("snapkv", 0) != 0 && policy.rfind("pyramid", 0) != 0) {
             EXPECT_LE(st.tokens_resident, 12) << quant << " " << policy << " mode " << mode;

@@ -50,6 +50,12 @@ inline at::Tensor random_probs(int64_t b, int64_t hq, int64_t tq, int64_t t, at:
   return at::softmax(randn({b, hq, tq, t}, gen) * 2.0, -1);
 }
 
+/// The step kind a test's prefill-end flag stands for.
+inline StepKind step_kind(bool prefill_end) { return prefill_end ? StepKind::kPrefillEnd : StepKind::kDecode; }
+
+/// Tokens of the largest head of `layer` (the layer's physical length).
+inline int64_t physical_length(const CacheManager& m, int64_t layer) { return m.tokens(layer).max_resident(); }
+
 inline at::Tensor positions_range(int64_t start, int64_t n) {
   return at::arange(start, start + n, at::kLong);
 }

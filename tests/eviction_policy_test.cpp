@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -15,28 +16,40 @@ namespace {
 
 using Rows = std::vector<std::vector<int64_t>>;
 
-Rows plan_rows(const KeepPlan& plan) {
+EvictionContext ctx_for(int64_t layer, int64_t resident, int64_t new_tokens = 1, bool prefill_end = false,
+                        int64_t logical = -1, int64_t heads = 2) {
+  EvictionContext c;
+  c.layer = layer;
+  c.resident.assign(static_cast<size_t>(heads), resident);
+  c.new_tokens = new_tokens;
+  c.logical_length = logical < 0 ? resident : logical;
+  c.step = prefill_end ? StepKind::kPrefillEnd : StepKind::kDecode;
+  return c;
+}
+
+/// What a plan keeps, per head (the complement of its evictions); empty = keeps all.
+Rows kept_rows(const EvictionPlan& plan, const EvictionContext& c) {
   Rows out;
-  if (plan.keeps_all()) return out;
-  auto k = plan.keep.contiguous();
-  for (int64_t h = 0; h < k.size(0); ++h) {
-    std::vector<int64_t> row(k.size(1));
-    for (int64_t i = 0; i < k.size(1); ++i) row[static_cast<size_t>(i)] = k[h][i].item<int64_t>();
+  if (plan.empty()) return out;
+  for (size_t h = 0; h < c.resident.size(); ++h) {
+    std::vector<int64_t> row;
+    const auto& e = plan.evict.at(h);
+    for (size_t i = 1; i < e.size(); ++i) EXPECT_LT(e[i - 1], e[i]) << "evictions not increasing";
+    size_t di = 0;
+    for (int64_t i = 0; i < c.resident[h]; ++i) {
+      if (di < e.size() && e[di] == i) {
+        ++di;
+      } else {
+        row.push_back(i);
+      }
+    }
+    EXPECT_EQ(di, e.size()) << "eviction index out of range";
     out.push_back(row);
   }
   return out;
 }
 
-EvictionContext ctx_for(int64_t layer, int64_t resident, int64_t new_tokens = 1,
-                        bool prefill_end = false, int64_t logical = -1) {
-  EvictionContext c;
-  c.layer = layer;
-  c.resident = resident;
-  c.new_tokens = new_tokens;
-  c.logical_length = logical < 0 ? resident : logical;
-  c.is_prefill_end = prefill_end;
-  return c;
-}
+Rows plan_rows(EvictionPolicy& p, const EvictionContext& c) { return kept_rows(p.plan(c), c); }
 
 std::unique_ptr<EvictionPolicy> make(const std::string& spec, int64_t context, int64_t hq = 2,
                                      int64_t hkv = 2, int64_t layers = 1) {
@@ -89,17 +102,17 @@ TEST(EvictionPolicyBudget, FractionNeverRoundsToZero) {
   EXPECT_EQ(p->token_budget(), 1);
   // Unknown context: a fractional budget cannot plan.
   auto q = make_eviction_policy("window@50%");
-  EXPECT_THROW(q->plan_keep(ctx_for(0, 10)), InvalidArgument);
+  EXPECT_THROW(q->plan(ctx_for(0, 10)), InvalidArgument);
 }
 
 // kvpress StreamingLLMPress test vector: T = 10, r = 0.5, n_sink = 4 → keep [0, 1, 2, 3, 9].
 TEST(SinkPolicy, KvpressVector) {
   auto p = make("sink@50%", 10);
   EXPECT_EQ(p->token_budget(), 5);
-  auto rows = plan_rows(p->plan_keep(ctx_for(0, 10)));
+  auto rows = plan_rows(*p, (ctx_for(0, 10)));
   EXPECT_EQ(rows, (Rows{{0, 1, 2, 3, 9}, {0, 1, 2, 3, 9}}));
   // Decode: one more token resident → still sinks + newest window token.
-  rows = plan_rows(p->plan_keep(ctx_for(0, 6)));
+  rows = plan_rows(*p, (ctx_for(0, 6)));
   EXPECT_EQ(rows, (Rows{{0, 1, 2, 3, 5}, {0, 1, 2, 3, 5}}));
 }
 
@@ -121,10 +134,10 @@ TEST(SinkPolicy, BudgetSmallerThanSinksPlusWindowThrows) {
 
 TEST(WindowPolicy, MostRecent) {
   auto p = make("window:w3", 0);
-  EXPECT_EQ(plan_rows(p->plan_keep(ctx_for(0, 5))), (Rows{{2, 3, 4}, {2, 3, 4}}));
+  EXPECT_EQ(plan_rows(*p, (ctx_for(0, 5))), (Rows{{2, 3, 4}, {2, 3, 4}}));
   auto q = make("window@50%", 8);
   EXPECT_EQ(q->token_budget(), 4);
-  EXPECT_EQ(plan_rows(q->plan_keep(ctx_for(0, 6))), (Rows{{2, 3, 4, 5}, {2, 3, 4, 5}}));
+  EXPECT_EQ(plan_rows(*q, (ctx_for(0, 6))), (Rows{{2, 3, 4, 5}, {2, 3, 4, 5}}));
   EXPECT_THROW(make_eviction_policy("window:w9@8"), CapacityError);
 }
 
@@ -136,7 +149,7 @@ TEST(EvictionPolicyBudget, BudgetAtLeastContextEvictsNothing) {
       auto probs = at::full({1, 2, 1, 12}, 1.0f / 12);
       p->observe(0, probs);
     }
-    EXPECT_TRUE(p->plan_keep(ctx_for(0, 12, 12, true)).keeps_all()) << spec;
+    EXPECT_TRUE(p->plan(ctx_for(0, 12, 12, true)).empty()) << spec;
   }
 }
 
@@ -162,54 +175,57 @@ TEST(H2OPolicy, GqaMeanAggregationAndAccumulation) {
   for (int h = 1; h < 7; ++h) s1[static_cast<size_t>(h)] = {{0, 0.5f}, {3, 0.5f}};
   for (int h = 7; h < 14; ++h) s1[static_cast<size_t>(h)] = {{2, 0.6f}, {1, 0.4f}};
   p->observe(0, gqa_probs(5, s1));
-  EXPECT_TRUE(p->plan_keep(ctx_for(0, 5)).keeps_all() == false);  // 5 > 4: evicts
-  // (the plan above is discarded: the manager would compact; here we keep observing)
+  EXPECT_FALSE(p->plan(ctx_for(0, 5)).empty());  // 5 > 4: evicts
+  // (the plan above is discarded: the manager would evict; here we keep observing)
   // Step 2 over 6 keys: group 1 → token 0 only; group 0 same as step 1.
   std::vector<std::vector<std::pair<int64_t, float>>> s2(s1);
   for (int h = 7; h < 14; ++h) s2[static_cast<size_t>(h)] = {{0, 1.0f}};
   p->observe(0, gqa_probs(6, s2));
   const auto& sc = h2o->scores(0);
-  ASSERT_EQ(sc.sizes(), (at::IntArrayRef{2, 6}));
-  EXPECT_NEAR(sc[0][0].item<float>(), 2 * 3.0f / 7, 1e-6);  // mean over 7 heads, 2 steps
-  EXPECT_NEAR(sc[0][1].item<float>(), 2 * 1.0f / 7, 1e-6);
-  EXPECT_NEAR(sc[0][3].item<float>(), 2 * 3.0f / 7, 1e-6);
-  EXPECT_NEAR(sc[1][0].item<float>(), 1.0f, 1e-6);
-  EXPECT_NEAR(sc[1][1].item<float>(), 0.4f, 1e-6);
-  EXPECT_NEAR(sc[1][2].item<float>(), 0.6f, 1e-6);
-  EXPECT_NEAR(sc[1][5].item<float>(), 0.0f, 1e-6);
-  auto rows = plan_rows(p->plan_keep(ctx_for(0, 6)));
+  ASSERT_EQ(sc.size(), 2u);
+  ASSERT_EQ(sc[0].size(), 6u);
+  ASSERT_EQ(sc[1].size(), 6u);
+  EXPECT_NEAR(sc[0][0], 2 * 3.0f / 7, 1e-6);  // mean over 7 heads, 2 steps
+  EXPECT_NEAR(sc[0][1], 2 * 1.0f / 7, 1e-6);
+  EXPECT_NEAR(sc[0][3], 2 * 3.0f / 7, 1e-6);
+  EXPECT_NEAR(sc[1][0], 1.0f, 1e-6);
+  EXPECT_NEAR(sc[1][1], 0.4f, 1e-6);
+  EXPECT_NEAR(sc[1][2], 0.6f, 1e-6);
+  EXPECT_NEAR(sc[1][5], 0.0f, 1e-6);
+  auto rows = plan_rows(*p, (ctx_for(0, 6)));
   // KV head 0: top-2 of tokens 0..3 = {0, 3}; KV head 1: {0 (1.0), 2 (0.6)}; + recent {4, 5}.
   EXPECT_EQ(rows, (Rows{{0, 3, 4, 5}, {0, 2, 4, 5}}));
-  // After compaction the survivors keep their scores.
-  p->on_compacted(0, p->plan_keep(ctx_for(0, 6)).keep);
-  EXPECT_NEAR(h2o->scores(0)[1][1].item<float>(), 0.6f, 1e-6);
-  EXPECT_EQ(h2o->scores(0).size(1), 4);
+  // After eviction the survivors keep their scores, in order.
+  p->on_evicted(0, p->plan(ctx_for(0, 6)));
+  EXPECT_NEAR(h2o->scores(0)[1][1], 0.6f, 1e-6);
+  EXPECT_EQ(h2o->scores(0)[0].size(), 4u);
+  EXPECT_EQ(h2o->scores(0)[1].size(), 4u);
 }
 
 TEST(H2OPolicy, TiesPreferRecentAndProtectedWindowSurvives) {
   auto p = make("h2o:r2@4", 0);
   // Uniform attention: every candidate ties → the most recent candidates win.
   p->observe(0, at::full({1, 2, 1, 8}, 0.125f));
-  EXPECT_EQ(plan_rows(p->plan_keep(ctx_for(0, 8))), (Rows{{4, 5, 6, 7}, {4, 5, 6, 7}}));
+  EXPECT_EQ(plan_rows(*p, (ctx_for(0, 8))), (Rows{{4, 5, 6, 7}, {4, 5, 6, 7}}));
   // Recent tokens with zero score are still kept; old heavy hitters fill the rest.
   auto q = make("h2o:r2@4", 0);
   auto probs = at::zeros({1, 2, 1, 8});
   probs.select(3, 1).fill_(0.5f);
   probs.select(3, 3).fill_(0.5f);
   q->observe(0, probs);
-  EXPECT_EQ(plan_rows(q->plan_keep(ctx_for(0, 8))), (Rows{{1, 3, 6, 7}, {1, 3, 6, 7}}));
+  EXPECT_EQ(plan_rows(*q, (ctx_for(0, 8))), (Rows{{1, 3, 6, 7}, {1, 3, 6, 7}}));
   // Three-way tie for two heavy slots at the edge of the recent window: 5 and 4 win over 2.
   auto r = make("h2o:r2@4", 0);
   auto pr = at::zeros({1, 2, 1, 8});
   for (int64_t i : {2, 4, 5}) pr.select(3, i).fill_(0.3f);
   r->observe(0, pr);
-  EXPECT_EQ(plan_rows(r->plan_keep(ctx_for(0, 8))), (Rows{{4, 5, 6, 7}, {4, 5, 6, 7}}));
+  EXPECT_EQ(plan_rows(*r, (ctx_for(0, 8))), (Rows{{4, 5, 6, 7}, {4, 5, 6, 7}}));
 }
 
 TEST(H2OPolicy, ErrorsWithoutAttentionAndOnBadShapes) {
   auto p = make("h2o@4", 0);
   EXPECT_TRUE(p->needs_attention());
-  EXPECT_THROW(p->plan_keep(ctx_for(0, 8)), InvalidArgument);
+  EXPECT_THROW(p->plan(ctx_for(0, 8)), InvalidArgument);
   EXPECT_THROW(p->observe(0, at::zeros({1, 3, 1, 8})), InvalidArgument);  // H_q 3 != 2
   EXPECT_THROW(p->observe(0, at::zeros({1, 2, 8})), InvalidArgument);
   EXPECT_THROW(p->observe(1, at::zeros({1, 2, 1, 8})), InvalidArgument);  // layer out of range
@@ -232,15 +248,15 @@ TEST(TovaPolicy, LastQueryAveragedOverAllHeadsSharedSelection) {
   }
   p->observe(0, probs);
   // Mean over 14 heads: t2 = 0.5, t4 = 0.4, t3 = 0.1 → top-2 {2, 4} + newest 5, for both heads.
-  EXPECT_EQ(plan_rows(p->plan_keep(ctx_for(0, 6))), (Rows{{2, 4, 5}, {2, 4, 5}}));
-  p->on_compacted(0, p->plan_keep(ctx_for(0, 6)).keep);
-  EXPECT_THROW(p->plan_keep(ctx_for(0, 4)), InvalidArgument);  // stale: needs a new observation
+  EXPECT_EQ(plan_rows(*p, (ctx_for(0, 6))), (Rows{{2, 4, 5}, {2, 4, 5}}));
+  p->on_evicted(0, p->plan(ctx_for(0, 6)));
+  EXPECT_THROW(p->plan(ctx_for(0, 4)), InvalidArgument);  // stale: needs a new observation
   // All equal → most recent win, newest protected even with zero attention.
   auto q = make("tova@3", 0);
   auto pq = at::full({1, 2, 1, 6}, 0.2f);
   pq.select(3, 5).fill_(0.0f);
   q->observe(0, pq);
-  EXPECT_EQ(plan_rows(q->plan_keep(ctx_for(0, 6))), (Rows{{3, 4, 5}, {3, 4, 5}}));
+  EXPECT_EQ(plan_rows(*q, (ctx_for(0, 6))), (Rows{{3, 4, 5}, {3, 4, 5}}));
 }
 
 TEST(RandomPolicy, SeededReproducibleNewestKept) {
@@ -248,9 +264,9 @@ TEST(RandomPolicy, SeededReproducibleNewestKept) {
   auto b = make("random:seed7@20", 0, 2, 2, 2);
   auto c = make("random:seed8@20", 0, 2, 2, 2);
   for (int step = 0; step < 3; ++step) {
-    auto pa = plan_rows(a->plan_keep(ctx_for(1, 64)));
-    auto pb = plan_rows(b->plan_keep(ctx_for(1, 64)));
-    auto pc = plan_rows(c->plan_keep(ctx_for(1, 64)));
+    auto pa = plan_rows(*a, ctx_for(1, 64));
+    auto pb = plan_rows(*b, ctx_for(1, 64));
+    auto pc = plan_rows(*c, ctx_for(1, 64));
     ASSERT_EQ(pa.size(), 2u);
     EXPECT_EQ(pa, pb);
     EXPECT_NE(pa, pc);
@@ -262,11 +278,11 @@ TEST(RandomPolicy, SeededReproducibleNewestKept) {
     }
   }
   // A reset restarts the stream.
-  auto first = plan_rows(make("random:seed7@20", 0, 2, 2, 2)->plan_keep(ctx_for(1, 64)));
+  auto first = plan_rows(*make("random:seed7@20", 0, 2, 2, 2), ctx_for(1, 64));
   a->reset(0, CacheShape{2, 2, 2});
-  EXPECT_EQ(plan_rows(a->plan_keep(ctx_for(1, 64))), first);
+  EXPECT_EQ(plan_rows(*a, (ctx_for(1, 64))), first);
   // Budget 1: only the newest token.
-  EXPECT_EQ(plan_rows(make("random@1", 0)->plan_keep(ctx_for(0, 9))), (Rows{{8}, {8}}));
+  EXPECT_EQ(plan_rows(*make("random@1", 0), ctx_for(0, 9)), (Rows{{8}, {8}}));
 }
 
 // methods.md b.10: avg_pool1d counts zero padding; maxpool ignores it.
@@ -304,41 +320,62 @@ at::Tensor snap_probs() {
 TEST(SnapKVPolicy, PooledSelectionOnceAtPrefillEnd) {
   auto p = make("snapkv:w2:k3@5", 10, /*hq=*/2, /*hkv=*/1);
   p->observe(0, snap_probs());
-  EXPECT_TRUE(p->plan_keep(ctx_for(0, 10, 10, /*prefill_end=*/false)).keeps_all());
+  EXPECT_TRUE(p->plan(ctx_for(0, 10, 10, /*prefill_end=*/false, -1, 1)).empty());
   // Pooled prefix scores [0.2, 0.2, 0.233, 0.133, 0.133, 0.067, 0, 0] → top-3 {0, 1, 2} +
   // window {8, 9}. (Raw scores would pick {1, 3, 4}.)
-  EXPECT_EQ(plan_rows(p->plan_keep(ctx_for(0, 10, 10, true))), (Rows{{0, 1, 2, 8, 9}}));
+  EXPECT_EQ(plan_rows(*p, ctx_for(0, 10, 10, true, -1, 1)), (Rows{{0, 1, 2, 8, 9}}));
   EXPECT_FALSE(p->needs_attention());
-  EXPECT_TRUE(p->plan_keep(ctx_for(0, 6, 1, false, 11)).keeps_all());  // decode: appended only
+  EXPECT_TRUE(p->plan(ctx_for(0, 6, 1, false, 11, 1)).empty());  // decode: appended only
   // Raw (kernel 1) scores for comparison.
   auto raw = make("snapkv:w2:k1@5", 10, 2, 1);
   raw->observe(0, snap_probs());
-  EXPECT_EQ(plan_rows(raw->plan_keep(ctx_for(0, 10, 10, true))), (Rows{{1, 3, 4, 8, 9}}));
+  EXPECT_EQ(plan_rows(*raw, ctx_for(0, 10, 10, true, -1, 1)), (Rows{{1, 3, 4, 8, 9}}));
 }
 
 TEST(SnapKVPolicy, ReservesDecodeTokensAndChecksWindow) {
   // Context 12 = 10 prompt + 2 new tokens: keep 5 − 2 = 3 prompt tokens → top-1 {2} + window.
   auto p = make("snapkv:w2:k3@5", 12, 2, 1);
   p->observe(0, snap_probs());
-  EXPECT_EQ(plan_rows(p->plan_keep(ctx_for(0, 10, 10, true))), (Rows{{2, 8, 9}}));
+  EXPECT_EQ(plan_rows(*p, ctx_for(0, 10, 10, true, -1, 1)), (Rows{{2, 8, 9}}));
   auto q = make("snapkv:w4:k3@5", 12, 2, 1);
   q->observe(0, snap_probs());
-  EXPECT_THROW(q->plan_keep(ctx_for(0, 10, 10, true)), CapacityError);  // 3 < w = 4
+  EXPECT_THROW(q->plan(ctx_for(0, 10, 10, true, -1, 1)), CapacityError);  // 3 < w = 4
   // Window rows gathered across chunks: two 5-query chunks give the same scores.
   auto c = make("snapkv:w2:k3@5", 10, 2, 1);
   auto full = snap_probs();
   c->observe(0, full.narrow(2, 0, 5).narrow(3, 0, 5).contiguous());
   c->observe(0, full.narrow(2, 5, 5).contiguous());
-  EXPECT_EQ(plan_rows(c->plan_keep(ctx_for(0, 10, 5, true))), (Rows{{0, 1, 2, 8, 9}}));
+  EXPECT_EQ(plan_rows(*c, ctx_for(0, 10, 5, true, -1, 1)), (Rows{{0, 1, 2, 8, 9}}));
 }
 
-TEST(EvictionPolicyHelpers, ReduceToKvHeadsIsGroupMean) {
-  auto p = at::arange(14 * 3, at::kFloat).view({1, 14, 1, 3});
-  auto r = evict::reduce_to_kv_heads(p, 2);  // [2, 1, 3]
-  // Group 0 = heads 0..6: mean of rows 0..6 = row 3; group 1 = row 10.
-  EXPECT_TRUE(at::allclose(r[0][0], p[0][3][0]));
-  EXPECT_TRUE(at::allclose(r[1][0], p[0][10][0]));
-  EXPECT_THROW(evict::reduce_to_kv_heads(p, 4), InvalidArgument);
+TEST(EvictionPolicyHelpers, ReduceAttentionIsGroupMean) {
+  auto p = at::arange(14 * 2 * 3, at::kFloat).view({1, 14, 2, 3});
+  // Group 0 = heads 0..6: mean of rows 0..6 = row 3; group 1 = row 10. Per row, last row only.
+  auto r = reduce_attention(p, 2, AttentionNeed{1, true});
+  ASSERT_EQ(r.rows, 1);
+  EXPECT_TRUE(at::allclose(r.to_tensor()[0][0], p[0][3][1]));
+  EXPECT_TRUE(at::allclose(r.to_tensor()[1][0], p[0][10][1]));
+  // Summed over both rows.
+  auto s = reduce_attention(p, 2, AttentionNeed{AttentionNeed::kAllRows, false});
+  EXPECT_TRUE(at::allclose(s.to_tensor()[0][0], p[0][3][0] + p[0][3][1]));
+  EXPECT_THROW(reduce_attention(p, 4, AttentionNeed{1, true}), InvalidArgument);
+  auto bad = p.clone();
+  bad[0][5][1][2] = std::nanf("");
+  try {
+    reduce_attention(bad, 2, AttentionNeed{1, true});
+    FAIL() << "NaN accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("[0, 5, 1, 2]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(EvictionPolicyHelpers, LowestKEvictsOlderOnTies) {
+  const float sc[] = {0.3f, 0.1f, 0.1f, 0.5f, 0.1f};
+  EXPECT_EQ(evict::lowest_k(sc, 5, 1), (std::vector<int64_t>{1}));
+  EXPECT_EQ(evict::lowest_k(sc, 5, 2), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(evict::lowest_k(sc, 5, 4), (std::vector<int64_t>{0, 1, 2, 4}));
+  EXPECT_EQ(evict::lowest_k(sc, 5, 0), (std::vector<int64_t>{}));
+  EXPECT_EQ(evict::lowest_k(sc, 3, 7), (std::vector<int64_t>{0, 1, 2}));
 }
 
 }  // namespace
@@ -373,7 +410,7 @@ TEST(PyramidKVPolicy, PerLayerPlansAtPrefillEnd) {
   for (int64_t l = 0; l < 3; ++l) p->observe(l, at::softmax(at::randn({1, 2, 4, 20}, gen), -1));
   const int64_t want[] = {15, 10, 5};
   for (int64_t l = 0; l < 3; ++l) {
-    auto rows = plan_rows(p->plan_keep(ctx_for(l, 20, 20, true)));
+    auto rows = plan_rows(*p, ctx_for(l, 20, 20, true));
     ASSERT_EQ(rows.size(), 2u);
     EXPECT_EQ(static_cast<int64_t>(rows[0].size()), want[l]) << "layer " << l;
     EXPECT_EQ(rows[0].back(), 19);

@@ -42,7 +42,7 @@ void check_stream(const CacheManager& m, bool key, int64_t quant, int64_t res, c
     EXPECT_EQ(s.quantized_tokens[h], quant) << where;
     EXPECT_EQ(s.residual_tokens[h], res) << where;
     if (key) {
-      EXPECT_EQ(s.quantized_blocks[h], quant / kG) << where;  // one block per group
+      EXPECT_EQ(s.quantized_groups[h], quant / kG) << where;  // one block per group
     }
     const int64_t t = quant + res;
     auto src = source.narrow(1, h, 1);
@@ -80,19 +80,19 @@ TEST(Kivi, ResidualFlushingPrefillAndDecode) {
     CacheManager prefill(make_config(1, kH, kH, kD, "kivi:k2:v2:g32:r128", "full"));
     EXPECT_EQ(CacheManagerAccess::scheme(prefill), "kivi:k2:v2:g32:r128");
     prefill.append(0, k, v, positions_range(0, t));
-    prefill.end_step(true);
+    prefill.end_step(StepKind::kPrefillEnd);
     prefill.check_invariants();
     check_stream(prefill, true, e.k_quant, e.k_res, k_post, where + " prefill K");
     check_stream(prefill, false, e.v_quant, e.v_res, v, where + " prefill V");
     EXPECT_EQ(prefill.stats().bytes_resident, kivi_bytes(e)) << where;
-    EXPECT_FALSE(CacheManagerAccess::stream(prefill, 0, true).gatherable);  // per-channel keys
-    EXPECT_TRUE(CacheManagerAccess::stream(prefill, 0, false).gatherable);  // per-token values
+    EXPECT_FALSE(CacheManagerAccess::stream(prefill, 0, true).token_readable);  // per-channel keys
+    EXPECT_TRUE(CacheManagerAccess::stream(prefill, 0, false).token_readable);  // per-token values
 
     if (t > 300) continue;
     CacheManager decode(make_config(1, kH, kH, kD, "kivi:k2:v2:g32:r128", "full"));
     for (int64_t i = 0; i < t; ++i) {
       decode.append(0, k.narrow(2, i, 1), v.narrow(2, i, 1), positions_range(i, 1));
-      decode.end_step(i == 0);
+      decode.end_step(testing::step_kind(i == 0));
       const Expect ei = kivi_rule(i + 1);
       auto ks = CacheManagerAccess::stream(decode, 0, true);
       auto vs = CacheManagerAccess::stream(decode, 0, false);
@@ -134,14 +134,14 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
   auto k = testing::randn({1, 1, 32, 8}, gen), v = testing::randn({1, 1, 32, 8}, gen);
   m.append(0, k, v, positions_range(0, 32));
   auto ks = CacheManagerAccess::stream(m, 0, true);
-  EXPECT_EQ(ks.quantized_blocks[0], 4);  // 32 % 16 == 0: all keys quantized, 4 groups
+  EXPECT_EQ(ks.quantized_groups[0], 4);  // 32 % 16 == 0: all keys quantized, 4 groups
   EXPECT_EQ(ks.residual_tokens[0], 0);
   auto before = m.get(0);
   auto k_before = before.k.clone(), v_before = before.v.clone();
   auto probs = at::zeros({1, 1, 1, 32});
   for (int64_t i : {0, 1, 2, 9}) probs[0][0][0][i] = 0.25f;
   m.observe_attention(0, probs);
-  m.end_step(true);
+  m.end_step(StepKind::kPrefillEnd);
   m.check_invariants();
   auto kept = at::tensor({0, 1, 2, 9, 28, 29, 30, 31}, at::kLong);
   auto after = m.get(0);
@@ -149,9 +149,11 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
   // Group 0 keeps 3 tokens (3 × 8 × 2 B = 48 B ≤ its 48 B) → fp16; group 1 keeps 1 → fp16;
   // group 2 loses all → freed; group 3 keeps 4 (64 B > 48 B) → stays quantized, 4 dead slots.
   ks = CacheManagerAccess::stream(m, 0, true);
-  EXPECT_EQ(ks.quantized_blocks[0], 1);
+  EXPECT_EQ(ks.quantized_groups[0], 1);
   EXPECT_EQ(ks.dead_slots[0], 4);
-  EXPECT_EQ(ks.quantized_tokens[0], 8);
+  EXPECT_EQ(ks.quantized_tokens[0], 4);  // group 3's survivors {28..31}
+  EXPECT_EQ(ks.converted_tokens[0], 4);  // {0, 1, 2} and {9}, each group in a small fp16 block
+  EXPECT_EQ(ks.blocks[0], 3);
   auto vs = CacheManagerAccess::stream(m, 0, false);
   EXPECT_EQ(vs.quantized_tokens[0], 4);  // {0, 1, 2, 9} from the quantized values
   EXPECT_EQ(vs.residual_tokens[0], 4);   // {28..31} from the fp16 residual
@@ -169,14 +171,14 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
   int64_t conversions_seen = 0, groups_seen = 0, dead_seen = 0;
   for (int64_t i = 0; i < 120; ++i) {
     d.append(0, testing::randn({1, 1, 1, 8}, gen), testing::randn({1, 1, 1, 8}, gen), positions_range(i, 1));
-    d.observe_attention(0, testing::random_probs(1, 1, 1, d.physical_length(0), gen));
-    d.end_step(i == 0);
+    d.observe_attention(0, testing::random_probs(1, 1, 1, testing::physical_length(d, 0), gen));
+    d.end_step(testing::step_kind(i == 0));
     d.check_invariants();
-    EXPECT_EQ(d.physical_length(0), std::min<int64_t>(i + 1, 24));
-    EXPECT_LE(d.stats().bytes_resident, 32 * d.physical_length(0));
+    EXPECT_EQ(testing::physical_length(d, 0), std::min<int64_t>(i + 1, 24));
+    EXPECT_LE(d.stats().bytes_resident, 32 * testing::physical_length(d, 0));
     auto s = CacheManagerAccess::stream(d, 0, true);
-    if (s.quantized_tokens[0] > 8 * s.quantized_blocks[0] - s.dead_slots[0]) ++conversions_seen;
-    groups_seen += s.quantized_blocks[0];
+    if (s.converted_tokens[0] > 0) ++conversions_seen;
+    groups_seen += s.quantized_groups[0];
     dead_seen += s.dead_slots[0];
   }
   // The sequence exercised all three cases: live groups, dead slots, fp16 conversions.
@@ -193,12 +195,12 @@ TEST(Kivi, WindowDrainsGroupsFrontFirst) {
   int64_t max_bytes = 0;
   for (int64_t i = 0; i < 120; ++i) {
     m.append(0, testing::randn({1, 1, 1, 8}, gen), testing::randn({1, 1, 1, 8}, gen), positions_range(i, 1));
-    m.end_step(i == 0);
+    m.end_step(testing::step_kind(i == 0));
     m.check_invariants();
     auto ks = CacheManagerAccess::stream(m, 0, true);
     EXPECT_LT(ks.dead_slots[0], 8);
-    EXPECT_LE(ks.quantized_blocks[0], 20 / 8 + 1);
-    EXPECT_EQ(m.physical_length(0), std::min<int64_t>(i + 1, 20));
+    EXPECT_LE(ks.quantized_groups[0], 20 / 8 + 1);
+    EXPECT_EQ(testing::physical_length(m, 0), std::min<int64_t>(i + 1, 20));
     if (i >= 40) max_bytes = std::max(max_bytes, m.stats().bytes_resident);
   }
   // Steady state never holds more than 20 fp16 tokens' worth of K and V (640 B).

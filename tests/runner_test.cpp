@@ -16,7 +16,7 @@
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/tokenizer.h"
-#include "model/runner_core.h"
+#include "kvcache/attention.h"
 #include "model_test_util.h"
 
 namespace kvcache {
@@ -155,6 +155,10 @@ std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int64_t>& 
   return a;
 }
 
+at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
+  return at::tensor(at::ArrayRef<int64_t>(ids, static_cast<size_t>(n)), at::kLong).view({1, n});
+}
+
 CacheManager fp32_full_cache(const CausalLM& lm) {
   CacheConfig c = lm.cache_config();
   c.quant = "fp32";
@@ -180,7 +184,7 @@ TEST(GqaAttention, HandCheckedTwoQueryHeadsShareOneKvHead) {
   const at::Tensor k = at::tensor({0.0f, static_cast<float>(std::log(3.0))}).view({1, 1, 2, 1});
   const at::Tensor v = at::tensor({4.0f, 8.0f}).view({1, 1, 2, 1});
   at::Tensor probs;
-  const at::Tensor out = detail::gqa_attention(q, k, v, at::tensor({0, 1}, at::kLong).view({1, 2}),
+  const at::Tensor out = reference_attention(q, k, v, at::tensor({0, 1}, at::kLong).view({1, 2}),
                                                at::tensor({1}, at::kLong), &probs);
   EXPECT_NEAR(out[0][0][0][0].item<float>(), 7.0f, 1e-6);
   EXPECT_NEAR(out[0][1][0][0].item<float>(), 6.0f, 1e-6);
@@ -189,7 +193,7 @@ TEST(GqaAttention, HandCheckedTwoQueryHeadsShareOneKvHead) {
   EXPECT_NEAR(probs[0][1][0][0].item<float>(), 0.5f, 1e-6);
 
   // The second key carries position 5 > the query's 3: hidden, so both heads read v = 4.
-  const at::Tensor masked = detail::gqa_attention(
+  const at::Tensor masked = reference_attention(
       q, k, v, at::tensor({0, 5}, at::kLong).view({1, 2}), at::tensor({3}, at::kLong), &probs);
   EXPECT_NEAR(masked[0][0][0][0].item<float>(), 4.0f, 1e-6);
   EXPECT_NEAR(masked[0][1][0][0].item<float>(), 4.0f, 1e-6);
@@ -210,7 +214,7 @@ TEST(GqaAttention, MatchesRepeatedKvReferenceWithPerHeadPositions) {
                               .view({Hkv, S});
   const at::Tensor qpos = at::arange(10, 14, at::kLong);
   at::Tensor probs;
-  const at::Tensor out = detail::gqa_attention(q, k, v, kpos, qpos, &probs);
+  const at::Tensor out = reference_attention(q, k, v, kpos, qpos, &probs);
 
   for (int64_t h = 0; h < Hq; ++h) {
     const int64_t kv = h / G;
@@ -342,7 +346,7 @@ void expect_control_arm(const TestModel& m) {
   const auto P = static_cast<int64_t>(m.prompt.size());
   const std::vector<int64_t> seq = concat(m.prompt, r.tokens, 63);
   const at::Tensor ref =
-      m.lm->forward(detail::ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0];
+      m.lm->forward(ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0];
   const at::Tensor ref_rows = ref.slice(0, P - 1, P + 63);
   EXPECT_LT(max_abs_diff(r.logits, ref_rows), 1e-4);
   const at::Tensor ref_ids = ref_rows.argmax(-1);
@@ -381,7 +385,7 @@ TEST_P(RunnerModels, ScoreEqualsLogSoftmaxOfForward) {
   const TestModel& m = GetParam().get();
   REQUIRE_MODEL(m);
   const auto n = static_cast<int64_t>(m.prompt.size());
-  const at::Tensor ids = detail::ids_tensor(m.prompt.data(), n);
+  const at::Tensor ids = ids_tensor(m.prompt.data(), n);
   const at::Tensor lp = at::log_softmax(m.lm->forward(ids)[0].slice(0, 0, n - 1), -1);
   const at::Tensor ref = lp.gather(1, ids[0].slice(0, 1, n).unsqueeze(1)).squeeze(1);
   CacheManager cache = fp32_full_cache(*m.lm);
@@ -451,7 +455,7 @@ at::Tensor windowed_reference_logprobs(const CausalLM& lm, const std::vector<int
   const auto n = static_cast<int64_t>(ids.size());
   const ModelConfig& c = lm.config();
   const int64_t G = c.num_attention_heads / c.num_key_value_heads;
-  const at::Tensor x = detail::ids_tensor(ids.data(), n);
+  const at::Tensor x = ids_tensor(ids.data(), n);
   const at::Tensor pos = at::arange(n, at::kLong);
   const at::Tensor dist = pos.view({n, 1}) - pos.view({1, n});  // query − key
   const at::Tensor hidden = dist.lt(0).logical_or(dist.gt(window));
@@ -485,8 +489,8 @@ TEST(RunnerEviction, StreamingWindowEqualsSlidingWindowReference) {
   // And the window matters: the full-context scores differ.
   const at::Tensor full = windowed_reference_logprobs(*m.lm, ids, 1000);
   EXPECT_GT(max_abs_diff(full, ref), 1e-2);
-  EXPECT_EQ(cache.physical_length(0), 8);
-  EXPECT_EQ(cache.logical_length(1), static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(cache.tokens(0).max_resident(), 8);
+  EXPECT_EQ(cache.tokens(1).written, static_cast<int64_t>(ids.size()));
   cache.check_invariants();
 }
 
@@ -511,9 +515,9 @@ TEST(RunnerEviction, EveryPolicyRunsWithinBudget) {
       cache.check_invariants();
       const int64_t written = static_cast<int64_t>(m.prompt.size()) + 11;
       for (int64_t l = 0; l < m.lm->config().num_hidden_layers; ++l) {
-        EXPECT_EQ(cache.logical_length(l), written) << policy << " layer " << l;
-        EXPECT_LE(cache.physical_length(l), cache.policy().layer_budget(l)) << policy;
-        EXPECT_LT(cache.physical_length(l), written) << policy;
+        EXPECT_EQ(cache.tokens(l).written, written) << policy << " layer " << l;
+        EXPECT_LE(cache.tokens(l).max_resident(), cache.policy().layer_budget(l)) << policy;
+        EXPECT_LT(cache.tokens(l).max_resident(), written) << policy;
       }
       const GenerationResult b = runner.generate(m.prompt, o, cache);
       EXPECT_EQ(a.tokens, b.tokens) << policy;
@@ -552,9 +556,9 @@ TEST(RunnerEviction, RerotatedSinkCacheKeepsPositionsContiguous) {
   const GenerationResult r = Runner(*m.lm).generate(m.prompt, greedy(10, 1), cache);
   EXPECT_EQ(r.tokens.size(), 10u);
   cache.check_invariants();
-  EXPECT_EQ(cache.physical_length(0), 8);
+  EXPECT_EQ(cache.tokens(0).max_resident(), 8);
   EXPECT_EQ(cache.next_position(0), 8);
-  EXPECT_EQ(cache.logical_length(0), static_cast<int64_t>(m.prompt.size()) + 9);
+  EXPECT_EQ(cache.tokens(0).written, static_cast<int64_t>(m.prompt.size()) + 9);
   const LayerKV kv = cache.get(0);
   EXPECT_TRUE(at::equal(kv.positions[0], at::arange(8, at::kLong)));
 }
@@ -584,7 +588,7 @@ TEST(RunnerHalfPrecision, Bf16AndFp16ExportsTrackTheFp32Golden) {
     const auto P = static_cast<int64_t>(g.prompt_ids.size());
     const std::vector<int64_t> seq = concat(g.prompt_ids, r.tokens, 59);
     const at::Tensor ref =
-        lm.forward(detail::ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0].slice(
+        lm.forward(ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0].slice(
             0, P - 1, P + 59);
     // The managed path keeps K/V and attention in float32, so it sits closer to the fp32
     // golden than the export's own half-precision forward does (measured max |logit

@@ -1,23 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file eviction_policy.h
-/// EvictionPolicy: decides which cached tokens to keep under a token budget. Policies
-/// only PLAN (indices to keep per KV head); the CacheManager moves the data and then tells
-/// the policy what it kept (`on_compacted`) so stateful policies (accumulated scores) follow.
+/// EvictionPolicy: decides which cached tokens to evict under a token budget. Policies only
+/// PLAN (indices to evict per KV head); the CacheManager frees the storage and then tells the
+/// policy what it evicted (`on_evicted`) so stateful policies (accumulated scores) follow.
 ///
 /// Conventions shared by every policy (docs/cache-manager.md, docs/policies.md):
-///   - Indices refer to the resident tokens of one layer in cache order (oldest first), i.e.
-///     the columns of `CacheManager::get(layer)`; every KV head keeps the same number of
-///     tokens (heads may keep different ones).
+///   - Indices refer to the resident tokens of one KV head of one layer in cache order
+///     (oldest first). Heads may hold different numbers of tokens (ragged) and plan
+///     independently; the uniform policies below keep the same count in every head.
+///   - A plan lists the tokens to EVICT per head (what a paged cache frees), so planning a
+///     decode step is O(evicted) for positional policies.
 ///   - The newest resident token (the last token written in the current step) is never
 ///     evicted. Protected tokens (sinks, recent window) survive score ties.
 ///   - Ties between equal scores are broken in favour of the MORE RECENT token.
 ///   - The budget is `@N` tokens or `@P%` of the request's full context (prompt + max new
 ///     tokens, given to reset()); a resolved budget is never 0 (CapacityError). A budget at
 ///     least as large as the resident length evicts nothing.
-///   - Attention probabilities `[B, H_q, T_q, T_res]` are reduced to KV heads by the MEAN over
-///     the G = H_q / H_kv query heads of each group (query head h → KV head h / G) and by the
-///     SUM over batch rows (the batch shares one cache layout).
+///   - Attention reaches a policy as AttentionMass (kvcache/attention.h): per KV head, the
+///     MEAN over the G = H_q / H_kv query heads of each group (query head h → KV head h / G)
+///     and the SUM over batch rows, for the query rows its attention_need() selects.
 
 #include <ATen/ATen.h>
 
@@ -26,7 +28,9 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/attention.h"
 #include "kvcache/spec.h"
+#include "kvcache/types.h"
 
 namespace kvcache {
 
@@ -40,20 +44,24 @@ struct CacheShape {
 /// What a policy sees when asked for a plan for one layer at the end of a step.
 struct EvictionContext {
   int64_t layer = 0;
-  int64_t resident = 0;        ///< T_res: tokens resident per KV head before eviction
-  int64_t new_tokens = 0;      ///< tokens appended in this step (the last `new_tokens` of T_res)
+  StepKind step = StepKind::kDecode;
+  /// Tokens resident per KV head before eviction (incl. this step's).
+  std::vector<int64_t> resident;
+  int64_t new_tokens = 0;      ///< tokens appended in this step (the last `new_tokens` of each head)
   int64_t logical_length = 0;  ///< tokens ever written to this layer (incl. this step)
-  bool is_prefill_end = false; ///< this step is the last chunk of the prompt
-  /// `[H_kv, T_res]` int64 positions of the resident tokens (may be undefined in unit tests).
-  at::Tensor positions;
+
+  bool is_prefill_end() const { return step == StepKind::kPrefillEnd; }
+  int64_t num_kv_heads() const { return static_cast<int64_t>(resident.size()); }
 };
 
-/// Result of EvictionPolicy::plan_keep.
-struct KeepPlan {
-  /// `[H_kv, T_keep]` int64, strictly increasing per row, every row keeps the same count and
-  /// includes index T_res − 1. Undefined: keep everything (no eviction this step).
-  at::Tensor keep;
-  bool keeps_all() const { return !keep.defined(); }
+/// Result of EvictionPolicy::plan(): per KV head, the resident indices to evict, strictly
+/// increasing, never the head's newest token. Empty `evict` (or empty rows) = keep all.
+struct EvictionPlan {
+  std::vector<std::vector<int64_t>> evict;
+
+  bool empty() const;
+  /// Tokens evicted from head h.
+  int64_t count(int64_t h) const;
 };
 
 /// Base class of eviction policies. Not thread-safe; one instance per CacheManager.
@@ -72,20 +80,27 @@ class EvictionPolicy {
   /// Budget of `layer` (uniform policies: the same for every layer).
   virtual int64_t layer_budget(int64_t layer) const;
 
-  /// True if plan_keep needs attention probabilities passed to observe().
-  virtual bool needs_attention() const { return false; }
+  /// The attention statistics plan() will need after this step (query it every step:
+  /// SnapKV stops needing attention after the prompt). Default: none.
+  virtual AttentionNeed attention_need() const { return {}; }
+  /// Shorthand for attention_need().any().
+  bool needs_attention() const { return attention_need().any(); }
 
-  /// Attention probabilities of the current step's queries over the resident keys of
-  /// `layer`: `[B, H_q, T_q, T_res]` float32 (T_res = resident tokens incl. this step's).
-  /// @throws InvalidArgument on wrong rank/dtype or a head count that is not a multiple.
+  /// The step's attention over the resident keys of `layer`, as attention_need() selected.
+  /// @throws InvalidArgument on a layer out of range, a head count other than H_kv, or
+  ///         non-finite mass.
+  void observe(int64_t layer, const AttentionMass& mass);
+  /// Convenience for engines and tests that hold probabilities `[B, H_q, T_q, T_res]`:
+  /// observe(layer, reduce_attention(probs, H_kv, attention_need())).
   void observe(int64_t layer, const at::Tensor& probs);
 
-  /// Indices to keep for `ctx.layer`. @throws CapacityError if the protected tokens do not
-  /// fit the budget.
-  virtual KeepPlan plan_keep(const EvictionContext& ctx) = 0;
+  /// Tokens to evict from `ctx.layer` now. @throws CapacityError if the protected tokens do
+  /// not fit the budget; InvalidArgument if the attention it needs was not observed.
+  virtual EvictionPlan plan(const EvictionContext& ctx) = 0;
 
-  /// Called by the CacheManager after it compacted `layer` to `keep` (a plan from plan_keep).
-  virtual void on_compacted(int64_t layer, const at::Tensor& keep) { (void)layer; (void)keep; }
+  /// Called by the CacheManager after it evicted `plan` (from plan()) from `layer`, so that
+  /// stateful policies (accumulated scores) follow the surviving tokens.
+  virtual void on_evicted(int64_t layer, const EvictionPlan& plan) { (void)layer; (void)plan; }
 
   /// Starts a new request: `context_length` = prompt + max new tokens (resolves "@P%"; 0 =
   /// unknown, then a fractional budget fails at the first plan); clears all per-layer state.
@@ -102,7 +117,7 @@ class EvictionPolicy {
   explicit EvictionPolicy(Budget budget) : budget_(budget) {}
   /// Per-request hook after the budget is resolved (validate protected sizes, clear state).
   virtual void on_reset() {}
-  virtual void do_observe(int64_t layer, const at::Tensor& probs) { (void)layer; (void)probs; }
+  virtual void do_observe(int64_t layer, const AttentionMass& mass) { (void)layer; (void)mass; }
   /// Resolved budget per KV head; for a spec without '@': the context length (0 if unknown).
   /// @throws InvalidArgument if the budget is fractional and the context length is unknown.
   int64_t resolved_budget() const;
@@ -126,15 +141,10 @@ std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec);
 std::vector<ParamTable> registered_policies();
 
 namespace evict {
-/// Reduces probabilities `[B, H_q, T_q, T]` to `[H_kv, T_q, T]` float32: sum over B, mean
-/// over the query heads of each KV-head group. @throws InvalidArgument on bad shapes.
-at::Tensor reduce_to_kv_heads(const at::Tensor& probs, int64_t num_kv_heads);
-
-/// Indices of the `k` largest entries of `scores` `[T]` (float32) among `candidates`
-/// (sorted ascending), ties broken towards the larger index (more recent token).
-/// Returns them sorted ascending.
-std::vector<int64_t> top_k_recent_ties(const float* scores, const std::vector<int64_t>& candidates,
-                                       int64_t k);
+/// The `k` lowest of `scores[0..n)` — the tokens a score-based policy evicts — sorted
+/// ascending; ties evict the OLDER token first (so the top n − k keep the more recent one).
+/// O(n) (one selection, no sort of the survivors).
+std::vector<int64_t> lowest_k(const float* scores, int64_t n, int64_t k);
 }  // namespace evict
 
 }  // namespace kvcache

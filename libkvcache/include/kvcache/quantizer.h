@@ -46,6 +46,60 @@ struct QuantizedTensor {
   int64_t numel() const;
 };
 
+/// How a quantizer lays out what it stores for ONE KV head, as the cache's block store holds
+/// it (docs/cache-manager.md, "Block storage"; ggml-style type traits). The unit is a *group*
+/// of `group_tokens` consecutive tokens encoded together: 1 for per-token formats (a token
+/// can be written, read and removed on its own), g for per-channel formats (`:chan`, KIVI
+/// keys), whose groups run along tokens. `n` consecutive groups occupy three arrays:
+///   codes:  n × code_bytes bytes (packed codes, or the raw fp32/fp16/bf16/fp8 bytes);
+///   scales: n × meta_count values of meta_dtype (absent when meta_count == 0);
+///   zeros:  as many values as scales when has_zeros (absent otherwise).
+/// They are exactly QuantizedTensor's codes/scales/zeros for n = B·H_kv·T / group_tokens
+/// groups, so quantize() and encode() agree byte for byte.
+struct StoredLayout {
+  GroupAxis axis = GroupAxis::kPerToken;
+  int64_t group_tokens = 1;   ///< tokens encoded together (1 = token-readable)
+  int64_t code_bytes = 0;     ///< bytes of codes per group
+  int64_t meta_count = 0;     ///< scales per group (and zeros, when has_zeros)
+  bool has_zeros = false;     ///< a zero point per scale
+  /// dtype of scales and zeros: float16 for the integer formats. (A tensor whose metadata
+  /// overflows float16 is stored by quantize() with fp32 metadata; encode() reports
+  /// EncodeStatus::overflow instead and the cache stores such a group in fp32.)
+  at::ScalarType meta_dtype = at::kHalf;
+  /// One fp32 scale for a whole stream (fp8:*:scaled): fit_tensor_scale() computes it and
+  /// encode()/decode() take it. False: the tensor_scale arguments are ignored.
+  bool tensor_scale = false;
+
+  /// Bytes of scales and zeros per group.
+  int64_t meta_bytes() const;
+  /// Bytes stored per group: codes + scales + zeros.
+  int64_t group_bytes() const { return code_bytes + meta_bytes(); }
+  /// True if one token can be encoded, read and removed alone (group_tokens == 1).
+  bool token_readable() const { return group_tokens == 1; }
+};
+
+/// Raw memory of n consecutive groups in a StoredLayout (scales/zeros may be null when absent).
+struct GroupBuffers {
+  uint8_t* codes = nullptr;
+  void* scales = nullptr;
+  void* zeros = nullptr;
+};
+struct ConstGroupBuffers {
+  const uint8_t* codes = nullptr;
+  const void* scales = nullptr;
+  const void* zeros = nullptr;
+};
+
+/// What encode() found while writing.
+struct EncodeStatus {
+  /// Some group's stored form is not finite in this format (float16 metadata or values
+  /// beyond ±65504, bf16 past its range, a range that overflows float32). The output of
+  /// such a group is unusable; every other group is written correctly.
+  bool overflow = false;
+  /// Some input value was NaN/±Inf (callers validate first; output unusable).
+  bool nonfinite = false;
+};
+
 /// Base class of all quantizers. Public methods validate their input once and then call
 /// the protected virtuals, so implementations may assume valid input.
 class Quantizer {
@@ -73,11 +127,43 @@ class Quantizer {
   /// @throws InvalidArgument if `q.format` differs from spec().
   at::Tensor dequantize(const QuantizedTensor& q) const;
 
+  // ---- raw-memory codec of one KV head (what the cache's block store calls) ----------
+
+  /// The stored layout for head_dim `head_dim` (see StoredLayout).
+  /// @throws InvalidArgument if head_dim does not fit the format (e.g. not divisible by the
+  ///         group size); UnsupportedError for a quantizer without a block layout.
+  StoredLayout stored_layout(int64_t head_dim) const;
+
+  /// Encodes `groups` groups of one head: `x` float32, contiguous, row-major
+  /// `[groups · group_tokens, head_dim]`, finite (not re-checked). Writes
+  /// `groups × code_bytes` bytes to out.codes and the metadata arrays. `tensor_scale`: the
+  /// stream's scale when StoredLayout::tensor_scale (else ignored). Never throws for
+  /// finite input; reports overflow instead (EncodeStatus). Single-threaded below 64 Ki values.
+  EncodeStatus encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
+                      GroupBuffers out) const;
+
+  /// Decodes `groups` groups written by encode() into `out` float32
+  /// `[groups · group_tokens, head_dim]`, bit-identical to dequantize() of the same bytes.
+  void decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
+              float* out) const;
+
+  /// The per-stream scale encode() should use for values like `x` (any shape, float32):
+  /// amax / max_finite for fp8:*:scaled (as quantize() computes its per-tensor scale), 1
+  /// for every other format.
+  virtual float fit_tensor_scale(const at::Tensor& x) const { (void)x; return 1.0f; }
+
  protected:
   virtual QuantizedTensor do_quantize(const at::Tensor& x) const = 0;
   virtual at::Tensor do_dequantize(const QuantizedTensor& q) const = 0;
   /// Extra validation of input beyond shape/dtype/finite (e.g. divisibility). Default: none.
   virtual void check_input(const at::Tensor& x) const { (void)x; }
+  /// Layout / codec implementations behind the public methods above (layouts validated by
+  /// stored_layout()). Default do_stored_layout: UnsupportedError naming the spec.
+  virtual StoredLayout do_stored_layout(int64_t head_dim) const;
+  virtual EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
+                                 GroupBuffers out) const;
+  virtual void do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
+                         float* out) const;
   /// True if do_quantize() itself rejects NaN/Inf input (throwing InvalidArgument that names
   /// the first bad index [b, h, t, d], like quantize() does), typically detected inside its
   /// kernel's single pass over the data. quantize() then skips its own finiteness scan, a

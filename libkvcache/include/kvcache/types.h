@@ -32,4 +32,12 @@ enum class PositionMode {
   kRerotate,  ///< kept tokens re-assigned contiguous cache positions (StreamingLLM); needs kPreRoPE
 };
 
+/// What a forward step just ran: it tells the cache (and its eviction policy) where the
+/// request is. Passed to CacheManager::end_step().
+enum class StepKind {
+  kPrefill,     ///< a prompt chunk that is not the last one
+  kPrefillEnd,  ///< the last chunk of the prompt (SnapKV / PyramidKV compress here)
+  kDecode,      ///< one generated token
+};
+
 }  // namespace kvcache

@@ -1,56 +1,30 @@
 // SPDX-License-Identifier: Apache-2.0
-// CacheManager: stored form per layer (KVStream for K and V) + float32 compute views.
+// CacheManager: orchestrates the block store (LayerStore per layer), the generic read path
+// (attend_generic) and the eviction policy. Every public mutator validates everything
+// before it changes anything.
 #include "kvcache/cache_manager.h"
 
 #include <algorithm>
-#include <limits>
+#include <cmath>
+#include <map>
+#include <numeric>
 #include <sstream>
 
+#include "cache/attend.h"
+#include "cache/block_pool.h"
 #include "cache/cache_manager_access.h"
 #include "cache/cache_scheme.h"
-#include "cache/kv_stream.h"
-#include "cache/token_buffer.h"
+#include "cache/layer_store.h"
+#include "cache/rope_table.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 
 namespace kvcache {
-
-void CacheConfig::validate() const {
-  KV_CHECK_ARG(num_layers >= 1, "CacheConfig.num_layers must be >= 1, got ", num_layers);
-  KV_CHECK_ARG(num_kv_heads >= 1, "CacheConfig.num_kv_heads must be >= 1, got ", num_kv_heads);
-  KV_CHECK_ARG(num_q_heads >= 1 && num_q_heads % num_kv_heads == 0,
-               "CacheConfig.num_q_heads must be a positive multiple of num_kv_heads=", num_kv_heads,
-               ", got ", num_q_heads);
-  KV_CHECK_ARG(head_dim >= 1, "CacheConfig.head_dim must be >= 1, got ", head_dim);
-  KV_CHECK_ARG(residual_length >= 0, "CacheConfig.residual_length must be >= 0, got ",
-               residual_length);
-  KV_CHECK_ARG(context_length >= 0, "CacheConfig.context_length must be >= 0, got ",
-               context_length);
-  KV_CHECK_ARG(static_cast<bool>(rope),
-               "CacheConfig.rope is required (the model's rotary embedding: x [B, H, T, D], "
-               "positions int64 [T] -> rotated x)");
-  KV_CHECK_ARG(!(position_mode == PositionMode::kRerotate && key_storage == KeyStorage::kPostRoPE),
-               "CacheConfig: position_mode=kRerotate re-rotates kept keys to contiguous positions "
-               "and needs key_storage=kPreRoPE (got kPostRoPE)");
-  auto scheme = cache::parse_cache_scheme(quant, residual_length, head_dim);
-  KV_CHECK_ARG(!scheme.required_key_storage || *scheme.required_key_storage == key_storage,
-               "CacheConfig: cache scheme '", quant, "' requires key_storage=",
-               *scheme.required_key_storage == KeyStorage::kPreRoPE ? "kPreRoPE" : "kPostRoPE");
-  (void)make_eviction_policy(policy);
-}
-
 namespace {
 
-struct LayerState {
-  std::unique_ptr<cache::KVStream> k, v;
-  cache::TokenBuffer k_view, v_view, k_pre_view, pos;
-  int64_t written = 0;
-  int64_t step_new = 0;
-  int64_t last_pos = -1;
-  int64_t bytes = 0, bytes_peak = 0;
-  int64_t tokens = 0, tokens_peak = 0;
-  int64_t batch = -1;
-};
+constexpr int64_t kMaxBlockTokens = 4096;
+/// Largest position kPreRoPE storage records cos/sin for (a table of D floats per position).
+constexpr int64_t kMaxPreRopePosition = int64_t{1} << 22;
 
 std::string shape_str(const at::Tensor& t) {
   if (!t.defined()) return "undefined";
@@ -59,303 +33,415 @@ std::string shape_str(const at::Tensor& t) {
   return os.str();
 }
 
-at::Tensor positions_of(const cache::TokenBuffer& pos, int64_t h, int64_t start, int64_t n) {
-  return pos.rows(h, start, n).reshape({n}).contiguous();
+bool is_float_input(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
 }
+
+/// Tokens a quantizer encodes together for head_dim d (1: per token).
+int64_t group_tokens(const std::string& quant, int64_t d) { return make_quantizer(quant)->stored_layout(d).group_tokens; }
+
+/// Throws naming the first NaN/Inf of `x` `[1, H, T, D]` as `name`[0, h, t, d].
+void check_finite(const at::Tensor& x, const char* fn, const char* name) {
+  if (at::isfinite(x).all().item<bool>()) return;
+  const auto bad = at::logical_not(at::isfinite(x)).nonzero();
+  const auto i = bad[0];
+  const float v = x.index({i[0], i[1], i[2], i[3]}).to(at::kFloat).item<float>();
+  throw InvalidArgument(detail::str_cat(fn, ": ", name, " contains ", std::isnan(v) ? "NaN" : (v > 0 ? "+Inf" : "-Inf"),
+                                        " at [b, h, t, d] = [", i[0].item<int64_t>(), ", ", i[1].item<int64_t>(), ", ",
+                                        i[2].item<int64_t>(), ", ", i[3].item<int64_t>(),
+                                        "]; the cache stores finite keys and values only"));
+}
+
+}  // namespace
+
+void CacheConfig::validate() const {
+  KV_CHECK_ARG(num_layers >= 1, "CacheConfig.num_layers must be >= 1, got ", num_layers);
+  KV_CHECK_ARG(num_kv_heads >= 1, "CacheConfig.num_kv_heads must be >= 1, got ", num_kv_heads);
+  KV_CHECK_ARG(num_q_heads >= 1 && num_q_heads % num_kv_heads == 0,
+               "CacheConfig.num_q_heads must be a positive multiple of num_kv_heads=", num_kv_heads,
+               ", got ", num_q_heads);
+  KV_CHECK_ARG(head_dim >= 1, "CacheConfig.head_dim must be >= 1, got ", head_dim);
+  KV_CHECK_ARG(residual_length >= 0, "CacheConfig.residual_length must be >= 0, got ", residual_length);
+  KV_CHECK_ARG(context_length >= 0, "CacheConfig.context_length must be >= 0, got ", context_length);
+  KV_CHECK_ARG(static_cast<bool>(rope),
+               "CacheConfig.rope is required (the model's rotary embedding: x [B, H, T, D], "
+               "positions int64 [T] -> rotated x)");
+  KV_CHECK_ARG(!(position_mode == PositionMode::kRerotate && key_storage == KeyStorage::kPostRoPE),
+               "CacheConfig: position_mode=kRerotate re-rotates kept keys to contiguous positions "
+               "and needs key_storage=kPreRoPE (got kPostRoPE)");
+  KV_CHECK_ARG(key_storage == KeyStorage::kPostRoPE || head_dim % 2 == 0,
+               "CacheConfig: key_storage=kPreRoPE rotates keys on read and needs an even head_dim, got ", head_dim);
+  auto scheme = cache::parse_cache_scheme(quant, residual_length, head_dim);
+  KV_CHECK_ARG(!scheme.required_key_storage || *scheme.required_key_storage == key_storage,
+               "CacheConfig: cache scheme '", quant, "' requires key_storage=",
+               *scheme.required_key_storage == KeyStorage::kPreRoPE ? "kPreRoPE" : "kPostRoPE");
+  KV_CHECK_ARG(block_tokens >= 0 && block_tokens <= kMaxBlockTokens, "CacheConfig.block_tokens must be in [0, ",
+               kMaxBlockTokens, "] (0 = default ", kDefaultBlockTokens, "), got ", block_tokens);
+  const int64_t gk = group_tokens(scheme.key.quantizer, head_dim), gv = group_tokens(scheme.value.quantizer, head_dim);
+  if (block_tokens > 0) {
+    for (const auto& [g, which] : {std::pair<int64_t, const char*>{gk, "key"}, {gv, "value"}}) {
+      KV_CHECK_ARG(block_tokens % g == 0, "CacheConfig.block_tokens = ", block_tokens, " must be a multiple of the ",
+                   which, " quantizer's group of ", g, " tokens ('", quant, "'; or 0 for the default)");
+    }
+  }
+  (void)make_eviction_policy(policy);
+}
+
+int64_t CacheConfig::resolved_block_tokens() const {
+  if (block_tokens > 0) return block_tokens;
+  const auto scheme = cache::parse_cache_scheme(quant, residual_length, head_dim);
+  const int64_t g = std::lcm(group_tokens(scheme.key.quantizer, head_dim), group_tokens(scheme.value.quantizer, head_dim));
+  return (kDefaultBlockTokens + g - 1) / g * g;
+}
+
+int64_t LayerTokens::max_resident() const {
+  int64_t m = 0;
+  for (const auto& p : positions) m = std::max<int64_t>(m, static_cast<int64_t>(p.size()));
+  return m;
+}
+
+namespace {
+
+struct LayerState {
+  std::unique_ptr<cache::LayerStore> store;
+  int64_t written = 0;
+  int64_t step_new = 0;
+  int64_t last_pos = -1;
+  bool observed = false;  ///< the policy got this step's attention for the layer
+  CacheStats stats;
+};
 
 }  // namespace
 
 struct CacheManager::Impl {
   CacheConfig cfg;
   cache::CacheScheme scheme;
-  std::unique_ptr<Quantizer> kq, vq;
-  cache::StoreLayout klayout, vlayout;
+  int64_t block_tokens = 0;
+  std::unique_ptr<Quantizer> kq, vq, kres, vres, fp32;
+  std::map<int64_t, std::unique_ptr<cache::BlockPool>> pools;  ///< by block bytes
+  cache::StreamSetup kset, vset;
   std::unique_ptr<EvictionPolicy> policy;
+  cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read
   std::vector<LayerState> layers;
-  int64_t total_bytes = 0, total_bytes_peak = 0;
-  int64_t total_tokens = 0, total_tokens_peak = 0;
-  int64_t total_written = 0;
+  CacheStats total;
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
 
-  void init_layers() {
-    layers.clear();
-    layers.resize(static_cast<size_t>(cfg.num_layers));
-    for (auto& l : layers) {
-      l.k = std::make_unique<cache::KVStream>(scheme.key, *kq, klayout, cfg.num_kv_heads, cfg.head_dim);
-      l.v = std::make_unique<cache::KVStream>(scheme.value, *vq, vlayout, cfg.num_kv_heads,
-                                              cfg.head_dim);
+  cache::BlockPool* pool_for(int64_t bytes) {
+    const int64_t key = (bytes + 7) / 8 * 8;
+    auto& p = pools[key];
+    if (!p) p = std::make_unique<cache::BlockPool>(key);
+    return p.get();
+  }
+
+  cache::BlockFormat format(const Quantizer& q, int64_t capacity) {
+    return cache::BlockFormat(q, cfg.head_dim, capacity,
+                              pool_for(cache::BlockFormat::bytes_for(q, cfg.head_dim, capacity)));
+  }
+
+  void setup_stream(cache::StreamSetup& st, const cache::StreamSpec& spec, const Quantizer& main,
+                    const Quantizer& residual) {
+    using F = cache::StreamFormats;
+    st.spec = spec;
+    const StoredLayout ml = main.stored_layout(cfg.head_dim);
+    st.formats.f[F::kMain] = format(main, ml.token_readable() ? block_tokens : ml.group_tokens);
+    st.formats.f[F::kResidual] = format(residual, block_tokens);
+    st.formats.f[F::kFallback] = format(*fp32, block_tokens);
+    if (!ml.token_readable()) {
+      // Survivors of a per-channel group move to small blocks no larger than the group.
+      const int64_t cap = ml.group_bytes() / residual.stored_layout(cfg.head_dim).group_bytes();
+      if (cap >= 1) st.formats.f[F::kConverted] = format(residual, cap);
     }
-    total_bytes = total_bytes_peak = total_tokens = total_tokens_peak = total_written = 0;
+  }
+
+  void build() {
+    scheme = cache::parse_cache_scheme(cfg.quant, cfg.residual_length, cfg.head_dim);
+    block_tokens = cfg.resolved_block_tokens();
+    kq = make_quantizer(scheme.key.quantizer);
+    vq = make_quantizer(scheme.value.quantizer);
+    kres = make_quantizer(scheme.key.residual_dtype == at::kFloat ? "fp32" : "fp16");
+    vres = make_quantizer(scheme.value.residual_dtype == at::kFloat ? "fp32" : "fp16");
+    fp32 = make_quantizer("fp32");
+    setup_stream(kset, scheme.key, *kq, *kres);
+    setup_stream(vset, scheme.value, *vq, *vres);
+    policy = make_eviction_policy(cfg.policy);
+    policy->reset(cfg.context_length, CacheShape{cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads});
+    if (pre_rope()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim);
+    layers.resize(static_cast<size_t>(cfg.num_layers));
+    make_stores();
+  }
+
+  void make_stores() {
+    for (auto& l : layers) l.store = std::make_unique<cache::LayerStore>(&kset, &vset, cfg.num_kv_heads, cfg.head_dim);
   }
 
   LayerState& layer_at(int64_t layer, const char* fn) {
-    KV_CHECK_ARG(layer >= 0 && layer < cfg.num_layers, fn, ": layer ", layer, " out of range [0, ",
-                 cfg.num_layers, ")");
+    KV_CHECK_ARG(layer >= 0 && layer < cfg.num_layers, fn, ": layer ", layer, " out of range [0, ", cfg.num_layers,
+                 ")");
     return layers[static_cast<size_t>(layer)];
   }
   const LayerState& layer_at(int64_t layer, const char* fn) const {
     return const_cast<Impl*>(this)->layer_at(layer, fn);
   }
 
-  /// Samples bytes/tokens after a mutation of `l`.
+  /// Samples bytes/tokens of `l` after a mutation and updates totals and peaks.
   void sample(LayerState& l) {
-    const int64_t bytes = l.k->nbytes() + l.v->nbytes();
-    const int64_t tokens = l.v_view.size();
-    total_bytes += bytes - l.bytes;
-    total_tokens += tokens - l.tokens;
-    l.bytes = bytes;
-    l.tokens = tokens;
-    l.bytes_peak = std::max(l.bytes_peak, bytes);
-    l.tokens_peak = std::max(l.tokens_peak, tokens);
-    total_bytes_peak = std::max(total_bytes_peak, total_bytes);
-    total_tokens_peak = std::max(total_tokens_peak, total_tokens);
+    CacheStats& s = l.stats;
+    const int64_t bytes = l.store->bytes_resident(), reserved = l.store->bytes_reserved();
+    const int64_t tokens = l.store->max_resident();
+    total.bytes_resident += bytes - s.bytes_resident;
+    total.bytes_reserved += reserved - s.bytes_reserved;
+    total.tokens_resident += tokens - s.tokens_resident;
+    s.bytes_resident = bytes;
+    s.bytes_reserved = reserved;
+    s.tokens_resident = tokens;
+    s.tokens_written = l.written;
+    s.bytes_resident_peak = std::max(s.bytes_resident_peak, bytes);
+    s.bytes_reserved_peak = std::max(s.bytes_reserved_peak, reserved);
+    s.tokens_resident_peak = std::max(s.tokens_resident_peak, tokens);
+    total.bytes_resident_peak = std::max(total.bytes_resident_peak, total.bytes_resident);
+    total.bytes_reserved_peak = std::max(total.bytes_reserved_peak, total.bytes_reserved);
+    total.tokens_resident_peak = std::max(total.tokens_resident_peak, total.tokens_resident);
+  }
+
+  int64_t next_position(const LayerState& l) const {
+    return cfg.position_mode == PositionMode::kRerotate ? l.store->max_resident() : l.last_pos + 1;
   }
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) const {
     auto y = cfg.rope(x, positions);
-    KV_CHECK_ARG(y.defined() && y.sizes() == x.sizes(), "CacheConfig.rope returned ", shape_str(y),
-                 " for input ", shape_str(x), " (expected the same shape)");
-    return y.to(at::kFloat);
-  }
-
-  /// Applies stored-value changes of one stream to its compute view (and the rotated key
-  /// view when keys are stored pre-RoPE).
-  void apply_updates(LayerState& l, bool is_key, const std::vector<std::vector<cache::ViewUpdate>>& ups) {
-    for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
-      for (const auto& u : ups[static_cast<size_t>(h)]) {
-        const int64_t n = u.values.size(2);
-        if (n == 0) continue;
-        if (!is_key) {
-          l.v_view.write(h, u.start, u.values);
-        } else if (!pre_rope()) {
-          l.k_view.write(h, u.start, u.values);
-        } else {
-          l.k_pre_view.write(h, u.start, u.values);
-          l.k_view.write(h, u.start, rope(u.values, positions_of(l.pos, h, u.start, n)));
-        }
-      }
-    }
+    KV_CHECK_ARG(y.defined() && y.sizes() == x.sizes(), "CacheConfig.rope returned ", shape_str(y), " for input ",
+                 shape_str(x), " (expected the same shape)");
+    return y.to(at::kFloat).contiguous();
   }
 
   void append(int64_t layer, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& positions) {
-    auto& l = layer_at(layer, "CacheManager::append");
+    static constexpr const char* fn = "CacheManager::append";
+    auto& l = layer_at(layer, fn);
     const int64_t hkv = cfg.num_kv_heads, d = cfg.head_dim;
     auto check_kv = [&](const at::Tensor& t, const char* name) {
-      KV_CHECK_ARG(t.defined() && t.dim() == 4 && t.size(1) == hkv && t.size(3) == d &&
-                       at::isFloatingType(t.scalar_type()) && t.device().is_cpu(),
-                   "CacheManager::append: ", name, " must be a CPU floating tensor [B, H_kv=", hkv,
-                   ", T_new, D=", d, "], got ", shape_str(t));
+      KV_CHECK_ARG(t.defined() && t.dim() == 4 && t.size(0) == 1 && t.size(1) == hkv && t.size(3) == d &&
+                       is_float_input(t) && t.device().is_cpu(),
+                   fn, ": ", name, " must be a CPU float32/float16/bfloat16 tensor [B=1, H_kv=", hkv,
+                   ", T_new, D=", d, "] (the cache holds one sequence), got ", shape_str(t));
     };
     check_kv(k_in, "k");
     check_kv(v_in, "v");
-    KV_CHECK_ARG(k_in.sizes() == v_in.sizes(), "CacheManager::append: k ", k_in.sizes(), " and v ",
-                 v_in.sizes(), " differ");
-    const int64_t b = k_in.size(0), n = k_in.size(2);
-    KV_CHECK_ARG(l.batch < 0 || l.batch == b, "CacheManager::append: batch ", b,
-                 " differs from the layer's batch ", l.batch, " (reset() between requests)");
+    KV_CHECK_ARG(k_in.sizes() == v_in.sizes(), fn, ": k ", k_in.sizes(), " and v ", v_in.sizes(), " differ");
+    const int64_t n = k_in.size(2);
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
                      positions.scalar_type() == at::kLong,
-                 "CacheManager::append: positions must be int64 [T_new=", n, "], got ",
-                 shape_str(positions));
-    auto pos = positions.contiguous();
+                 fn, ": positions must be int64 [T_new=", n, "], got ", shape_str(positions));
+    const at::Tensor pos = positions.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
-    const int64_t first_expected =
-        cfg.position_mode == PositionMode::kRerotate ? l.v_view.size() : l.last_pos + 1;
+    const bool rerotate = cfg.position_mode == PositionMode::kRerotate;
+    const int64_t first = next_position(l);
     for (int64_t i = 0; i < n; ++i) {
-      if (cfg.position_mode == PositionMode::kRerotate) {
-        KV_CHECK_ARG(pp[i] == first_expected + i, "CacheManager::append (rerotate mode): positions "
-                     "must continue the cache contiguously from next_position(", layer, ") = ",
-                     first_expected, "; got ", pp[i], " at index ", i);
+      if (rerotate) {
+        KV_CHECK_ARG(pp[i] == first + i, fn, " (rerotate mode): positions must continue the cache contiguously from "
+                     "next_position(", layer, ") = ", first, "; got ", pp[i], " at index ", i);
       } else {
-        KV_CHECK_ARG(pp[i] >= (i == 0 ? first_expected : pp[i - 1] + 1),
-                     "CacheManager::append: positions must increase and follow the layer's last "
-                     "position ", l.last_pos, "; got ", pp[i], " at index ", i);
+        KV_CHECK_ARG(pp[i] >= (i == 0 ? first : pp[i - 1] + 1), fn,
+                     ": positions must increase and follow the layer's last position ", l.last_pos, "; got ", pp[i],
+                     " at index ", i);
       }
     }
     if (n == 0) return;
-    l.batch = b;
-    auto k = k_in.to(at::kFloat);
-    auto v = v_in.to(at::kFloat);
-    at::Tensor k_post;
-    if (!pre_rope()) k_post = rope(k, pos);
-
-    auto vres = l.v->push(v);
-    l.v_view.append(vres.new_values);
-    auto kres = l.k->push(pre_rope() ? k : k_post);
-    if (!l.pos.initialized()) {
-      l.pos = cache::TokenBuffer(at::kLong, {1, cfg.num_kv_heads, 0, 1});
-      l.pos.append(at::empty({1, cfg.num_kv_heads, 0, 1}, at::kLong));
-    }
-    l.pos.append_to_all_heads(pos.view({1, 1, n, 1}));
+    KV_CHECK_ARG(!pre_rope() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
+                 " is beyond the ", kMaxPreRopePosition, " positions key_storage=kPreRoPE records RoPE tables for");
+    check_finite(k_in, fn, "k");
+    check_finite(v_in, fn, "v");
+    at::Tensor k = k_in.to(at::kFloat).contiguous();
+    const at::Tensor v = v_in.to(at::kFloat).contiguous();
     if (pre_rope()) {
-      l.k_pre_view.append(kres.new_values);
-      l.k_view.append(rope(kres.new_values, pos));
+      rope_table.extend(pp, n);
     } else {
-      l.k_view.append(kres.new_values);
+      k = rope(k, pos);
+      check_finite(k, fn, "rope(k)");
     }
-    apply_updates(l, false, vres.updates);
-    apply_updates(l, true, kres.updates);
+    // --- nothing below throws for valid input ---
+    auto& store = *l.store;
+    if (!store.scales_set()) store.set_scales(kq->fit_tensor_scale(k), vq->fit_tensor_scale(v));
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    for (int64_t h = 0; h < hkv; ++h) store.write(h, kp + h * n * d, vp + h * n * d, pp, n);
     l.written += n;
-    total_written += n;
+    total.tokens_written += n;
     l.step_new += n;
     l.last_pos = pp[n - 1];
     sample(l);
   }
 
-  /// Validates a plan and turns it into the dropped indices of every head (one pass).
-  std::vector<std::vector<int64_t>> plan_to_drops(int64_t layer, const at::Tensor& keep, int64_t t) const {
-    KV_INTERNAL_ASSERT(keep.defined() && keep.dim() == 2 && keep.size(0) == cfg.num_kv_heads &&
-                           keep.scalar_type() == at::kLong && keep.size(1) >= 1 && keep.size(1) <= t,
-                       "policy '", policy->spec(), "' returned a plan ", shape_str(keep),
-                       " for layer ", layer, " with ", t, " resident tokens");
-    const int64_t m = keep.size(1);
-    const int64_t* p = keep.data_ptr<int64_t>();
-    std::vector<std::vector<int64_t>> drops(static_cast<size_t>(cfg.num_kv_heads));
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+    static constexpr const char* fn = "CacheManager::attend";
+    auto& l = layer_at(layer, fn);
+    const int64_t hq = cfg.num_q_heads, d = cfg.head_dim;
+    KV_CHECK_ARG(q.defined() && q.dim() == 4 && q.size(0) == 1 && q.size(1) == hq && q.size(3) == d &&
+                     is_float_input(q) && q.device().is_cpu(),
+                 fn, ": q must be a CPU float32/float16/bfloat16 tensor [B=1, H_q=", hq, ", T_q, D=", d, "], got ",
+                 shape_str(q));
+    const int64_t tq = q.size(2);
+    KV_CHECK_ARG(q_positions.defined() && q_positions.dim() == 1 && q_positions.size(0) == tq &&
+                     q_positions.scalar_type() == at::kLong,
+                 fn, ": q_positions must be int64 [T_q=", tq, "], got ", shape_str(q_positions));
+    const at::Tensor qf = q.to(at::kFloat).contiguous();
+    const at::Tensor qp = q_positions.contiguous();
+    at::Tensor out = at::empty({1, hq, tq, d}, at::kFloat);
+    if (tq == 0) return out;
+    const AttentionNeed need = l.observed ? AttentionNeed{} : policy->attention_need();
+    AttentionMass mass;
+    cache::AttendArgs a;
+    a.layer = l.store.get();
+    a.q = qf.data_ptr<float>();
+    a.q_pos = qp.data_ptr<int64_t>();
+    a.t_q = tq;
+    a.num_q_heads = hq;
+    a.rope = pre_rope() ? &rope_table : nullptr;
+    a.need = need;
+    a.out = out.data_ptr<float>();
+    a.mass = &mass;
+    cache::attend_generic(a);
+    if (need.any()) {
+      policy->observe(layer, mass);
+      l.observed = true;
+    }
+    return out;
+  }
+
+  void observe_attention(int64_t layer, const at::Tensor& probs) {
+    static constexpr const char* fn = "CacheManager::observe_attention";
+    auto& l = layer_at(layer, fn);
+    const int64_t t = l.store->max_resident();
     for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
-      const int64_t* r = p + h * m;
-      KV_INTERNAL_ASSERT(r[m - 1] == t - 1, "policy '", policy->spec(), "' evicts the newest token",
-                         " of layer ", layer, " head ", h);
-      auto& d = drops[static_cast<size_t>(h)];
-      d.reserve(static_cast<size_t>(t - m));
-      int64_t next = 0;  // first index not yet accounted for
-      for (int64_t j = 0; j < m; ++j) {
-        KV_INTERNAL_ASSERT(r[j] >= next && r[j] < t, "policy '", policy->spec(), "' plan for layer ",
-                           layer, " head ", h, " is not strictly increasing in [0, ", t, ") at ", j);
-        for (int64_t i = next; i < r[j]; ++i) d.push_back(i);
-        next = r[j] + 1;
-      }
+      KV_CHECK_ARG(l.store->resident(h) == t, fn, ": KV head ", h, " of layer ", layer, " holds ", l.store->resident(h),
+                   " tokens but head 0 holds ", l.store->resident(0),
+                   "; probabilities [B, H_q, T_q, T_res] need heads of equal length (use attend())");
     }
-    return drops;
+    KV_CHECK_ARG(probs.defined() && probs.dim() == 4 && probs.scalar_type() == at::kFloat && probs.size(0) == 1 &&
+                     probs.size(1) == cfg.num_q_heads && probs.size(3) == t,
+                 fn, ": probs must be float32 [B=1, H_q=", cfg.num_q_heads, ", T_q, T_res=", t, "] for layer ", layer,
+                 ", got ", shape_str(probs));
+    KV_CHECK_ARG(!l.observed, fn, ": the attention of layer ", layer,
+                 " was already observed in this step (by attend() or observe_attention)");
+    const AttentionNeed need = policy->attention_need();
+    if (!need.any()) return;
+    const AttentionMass mass = reduce_attention(probs, cfg.num_kv_heads, need);
+    policy->observe(layer, mass);
+    l.observed = true;
   }
 
-  void evict_layer(int64_t layer, bool is_prefill_end) {
-    auto& l = layers[static_cast<size_t>(layer)];
-    const int64_t t = l.v_view.size();
-    EvictionContext ctx;
-    ctx.layer = layer;
-    ctx.resident = t;
-    ctx.new_tokens = l.step_new;
-    ctx.logical_length = l.written;
-    ctx.is_prefill_end = is_prefill_end;
-    if (t > 0) ctx.positions = l.pos.view().select(0, 0).select(-1, 0);
-    KeepPlan plan = policy->plan_keep(ctx);
-    if (plan.keeps_all()) return;
-    auto keep = plan.keep.contiguous();
-    const auto drops = plan_to_drops(layer, keep, t);
-    const int64_t m = keep.size(1);
-    if (m == t) return;
-    auto vups = l.v->drop(drops);
-    auto kups = l.k->drop(drops);
-    l.v_view.drop(drops);
-    l.k_view.drop(drops);
-    if (pre_rope()) l.k_pre_view.drop(drops);
-    l.pos.drop(drops);
-    apply_updates(l, false, vups);
-    apply_updates(l, true, kups);
-    if (cfg.position_mode == PositionMode::kRerotate) {
-      // Positions shift from the first dropped index on: re-rotate from there (StreamingLLM).
-      int64_t i0 = m;
-      for (const auto& d : drops) i0 = std::min(i0, d.front());
-      if (i0 < m) {
-        auto new_pos = at::arange(i0, m, at::kLong);
-        l.pos.write_all(i0, new_pos.view({1, 1, m - i0, 1}).expand({1, cfg.num_kv_heads, m - i0, 1}));
-        l.k_view.write_all(i0, rope(l.k_pre_view.view().narrow(2, i0, m - i0), new_pos));
+  /// Validates a plan for `layer` (policy bugs are internal errors).
+  void check_plan(int64_t layer, const EvictionPlan& plan) const {
+    if (plan.evict.empty()) return;
+    const auto& st = *layers[static_cast<size_t>(layer)].store;
+    KV_INTERNAL_ASSERT(static_cast<int64_t>(plan.evict.size()) == cfg.num_kv_heads, "policy '", policy->spec(),
+                       "' planned ", plan.evict.size(), " heads for layer ", layer);
+    for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
+      const auto& e = plan.evict[static_cast<size_t>(h)];
+      const int64_t t = st.resident(h);
+      for (size_t i = 0; i < e.size(); ++i) {
+        KV_INTERNAL_ASSERT(e[i] >= 0 && e[i] < t - 1 && (i == 0 || e[i] > e[i - 1]), "policy '", policy->spec(),
+                           "' plan for layer ", layer, " head ", h, " is not strictly increasing in [0, ", t - 1,
+                           ") at ", i, " (the newest token is never evicted)");
       }
     }
-    policy->on_compacted(layer, keep);
-    sample(l);
   }
 
-  void end_step(bool is_prefill_end) {
+  void end_step(StepKind step) {
     const int64_t n0 = layers[0].step_new;
     for (int64_t i = 1; i < cfg.num_layers; ++i) {
-      KV_CHECK_ARG(layers[static_cast<size_t>(i)].step_new == n0, "CacheManager::end_step: layer ",
-                   i, " appended ", layers[static_cast<size_t>(i)].step_new,
-                   " tokens this step but layer 0 appended ", n0,
+      KV_CHECK_ARG(layers[static_cast<size_t>(i)].step_new == n0, "CacheManager::end_step: layer ", i, " appended ",
+                   layers[static_cast<size_t>(i)].step_new, " tokens this step but layer 0 appended ", n0,
                    " (every layer must append the step's tokens)");
     }
-    for (int64_t i = 0; i < cfg.num_layers; ++i) evict_layer(i, is_prefill_end);
-    for (auto& l : layers) l.step_new = 0;
+    // Plan every layer first: a plan that throws leaves every layer as it was.
+    std::vector<EvictionPlan> plans(static_cast<size_t>(cfg.num_layers));
+    for (int64_t i = 0; i < cfg.num_layers; ++i) {
+      auto& l = layers[static_cast<size_t>(i)];
+      EvictionContext ctx;
+      ctx.layer = i;
+      ctx.step = step;
+      ctx.new_tokens = l.step_new;
+      ctx.logical_length = l.written;
+      ctx.resident.resize(static_cast<size_t>(cfg.num_kv_heads));
+      for (int64_t h = 0; h < cfg.num_kv_heads; ++h) ctx.resident[static_cast<size_t>(h)] = l.store->resident(h);
+      plans[static_cast<size_t>(i)] = policy->plan(ctx);
+      check_plan(i, plans[static_cast<size_t>(i)]);
+    }
+    for (int64_t i = 0; i < cfg.num_layers; ++i) {
+      auto& l = layers[static_cast<size_t>(i)];
+      const auto& plan = plans[static_cast<size_t>(i)];
+      if (!plan.empty()) {
+        for (int64_t h = 0; h < cfg.num_kv_heads; ++h) l.store->evict(h, plan.evict[static_cast<size_t>(h)]);
+        policy->on_evicted(i, plan);
+        if (cfg.position_mode == PositionMode::kRerotate) l.store->renumber_positions();
+        sample(l);
+      }
+      l.step_new = 0;
+      l.observed = false;
+    }
   }
 
   void check_layer(int64_t i) const {
     const auto& l = layers[static_cast<size_t>(i)];
-    const int64_t t = l.v_view.size();
     auto fail = [&](const std::string& what) {
       throw InternalError("CacheManager invariant violated at layer " + std::to_string(i) + ": " + what);
     };
-    if (l.k_view.size() != t || l.pos.size() != t || (pre_rope() && l.k_pre_view.size() != t)) {
-      fail("view lengths differ: k " + std::to_string(l.k_view.size()) + ", v " + std::to_string(t) +
-           ", positions " + std::to_string(l.pos.size()));
-    }
-    if (l.k->size() != t || l.v->size() != t) {
-      fail("stored lengths k " + std::to_string(l.k->size()) + ", v " + std::to_string(l.v->size()) +
-           " != resident " + std::to_string(t));
-    }
+    l.store->check(i);
     for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
-      if (l.k->quantized_tokens(h) + l.k->residual_tokens(h) != t ||
-          l.v->quantized_tokens(h) + l.v->residual_tokens(h) != t) {
-        fail("head " + std::to_string(h) + ": quantized + residual != resident");
-      }
-    }
-    l.k->check_residual_rule();
-    l.v->check_residual_rule();
-    if (t > l.written) fail("resident " + std::to_string(t) + " > written " + std::to_string(l.written));
-    if (t == 0) {
-      if (l.bytes != 0) fail("bytes of an empty layer");
-      return;
-    }
-    auto pos = l.pos.view().select(0, 0).select(-1, 0).contiguous();  // [H, T]
-    for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
-      const int64_t* p = pos[h].data_ptr<int64_t>();
-      for (int64_t j = 0; j < t; ++j) {
-        if (j > 0 && p[j] <= p[j - 1]) fail("positions not increasing at head " + std::to_string(h));
-        if (cfg.position_mode == PositionMode::kRerotate && p[j] != j) {
-          fail("rerotate positions not contiguous at head " + std::to_string(h));
-        }
-      }
-      if (p[t - 1] > l.last_pos) fail("position beyond the last written one");
-    }
-    const int64_t measured = l.k->measure_nbytes() + l.v->measure_nbytes();
-    if (measured != l.bytes) {
-      fail("bytes counter " + std::to_string(l.bytes) + " != measured " + std::to_string(measured));
-    }
-    if (l.bytes_peak < l.bytes || l.tokens_peak < t) fail("peak below current");
-    // Compute views == dequantized stored form.
-    for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
-      auto vs = l.v->dequantize_head(h);
-      if (!at::equal(vs, l.v_view.view().narrow(1, h, 1))) fail("value view != stored values, head " + std::to_string(h));
-      auto ks = l.k->dequantize_head(h);
-      if (!pre_rope()) {
-        if (!at::equal(ks, l.k_view.view().narrow(1, h, 1))) fail("key view != stored keys, head " + std::to_string(h));
-      } else {
-        if (!at::equal(ks, l.k_pre_view.view().narrow(1, h, 1))) fail("pre-RoPE key view != stored keys");
-        auto rot = rope(ks, pos[h]);
-        if (!at::allclose(rot, l.k_view.view().narrow(1, h, 1), 1e-5, 1e-5)) {
-          fail("rotated key view != rope(stored keys, positions), head " + std::to_string(h));
+      const auto pos = l.store->k(h).positions();
+      const auto t = static_cast<int64_t>(pos.size());
+      if (t > l.written) fail("head " + std::to_string(h) + " holds " + std::to_string(t) + " > written " + std::to_string(l.written));
+      if (t > 0 && pos.back() > l.last_pos) fail("position beyond the last written one");
+      if (cfg.position_mode == PositionMode::kRerotate) {
+        for (int64_t j = 0; j < t; ++j) {
+          if (pos[static_cast<size_t>(j)] != j) fail("rerotate positions not contiguous at head " + std::to_string(h));
         }
       }
     }
+    const CacheStats& s = l.stats;
+    if (s.bytes_resident != l.store->bytes_resident() || s.bytes_reserved != l.store->bytes_reserved() ||
+        s.tokens_resident != l.store->max_resident()) {
+      fail("counters (bytes " + std::to_string(s.bytes_resident) + ", reserved " + std::to_string(s.bytes_reserved) +
+           ") != recounts (" + std::to_string(l.store->bytes_resident()) + ", " +
+           std::to_string(l.store->bytes_reserved()) + ")");
+    }
+    if (s.bytes_resident > s.bytes_reserved) fail("bytes resident > bytes reserved");
+    if (s.bytes_resident_peak < s.bytes_resident || s.bytes_reserved_peak < s.bytes_reserved ||
+        s.tokens_resident_peak < s.tokens_resident) {
+      fail("peak below current");
+    }
+  }
+
+  void check_all() const {
+    CacheStats sum;
+    for (int64_t i = 0; i < cfg.num_layers; ++i) {
+      check_layer(i);
+      const auto& s = layers[static_cast<size_t>(i)].stats;
+      sum.bytes_resident += s.bytes_resident;
+      sum.bytes_reserved += s.bytes_reserved;
+      sum.tokens_resident += s.tokens_resident;
+      sum.tokens_written += layers[static_cast<size_t>(i)].written;
+    }
+    KV_CHECK(sum.bytes_resident == total.bytes_resident && sum.bytes_reserved == total.bytes_reserved &&
+                 sum.tokens_resident == total.tokens_resident && sum.tokens_written == total.tokens_written &&
+                 total.bytes_resident_peak >= total.bytes_resident && total.bytes_reserved_peak >= total.bytes_reserved &&
+                 total.tokens_resident_peak >= total.tokens_resident,
+             InternalError, "CacheManager invariant violated: totals (bytes ", total.bytes_resident, " vs layers ",
+             sum.bytes_resident, ", reserved ", total.bytes_reserved, " vs ", sum.bytes_reserved, ", tokens ",
+             total.tokens_resident, " vs ", sum.tokens_resident, ")");
+    int64_t pool_bytes = 0;
+    for (const auto& [bytes, p] : pools) pool_bytes += p->blocks_in_use() * p->block_bytes();
+    KV_CHECK(pool_bytes == total.bytes_reserved, InternalError, "CacheManager invariant violated: pools hold ",
+             pool_bytes, " B of blocks in use but the layers reserve ", total.bytes_reserved, " B");
   }
 };
 
 CacheManager::CacheManager(CacheConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
-  auto& im = *impl_;
-  im.cfg = std::move(config);
-  im.scheme = cache::parse_cache_scheme(im.cfg.quant, im.cfg.residual_length, im.cfg.head_dim);
-  im.kq = make_quantizer(im.scheme.key.quantizer);
-  im.vq = make_quantizer(im.scheme.value.quantizer);
-  auto tg = [](const std::string& spec) {
-    return cache::spec_is_per_channel(spec) ? cache::spec_group_size(spec) : 1;
-  };
-  im.klayout = cache::probe_layout(*im.kq, im.cfg.head_dim, tg(im.scheme.key.quantizer));
-  im.vlayout = cache::probe_layout(*im.vq, im.cfg.head_dim, tg(im.scheme.value.quantizer));
-  im.policy = make_eviction_policy(im.cfg.policy);
-  im.policy->reset(im.cfg.context_length,
-                   CacheShape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads});
-  im.init_layers();
+  impl_->cfg = std::move(config);
+  impl_->build();
 }
 
 CacheManager::~CacheManager() = default;
@@ -366,123 +452,125 @@ const CacheConfig& CacheManager::config() const { return impl_->cfg; }
 const EvictionPolicy& CacheManager::policy() const { return *impl_->policy; }
 
 void CacheManager::reset(int64_t context_length) {
-  KV_CHECK_ARG(context_length >= 0, "CacheManager::reset: context_length must be >= 0, got ",
-               context_length);
+  KV_CHECK_ARG(context_length >= 0, "CacheManager::reset: context_length must be >= 0, got ", context_length);
   auto& im = *impl_;
-  im.policy->reset(context_length,
-                   CacheShape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads});
+  im.policy->reset(context_length, CacheShape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads});
   im.cfg.context_length = context_length;
-  im.init_layers();
+  for (auto& l : im.layers) {
+    l.store->clear();
+    l = LayerState{std::move(l.store)};
+  }
+  for (auto& [bytes, p] : im.pools) p->clear();  // give the memory back
+  im.total = CacheStats{};
 }
 
-void CacheManager::append(int64_t layer, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& positions) {
+void CacheManager::append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   impl_->append(layer, k, v, positions);
 }
 
+at::Tensor CacheManager::attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+  return impl_->attend(layer, q, q_positions);
+}
+
+void CacheManager::observe_attention(int64_t layer, const at::Tensor& probs) { impl_->observe_attention(layer, probs); }
+
+void CacheManager::end_step(StepKind step) { impl_->end_step(step); }
+
+int64_t CacheManager::next_position(int64_t layer) const {
+  return impl_->next_position(impl_->layer_at(layer, "CacheManager::next_position"));
+}
+
+LayerTokens CacheManager::tokens(int64_t layer) const {
+  const auto& l = impl_->layer_at(layer, "CacheManager::tokens");
+  LayerTokens t;
+  t.written = l.written;
+  t.next_position = impl_->next_position(l);
+  for (int64_t h = 0; h < impl_->cfg.num_kv_heads; ++h) t.positions.push_back(l.store->k(h).positions());
+  t.stats = l.stats;
+  t.stats.tokens_written = l.written;
+  return t;
+}
+
+CacheStats CacheManager::stats() const { return impl_->total; }
+
 LayerKV CacheManager::get(int64_t layer) const {
-  const auto& l = impl_->layer_at(layer, "CacheManager::get");
-  LayerKV out;
-  if (!l.v_view.initialized()) {
-    const auto& c = impl_->cfg;
-    out.k = at::empty({1, c.num_kv_heads, 0, c.head_dim}, at::kFloat);
-    out.v = at::empty({1, c.num_kv_heads, 0, c.head_dim}, at::kFloat);
-    out.positions = at::empty({c.num_kv_heads, 0}, at::kLong);
-    return out;
+  const auto& im = *impl_;
+  const auto& l = im.layer_at(layer, "CacheManager::get");
+  const int64_t hkv = im.cfg.num_kv_heads, d = im.cfg.head_dim;
+  const int64_t t = l.store->max_resident();
+  for (int64_t h = 0; h < hkv; ++h) {
+    KV_CHECK(l.store->resident(h) == t, UnsupportedError, "CacheManager::get: KV head ", h, " of layer ", layer,
+             " holds ", l.store->resident(h), " tokens but another holds ", t,
+             "; use tokens() for ragged heads");
   }
-  out.k = l.k_view.view();
-  out.v = l.v_view.view();
-  out.positions = l.pos.view().select(0, 0).select(-1, 0);
+  LayerKV out;
+  out.k = at::empty({1, hkv, t, d}, at::kFloat);
+  out.v = at::empty({1, hkv, t, d}, at::kFloat);
+  out.positions = at::empty({hkv, t}, at::kLong);
+  for (int64_t h = 0; h < hkv; ++h) {
+    std::vector<float> kr, vr;
+    const auto& ks = l.store->k(h);
+    const auto& vs = l.store->v(h);
+    ks.quant.live_rows(kr, l.store->k_scale());
+    ks.resid.live_rows(kr, 1.0f);
+    vs.quant.live_rows(vr, l.store->v_scale());
+    vs.resid.live_rows(vr, 1.0f);
+    const auto pos = ks.positions();
+    if (im.pre_rope()) {
+      for (int64_t j = 0; j < t; ++j) im.rope_table.rotate(kr.data() + j * d, pos[static_cast<size_t>(j)]);
+    }
+    std::copy(kr.begin(), kr.end(), out.k.data_ptr<float>() + h * t * d);
+    std::copy(vr.begin(), vr.end(), out.v.data_ptr<float>() + h * t * d);
+    std::copy(pos.begin(), pos.end(), out.positions.data_ptr<int64_t>() + h * t);
+  }
   return out;
 }
 
-bool CacheManager::needs_attention() const { return impl_->policy->needs_attention(); }
-
-void CacheManager::observe_attention(int64_t layer, const at::Tensor& probs) {
-  const auto& l = impl_->layer_at(layer, "CacheManager::observe_attention");
-  const auto& c = impl_->cfg;
-  KV_CHECK_ARG(probs.defined() && probs.dim() == 4 && probs.scalar_type() == at::kFloat &&
-                   probs.size(1) == c.num_q_heads && probs.size(3) == l.v_view.size() &&
-                   (l.batch < 0 || probs.size(0) == l.batch),
-               "CacheManager::observe_attention: probs must be float32 [B, H_q=", c.num_q_heads,
-               ", T_q, T_res=", l.v_view.size(), "] for layer ", layer, ", got ", shape_str(probs));
-  impl_->policy->observe(layer, probs);
-}
-
-void CacheManager::end_step(bool is_prefill_end) { impl_->end_step(is_prefill_end); }
-
-int64_t CacheManager::logical_length(int64_t layer) const {
-  return impl_->layer_at(layer, "CacheManager::logical_length").written;
-}
-
-int64_t CacheManager::physical_length(int64_t layer) const {
-  return impl_->layer_at(layer, "CacheManager::physical_length").v_view.size();
-}
-
-int64_t CacheManager::next_position() const { return next_position(0); }
-
-int64_t CacheManager::next_position(int64_t layer) const {
-  const auto& l = impl_->layer_at(layer, "CacheManager::next_position");
-  return impl_->cfg.position_mode == PositionMode::kRerotate ? l.v_view.size() : l.last_pos + 1;
-}
-
-CacheStats CacheManager::stats() const {
-  const auto& im = *impl_;
-  CacheStats s;
-  s.tokens_written = im.total_written;
-  s.tokens_resident = im.total_tokens;
-  s.tokens_resident_peak = im.total_tokens_peak;
-  s.bytes_resident = im.total_bytes;
-  s.bytes_resident_peak = im.total_bytes_peak;
-  return s;
-}
-
-CacheStats CacheManager::layer_stats(int64_t layer) const {
-  const auto& l = impl_->layer_at(layer, "CacheManager::layer_stats");
-  CacheStats s;
-  s.tokens_written = l.written;
-  s.tokens_resident = l.v_view.size();
-  s.tokens_resident_peak = l.tokens_peak;
-  s.bytes_resident = l.bytes;
-  s.bytes_resident_peak = l.bytes_peak;
-  return s;
-}
-
-void CacheManager::check_invariants() const {
-  const auto& im = *impl_;
-  int64_t bytes = 0, tokens = 0, written = 0;
-  for (int64_t i = 0; i < im.cfg.num_layers; ++i) {
-    im.check_layer(i);
-    const auto& l = im.layers[static_cast<size_t>(i)];
-    bytes += l.bytes;
-    tokens += l.v_view.size();
-    written += l.written;
-  }
-  KV_CHECK(bytes == im.total_bytes && tokens == im.total_tokens && written == im.total_written &&
-               im.total_bytes_peak >= im.total_bytes && im.total_tokens_peak >= im.total_tokens,
-           InternalError, "CacheManager invariant violated: totals (bytes ", im.total_bytes,
-           " vs layers ", bytes, ", tokens ", im.total_tokens, " vs ", tokens, ", written ",
-           im.total_written, " vs ", written, ")");
-}
+void CacheManager::check_invariants() const { impl_->check_all(); }
 
 // ---------------------------------------------------------------- introspection
 namespace cache {
 
 StreamDebug CacheManagerAccess::stream(const CacheManager& m, int64_t layer, bool key) {
-  const auto& l = m.impl_->layer_at(layer, "CacheManagerAccess::stream");
-  const KVStream& s = key ? *l.k : *l.v;
+  const auto& im = *m.impl_;
+  const auto& l = im.layer_at(layer, "CacheManagerAccess::stream");
   StreamDebug d;
-  for (int64_t h = 0; h < m.impl_->cfg.num_kv_heads; ++h) {
-    d.quantized_tokens.push_back(s.quantized_tokens(h));
-    d.residual_tokens.push_back(s.residual_tokens(h));
-    d.quantized_blocks.push_back(s.store(h).num_blocks());
-    d.dead_slots.push_back(s.store(h).dead_slots());
-    d.residual.push_back(s.residual_tokens(h) > 0 ? s.residual(h) : at::Tensor());
-    d.stored.push_back(s.dequantize_head(h));
+  const StreamSetup& st = key ? im.kset : im.vset;
+  for (int64_t h = 0; h < im.cfg.num_kv_heads; ++h) {
+    const HeadStream& s = key ? l.store->k(h) : l.store->v(h);
+    const float scale = key ? l.store->k_scale() : l.store->v_scale();
+    int64_t quantized = 0, groups = 0, dead = 0, converted = 0, blocks = 0;
+    for (const BlockList* list : {&s.quant, &s.resid}) {
+      for (const auto& b : list->blocks()) {
+        ++blocks;
+        dead += b.filled - b.live;
+        if (b.format == StreamFormats::kMain) {
+          quantized += b.live;
+          if (!st.formats.f[StreamFormats::kMain].token_readable()) ++groups;
+        } else if (b.format == StreamFormats::kConverted) {
+          converted += b.live;
+        }
+      }
+    }
+    d.quantized_tokens.push_back(quantized);
+    d.residual_tokens.push_back(s.resid.live());
+    d.converted_tokens.push_back(converted);
+    d.quantized_groups.push_back(groups);
+    d.dead_slots.push_back(dead);
+    d.blocks.push_back(blocks);
+    std::vector<float> rows;
+    s.resid.live_rows(rows, 1.0f);
+    const int64_t r = s.resid.live();
+    d.residual.push_back(at::from_blob(rows.data(), {1, 1, r, im.cfg.head_dim}, at::kFloat).clone());
+    std::vector<float> all;
+    s.quant.live_rows(all, scale);
+    s.resid.live_rows(all, 1.0f);
+    d.stored.push_back(at::from_blob(all.data(), {1, 1, s.live(), im.cfg.head_dim}, at::kFloat).clone());
   }
-  d.gatherable = s.layout().gatherable;
-  d.residual_length = s.spec().residual;
-  d.quantizer = s.spec().quantizer;
+  d.token_readable = st.formats.f[StreamFormats::kMain].token_readable();
+  d.residual_length = st.spec.residual;
+  d.quantizer = st.spec.quantizer;
+  d.block_tokens = im.block_tokens;
   return d;
 }
 

@@ -2,7 +2,7 @@
 #pragma once
 /// @file cache_manager_access.h
 /// Read-only introspection of a CacheManager's stored form, for tests and debugging
-/// (residual contents, quantized blocks). Not part of the public API.
+/// (residual contents, quantized groups, holes). Not part of the public API.
 
 #include <ATen/ATen.h>
 
@@ -16,14 +16,17 @@ namespace kvcache::cache {
 
 /// Stored form of one stream (K or V) of one layer, per KV head.
 struct StreamDebug {
-  std::vector<int64_t> quantized_tokens;  ///< live tokens in quantized storage
-  std::vector<int64_t> residual_tokens;   ///< tokens in the full-precision residual
-  std::vector<int64_t> quantized_blocks;  ///< GroupStore blocks (0 for per-token storage)
-  std::vector<int64_t> dead_slots;        ///< evicted slots still held by quantized groups
-  std::vector<at::Tensor> residual;       ///< `[B, 1, r, D]` residual rows (residual dtype)
-  std::vector<at::Tensor> stored;         ///< `[B, 1, T, D]` float32: all tokens dequantized
-  bool gatherable = false;
+  std::vector<int64_t> quantized_tokens;  ///< live tokens in the stream's quantized format
+  std::vector<int64_t> residual_tokens;   ///< live tokens in the full-precision residual
+  std::vector<int64_t> converted_tokens;  ///< survivors of per-channel groups, dequantized once
+  std::vector<int64_t> quantized_groups;  ///< per-channel groups held (0 for per-token formats)
+  std::vector<int64_t> dead_slots;        ///< evicted slots still inside held blocks
+  std::vector<int64_t> blocks;            ///< blocks held
+  std::vector<at::Tensor> residual;       ///< `[1, 1, r, D]` float32: the residual's rows
+  std::vector<at::Tensor> stored;         ///< `[1, 1, T, D]` float32: all live tokens, dequantized
+  bool token_readable = false;            ///< the quantized format stores tokens one by one
   int64_t residual_length = 0;
+  int64_t block_tokens = 0;
   std::string quantizer;
 };
 

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cache/cache_scheme.h"
 
-#include <cctype>
+#include <algorithm>
 
 #include "kvcache/error.h"
+#include "kvcache/quantizer.h"
 
 namespace kvcache::cache {
 namespace {
@@ -22,22 +23,34 @@ const ParamTable& kivi_table() {
   return t;
 }
 
-CacheScheme make_kivi(const std::string& text, int64_t residual_length, int64_t head_dim) {
+struct KiviParams {
+  int64_t k, v, g, r;
+  std::string canonical() const {
+    // Canonical form keeps every field (the KIVI configs in papers name all four).
+    return "kivi:k" + std::to_string(k) + ":v" + std::to_string(v) + ":g" + std::to_string(g) + ":r" +
+           std::to_string(r);
+  }
+};
+
+KiviParams parse_kivi(const std::string& text) {
   auto p = ParsedSpec::parse(text, kivi_table());
-  const int64_t k = p.integer("k"), v = p.integer("v"), g = p.integer("g"), r = p.integer("r");
-  KV_CHECK_ARG(r % g == 0, "cache scheme '", text, "': residual r=", r,
-               " must be a multiple of the group size g=", g,
-               " (keys are flushed in whole groups)");
-  KV_CHECK_ARG(head_dim <= 0 || head_dim % g == 0, "cache scheme '", text,
+  const KiviParams kp{p.integer("k"), p.integer("v"), p.integer("g"), p.integer("r")};
+  KV_CHECK_ARG(kp.r % kp.g == 0, "cache scheme '", text, "': residual r=", kp.r,
+               " must be a multiple of the group size g=", kp.g, " (keys are flushed in whole groups)");
+  return kp;
+}
+
+CacheScheme make_kivi(const std::string& text, int64_t residual_length, int64_t head_dim) {
+  const KiviParams kp = parse_kivi(text);
+  const int64_t k = kp.k, v = kp.v, g = kp.g, r = kp.r;
+  KV_CHECK_ARG(head_dim % g == 0, "cache scheme '", text,
                "': values are grouped along head_dim, which must be divisible by g=", g,
                ", got head_dim=", head_dim);
   KV_CHECK_ARG(residual_length == 0 || residual_length == r, "cache scheme '", text,
                "' sets its own residual (r=", r, "); CacheConfig::residual_length must be 0 or ", r,
                ", got ", residual_length);
   CacheScheme s;
-  // Canonical form keeps every field (the KIVI configs in papers name all four).
-  s.canonical = "kivi:k" + std::to_string(k) + ":v" + std::to_string(v) + ":g" + std::to_string(g) +
-                ":r" + std::to_string(r);
+  s.canonical = kp.canonical();
   s.key = {"int" + std::to_string(k) + ":g" + std::to_string(g) + ":chan", r, ResidualFlush::kBlock,
            at::kHalf};
   s.value = {"int" + std::to_string(v) + ":g" + std::to_string(g), r, ResidualFlush::kSliding,
@@ -47,46 +60,35 @@ CacheScheme make_kivi(const std::string& text, int64_t residual_length, int64_t 
 
 }  // namespace
 
-int64_t spec_group_size(const std::string& quantizer_spec) {
-  auto parts = split_spec(split_budget(quantizer_spec).first);
-  for (size_t i = 1; i < parts.size(); ++i) {
-    const auto& f = parts[i];
-    if (f.size() > 1 && f[0] == 'g' && std::isdigit(static_cast<unsigned char>(f[1]))) {
-      return std::stoll(f.substr(1));
-    }
-  }
-  return 0;
-}
-
-bool spec_is_per_channel(const std::string& quantizer_spec) {
-  auto parts = split_spec(quantizer_spec);
-  for (size_t i = 1; i < parts.size(); ++i) {
-    if (parts[i] == "chan") return true;
-  }
-  return false;
-}
-
 CacheScheme parse_cache_scheme(const std::string& quant, int64_t residual_length, int64_t head_dim) {
   KV_CHECK_ARG(!quant.empty(), "CacheConfig::quant is empty (expected e.g. 'fp32', 'int4:g64', "
                "'kivi:k2:v2:g32:r128')");
   KV_CHECK_ARG(residual_length >= 0, "CacheConfig::residual_length must be >= 0, got ",
                residual_length);
+  KV_CHECK_ARG(head_dim >= 1, "parse_cache_scheme: head_dim must be >= 1, got ", head_dim);
   const std::string head = split_spec(quant)[0];
   if (head == "kivi") return make_kivi(quant, residual_length, head_dim);
+  const auto q = make_quantizer(quant);
   CacheScheme s;
-  s.canonical = quant;
+  s.canonical = q->spec();
   const at::ScalarType rdt = head == "fp32" ? at::kFloat : at::kHalf;
-  if (spec_is_per_channel(quant)) {
-    const int64_t g = spec_group_size(quant);
-    KV_CHECK_ARG(g > 0, "quantizer '", quant, "' is per-channel but names no group size g<N>");
+  const int64_t g = q->stored_layout(head_dim).group_tokens;
+  if (g > 1) {
     // Groups span g tokens: tokens wait in the residual until whole groups can be quantized.
     const int64_t r = std::max<int64_t>(g, (residual_length + g - 1) / g * g);
-    s.key = {quant, r, ResidualFlush::kBlock, rdt};
+    s.key = {s.canonical, r, ResidualFlush::kBlock, rdt};
   } else {
-    s.key = {quant, residual_length, ResidualFlush::kSliding, rdt};
+    s.key = {s.canonical, residual_length, ResidualFlush::kSliding, rdt};
   }
   s.value = s.key;
   return s;
+}
+
+std::string canonical_cache_spec(const std::string& quant) {
+  KV_CHECK_ARG(!quant.empty(), "CacheConfig::quant is empty (expected e.g. 'fp32', 'int4:g64', "
+               "'kivi:k2:v2:g32:r128')");
+  if (split_spec(quant)[0] == "kivi") return parse_kivi(quant).canonical();
+  return make_quantizer(quant)->spec();
 }
 
 std::vector<ParamTable> registered_cache_schemes() { return {kivi_table()}; }

@@ -49,18 +49,21 @@ struct CacheScheme {
   std::optional<KeyStorage> required_key_storage;
 };
 
-/// Parses `CacheConfig::quant`. Plain quantizer specs: both streams use it, residual =
-/// `residual_length` flushed sliding (block flush of multiples of g for per-channel `chan`
-/// quantizers, whose groups span tokens: R is raised to a multiple of g, at least g);
-/// residual dtype float32 for `fp32`, float16 otherwise.
-/// @throws InvalidArgument on a bad scheme spec (listing the allowed fields) or bad numbers.
+/// Parses `CacheConfig::quant` for head_dim `head_dim` (≥ 1). Plain quantizer specs: both
+/// streams use it, residual = `residual_length` flushed sliding; a quantizer whose groups
+/// span g tokens (StoredLayout::group_tokens > 1, the per-channel `chan` formats) flushes
+/// whole groups instead: block flush, R raised to a multiple of g (at least g). Residual
+/// dtype float32 for `fp32`, float16 otherwise.
+/// @throws InvalidArgument on a bad scheme spec (listing the allowed fields), bad numbers,
+///         or a quantizer whose layout does not fit head_dim.
 CacheScheme parse_cache_scheme(const std::string& quant, int64_t residual_length, int64_t head_dim);
+
+/// The canonical spec of `quant` (a quantizer or a cache scheme) without a model: checks the
+/// grammar and the numbers that do not depend on head_dim.
+/// @throws InvalidArgument as parse_cache_scheme.
+std::string canonical_cache_spec(const std::string& quant);
 
 /// Parameter tables of the registered cache schemes (for --list).
 std::vector<ParamTable> registered_cache_schemes();
-
-/// Group size `g<N>` of a quantizer spec (0 if absent) and whether it has the `chan` field.
-int64_t spec_group_size(const std::string& quantizer_spec);
-bool spec_is_per_channel(const std::string& quantizer_spec);
 
 }  // namespace kvcache::cache

@@ -3,6 +3,7 @@
 #include "kvcache/eviction_policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -11,6 +12,17 @@
 #include "kvcache/error.h"
 
 namespace kvcache {
+
+bool EvictionPlan::empty() const {
+  for (const auto& e : evict) {
+    if (!e.empty()) return false;
+  }
+  return true;
+}
+
+int64_t EvictionPlan::count(int64_t h) const {
+  return evict.empty() ? 0 : static_cast<int64_t>(evict.at(static_cast<size_t>(h)).size());
+}
 
 int64_t EvictionPolicy::layer_budget(int64_t layer) const {
   (void)layer;
@@ -25,16 +37,26 @@ int64_t EvictionPolicy::resolved_budget() const {
   return resolved_budget_;
 }
 
-void EvictionPolicy::observe(int64_t layer, const at::Tensor& probs) {
+void EvictionPolicy::observe(int64_t layer, const AttentionMass& mass) {
   KV_CHECK_ARG(layer >= 0 && layer < shape_.num_layers, "observe: layer ", layer,
                " out of range [0, ", shape_.num_layers, ")");
-  KV_CHECK_ARG(probs.defined() && probs.dim() == 4 && probs.scalar_type() == at::kFloat,
-               "observe: probs must be float32 [B, H_q, T_q, T_res], got ",
-               probs.defined() ? probs.sizes() : at::IntArrayRef{}, " ",
-               probs.defined() ? std::string(at::toString(probs.scalar_type())) : "undefined");
-  KV_CHECK_ARG(probs.size(1) == shape_.num_q_heads, "observe: probs has H_q = ", probs.size(1),
-               ", expected ", shape_.num_q_heads, " (shape ", probs.sizes(), ")");
-  do_observe(layer, probs);
+  KV_CHECK_ARG(mass.num_kv_heads() == shape_.num_kv_heads, "observe: attention mass for ",
+               mass.num_kv_heads(), " KV heads, expected H_kv = ", shape_.num_kv_heads);
+  KV_CHECK_ARG(mass.rows >= 1, "observe: attention mass with ", mass.rows, " rows");
+  for (int64_t h = 0; h < mass.num_kv_heads(); ++h) {
+    const auto& m = mass.heads[static_cast<size_t>(h)];
+    KV_CHECK_ARG(static_cast<int64_t>(m.size()) % mass.rows == 0, "observe: head ", h, " holds ", m.size(),
+                 " values, not a multiple of ", mass.rows, " rows");
+    for (size_t i = 0; i < m.size(); ++i) {
+      KV_CHECK_ARG(std::isfinite(m[i]) && m[i] >= 0.0f, "observe: attention mass of layer ", layer, " head ", h,
+                   " at ", i, " is ", m[i], " (expected a finite probability >= 0)");
+    }
+  }
+  do_observe(layer, mass);
+}
+
+void EvictionPolicy::observe(int64_t layer, const at::Tensor& probs) {
+  observe(layer, reduce_attention(probs, shape_.num_kv_heads, attention_need()));
 }
 
 void EvictionPolicy::reset(int64_t context_length, const CacheShape& shape) {
@@ -62,78 +84,50 @@ void EvictionPolicy::reset(int64_t context_length, const CacheShape& shape) {
 
 namespace evict {
 
-at::Tensor reduce_to_kv_heads(const at::Tensor& probs, int64_t num_kv_heads) {
-  KV_CHECK_ARG(probs.dim() == 4, "reduce_to_kv_heads: expected [B, H_q, T_q, T], got ",
-               probs.sizes());
-  const int64_t hq = probs.size(1);
-  KV_CHECK_ARG(num_kv_heads >= 1 && hq % num_kv_heads == 0, "reduce_to_kv_heads: H_q = ", hq,
-               " is not a multiple of H_kv = ", num_kv_heads);
-  auto summed = probs.to(at::kFloat).sum(0);  // [H_q, T_q, T]
-  return summed.view({num_kv_heads, hq / num_kv_heads, summed.size(1), summed.size(2)}).mean(1);
-}
-
-std::vector<int64_t> top_k_recent_ties(const float* scores, const std::vector<int64_t>& candidates,
-                                       int64_t k) {
-  const auto n = static_cast<int64_t>(candidates.size());
-  if (k >= n) return candidates;
+std::vector<int64_t> lowest_k(const float* scores, int64_t n, int64_t k) {
   if (k <= 0) return {};
-  // Total order "better": higher score first; equal scores: larger index (more recent) first.
-  // Its reverse ("worse") selects the complement, so either side gives the same set.
-  if (k <= n / 2) {
-    std::vector<int64_t> order(candidates);
-    auto better = [scores](int64_t a, int64_t b) {
-      if (scores[a] != scores[b]) return scores[a] > scores[b];
-      return a > b;
-    };
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
-    order.resize(static_cast<size_t>(k));
-    std::sort(order.begin(), order.end());
-    return order;
+  std::vector<int64_t> out;
+  if (k >= n) {
+    out.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = i;
+    return out;
   }
-  // Few to drop (the decode case drops one): select the n − k worst, O(n), no sort of the kept.
-  const int64_t d = n - k;
+  // "Worse" total order: lower score first; equal scores: the older (smaller index) first.
   auto worse = [scores](int64_t a, int64_t b) {
     if (scores[a] != scores[b]) return scores[a] < scores[b];
     return a < b;
   };
-  std::vector<int64_t> dropped;
-  if (d == 1) {
-    dropped.push_back(*std::min_element(candidates.begin(), candidates.end(), worse));
-  } else {
-    dropped = candidates;
-    std::nth_element(dropped.begin(), dropped.begin() + (d - 1), dropped.end(), worse);
-    dropped.resize(static_cast<size_t>(d));
-    std::sort(dropped.begin(), dropped.end());
-  }
-  std::vector<int64_t> kept;
-  kept.reserve(static_cast<size_t>(k));
-  size_t di = 0;
-  for (int64_t c : candidates) {
-    if (di < dropped.size() && dropped[di] == c) {
-      ++di;
-    } else {
-      kept.push_back(c);
+  if (k == 1) {  // the decode case: one scan
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; ++i) {
+      if (worse(i, best)) best = i;
     }
+    return {best};
   }
-  return kept;
+  out.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = i;
+  std::nth_element(out.begin(), out.begin() + (k - 1), out.end(), worse);
+  out.resize(static_cast<size_t>(k));
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
-at::Tensor shared_plan(const std::vector<int64_t>& keep, int64_t num_kv_heads) {
-  auto row = at::empty({static_cast<int64_t>(keep.size())}, at::kLong);
-  std::copy(keep.begin(), keep.end(), row.data_ptr<int64_t>());
-  return row.unsqueeze(0).expand({num_kv_heads, row.size(0)}).contiguous();
+EvictionPlan uniform_plan(const std::vector<int64_t>& evict, int64_t num_kv_heads) {
+  EvictionPlan p;
+  if (evict.empty()) return p;
+  p.evict.assign(static_cast<size_t>(num_kv_heads), evict);
+  return p;
 }
 
-at::Tensor per_head_plan(const std::vector<std::vector<int64_t>>& keep) {
-  KV_INTERNAL_ASSERT(!keep.empty(), "empty per-head plan");
-  const auto n = static_cast<int64_t>(keep[0].size());
-  auto plan = at::empty({static_cast<int64_t>(keep.size()), n}, at::kLong);
-  auto* p = plan.data_ptr<int64_t>();
-  for (size_t h = 0; h < keep.size(); ++h) {
-    KV_INTERNAL_ASSERT(static_cast<int64_t>(keep[h].size()) == n, "heads keep different counts");
-    std::copy(keep[h].begin(), keep[h].end(), p + static_cast<int64_t>(h) * n);
+int64_t uniform_resident(const EvictionContext& ctx, const char* policy) {
+  KV_INTERNAL_ASSERT(!ctx.resident.empty(), policy, ": no heads");
+  const int64_t t = ctx.resident[0];
+  for (size_t h = 1; h < ctx.resident.size(); ++h) {
+    KV_CHECK_ARG(ctx.resident[h] == t, policy, ": layer ", ctx.layer, " head ", h, " holds ", ctx.resident[h],
+                 " tokens but head 0 holds ", t, "; ", policy,
+                 " plans one selection for every head and needs heads of equal length");
   }
-  return plan;
+  return t;
 }
 
 uint64_t SplitMix64::next() {

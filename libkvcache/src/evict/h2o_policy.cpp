@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
 // H2O — Heavy-Hitter Oracle (Zhang et al., arXiv 2306.14048; FMInference/H2O utils_real_drop).
-#include <numeric>
 
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -32,7 +31,7 @@ std::string H2OPolicy::spec() const {
 }
 
 void H2OPolicy::on_reset() {
-  scores_.assign(static_cast<size_t>(shape().num_layers), at::Tensor());
+  scores_.assign(static_cast<size_t>(shape().num_layers), {});
   if (budget().kind == Budget::Kind::kFraction && context_length() == 0) return;  // unresolved
   // The newest token is protected, so the recent window is at least 1 token.
   const int64_t b = budget().kind == Budget::Kind::kNone ? h_param_ + std::max<int64_t>(r_param_, 1)
@@ -52,48 +51,61 @@ int64_t H2OPolicy::layer_budget(int64_t layer) const {
   return heavy_ + recent_;
 }
 
-void H2OPolicy::do_observe(int64_t layer, const at::Tensor& probs) {
-  // Σ over batch and queries, mean over the G query heads of each KV head → [H_kv, T].
+void H2OPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
+  // Σ over the step's query rows (and batch), mean over each KV head's G query heads.
   const int64_t hkv = shape().num_kv_heads;
-  auto col = probs.sum(at::IntArrayRef{0, 2});  // [H_q, T]
-  col = col.view({hkv, col.size(0) / hkv, col.size(1)}).mean(1);
   auto& s = scores_.at(static_cast<size_t>(layer));
-  const int64_t t = col.size(1);
-  if (!s.defined()) {
-    s = col.contiguous();
-    return;
-  }
-  KV_CHECK_ARG(s.size(1) <= t, "h2o.observe: layer ", layer, " probs cover ", t,
-               " keys but ", s.size(1), " are already scored");
-  if (s.size(1) < t) s = at::cat({s, at::zeros({hkv, t - s.size(1)}, s.options())}, 1);
-  s.add_(col);
-}
-
-KeepPlan H2OPolicy::plan_keep(const EvictionContext& ctx) {
-  const int64_t budget_tokens = layer_budget(ctx.layer);
-  const int64_t t = ctx.resident;
-  if (t <= budget_tokens) return {};
-  const auto& s = scores_.at(static_cast<size_t>(ctx.layer));
-  KV_CHECK_ARG(s.defined() && s.size(1) == t, "h2o: layer ", ctx.layer, " has ", t,
-               " resident tokens but attention was observed for ",
-               s.defined() ? s.size(1) : 0,
-               "; call observe_attention(layer, probs) after every step's attention");
-  const int64_t hkv = shape().num_kv_heads;
-  std::vector<int64_t> candidates(static_cast<size_t>(t - recent_));
-  std::iota(candidates.begin(), candidates.end(), 0);
-  std::vector<std::vector<int64_t>> keep(static_cast<size_t>(hkv));
-  auto sc = s.contiguous();
+  if (s.empty()) s.resize(static_cast<size_t>(hkv));
   for (int64_t h = 0; h < hkv; ++h) {
-    auto& k = keep[static_cast<size_t>(h)];
-    k = top_k_recent_ties(sc.data_ptr<float>() + h * t, candidates, heavy_);
-    for (int64_t i = t - recent_; i < t; ++i) k.push_back(i);
+    auto& acc = s[static_cast<size_t>(h)];
+    const auto& m = mass.heads[static_cast<size_t>(h)];
+    const int64_t t = mass.keys(h);
+    KV_CHECK_ARG(static_cast<int64_t>(acc.size()) <= t, "h2o.observe: layer ", layer, " head ", h, " attention covers ",
+                 t, " keys but ", acc.size(), " are already scored");
+    acc.resize(static_cast<size_t>(t), 0.0f);
+    for (int64_t r = 0; r < mass.rows; ++r) {
+      const float* row = m.data() + r * t;
+      for (int64_t i = 0; i < t; ++i) acc[static_cast<size_t>(i)] += row[i];
+    }
   }
-  return {per_head_plan(keep)};
 }
 
-void H2OPolicy::on_compacted(int64_t layer, const at::Tensor& keep) {
+EvictionPlan H2OPolicy::plan(const EvictionContext& ctx) {
+  const int64_t budget_tokens = layer_budget(ctx.layer);
+  EvictionPlan p;
+  const auto& s = scores_.at(static_cast<size_t>(ctx.layer));
+  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
+    const int64_t t = ctx.resident[static_cast<size_t>(h)];
+    if (t <= budget_tokens) continue;
+    const int64_t scored = s.empty() ? 0 : static_cast<int64_t>(s[static_cast<size_t>(h)].size());
+    KV_CHECK_ARG(scored == t, "h2o: layer ", ctx.layer, " head ", h, " has ", t,
+                 " resident tokens but attention was observed for ", scored,
+                 "; call attend() (or observe_attention) in every step");
+    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
+    // Candidates: everything before the recent window; keep the `heavy` best of them.
+    const int64_t n = t - recent_;
+    p.evict[static_cast<size_t>(h)] = lowest_k(s[static_cast<size_t>(h)].data(), n, n - heavy_);
+  }
+  return p;
+}
+
+void H2OPolicy::on_evicted(int64_t layer, const EvictionPlan& plan) {
   auto& s = scores_.at(static_cast<size_t>(layer));
-  if (s.defined()) s = s.gather(1, keep);  // survivors keep their accumulated scores
+  if (s.empty()) return;
+  for (size_t h = 0; h < plan.evict.size(); ++h) {
+    const auto& e = plan.evict[h];
+    if (e.empty()) continue;
+    auto& acc = s[h];  // survivors keep their accumulated scores, in order
+    size_t w = 0, di = 0;
+    for (size_t i = 0; i < acc.size(); ++i) {
+      if (di < e.size() && static_cast<int64_t>(i) == e[di]) {
+        ++di;
+        continue;
+      }
+      acc[w++] = acc[i];
+    }
+    acc.resize(w);
+  }
 }
 
 }  // namespace kvcache::evict

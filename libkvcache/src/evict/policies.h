@@ -13,10 +13,11 @@
 
 namespace kvcache::evict {
 
-/// Expands one keep list shared by all heads to a `[H_kv, n]` int64 plan.
-at::Tensor shared_plan(const std::vector<int64_t>& keep, int64_t num_kv_heads);
-/// Builds a `[H_kv, n]` plan from one keep list per head (all the same length).
-at::Tensor per_head_plan(const std::vector<std::vector<int64_t>>& keep);
+/// A plan that evicts the same indices from every one of `num_kv_heads` heads.
+EvictionPlan uniform_plan(const std::vector<int64_t>& evict, int64_t num_kv_heads);
+/// The resident count shared by every head of `ctx` (uniform policies plan that way).
+/// @throws InvalidArgument naming `policy` if the heads hold different counts.
+int64_t uniform_resident(const EvictionContext& ctx, const char* policy);
 
 /// `full`: never evicts.
 class FullPolicy final : public EvictionPolicy {
@@ -25,7 +26,7 @@ class FullPolicy final : public EvictionPolicy {
   explicit FullPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override { return "full"; }
   int64_t layer_budget(int64_t layer) const override;
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) override;
 };
 
 /// `window:w<N>`: the N most recent tokens (N defaults to the budget).
@@ -35,7 +36,7 @@ class WindowPolicy final : public EvictionPolicy {
   WindowPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) override;
 
  protected:
   void on_reset() override;
@@ -53,7 +54,7 @@ class SinkPolicy final : public EvictionPolicy {
   SinkPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) override;
   int64_t sinks() const { return sinks_; }
   int64_t window() const { return window_; }
 
@@ -75,22 +76,22 @@ class H2OPolicy final : public EvictionPolicy {
   H2OPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  bool needs_attention() const override { return true; }
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
-  void on_compacted(int64_t layer, const at::Tensor& keep) override;
-  /// Accumulated scores of `layer`: `[H_kv, T]` float32 (T = tokens observed so far).
-  const at::Tensor& scores(int64_t layer) const { return scores_.at(static_cast<size_t>(layer)); }
+  AttentionNeed attention_need() const override { return {AttentionNeed::kAllRows, false}; }
+  EvictionPlan plan(const EvictionContext& ctx) override;
+  void on_evicted(int64_t layer, const EvictionPlan& plan) override;
+  /// Accumulated scores of `layer`, per KV head (one per token observed so far).
+  const std::vector<std::vector<float>>& scores(int64_t layer) const { return scores_.at(static_cast<size_t>(layer)); }
   int64_t heavy() const { return heavy_; }
   int64_t recent() const { return recent_; }
 
  protected:
   void on_reset() override;
-  void do_observe(int64_t layer, const at::Tensor& probs) override;
+  void do_observe(int64_t layer, const AttentionMass& mass) override;
 
  private:
   int64_t h_param_, r_param_;  ///< -1: derived from the budget
   int64_t heavy_ = 0, recent_ = 0;
-  std::vector<at::Tensor> scores_;  ///< per layer `[H_kv, T]`
+  std::vector<std::vector<std::vector<float>>> scores_;  ///< per layer, per KV head
 };
 
 /// `random:seed<k>`: drops uniformly chosen tokens (per KV head, independent draws) except
@@ -101,7 +102,7 @@ class RandomPolicy final : public EvictionPolicy {
   RandomPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) override;
 
  protected:
   void on_reset() override;
@@ -120,16 +121,16 @@ class TovaPolicy final : public EvictionPolicy {
   TovaPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  bool needs_attention() const override { return true; }
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
-  void on_compacted(int64_t layer, const at::Tensor& keep) override;
+  AttentionNeed attention_need() const override { return {1, true}; }
+  EvictionPlan plan(const EvictionContext& ctx) override;
+  void on_evicted(int64_t layer, const EvictionPlan& plan) override;
 
  protected:
   void on_reset() override;
-  void do_observe(int64_t layer, const at::Tensor& probs) override;
+  void do_observe(int64_t layer, const AttentionMass& mass) override;
 
  private:
-  std::vector<at::Tensor> last_row_;  ///< per layer `[T]` float32, cleared after each plan
+  std::vector<std::vector<float>> last_row_;  ///< per layer `[T]`, cleared after each plan
 };
 
 /// `snapkv:w<N>:k<N>:avg|max`: SnapKV (arXiv 2404.14469), applied once at the end of prefill.
@@ -145,8 +146,10 @@ class SnapKVPolicy : public EvictionPolicy {
   SnapKVPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  bool needs_attention() const override { return !prefill_done_; }
-  KeepPlan plan_keep(const EvictionContext& ctx) override;
+  AttentionNeed attention_need() const override {
+    return prefill_done_ ? AttentionNeed{} : AttentionNeed{window_, true};
+  }
+  EvictionPlan plan(const EvictionContext& ctx) override;
 
   /// Pools `scores` `[H, T]` along T with kernel `kernel` (odd), stride 1, padding kernel/2.
   /// avg: zero padding counted (avg_pool1d default); max: padding ignored.
@@ -155,7 +158,7 @@ class SnapKVPolicy : public EvictionPolicy {
  protected:
   SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel, bool use_max);
   void on_reset() override;
-  void do_observe(int64_t layer, const at::Tensor& probs) override;
+  void do_observe(int64_t layer, const AttentionMass& mass) override;
   /// Prompt tokens `layer` keeps when the uniform count is `uniform_keep` for a prompt of
   /// `prompt` resident tokens (SnapKV: uniform).
   virtual int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) {

@@ -26,7 +26,7 @@ int64_t FullPolicy::layer_budget(int64_t layer) const {
   return context_length() > 0 ? context_length() : std::numeric_limits<int64_t>::max();
 }
 
-KeepPlan FullPolicy::plan_keep(const EvictionContext& ctx) {
+EvictionPlan FullPolicy::plan(const EvictionContext& ctx) {
   (void)ctx;
   return {};
 }
@@ -71,12 +71,18 @@ int64_t WindowPolicy::layer_budget(int64_t layer) const {
   return window_;
 }
 
-KeepPlan WindowPolicy::plan_keep(const EvictionContext& ctx) {
+EvictionPlan WindowPolicy::plan(const EvictionContext& ctx) {
   const int64_t w = layer_budget(ctx.layer);
-  if (ctx.resident <= w) return {};
-  std::vector<int64_t> keep(static_cast<size_t>(w));
-  std::iota(keep.begin(), keep.end(), ctx.resident - w);
-  return {shared_plan(keep, shape().num_kv_heads)};
+  EvictionPlan p;
+  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
+    const int64_t t = ctx.resident[static_cast<size_t>(h)];
+    if (t <= w) continue;
+    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
+    auto& e = p.evict[static_cast<size_t>(h)];
+    e.resize(static_cast<size_t>(t - w));
+    std::iota(e.begin(), e.end(), 0);  // the oldest t − w
+  }
+  return p;
 }
 
 // ---------------------------------------------------------------- sink
@@ -135,13 +141,18 @@ int64_t SinkPolicy::layer_budget(int64_t layer) const {
   return sinks_ + window_;
 }
 
-KeepPlan SinkPolicy::plan_keep(const EvictionContext& ctx) {
+EvictionPlan SinkPolicy::plan(const EvictionContext& ctx) {
   const int64_t total = layer_budget(ctx.layer);
-  if (ctx.resident <= total) return {};
-  std::vector<int64_t> keep(static_cast<size_t>(total));
-  std::iota(keep.begin(), keep.begin() + sinks_, 0);
-  std::iota(keep.begin() + sinks_, keep.end(), ctx.resident - window_);
-  return {shared_plan(keep, shape().num_kv_heads)};
+  EvictionPlan p;
+  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
+    const int64_t t = ctx.resident[static_cast<size_t>(h)];
+    if (t <= total) continue;
+    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
+    auto& e = p.evict[static_cast<size_t>(h)];
+    e.resize(static_cast<size_t>(t - total));
+    std::iota(e.begin(), e.end(), sinks_);  // everything between the sinks and the window
+  }
+  return p;
 }
 
 }  // namespace kvcache::evict

@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Random eviction baseline (kvpress RandomPress analogue), seeded and reproducible.
 
+#include <algorithm>
+#include <unordered_set>
+
 #include "evict/policies.h"
 #include "kvcache/error.h"
 
@@ -32,39 +35,41 @@ int64_t RandomPolicy::layer_budget(int64_t layer) const {
   return resolved_budget();
 }
 
-KeepPlan RandomPolicy::plan_keep(const EvictionContext& ctx) {
+EvictionPlan RandomPolicy::plan(const EvictionContext& ctx) {
   const int64_t b = layer_budget(ctx.layer);
-  const int64_t t = ctx.resident;
-  if (t <= b) return {};
-  const int64_t hkv = shape().num_kv_heads;
+  const int64_t hkv = ctx.num_kv_heads();
+  bool over = false;
+  for (int64_t t : ctx.resident) over = over || t > b;
+  if (!over) return {};
   const uint64_t call = calls_.at(static_cast<size_t>(ctx.layer))++;
-  const int64_t n_drop = t - b;
-  const int64_t m = t - 1;  // candidates [0, t-1): the newest token is protected
-  std::vector<std::vector<int64_t>> keep(static_cast<size_t>(hkv));
+  EvictionPlan p;
+  p.evict.resize(static_cast<size_t>(hkv));
   for (int64_t h = 0; h < hkv; ++h) {
+    const int64_t t = ctx.resident[static_cast<size_t>(h)];
+    if (t <= b) continue;
     // One independent stream per (seed, layer, call, head).
     SplitMix64 mix(seed_ ^ 0x5DEECE66DULL);
     uint64_t stream = mix.next() ^ (static_cast<uint64_t>(ctx.layer) * 0x9E3779B97F4A7C15ULL);
     stream = SplitMix64(stream).next() ^ (call * 0xD1B54A32D192ED03ULL);
     stream = SplitMix64(stream).next() ^ static_cast<uint64_t>(h);
     SplitMix64 rng(stream);
-    // Floyd's algorithm: n_drop distinct indices from [0, m).
-    std::vector<char> dropped(static_cast<size_t>(t), 0);
+    // Floyd's algorithm: n_drop distinct indices from [0, m) (the newest token is protected),
+    // O(n_drop) draws.
+    const int64_t n_drop = t - b;
+    const int64_t m = t - 1;
+    std::unordered_set<int64_t> chosen;
+    chosen.reserve(static_cast<size_t>(2 * n_drop));
+    auto& e = p.evict[static_cast<size_t>(h)];
+    e.reserve(static_cast<size_t>(n_drop));
     for (int64_t j = m - n_drop; j < m; ++j) {
       const auto r = static_cast<int64_t>(rng.below(static_cast<uint64_t>(j + 1)));
-      if (dropped[static_cast<size_t>(r)]) {
-        dropped[static_cast<size_t>(j)] = 1;
-      } else {
-        dropped[static_cast<size_t>(r)] = 1;
-      }
+      const int64_t pick = chosen.count(r) ? j : r;
+      chosen.insert(pick);
+      e.push_back(pick);
     }
-    auto& k = keep[static_cast<size_t>(h)];
-    k.reserve(static_cast<size_t>(b));
-    for (int64_t i = 0; i < t; ++i) {
-      if (!dropped[static_cast<size_t>(i)]) k.push_back(i);
-    }
+    std::sort(e.begin(), e.end());
   }
-  return {per_head_plan(keep)};
+  return p;
 }
 
 }  // namespace kvcache::evict

@@ -2,7 +2,6 @@
 // SnapKV (Li et al., arXiv 2404.14469; FasterDecoding/SnapKV, kvpress SnapKVPress).
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -50,14 +49,13 @@ int64_t SnapKVPolicy::layer_budget(int64_t layer) const {
   return resolved_budget();
 }
 
-void SnapKVPolicy::do_observe(int64_t layer, const at::Tensor& probs) {
+void SnapKVPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
   if (prefill_done_) return;  // SnapKV compresses the prompt only
-  auto red = reduce_to_kv_heads(probs, shape().num_kv_heads);  // [H_kv, T_q, T]
-  const int64_t tq = red.size(1), t = red.size(2);
-  if (tq > window_) red = red.narrow(1, tq - window_, window_);
+  auto red = mass.to_tensor();  // [H_kv, rows ≤ w, T]: the step's last query rows
+  const int64_t t = red.size(2);
   auto& rows = rows_.at(static_cast<size_t>(layer));
   if (rows.defined()) {
-    KV_CHECK_ARG(rows.size(2) <= t, "snapkv.observe: layer ", layer, " probs cover ", t,
+    KV_CHECK_ARG(rows.size(2) <= t, "snapkv.observe: layer ", layer, " attention covers ", t,
                  " keys, fewer than the ", rows.size(2), " seen before");
     // Earlier queries could not attend to later keys: their columns are 0.
     if (rows.size(2) < t) {
@@ -83,10 +81,10 @@ at::Tensor SnapKVPolicy::pool(const at::Tensor& scores, int64_t kernel, bool use
   return out.squeeze(1).contiguous();
 }
 
-KeepPlan SnapKVPolicy::plan_keep(const EvictionContext& ctx) {
-  if (prefill_done_ || !ctx.is_prefill_end) return {};
+EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) {
+  if (prefill_done_ || !ctx.is_prefill_end()) return {};
   if (++layers_done_ >= shape().num_layers) prefill_done_ = true;
-  const int64_t t = ctx.resident;
+  const int64_t t = uniform_resident(ctx, name());
   // Reserve room for the request's remaining tokens so the budget holds after the last one.
   const int64_t reserve =
       context_length() > ctx.logical_length ? context_length() - ctx.logical_length : 0;
@@ -109,17 +107,15 @@ KeepPlan SnapKVPolicy::plan_keep(const EvictionContext& ctx) {
   // Mean over the observation queries (kvpress; the sum ranks the same), prefix keys only.
   auto scores = rows.narrow(2, 0, prefix).mean(1);  // [H_kv, prefix]
   scores = pool(scores, kernel_, use_max_);
-  std::vector<int64_t> candidates(static_cast<size_t>(prefix));
-  std::iota(candidates.begin(), candidates.end(), 0);
   const int64_t hkv = shape().num_kv_heads;
-  std::vector<std::vector<int64_t>> keep(static_cast<size_t>(hkv));
+  EvictionPlan p;
+  p.evict.resize(static_cast<size_t>(hkv));
   for (int64_t h = 0; h < hkv; ++h) {
-    auto& k = keep[static_cast<size_t>(h)];
-    k = top_k_recent_ties(scores.data_ptr<float>() + h * prefix, candidates, keep_n - w);
-    for (int64_t i = prefix; i < t; ++i) k.push_back(i);
+    // Keep the top keep_n − w of the prefix (ties: the more recent) and the whole window.
+    p.evict[static_cast<size_t>(h)] = lowest_k(scores.data_ptr<float>() + h * prefix, prefix, prefix - (keep_n - w));
   }
   rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
-  return {per_head_plan(keep)};
+  return p;
 }
 
 // ---------------------------------------------------------------- pyramid

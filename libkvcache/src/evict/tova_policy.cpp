@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
 // TOVA — Token Omission Via Attention (Oren et al., arXiv 2401.06104; schwartz-lab-NLP/TOVA).
-#include <numeric>
 
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -23,39 +22,44 @@ TovaPolicy::TovaPolicy(const ParsedSpec& spec, Budget budget) : EvictionPolicy(b
 
 std::string TovaPolicy::spec() const { return "tova" + budget().to_string(); }
 
-void TovaPolicy::on_reset() { last_row_.assign(static_cast<size_t>(shape().num_layers), at::Tensor()); }
+void TovaPolicy::on_reset() { last_row_.assign(static_cast<size_t>(shape().num_layers), {}); }
 
 int64_t TovaPolicy::layer_budget(int64_t layer) const {
   (void)layer;
   return resolved_budget();
 }
 
-void TovaPolicy::do_observe(int64_t layer, const at::Tensor& probs) {
-  // Last query of the step, summed over batch, mean over every query head of the layer → [T].
-  const int64_t tq = probs.size(2);
-  last_row_.at(static_cast<size_t>(layer)) =
-      probs.select(2, tq - 1).sum(0).mean(0).contiguous();
+void TovaPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
+  // Last query of the step, mean over every query head of the layer = mean over the KV
+  // heads of their group means (groups have equal size).
+  const int64_t hkv = mass.num_kv_heads();
+  const int64_t t = mass.keys(0);
+  auto& row = last_row_.at(static_cast<size_t>(layer));
+  row.assign(static_cast<size_t>(t), 0.0f);
+  for (int64_t h = 0; h < hkv; ++h) {
+    KV_CHECK_ARG(mass.keys(h) == t, "tova.observe: layer ", layer, " head ", h, " holds ", mass.keys(h),
+                 " keys but head 0 holds ", t, " (TOVA keeps one selection for every head)");
+    const float* m = mass.heads[static_cast<size_t>(h)].data() + (mass.rows - 1) * t;
+    for (int64_t i = 0; i < t; ++i) row[static_cast<size_t>(i)] += m[i];
+  }
+  for (auto& x : row) x /= static_cast<float>(hkv);
 }
 
-KeepPlan TovaPolicy::plan_keep(const EvictionContext& ctx) {
+EvictionPlan TovaPolicy::plan(const EvictionContext& ctx) {
   const int64_t b = layer_budget(ctx.layer);
-  const int64_t t = ctx.resident;
+  const int64_t t = uniform_resident(ctx, "tova");
   if (t <= b) return {};
   auto& row = last_row_.at(static_cast<size_t>(ctx.layer));
-  KV_CHECK_ARG(row.defined() && row.size(0) == t, "tova: layer ", ctx.layer, " has ", t,
-               " resident tokens but the last observed query covers ",
-               row.defined() ? row.size(0) : 0,
-               " keys; call observe_attention(layer, probs) in every step");
-  std::vector<int64_t> candidates(static_cast<size_t>(t - 1));  // newest token protected
-  std::iota(candidates.begin(), candidates.end(), 0);
-  auto keep = top_k_recent_ties(row.data_ptr<float>(), candidates, b - 1);
-  keep.push_back(t - 1);
-  return {shared_plan(keep, shape().num_kv_heads)};
+  KV_CHECK_ARG(static_cast<int64_t>(row.size()) == t, "tova: layer ", ctx.layer, " has ", t,
+               " resident tokens but the last observed query covers ", row.size(),
+               " keys; call attend() (or observe_attention) in every step");
+  // Candidates: every token but the newest; keep the b − 1 most attended.
+  return uniform_plan(lowest_k(row.data(), t - 1, t - b), ctx.num_kv_heads());
 }
 
-void TovaPolicy::on_compacted(int64_t layer, const at::Tensor& keep) {
-  (void)keep;
-  last_row_.at(static_cast<size_t>(layer)) = at::Tensor();  // stale after compaction
+void TovaPolicy::on_evicted(int64_t layer, const EvictionPlan& plan) {
+  (void)plan;
+  last_row_.at(static_cast<size_t>(layer)).clear();  // stale after eviction
 }
 
 }  // namespace kvcache::evict

@@ -1,12 +1,70 @@
 // SPDX-License-Identifier: Apache-2.0
+// The managed forward pass over any KVCache (runner.h).
 #include "kvcache/model/runner.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <utility>
 
-#include "model/runner_core.h"
+#include "kvcache/error.h"
 
 namespace kvcache {
+namespace {
+
+/// Throws InvalidArgument naming `fn` if an id is outside [0, vocab).
+void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab, const char* fn) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    KV_CHECK_ARG(ids[i] >= 0 && ids[i] < vocab, fn, ": token id ", ids[i], " at index ", i,
+                 " outside the vocabulary [0, ", vocab, ")");
+  }
+}
+
+/// Throws InvalidArgument if the cache's layer/head/head_dim counts differ from the model's.
+void check_cache_fits(const CacheConfig& c, const ModelConfig& m, const char* fn) {
+  KV_CHECK_ARG(c.num_layers == m.num_hidden_layers && c.num_q_heads == m.num_attention_heads &&
+                   c.num_kv_heads == m.num_key_value_heads && c.head_dim == m.head_dim,
+               fn, ": cache config (layers=", c.num_layers, ", H_q=", c.num_q_heads, ", H_kv=", c.num_kv_heads,
+               ", D=", c.head_dim, ") does not fit the model (layers=", m.num_hidden_layers,
+               ", H_q=", m.num_attention_heads, ", H_kv=", m.num_key_value_heads, ", D=", m.head_dim,
+               "); build it from CausalLM::cache_config()");
+}
+
+enum class LogitsFor { kLastToken, kAllTokens };
+
+/// One forward step of `ids` `[1, T]` int64 through every layer with `cache`.
+/// @return logits `[1, T, V]` (kAllTokens) or `[1, 1, V]` (kLastToken) float32.
+at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& cache, StepKind step,
+                        LogitsFor which) {
+  const int64_t T = ids.size(1);
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor h = model.embed(ids);
+  const int64_t L = model.config().num_hidden_layers;
+  at::Tensor pos;
+  int64_t pos_start = -1;
+  for (int64_t l = 0; l < L; ++l) {
+    // Positions per layer: in PositionMode::kRerotate with layer-dependent budgets, layers
+    // hold different physical lengths and so give the new tokens different positions.
+    const int64_t p0 = cache.next_position(l);
+    if (p0 != pos_start) {
+      pos = at::arange(p0, p0 + T, long_opts);
+      pos_start = p0;
+    }
+    QKV x = model.qkv(l, h, pos);
+    cache.append(l, x.k, x.v, pos);
+    h = model.finish(l, h, cache.attend(l, x.q, pos).to(h.scalar_type()));
+  }
+  cache.end_step(step);
+  if (which == LogitsFor::kLastToken && T > 1) h = h.slice(/*dim=*/1, T - 1, T);
+  return model.head(h).to(at::kFloat);
+}
+
+at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
+  return at::tensor(at::ArrayRef<int64_t>(ids, static_cast<size_t>(n)), at::TensorOptions().dtype(at::kLong))
+      .view({1, n});
+}
+
+}  // namespace
 
 double ScoreResult::perplexity() const {
   KV_CHECK_ARG(logprobs.defined() && logprobs.numel() > 0, "ScoreResult::perplexity: no log-probs");
@@ -17,24 +75,93 @@ Runner::Runner(CausalLM model) : model_(std::move(model)) {}
 
 const CausalLM& Runner::model() const { return model_; }
 
-at::Tensor Runner::prefill(const std::vector<int64_t>& ids, CacheManager& cache,
-                           int64_t chunk_size) const {
-  return detail::prefill_with(model_, ids, cache, chunk_size);
+at::Tensor Runner::prefill(const std::vector<int64_t>& ids, KVCache& cache, int64_t chunk_size) const {
+  KV_CHECK_ARG(!ids.empty(), "Runner::prefill: ids must not be empty");
+  KV_CHECK_ARG(chunk_size >= 0, "Runner::prefill: chunk_size must be >= 0 (0 = whole prompt), got ", chunk_size);
+  check_token_ids(ids, model_.config().vocab_size, "Runner::prefill");
+  check_cache_fits(cache.config(), model_.config(), "Runner::prefill");
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const int64_t c = chunk_size == 0 ? n : chunk_size;
+  at::Tensor logits;
+  for (int64_t s = 0; s < n; s += c) {
+    const int64_t t = std::min(c, n - s);
+    logits = forward_step(model_, ids_tensor(ids.data() + s, t), cache,
+                          s + t == n ? StepKind::kPrefillEnd : StepKind::kPrefill, LogitsFor::kLastToken);
+  }
+  return logits.view({-1});
 }
 
-at::Tensor Runner::decode_step(int64_t token, CacheManager& cache) const {
-  detail::check_cache_fits(cache.config(), model_.config(), "Runner::decode_step");
-  return detail::decode_step_with(model_, token, cache);
+at::Tensor Runner::decode_step(int64_t token, KVCache& cache) const {
+  check_cache_fits(cache.config(), model_.config(), "Runner::decode_step");
+  const int64_t V = model_.config().vocab_size;
+  KV_CHECK_ARG(token >= 0 && token < V, "Runner::decode_step: token id ", token, " outside the vocabulary [0, ", V,
+               ")");
+  return forward_step(model_, ids_tensor(&token, 1), cache, StepKind::kDecode, LogitsFor::kLastToken).view({-1});
 }
 
-GenerationResult Runner::generate(const std::vector<int64_t>& prompt,
-                                  const GenerationOptions& options, CacheManager& cache) const {
-  return detail::generate_with(model_, prompt, options, cache);
+GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const GenerationOptions& opt,
+                                  KVCache& cache) const {
+  KV_CHECK_ARG(!prompt.empty(), "Runner::generate: the prompt must not be empty");
+  KV_CHECK_ARG(opt.max_new_tokens >= 1, "Runner::generate: max_new_tokens must be >= 1, got ", opt.max_new_tokens);
+  check_token_ids(prompt, model_.config().vocab_size, "Runner::generate");
+  check_cache_fits(cache.config(), model_.config(), "Runner::generate");
+  const std::vector<int64_t>& eos = opt.eos_token_ids.empty() ? model_.config().eos_token_ids : opt.eos_token_ids;
+  using clock = std::chrono::steady_clock;
+
+  GenerationResult r;
+  r.prompt_tokens = static_cast<int64_t>(prompt.size());
+  r.tokens.reserve(static_cast<size_t>(opt.max_new_tokens));
+  std::vector<at::Tensor> kept;
+  cache.reset(r.prompt_tokens + opt.max_new_tokens);
+
+  const auto t0 = clock::now();
+  at::Tensor logits = prefill(prompt, cache, opt.prefill_chunk);
+  const auto t1 = clock::now();
+  while (true) {
+    const int64_t next = logits.argmax().item<int64_t>();  // the one host read per token
+    r.tokens.push_back(next);
+    if (opt.keep_logits) kept.push_back(logits);
+    if (opt.stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) {
+      r.stopped_at_eos = true;
+      break;
+    }
+    if (static_cast<int64_t>(r.tokens.size()) == opt.max_new_tokens) break;
+    logits = forward_step(model_, ids_tensor(&next, 1), cache, StepKind::kDecode, LogitsFor::kLastToken).view({-1});
+    ++r.decode_steps;
+  }
+  const auto t2 = clock::now();
+  r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  r.decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+  if (opt.keep_logits) r.logits = at::stack(kept);
+  return r;
 }
 
-ScoreResult Runner::score(const std::vector<int64_t>& ids, CacheManager& cache,
-                          int64_t chunk_size) const {
-  return detail::score_with(model_, ids, cache, chunk_size);
+ScoreResult Runner::score(const std::vector<int64_t>& ids, KVCache& cache, int64_t chunk_size) const {
+  KV_CHECK_ARG(ids.size() >= 2, "Runner::score: needs at least 2 tokens, got ", ids.size());
+  KV_CHECK_ARG(chunk_size >= 0, "Runner::score: chunk_size must be >= 0 (0 = one step), got ", chunk_size);
+  check_token_ids(ids, model_.config().vocab_size, "Runner::score");
+  check_cache_fits(cache.config(), model_.config(), "Runner::score");
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const int64_t c = chunk_size == 0 ? n : chunk_size;
+  const auto t0 = std::chrono::steady_clock::now();
+  cache.reset(n);
+  const at::Tensor all = ids_tensor(ids.data(), n).view({-1});
+  std::vector<at::Tensor> parts;
+  for (int64_t s = 0; s < n; s += c) {
+    const int64_t t = std::min(c, n - s);
+    const at::Tensor logits = forward_step(model_, ids_tensor(ids.data() + s, t), cache,
+                                           s + t == n ? StepKind::kPrefillEnd : StepKind::kPrefill,
+                                           LogitsFor::kAllTokens);
+    // Predict ids[s+1 .. s+t]; the last token of the sequence has no successor.
+    const int64_t m = std::min(t, n - 1 - s);
+    if (m <= 0) break;
+    const at::Tensor lp = at::log_softmax(logits[0].slice(0, 0, m), -1);
+    parts.push_back(lp.gather(1, all.slice(0, s + 1, s + 1 + m).unsqueeze(1)).squeeze(1));
+  }
+  ScoreResult r;
+  r.logprobs = at::cat(parts);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
 }
 
 }  // namespace kvcache

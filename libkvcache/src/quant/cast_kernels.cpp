@@ -51,6 +51,16 @@ KV_TARGET_CLONES uint32_t copy_range(const float* __restrict x, int64_t b, int64
   return bad;
 }
 
+KV_TARGET_CLONES void fp16_widen_range(const uint16_t* __restrict x, int64_t b, int64_t e, float* __restrict out) {
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) out[i] = fp16_to_float(x[i]);
+}
+
+KV_TARGET_CLONES void bf16_widen_range(const uint16_t* __restrict x, int64_t b, int64_t e, float* __restrict out) {
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) out[i] = bits_float(static_cast<uint32_t>(x[i]) << 16);
+}
+
 template <typename Fn, typename Out>
 CastStatus run(Fn fn, const float* x, int64_t n, Out* out) {
   std::atomic<uint32_t> flags{0};
@@ -66,5 +76,13 @@ CastStatus run(Fn fn, const float* x, int64_t n, Out* out) {
 CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out) { return run(fp16_range, x, n, out); }
 CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out) { return run(bf16_range, x, n, out); }
 CastStatus copy_fp32(const float* x, int64_t n, float* out) { return run(copy_range, x, n, out); }
+
+void fp16_to_fp32(const uint16_t* x, int64_t n, float* out) {
+  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { fp16_widen_range(x, b, e, out); });
+}
+
+void bf16_to_fp32(const uint16_t* x, int64_t n, float* out) {
+  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { bf16_widen_range(x, b, e, out); });
+}
 
 }  // namespace kvcache::quant

@@ -20,5 +20,8 @@ CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out);
 CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out);
 /// out[i] = x[i] (a copy that also checks finiteness).
 CastStatus copy_fp32(const float* x, int64_t n, float* out);
+/// out[i] = float(x[i]) for IEEE binary16 / bfloat16 bits (exact). Runs at::parallel_for.
+void fp16_to_fp32(const uint16_t* x, int64_t n, float* out);
+void bf16_to_fp32(const uint16_t* x, int64_t n, float* out);
 
 }  // namespace kvcache::quant

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/float_quantizer.h"
 
+#include <cstring>
+
 #include "kvcache/error.h"
 #include "quant/cast_kernels.h"
 #include "quant/checks.h"
@@ -51,6 +53,41 @@ at::Tensor FloatCastQuantizer::do_dequantize(const QuantizedTensor& q) const {
                "dequantize(q) [", name_, "]: q.codes must be ", c10::toString(storage_), " of shape ",
                shape_str(q.shape), ", got ", q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
   return q.codes.to(q.dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+StoredLayout FloatCastQuantizer::do_stored_layout(int64_t head_dim) const {
+  StoredLayout l;
+  l.code_bytes = head_dim * static_cast<int64_t>(c10::elementSize(storage_));
+  return l;
+}
+
+EncodeStatus FloatCastQuantizer::do_encode(const float* x, int64_t groups, int64_t head_dim, float /*tensor_scale*/,
+                                           GroupBuffers out) const {
+  const int64_t n = groups * head_dim;
+  CastStatus st;
+  if (storage_ == at::kFloat) {
+    st = copy_fp32(x, n, reinterpret_cast<float*>(out.codes));
+  } else if (storage_ == at::kHalf) {
+    st = cast_to_fp16(x, n, reinterpret_cast<uint16_t*>(out.codes));
+  } else {
+    st = cast_to_bf16(x, n, reinterpret_cast<uint16_t*>(out.codes));
+  }
+  EncodeStatus s;
+  s.nonfinite = st.nonfinite;
+  s.overflow = st.overflow;
+  return s;
+}
+
+void FloatCastQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float /*tensor_scale*/,
+                                   float* out) const {
+  const int64_t n = groups * head_dim;
+  if (storage_ == at::kFloat) {
+    std::memcpy(out, in.codes, static_cast<size_t>(n) * sizeof(float));
+  } else if (storage_ == at::kHalf) {
+    fp16_to_fp32(reinterpret_cast<const uint16_t*>(in.codes), n, out);
+  } else {
+    bf16_to_fp32(reinterpret_cast<const uint16_t*>(in.codes), n, out);
+  }
 }
 
 }  // namespace kvcache::quant

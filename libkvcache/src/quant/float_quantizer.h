@@ -22,6 +22,11 @@ class FloatCastQuantizer final : public Quantizer {
   bool checks_finite_itself() const override { return true; }
   QuantizedTensor do_quantize(const at::Tensor& x) const override;
   at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+  StoredLayout do_stored_layout(int64_t head_dim) const override;
+  EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
+                         GroupBuffers out) const override;
+  void do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
+                 float* out) const override;
 
  private:
   at::ScalarType storage_;

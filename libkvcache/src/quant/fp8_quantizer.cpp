@@ -1,10 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/fp8_quantizer.h"
 
+#include <cmath>
+
 #include "kvcache/error.h"
 #include "quant/checks.h"
 
 namespace kvcache::quant {
+namespace {
+
+/// amax / max_finite; 1 for amax == 0 or when the quotient underflows to 0 (codes stay finite).
+float scale_for_amax(float amax, float max_finite) {
+  const float s = amax > 0.0f ? amax / max_finite : 1.0f;
+  return s == 0.0f ? 1.0f : s;
+}
+
+}  // namespace
 
 std::string Fp8Quantizer::spec() const {
   return std::string("fp8:") + fp8_name(format_) + (scaled_ ? ":scaled" : "");
@@ -22,8 +33,7 @@ QuantizedTensor Fp8Quantizer::do_quantize(const at::Tensor& x) const {
   if (scaled_) {
     const float amax = xf.numel() > 0 ? xf.abs().max().item<float>() : 0.0f;
     if (!std::isfinite(amax)) throw_first_nonfinite(x, where);
-    scale = amax > 0.0f ? amax / fp8_max(format_) : 1.0f;
-    if (scale == 0.0f) scale = 1.0f;  // amax below float32's subnormal range × max: keep codes finite
+    scale = scale_for_amax(amax, fp8_max(format_));
     q.scales = at::full({1}, scale, x.options().dtype(at::kFloat));
   }
   if (fp8_encode_array(xf.data_ptr<float>(), xf.numel(), scale, format_, q.codes.data_ptr<uint8_t>())) {
@@ -46,6 +56,31 @@ at::Tensor Fp8Quantizer::do_dequantize(const QuantizedTensor& q) const {
   at::Tensor out = at::empty(q.shape, q.codes.options().dtype(at::kFloat));
   fp8_decode_array(q.codes.data_ptr<uint8_t>(), out.numel(), scale, format_, out.data_ptr<float>());
   return q.dtype == at::kFloat ? out : out.to(q.dtype);
+}
+
+float Fp8Quantizer::fit_tensor_scale(const at::Tensor& x) const {
+  if (!scaled_) return 1.0f;
+  const float amax = x.numel() > 0 ? x.abs().max().item<float>() : 0.0f;
+  return scale_for_amax(amax, fp8_max(format_));
+}
+
+StoredLayout Fp8Quantizer::do_stored_layout(int64_t head_dim) const {
+  StoredLayout l;
+  l.code_bytes = head_dim;
+  l.tensor_scale = scaled_;
+  return l;
+}
+
+EncodeStatus Fp8Quantizer::do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
+                                     GroupBuffers out) const {
+  EncodeStatus s;
+  s.nonfinite = fp8_encode_array(x, groups * head_dim, scaled_ ? tensor_scale : 1.0f, format_, out.codes);
+  return s;  // saturating: finite input never overflows
+}
+
+void Fp8Quantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
+                             float* out) const {
+  fp8_decode_array(in.codes, groups * head_dim, scaled_ ? tensor_scale : 1.0f, format_, out);
 }
 
 }  // namespace kvcache::quant

@@ -21,12 +21,19 @@ class Fp8Quantizer final : public Quantizer {
   double bits_per_value(int64_t /*head_dim*/) const override { return 8.0; }
 
   Fp8Format format() const { return format_; }
+  /// Scaled: amax(|x|) / max_finite (1 when x == 0), as quantize() computes its scale.
+  float fit_tensor_scale(const at::Tensor& x) const override;
   bool scaled() const { return scaled_; }
 
  protected:
   bool checks_finite_itself() const override { return true; }
   QuantizedTensor do_quantize(const at::Tensor& x) const override;
   at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+  StoredLayout do_stored_layout(int64_t head_dim) const override;
+  EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
+                         GroupBuffers out) const override;
+  void do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
+                 float* out) const override;
 
  private:
   Fp8Format format_;

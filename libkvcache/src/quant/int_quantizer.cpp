@@ -117,4 +117,51 @@ at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
   return q.dtype == at::kFloat ? out : out.to(q.dtype);
 }
 
+StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {
+  const std::string where = "stored_layout(head_dim) [" + spec() + "]";
+  StoredLayout l;
+  l.axis = axis_;
+  l.has_zeros = true;
+  l.meta_dtype = at::kHalf;
+  if (axis_ == GroupAxis::kPerToken) {
+    const int64_t g = group_for(head_dim);
+    KV_CHECK_ARG(head_dim % g == 0, where, ": head_dim D = ", head_dim, " is not divisible by the group size g = ", g);
+    KV_CHECK_ARG(g % (8 / bits_) == 0, where, ": group size g = head_dim = ", g, " must be a multiple of ",
+                 8 / bits_, " for ", bits_, "-bit packing");
+    l.group_tokens = 1;
+    l.code_bytes = head_dim * bits_ / 8;
+    l.meta_count = head_dim / g;
+  } else {
+    l.group_tokens = group_;
+    l.code_bytes = group_ * bits_ / 8 * head_dim;
+    l.meta_count = head_dim;
+  }
+  return l;
+}
+
+EncodeStatus IntQuantizer::do_encode(const float* x, int64_t groups, int64_t head_dim, float /*tensor_scale*/,
+                                     GroupBuffers out) const {
+  KernelStatus st;
+  if (axis_ == GroupAxis::kPerToken) {
+    const int64_t g = group_for(head_dim);
+    st = quantize_per_token(bits_, x, groups * (head_dim / g), g, out.codes, out.scales, out.zeros, MetaType::kHalf);
+  } else {
+    st = quantize_per_channel(bits_, x, groups, group_, head_dim, out.codes, out.scales, out.zeros, MetaType::kHalf);
+  }
+  EncodeStatus s;
+  s.nonfinite = st.nonfinite;
+  s.overflow = st.meta_overflow || st.scale_overflow;
+  return s;
+}
+
+void IntQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float /*tensor_scale*/,
+                             float* out) const {
+  if (axis_ == GroupAxis::kPerToken) {
+    const int64_t g = group_for(head_dim);
+    dequantize_per_token(bits_, in.codes, in.scales, in.zeros, MetaType::kHalf, groups * (head_dim / g), g, out);
+  } else {
+    dequantize_per_channel(bits_, in.codes, in.scales, in.zeros, MetaType::kHalf, groups, group_, head_dim, out);
+  }
+}
+
 }  // namespace kvcache::quant

@@ -59,6 +59,47 @@ at::Tensor Quantizer::dequantize(const QuantizedTensor& q) const {
   return do_dequantize(q);
 }
 
+int64_t StoredLayout::meta_bytes() const {
+  return meta_count * (has_zeros ? 2 : 1) * static_cast<int64_t>(c10::elementSize(meta_dtype));
+}
+
+StoredLayout Quantizer::stored_layout(int64_t head_dim) const {
+  KV_CHECK_ARG(head_dim > 0, "stored_layout(head_dim) [", spec(), "]: head_dim must be > 0, got ", head_dim);
+  StoredLayout l = do_stored_layout(head_dim);
+  KV_INTERNAL_ASSERT(l.group_tokens >= 1 && l.code_bytes >= 1 && l.meta_count >= 0 &&
+                         (l.meta_dtype == at::kHalf || l.meta_dtype == at::kFloat),
+                     "quantizer ", spec(), " declared a bad layout");
+  return l;
+}
+
+StoredLayout Quantizer::do_stored_layout(int64_t /*head_dim*/) const {
+  throw UnsupportedError("quantizer '" + spec() + "' has no block layout (it cannot be stored by the CacheManager)");
+}
+
+EncodeStatus Quantizer::encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
+                               GroupBuffers out) const {
+  KV_INTERNAL_ASSERT(groups >= 0 && head_dim > 0 && (groups == 0 || (x != nullptr && out.codes != nullptr)),
+                     "encode [", spec(), "]");
+  if (groups == 0) return {};
+  return do_encode(x, groups, head_dim, tensor_scale, out);
+}
+
+void Quantizer::decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
+                       float* out) const {
+  KV_INTERNAL_ASSERT(groups >= 0 && head_dim > 0 && (groups == 0 || (in.codes != nullptr && out != nullptr)),
+                     "decode [", spec(), "]");
+  if (groups == 0) return;
+  do_decode(in, groups, head_dim, tensor_scale, out);
+}
+
+EncodeStatus Quantizer::do_encode(const float*, int64_t, int64_t, float, GroupBuffers) const {
+  throw UnsupportedError("quantizer '" + spec() + "' has no raw encoder");
+}
+
+void Quantizer::do_decode(ConstGroupBuffers, int64_t, int64_t, float, float*) const {
+  throw UnsupportedError("quantizer '" + spec() + "' has no raw decoder");
+}
+
 ReconstructionError reconstruction_error(const at::Tensor& x, const at::Tensor& x_hat) {
   KV_CHECK_ARG(x.defined() && x_hat.defined(), "reconstruction_error(x, x_hat): undefined tensor");
   KV_CHECK_ARG(x.sizes() == x_hat.sizes(), "reconstruction_error(x, x_hat): shapes differ: x ",

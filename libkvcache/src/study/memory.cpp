@@ -92,10 +92,8 @@ struct StreamBits {
 StreamBits measure_stream(const std::string& spec, int64_t head_dim) {
   const auto q = make_quantizer(spec);
   int64_t tokens = 256;
-  if (q->group_axis() == GroupAxis::kPerChannel) {
-    const int64_t g = cache::spec_group_size(spec);
-    if (g > 0) tokens = g * ((256 + g - 1) / g);
-  }
+  const int64_t g = q->stored_layout(head_dim).group_tokens;  // tokens encoded together
+  tokens = g * ((tokens + g - 1) / g);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
   const at::Tensor x = at::randn({1, 1, tokens, head_dim}, gen, at::TensorOptions().dtype(at::kFloat));
   const QuantizedTensor qt = q->quantize(x);

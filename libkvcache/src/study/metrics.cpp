@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "kvcache/attention.h"
 #include "kvcache/error.h"
 
 namespace kvcache::study {
@@ -204,25 +205,14 @@ AttentionError attention_error(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t tq = q.size(2);
   const int64_t t = k.size(2);
   KV_CHECK_ARG(!causal || tq <= t, "attention_error: causal with T_q=", tq, " > T=", t);
-  const int64_t groups = hq / hkv;
-  auto expand = [&](const at::Tensor& x) { return x.to(at::kDouble).repeat_interleave(groups, 1); };
-  auto qd = q.to(at::kDouble);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  at::Tensor mask;
-  if (causal) {
-    auto qi = at::arange(tq, at::kLong).unsqueeze(1) + (t - tq);
-    auto kj = at::arange(t, at::kLong).unsqueeze(0);
-    mask = kj > qi;  // [T_q, T]
-  }
-  auto probs = [&](const at::Tensor& kk) {
-    auto s = at::matmul(qd, expand(kk).transpose(2, 3)) * scale;
-    if (causal) s = s.masked_fill(mask, -INFINITY);
-    return at::softmax(s, -1);
-  };
-  auto p = probs(k);
-  auto p_hat = probs(k_hat);
-  auto o = at::matmul(p, expand(v));
-  auto o_hat = at::matmul(p_hat, expand(v_hat));
+  // The project's reference attention in float64; keys at positions 0..T−1, queries at the
+  // last T_q positions (causal) or all after every key (not causal).
+  const auto k_pos = at::arange(t, at::kLong).unsqueeze(0).expand({hkv, t});
+  const auto q_pos = causal ? at::arange(t - tq, t, at::kLong) : at::full({tq}, t, at::kLong);
+  const auto qd = q.to(at::kDouble);
+  at::Tensor p, p_hat;
+  const auto o = reference_attention(qd, k.to(at::kDouble), v.to(at::kDouble), k_pos, q_pos, &p);
+  const auto o_hat = reference_attention(qd, k_hat.to(at::kDouble), v_hat.to(at::kDouble), k_pos, q_pos, &p_hat);
   return {rel_fro(o, o_hat), rel_fro(p, p_hat)};
 }
 

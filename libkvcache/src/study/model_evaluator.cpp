@@ -3,12 +3,15 @@
 // CacheManager per request.
 #include "kvcache/study/model_evaluator.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 
 #include "cache/cache_scheme.h"
+#include "kvcache/attention.h"
+#include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/model/causal_lm.h"
@@ -87,8 +90,7 @@ class ModelArmEvaluator : public ArmEvaluator {
   Arm canonicalize(const Arm& arm) const override {
     Arm a;
     // Well-formed at all? (InvalidArgument stops the sweep.)
-    const auto scheme = cache::parse_cache_scheme(arm.quant, 0, /*head_dim=*/0);
-    a.quant = split_spec(arm.quant)[0] == "kivi" ? scheme.canonical : make_quantizer(arm.quant)->spec();
+    a.quant = cache::canonical_cache_spec(arm.quant);
     a.policy = make_eviction_policy(arm.policy)->spec();
     // Runnable on this model? (UnsupportedError: the arm's rows record why.)
     try {
@@ -151,17 +153,14 @@ class ModelArmEvaluator : public ArmEvaluator {
     const auto ids = at::tensor(std::vector<int64_t>(text_ids_.begin(), text_ids_.begin() + t), at::kLong).unsqueeze(0);
     const auto pos = at::arange(t, at::kLong);
     const auto& c = model_.config();
-    const int64_t groups = c.num_attention_heads / c.num_key_value_heads;
-    const auto mask = at::ones({t, t}, at::kBool).triu(1);
     at::Tensor h = model_.embed(ids);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       const QKV x = model_.qkv(l, h, pos);
       const at::Tensor k = model_.rope(x.k, pos).to(at::kFloat);
       const at::Tensor v = x.v.to(at::kFloat);
       const at::Tensor q = x.q.to(at::kFloat);
-      auto scores = at::matmul(q, k.repeat_interleave(groups, 1).transpose(2, 3)) / std::sqrt(static_cast<double>(c.head_dim));
-      const auto probs = at::softmax(scores.masked_fill(mask, -INFINITY), -1);
-      h = model_.finish(l, h, at::matmul(probs, v.repeat_interleave(groups, 1)).to(h.scalar_type()));
+      const at::Tensor k_pos = pos.unsqueeze(0).expand({c.num_key_value_heads, t});
+      h = model_.finish(l, h, reference_attention(q, k, v, k_pos, pos).to(h.scalar_type()));
       const bool wanted = opt_.capture_layers.empty() ||
                           std::find(opt_.capture_layers.begin(), opt_.capture_layers.end(), l) != opt_.capture_layers.end();
       if (wanted) captured_.push_back(QkvSample{l, q, k, v});
@@ -211,10 +210,11 @@ class ModelArmEvaluator : public ArmEvaluator {
     double sum = 0;
     int64_t n = 0;
     for (int64_t l = 0; l < model_.config().num_hidden_layers; ++l) {
-      const auto pos = cache.get(l).positions;  // [H_kv, T_res]
-      const auto in_span = ((pos >= a) & (pos < b)).sum(1).to(at::kDouble) / static_cast<double>(b - a);
-      sum += in_span.sum().item<double>();
-      n += pos.size(0);
+      for (const auto& head : cache.tokens(l).positions) {
+        const auto in_span = std::count_if(head.begin(), head.end(), [&](int64_t p) { return p >= a && p < b; });
+        sum += static_cast<double>(in_span) / static_cast<double>(b - a);
+        ++n;
+      }
     }
     return n > 0 ? sum / static_cast<double>(n) : -1;
   }

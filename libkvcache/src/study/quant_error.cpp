@@ -18,15 +18,13 @@ struct Pooled {
   double ref2 = 0;
   double max_abs = 0;
   void add(const Quantizer& q, at::Tensor x) {
-    if (q.group_axis() == GroupAxis::kPerChannel) {
-      // Groups run along tokens: keep a whole number of groups (the spec's g<N>).
-      const int64_t g = cache::spec_group_size(q.spec());
-      if (g > 0) {
-        const int64_t keep = x.size(2) / g * g;
-        KV_CHECK_ARG(keep > 0, "quantizer '", q.spec(), "' groups ", g, " tokens per channel but the sample has only ",
-                     x.size(2), " tokens");
-        x = x.narrow(2, 0, keep);
-      }
+    const int64_t g = q.stored_layout(x.size(3)).group_tokens;
+    if (g > 1) {
+      // Groups run along tokens: keep a whole number of groups.
+      const int64_t keep = x.size(2) / g * g;
+      KV_CHECK_ARG(keep > 0, "quantizer '", q.spec(), "' groups ", g, " tokens per channel but the sample has only ",
+                   x.size(2), " tokens");
+      x = x.narrow(2, 0, keep);
     }
     const auto e = reconstruction_error(q, x);
     const double n2 = std::pow(x.to(at::kDouble).norm().item<double>(), 2);

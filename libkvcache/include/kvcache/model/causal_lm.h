@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "kvcache/cache_manager.h"
+#include "kvcache/cache_config.h"
 #include "kvcache/model/tokenizer.h"
 
 namespace kvcache {

@@ -1,29 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file runner.h
-/// Runner: the managed forward pass. It runs a CausalLM export with the KV cache held by a
-/// CacheManager: prefill in chunks, greedy decoding, and streaming scoring (log-probs for
-/// perplexity). Attention is computed here, not in the export:
+/// Runner: the managed forward pass. It runs a CausalLM export with a KV cache behind the
+/// KVCache interface (a CacheManager, or an engine's own): prefill in chunks, greedy
+/// decoding, and streaming scoring (log-probs for perplexity). The export computes the
+/// projections and the MLP; attention is the cache's:
 ///
 ///   per step (a prefill chunk of T tokens or one decode token), per layer l, with positions
 ///   p = cache.next_position(l) .. +T (the same for every layer unless kRerotate with
 ///   layer-dependent budgets):
-///     (q, k, v) = model.qkv(l, h, p); cache.append(l, k, v, p); kv = cache.get(l);
-///     scores = q·kᵀ/√D in float32; a key is visible iff its position ≤ the query's position
-///     (the causal mask inside a chunk, and per-KV-head positions after eviction);
-///     probs = softmax(scores); cache.observe_attention(l, probs) if cache.needs_attention();
-///     h = model.finish(l, h, probs·v);
-///   then cache.end_step(is_prefill_end) once.
+///     (q, k, v) = model.qkv(l, h, p); cache.append(l, k, v, p);
+///     h = model.finish(l, h, cache.attend(l, q, p));
+///   then cache.end_step(kind) once (StepKind::kPrefill / kPrefillEnd / kDecode).
 ///
-/// GQA: query head h reads KV head h / (H_q / H_kv); K/V are never repeated per query head
-/// (q is viewed as [B, H_kv, G·T, D]). Batch size is 1. Greedy decoding is deterministic.
+/// Batch size is 1. Greedy decoding is deterministic.
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "kvcache/cache_manager.h"
+#include "kvcache/kv_cache.h"
 #include "kvcache/model/causal_lm.h"
 
 namespace kvcache {
@@ -66,9 +63,8 @@ struct ScoreResult {
   double perplexity() const;
 };
 
-/// Runs a CausalLM against a CacheManager. Holds only the model handle; all request state
-/// lives in the CacheManager, so one Runner serves any number of caches (not concurrently
-/// on the same cache).
+/// Runs a CausalLM against a KVCache. Holds only the model handle; all request state lives in
+/// the cache, so one Runner serves any number of caches (not concurrently on the same cache).
 class Runner {
  public:
   explicit Runner(CausalLM model);
@@ -76,31 +72,32 @@ class Runner {
   const CausalLM& model() const;
 
   /// Ingests `ids` at positions cache.next_position(layer) onward, in steps of `chunk_size`
-  /// tokens (0 = one step), calling end_step(is_prefill_end = true) after the last step.
+  /// tokens (0 = one step), ending the last step with StepKind::kPrefillEnd.
   /// Does not reset the cache.
   /// @return logits `[V]` float32 of the last token of `ids`.
   /// @throws InvalidArgument if ids is empty, an id is outside [0, V), chunk_size < 0, or
   ///         the cache's layer/head/head_dim counts differ from the model's.
-  at::Tensor prefill(const std::vector<int64_t>& ids, CacheManager& cache,
+  at::Tensor prefill(const std::vector<int64_t>& ids, KVCache& cache,
                      int64_t chunk_size = 0) const;
 
-  /// One decode step: `token` at position cache.next_position(layer), then end_step().
+  /// One decode step: `token` at position cache.next_position(layer), then
+  /// end_step(StepKind::kDecode).
   /// @return logits `[V]` float32.
   /// @throws InvalidArgument as prefill().
-  at::Tensor decode_step(int64_t token, CacheManager& cache) const;
+  at::Tensor decode_step(int64_t token, KVCache& cache) const;
 
   /// Greedy generation: cache.reset(prompt + max_new_tokens), prefill, then one token per
   /// step until max_new_tokens or an EOS id. The last new token is not fed back.
   /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens < 1,
   ///         prefill_chunk < 0, or a cache that does not fit the model.
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
-                            CacheManager& cache) const;
+                            KVCache& cache) const;
 
   /// Streaming scoring: cache.reset(N), then ingests `ids` in steps of `chunk_size` tokens
   /// (0 = one step; 1 = token by token, each query seeing only what the cache kept) and
   /// returns the log-prob of every next token. Memory per step: chunk × V float32 logits.
   /// @throws InvalidArgument if ids has fewer than 2 tokens, or as prefill().
-  ScoreResult score(const std::vector<int64_t>& ids, CacheManager& cache,
+  ScoreResult score(const std::vector<int64_t>& ids, KVCache& cache,
                     int64_t chunk_size = 0) const;
 
  private:

@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file cache_config.h
+/// The configuration of a KV cache (CacheConfig) and what it measures (CacheStats).
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "kvcache/types.h"
+
+namespace kvcache {
+
+/// Rotary embedding hook: x `[B, H, T, D]` float32, positions int64 `[T]` → rotated x.
+using RopeFn = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& positions)>;
+
+/// Default tokens per block (CacheConfig::block_tokens = 0). Measured in bench_attention /
+/// bench_cache (docs/performance.md, "Block size"): 64 keeps the per-block work of the read
+/// path small against its data, a decoded block in L1, and fragmentation under scattered
+/// eviction low.
+inline constexpr int64_t kDefaultBlockTokens = 64;
+
+/// Configuration of a CacheManager. Call validate() (the constructor does).
+struct CacheConfig {
+  int64_t num_layers = 0;
+  int64_t num_q_heads = 0;   ///< H_q; must be a multiple of num_kv_heads
+  int64_t num_kv_heads = 0;  ///< H_kv
+  int64_t head_dim = 0;      ///< D
+  /// Cache quantization: a quantizer spec used for both K and V ("fp32", "int4:g64",
+  /// "fp8:e4m3"), or a cache scheme spec ("kivi:k2:v2:g32:r128") that sets per-K/V
+  /// quantizers and the residual window.
+  std::string quant = "fp32";
+  /// Eviction policy spec with optional budget: "full", "window:w256", "sink:s4@50%",
+  /// "h2o@50%", "random:seed7@50%", "snapkv@50%", "tova@50%".
+  std::string policy = "full";
+  /// Full-precision residual window of the most recent tokens (0 = none). Schemes such as
+  /// KIVI set it themselves.
+  int64_t residual_length = 0;
+  /// Tokens per storage block (per layer, stream and KV head), in [1, 4096]; 0 = the default:
+  /// kDefaultBlockTokens raised to a multiple of the scheme's per-channel group size. An
+  /// explicit value must be a multiple of every per-channel group size g (a per-channel
+  /// group — KIVI keys, `:chan` — is stored as one block of g tokens).
+  int64_t block_tokens = 0;
+  KeyStorage key_storage = KeyStorage::kPostRoPE;
+  PositionMode position_mode = PositionMode::kOriginal;
+  /// Full context length of the current request (prompt + max new tokens), used to
+  /// resolve fractional budgets ("@50%"). Set per request via CacheManager::reset().
+  int64_t context_length = 0;
+  /// Rotary embedding of the model (required). Must be deterministic. With
+  /// KeyStorage::kPreRoPE it must be the rotate-half RoPE of HF Llama/Qwen (checked).
+  RopeFn rope;
+
+  /// @throws InvalidArgument naming the bad field.
+  void validate() const;
+  /// block_tokens resolved (0 → the default for this config's scheme).
+  int64_t resolved_block_tokens() const;
+};
+
+/// Memory and token counters, measured from what is stored.
+///
+/// Per layer (CacheManager::tokens(l).stats) token counts are per KV head — the largest
+/// head's when heads hold different numbers (head-wise budgets); totals (stats()) sum the
+/// layers (token-layers); peaks are peaks of the totals.
+///   - bytes_resident: the stored bytes of the live tokens — codes, scales, zeros and side
+///     data of each live token (a per-channel group with any live token counts whole: a
+///     group cannot be partially freed), full-precision residual and converted rows.
+///   - bytes_reserved: the bytes of every block the cache holds (partly filled blocks and
+///     the dead slots eviction leaves count whole): what the cache really occupies.
+/// Host bookkeeping (block tables, explicit positions after a merge, liveness bits) is
+/// excluded from both.
+struct CacheStats {
+  int64_t tokens_written = 0;        ///< tokens ever appended
+  int64_t tokens_resident = 0;       ///< tokens stored now
+  int64_t tokens_resident_peak = 0;  ///< max of tokens_resident, sampled after every append/eviction
+  int64_t bytes_resident = 0;        ///< live tokens' stored bytes now
+  int64_t bytes_resident_peak = 0;   ///< max of bytes_resident, sampled likewise
+  int64_t bytes_reserved = 0;        ///< bytes of the blocks held now
+  int64_t bytes_reserved_peak = 0;   ///< max of bytes_reserved, sampled likewise
+};
+
+}  // namespace kvcache

@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file kv_cache.h
+/// KVCache: the interface the model runner drives in the forward pass. CacheManager
+/// implements it; an engine may implement it to run its own cache under the same runner
+/// (bench/ has a bare concatenating baseline).
+///
+/// Protocol per forward step (a prefill chunk or one decode token), for each layer l:
+///   1. p = next_position(l); positions p .. p + T − 1 for the step's T tokens;
+///   2. append(l, k_pre_rope, v, positions);
+///   3. out = attend(l, q, positions)   — attention of the step's queries over what layer l
+///      holds, including the tokens just appended;
+/// then once per step end_step(kind). reset(context_length) starts a new request.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "kvcache/cache_config.h"
+#include "kvcache/types.h"
+
+namespace kvcache {
+
+class KVCache {
+ public:
+  virtual ~KVCache() = default;
+
+  /// Layer/head/head_dim counts and the RoPE hook (the runner checks they fit the model).
+  virtual const CacheConfig& config() const = 0;
+  /// Starts a new request of `context_length` tokens (prompt + max new tokens).
+  virtual void reset(int64_t context_length) = 0;
+  /// Position to give the next token appended to `layer`.
+  virtual int64_t next_position(int64_t layer) const = 0;
+  /// Appends new tokens to `layer`: k `[B, H_kv, T_new, D]` PRE-RoPE keys, v values (float),
+  /// positions int64 `[T_new]`.
+  virtual void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) = 0;
+  /// Attention of q `[B, H_q, T_q, D]` (post-RoPE) at positions int64 `[T_q]` over `layer`'s
+  /// cached tokens → `[B, H_q, T_q, D]` float32 (semantics: kvcache/attention.h).
+  virtual at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) = 0;
+  /// Ends a forward step of kind `step`.
+  virtual void end_step(StepKind step) = 0;
+};
+
+}  // namespace kvcache

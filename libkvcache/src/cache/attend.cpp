@@ -1,0 +1,324 @@
+// SPDX-License-Identifier: Apache-2.0
+// The generic block-by-block attention (attend.h). Compiled with -fopenmp-simd (SIMD
+// reductions, no OpenMP runtime) and -ffp-contract=fast (FMAs in the dot products); the
+// tile kernels are multiversioned like the quantizer kernels (KV_TARGET_CLONES).
+#include "cache/attend.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kvcache/error.h"
+#include "quant/simd.h"
+
+namespace kvcache::cache {
+namespace {
+
+using quant::bits_float;
+using quant::float_bits;
+
+constexpr int64_t kRowBlock = 64;
+constexpr int64_t kMaxBufferedScores = int64_t{16} << 20;  // floats (64 MiB)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+/// exp(x) for x ≤ 0 (softmax arguments), 0 for x < −87.3 (incl. −inf). Cephes' expf:
+/// n = round(x·log2 e), r = x − n·ln 2 (two-part constant), degree-6 polynomial, scaled by
+/// 2^n through the exponent bits; about 2 ulp. Branch-free, so loops over it vectorize.
+KV_ALWAYS_INLINE float exp_nonpos(float x) {
+  const bool live = x > -87.3f;
+  const float xc = live ? x : -87.3f;
+  const float t = xc * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5·2^23
+  const float n = t - 12582912.0f;
+  const int32_t ni = static_cast<int32_t>(float_bits(t) - 0x4B400000u);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const float p2 = bits_float(static_cast<uint32_t>(ni + 127) << 23);
+  return live ? y * p2 : 0.0f;
+}
+
+/// s[r·ld + j] = (q_r · k_j) · scale for r < nr, j < n.
+KV_TARGET_CLONES void tile_scores(const float* __restrict q, int64_t nr, const float* const* krows, int64_t n,
+                                  int64_t d, float scale, float* __restrict s, int64_t ld) {
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* __restrict qr = q + r * d;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* __restrict k = krows[j];
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < d; ++i) acc += qr[i] * k[i];
+      s[r * ld + j] = acc * scale;
+    }
+  }
+}
+
+/// Hides key j from row r when its position is after the row's.
+void tile_mask(float* s, int64_t ld, int64_t nr, int64_t n, const int64_t* kpos, const int64_t* rpos) {
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (kpos[j] > rpos[r]) s[r * ld + j] = kNegInf;
+    }
+  }
+}
+
+/// Online-softmax update of rows r < nr with the tile's scores (masked: −inf) and V rows.
+KV_TARGET_CLONES void tile_update(const float* __restrict s, int64_t ld, int64_t nr, int64_t n,
+                                  const float* const* vrows, int64_t d, float* __restrict m, float* __restrict l,
+                                  float* __restrict acc, float* __restrict p) {
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* __restrict sr = s + r * ld;
+    float mt = kNegInf;
+    for (int64_t j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
+    if (mt == kNegInf) continue;  // every key of the tile is hidden from this row
+    const float mn = m[r] > mt ? m[r] : mt;
+    const float corr = m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mn);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = exp_nonpos(sr[j] - mn);
+      sum += p[j];
+    }
+    l[r] = l[r] * corr + sum;
+    m[r] = mn;
+    float* __restrict ar = acc + r * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[j];
+      if (pj == 0.0f) continue;
+      const float* __restrict v = vrows[j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ar[i] += pj * v[i];
+    }
+  }
+}
+
+/// p = exp(s − m_r) / l_r for the tile's scores of rows r < nr, added (× w) into
+/// `mass_rows[row_of[r]] + j0`.
+KV_TARGET_CLONES void tile_mass(const float* __restrict s, int64_t ld, int64_t nr, int64_t n, const float* m,
+                                const float* l, float w, float* const* mass_rows) {
+  for (int64_t r = 0; r < nr; ++r) {
+    if (l[r] <= 0.0f) continue;
+    const float* __restrict sr = s + r * ld;
+    float* __restrict out = mass_rows[r];
+    const float mr = m[r], inv = w / l[r];
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] += exp_nonpos(sr[j] - mr) * inv;
+  }
+}
+
+/// Walks one stream's live tokens block by block (quantized list, then residual list),
+/// each block decoded once into float32 (pre-RoPE keys rotated by position).
+class Cursor {
+ public:
+  Cursor(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d)
+      : s_(s), scale_(tensor_scale), rope_(rope), d_(d) {}
+
+  /// Live tokens left in the current block, loading the next block when it is used up;
+  /// 0 at the end of the stream.
+  int64_t remaining() {
+    while (next_ >= slots_.size()) {
+      if (!load()) return 0;
+    }
+    return static_cast<int64_t>(slots_.size() - next_);
+  }
+  const float* row(int64_t j) const { return rows_ + static_cast<int64_t>(slots_[next_ + static_cast<size_t>(j)]) * d_; }
+  int64_t position(int64_t j) const { return block_->position(slots_[next_ + static_cast<size_t>(j)]); }
+  void advance(int64_t n) { next_ += static_cast<size_t>(n); }
+
+ private:
+  bool load() {
+    const BlockList* list = nullptr;
+    while (true) {
+      list = list_ == 0 ? &s_.quant : &s_.resid;
+      if (bi_ < list->blocks().size()) break;
+      if (list_ == 1) return false;
+      list_ = 1;
+      bi_ = 0;
+    }
+    block_ = &list->blocks()[bi_++];
+    const BlockFormat& f = list->format(*block_);
+    if (f.raw_fp32 && rope_ == nullptr) {
+      rows_ = reinterpret_cast<const float*>(f.pool->data(block_->id));
+    } else {
+      scratch_.resize(static_cast<size_t>(f.capacity * d_));
+      list->decode(*block_, scratch_.data(), scale_);
+      rows_ = scratch_.data();
+    }
+    slots_.clear();
+    for (int32_t s = 0; s < block_->filled; ++s) {
+      if (!block_->alive(s)) continue;
+      slots_.push_back(s);
+      if (rope_ != nullptr) rope_->rotate(scratch_.data() + static_cast<int64_t>(s) * d_, block_->position(s));
+    }
+    next_ = 0;
+    return true;
+  }
+
+  const HeadStream& s_;
+  float scale_;
+  const RopeTable* rope_;
+  int64_t d_;
+  int list_ = 0;
+  size_t bi_ = 0;
+  const Block* block_ = nullptr;
+  std::vector<float> scratch_;
+  const float* rows_ = nullptr;
+  std::vector<int32_t> slots_;
+  size_t next_ = 0;
+};
+
+int64_t max_capacity(const StreamSetup& st) {
+  int64_t c = 0;
+  for (const auto& f : st.formats.f) c = std::max(c, f.capacity);
+  return c;
+}
+
+/// Iterates the tiles of rows' visible keys of one head: fn(n, krows, vrows, kpos, j0).
+/// Stops after the first tile whose keys all lie after `max_qpos`.
+template <class Fn>
+void for_each_tile(const LayerStore& L, int64_t h, const RopeTable* rope, int64_t max_qpos, int64_t cap, Fn&& fn) {
+  const int64_t d = L.head_dim();
+  Cursor kc(L.k(h), L.k_scale(), rope, d);
+  Cursor vc(L.v(h), L.v_scale(), nullptr, d);
+  std::vector<const float*> kr(static_cast<size_t>(cap)), vr(static_cast<size_t>(cap));
+  std::vector<int64_t> kpos(static_cast<size_t>(cap));
+  int64_t j0 = 0;
+  while (true) {
+    const int64_t nk = kc.remaining();
+    if (nk == 0) break;
+    const int64_t nv = vc.remaining();
+    KV_INTERNAL_ASSERT(nv > 0, "attend: V stream shorter than K at key ", j0);
+    const int64_t n = std::min(nk, nv);
+    for (int64_t j = 0; j < n; ++j) {
+      kr[static_cast<size_t>(j)] = kc.row(j);
+      vr[static_cast<size_t>(j)] = vc.row(j);
+      kpos[static_cast<size_t>(j)] = kc.position(j);
+    }
+    if (kpos[0] > max_qpos) break;  // positions increase along the stream: nothing later is visible
+    fn(n, kr.data(), vr.data(), kpos.data(), j0);
+    kc.advance(n);
+    vc.advance(n);
+    j0 += n;
+  }
+}
+
+void attend_head(const AttendArgs& a, int64_t h) {
+  const LayerStore& L = *a.layer;
+  const int64_t d = L.head_dim(), hkv = L.num_heads(), G = a.num_q_heads / hkv, tq = a.t_q;
+  const int64_t R = G * tq;  // rows, token-major: r = t·G + g
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t cap = std::max(max_capacity(L.key_setup()), max_capacity(L.value_setup()));
+  std::vector<float> qh(static_cast<size_t>(R * d));
+  std::vector<int64_t> rpos(static_cast<size_t>(R));
+  for (int64_t t = 0; t < tq; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = a.q + ((h * G + g) * tq + t) * d;
+      std::copy_n(src, d, qh.data() + (t * G + g) * d);
+      rpos[static_cast<size_t>(t * G + g)] = a.q_pos[t];
+    }
+  }
+  // Attention mass of the selected rows (the last `sel_t` query tokens).
+  const int64_t th = L.resident(h);
+  const int64_t sel_t = a.need.any() ? a.need.selected(tq) : 0;
+  const int64_t sel_first = R - sel_t * G;  // first selected row
+  const bool per_row = a.need.per_row;
+  const bool buffered = sel_t > 0 && sel_t * G * th <= kMaxBufferedScores;
+  std::vector<float> sbuf;
+  if (buffered) sbuf.assign(static_cast<size_t>(sel_t * G * th), kNegInf);
+  std::vector<float> m_sel(static_cast<size_t>(sel_t * G)), l_sel(static_cast<size_t>(sel_t * G));
+
+  std::vector<float> s(static_cast<size_t>(kRowBlock * cap)), p(static_cast<size_t>(cap));
+  std::vector<float> m(static_cast<size_t>(kRowBlock)), l(static_cast<size_t>(kRowBlock));
+  std::vector<float> acc(static_cast<size_t>(kRowBlock * d));
+  for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, R - r0);
+    std::fill(m.begin(), m.end(), kNegInf);
+    std::fill(l.begin(), l.end(), 0.0f);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int64_t* rp = rpos.data() + r0;
+    const int64_t min_q = *std::min_element(rp, rp + nr), max_q = *std::max_element(rp, rp + nr);
+    for_each_tile(L, h, a.rope, max_q, cap,
+                  [&](int64_t n, const float* const* kr, const float* const* vr, const int64_t* kpos, int64_t j0) {
+                    tile_scores(qh.data() + r0 * d, nr, kr, n, d, scale, s.data(), cap);
+                    if (kpos[n - 1] > min_q) tile_mask(s.data(), cap, nr, n, kpos, rp);
+                    if (buffered && r0 + nr > sel_first) {
+                      for (int64_t r = std::max(r0, sel_first); r < r0 + nr; ++r) {
+                        std::copy_n(s.data() + (r - r0) * cap, n, sbuf.data() + (r - sel_first) * th + j0);
+                      }
+                    }
+                    tile_update(s.data(), cap, nr, n, vr, d, m.data(), l.data(), acc.data(), p.data());
+                  });
+    for (int64_t r = r0; r < r0 + nr; ++r) {
+      const int64_t t = r / G, g = r % G;
+      float* dst = a.out + ((h * G + g) * tq + t) * d;
+      const float lr = l[static_cast<size_t>(r - r0)];
+      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+      const float* ar = acc.data() + (r - r0) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = ar[i] * inv;
+      if (r >= sel_first) {
+        m_sel[static_cast<size_t>(r - sel_first)] = m[static_cast<size_t>(r - r0)];
+        l_sel[static_cast<size_t>(r - sel_first)] = lr;
+      }
+    }
+  }
+  if (sel_t == 0) return;
+
+  // Mass: mean over the G query heads of each selected token's probabilities; per row or summed.
+  auto& out = a.mass->heads[static_cast<size_t>(h)];
+  out.assign(static_cast<size_t>((per_row ? sel_t : 1) * th), 0.0f);
+  const float w = 1.0f / static_cast<float>(G);
+  const int64_t nsel = sel_t * G;
+  std::vector<float*> mass_rows(static_cast<size_t>(nsel));
+  for (int64_t i = 0; i < nsel; ++i) {
+    const int64_t row_out = per_row ? i / G : 0;
+    mass_rows[static_cast<size_t>(i)] = out.data() + row_out * th;
+  }
+  if (buffered) {
+    for (int64_t i = 0; i < nsel; ++i) {
+      tile_mass(sbuf.data() + i * th, th, 1, th, m_sel.data() + i, l_sel.data() + i, w, mass_rows.data() + i);
+    }
+    return;
+  }
+  // Second pass over the blocks for the selected rows only.
+  const int64_t* rp = rpos.data() + sel_first;
+  const int64_t min_q = *std::min_element(rp, rp + nsel), max_q = *std::max_element(rp, rp + nsel);
+  for (int64_t r0 = 0; r0 < nsel; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, nsel - r0);
+    std::vector<float*> rows_at(static_cast<size_t>(nr));
+    for_each_tile(L, h, a.rope, max_q, cap,
+                  [&](int64_t n, const float* const* kr, const float* const*, const int64_t* kpos, int64_t j0) {
+                    tile_scores(qh.data() + (sel_first + r0) * d, nr, kr, n, d, scale, s.data(), cap);
+                    if (kpos[n - 1] > min_q) tile_mask(s.data(), cap, nr, n, kpos, rp + r0);
+                    for (int64_t r = 0; r < nr; ++r) rows_at[static_cast<size_t>(r)] = mass_rows[static_cast<size_t>(r0 + r)] + j0;
+                    tile_mass(s.data(), cap, nr, n, m_sel.data() + r0, l_sel.data() + r0, w, rows_at.data());
+                  });
+  }
+}
+
+}  // namespace
+
+void attend_generic(const AttendArgs& a) {
+  const int64_t hkv = a.layer->num_heads();
+  if (a.need.any()) {
+    a.mass->rows = a.need.per_row ? a.need.selected(a.t_q) : 1;
+    a.mass->heads.assign(static_cast<size_t>(hkv), {});
+  }
+  // Parallel over KV heads once a head's work is worth a thread (≈ 64 Ki multiply-adds).
+  const int64_t work = a.layer->max_resident() * (a.num_q_heads / hkv) * a.t_q * a.layer->head_dim();
+  at::parallel_for(0, hkv, work >= (int64_t{1} << 16) ? 1 : hkv, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) attend_head(a, h);
+  });
+}
+
+}  // namespace kvcache::cache

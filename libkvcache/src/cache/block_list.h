@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file block_list.h (internal)
+/// The block storage of one stream (K or V) of one KV head: a chronological list of blocks
+/// from BlockPools, each holding up to `capacity` tokens in one BlockFormat (the stream's
+/// quantizer, its full-precision residual dtype, small blocks for converted per-channel
+/// groups, or the fp32 fallback). No tensors: raw memory laid out by the quantizer's
+/// StoredLayout, so attention reads exactly what is stored (docs/cache-manager.md).
+///
+/// Invariants (check()): every block holds ≥ 1 live token; live tokens' positions increase
+/// strictly along the list; `live` = filled slots − dead slots; counters equal recounts.
+///
+/// Eviction leaves holes (dead slots) that readers skip. Then, per touched block:
+///   - no live token left → the block returns to its pool at once;
+///   - token-readable formats: a block merges with a neighbour of the same format when
+///     their live tokens fit one block (the earlier block takes both, compacted; the later
+///     one is freed), so any two adjacent blocks of one format hold more than `capacity`
+///     live tokens and a list reserves < 2 × its live slots + 1 block per format run;
+///   - per-channel formats (one group = one block; a group cannot be split): when the
+///     survivors take no more bytes in the conversion format than the whole group, they are
+///     dequantized once into a small block of that format (never requantized); otherwise the
+///     group keeps its bytes with dead slots until that rule or full eviction frees it.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cache/block_pool.h"
+#include "kvcache/quantizer.h"
+
+namespace kvcache::cache {
+
+/// One stored format: a quantizer's StoredLayout for head_dim D with `capacity` tokens per
+/// block. Block memory: [codes: groups × code_bytes][scales][zeros], each region 8-aligned.
+struct BlockFormat {
+  const Quantizer* quantizer = nullptr;
+  StoredLayout layout;
+  int64_t head_dim = 0;
+  int64_t capacity = 0;  ///< tokens per block (multiple of layout.group_tokens)
+  int64_t groups = 0;    ///< groups per block
+  int64_t scales_offset = 0, zeros_offset = 0, block_bytes = 0;
+  BlockPool* pool = nullptr;
+  bool raw_fp32 = false;  ///< plain float32 rows: readers may use the block memory as is
+
+  BlockFormat() = default;
+  BlockFormat(const Quantizer& q, int64_t head_dim, int64_t capacity, BlockPool* pool);
+  /// Block bytes a `capacity`-token block of `q` needs (to pick its pool before building).
+  static int64_t bytes_for(const Quantizer& q, int64_t head_dim, int64_t capacity);
+
+  bool token_readable() const { return layout.token_readable(); }
+  /// Stored bytes of one token (token-readable formats) or one group.
+  int64_t group_bytes() const { return layout.group_bytes(); }
+  GroupBuffers at(uint8_t* block, int64_t group) const;
+  ConstGroupBuffers at(const uint8_t* block, int64_t group) const;
+};
+
+/// The formats a stream's blocks may use, by index (Block::format).
+struct StreamFormats {
+  enum : uint8_t { kMain = 0, kResidual = 1, kConverted = 2, kFallback = 3, kCount = 4 };
+  BlockFormat f[kCount];
+  /// Whether the main format uses a per-stream tensor scale (fp8:*:scaled).
+  bool tensor_scale() const { return f[kMain].layout.tensor_scale; }
+};
+
+struct Block {
+  BlockId id = -1;
+  uint8_t format = 0;
+  int32_t filled = 0;  ///< slots written, ≤ capacity
+  int32_t live = 0;    ///< live tokens among the filled slots
+  int64_t pos0 = 0;    ///< implicit positions: slot s holds pos0 + s (when `pos` is empty)
+  std::vector<uint64_t> dead;  ///< bit s: slot s evicted (empty: no holes)
+  std::vector<int64_t> pos;    ///< explicit position per slot (empty: implicit)
+
+  bool alive(int64_t s) const {
+    return dead.empty() || ((dead[static_cast<size_t>(s >> 6)] >> (s & 63)) & 1u) == 0;
+  }
+  int64_t position(int64_t s) const { return pos.empty() ? pos0 + s : pos[static_cast<size_t>(s)]; }
+  bool has_holes() const { return live != filled; }
+};
+
+class BlockList {
+ public:
+  explicit BlockList(const StreamFormats* formats = nullptr) : fmts_(formats) {}
+  BlockList(BlockList&&) noexcept;
+  BlockList& operator=(BlockList&&) noexcept;
+  ~BlockList();
+
+  int64_t live() const { return live_; }
+  /// Stored bytes of the live tokens: live rows of token-readable blocks, whole groups of
+  /// per-channel blocks with any live token.
+  int64_t bytes_resident() const { return bytes_; }
+  /// Bytes of the blocks held (each block's full size).
+  int64_t bytes_reserved() const { return reserved_; }
+  const std::vector<Block>& blocks() const { return blocks_; }
+  const BlockFormat& format(const Block& b) const { return fmts_->f[b.format]; }
+
+  /// Appends `n` tokens encoded in format `fmt`: rows `x` float32 `[n, D]`, positions
+  /// `pos[n]` (increasing, after every live position). For a per-channel format n must be a
+  /// multiple of its group size. A group whose encoding overflows the format is stored in
+  /// the fp32 fallback format instead.
+  void append(uint8_t fmt, const float* x, const int64_t* pos, int64_t n, float tensor_scale);
+  /// Removes the `n` oldest live tokens (token-readable blocks only), writing their decoded
+  /// rows to `out` `[n, D]` and their positions to `out_pos` (either may be null).
+  void pop_front(int64_t n, float* out, int64_t* out_pos, float tensor_scale);
+  /// Evicts the live tokens at local indices `idx[0..n)` (strictly increasing, < live()).
+  void evict(const int64_t* idx, int64_t n, float tensor_scale);
+  /// Re-numbers the live tokens' positions `next, next + 1, ...` in order; advances `next`.
+  void renumber_positions(int64_t& next);
+
+  /// Decodes block `b`'s filled slots, live and dead, to `out` float32 `[filled, D]`.
+  /// `tensor_scale` applies to blocks of the main format only.
+  void decode(const Block& b, float* out, float tensor_scale) const;
+  /// Positions of the live tokens, in order, appended to `out`.
+  void live_positions(std::vector<int64_t>& out) const;
+  /// Decoded rows of the live tokens, in order, appended to `out` (`[live, D]` floats).
+  void live_rows(std::vector<float>& out, float tensor_scale) const;
+
+  /// Releases every block.
+  void clear();
+  /// Verifies the invariants above. @throws InternalError naming `where`.
+  void check(const std::string& where) const;
+
+ private:
+  const BlockFormat& fmt(uint8_t f) const { return fmts_->f[f]; }
+  Block& new_block(uint8_t f);
+  void release(Block& b);
+  int64_t block_bytes_resident(const Block& b) const;
+  void set_position(Block& b, int64_t slot, int64_t p);
+  void kill(Block& b, int64_t slot);
+  /// Per-channel block i with dead slots: converts its survivors when the rule allows.
+  void convert_group(size_t i, float tensor_scale);
+  /// Encodes m tokens into slots [0, m) of the empty block `b` of format f (fallback on overflow).
+  void fill(Block& b, const float* x, const int64_t* pos, int64_t m, float tensor_scale);
+  /// Merges block i+1 into block i (same token-readable format, fits).
+  void merge_into(size_t i);
+  bool mergeable(size_t i) const;
+
+  const StreamFormats* fmts_;
+  std::vector<Block> blocks_;
+  int64_t live_ = 0, bytes_ = 0, reserved_ = 0;
+};
+
+}  // namespace kvcache::cache

@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file layer_store.h (internal)
+/// LayerStore: what one layer holds — per KV head, a K stream and a V stream, each a list
+/// of quantized blocks followed by a list of full-precision residual blocks (BlockList),
+/// oldest first; both streams hold the same tokens in the same order. The residual rule of
+/// the cache scheme (StreamSpec: R tokens, sliding or block flush) moves tokens from the
+/// residual into quantized storage as they are written.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cache/block_list.h"
+#include "cache/cache_scheme.h"
+
+namespace kvcache::cache {
+
+/// How one stream (K or V) is stored, shared by every layer.
+struct StreamSetup {
+  StreamSpec spec;
+  StreamFormats formats;
+  /// Number of oldest residual tokens the flush rule moves out of a residual of `r` tokens.
+  int64_t flush_count(int64_t r) const;
+  bool direct() const { return spec.residual == 0 && spec.flush == ResidualFlush::kSliding; }
+};
+
+/// One stream of one KV head.
+struct HeadStream {
+  BlockList quant, resid;
+  int64_t live() const { return quant.live() + resid.live(); }
+  int64_t bytes_resident() const { return quant.bytes_resident() + resid.bytes_resident(); }
+  int64_t bytes_reserved() const { return quant.bytes_reserved() + resid.bytes_reserved(); }
+  /// Positions of the live tokens, oldest first.
+  std::vector<int64_t> positions() const;
+};
+
+class LayerStore {
+ public:
+  LayerStore(const StreamSetup* key, const StreamSetup* value, int64_t num_heads, int64_t head_dim);
+
+  int64_t num_heads() const { return static_cast<int64_t>(k_.size()); }
+  int64_t head_dim() const { return head_dim_; }
+  const HeadStream& k(int64_t h) const { return k_[static_cast<size_t>(h)]; }
+  const HeadStream& v(int64_t h) const { return v_[static_cast<size_t>(h)]; }
+  const StreamSetup& key_setup() const { return *ks_; }
+  const StreamSetup& value_setup() const { return *vs_; }
+  /// Per-stream scales (fp8:*:scaled), fixed at the layer's first write.
+  float k_scale() const { return k_scale_; }
+  float v_scale() const { return v_scale_; }
+  bool scales_set() const { return scales_set_; }
+  void set_scales(float k, float v);
+
+  /// Writes `n` tokens of head h: rows `k`/`v` float32 `[n, D]` (keys as stored), positions.
+  void write(int64_t h, const float* k, const float* v, const int64_t* pos, int64_t n);
+  /// Evicts the head's live tokens at indices `idx` (strictly increasing) from both streams.
+  void evict(int64_t h, const std::vector<int64_t>& idx);
+  /// Re-numbers every head's positions 0, 1, ... (PositionMode::kRerotate).
+  void renumber_positions();
+
+  int64_t resident(int64_t h) const { return k_[static_cast<size_t>(h)].live(); }
+  int64_t max_resident() const;
+  int64_t bytes_resident() const;
+  int64_t bytes_reserved() const;
+
+  void clear();
+  /// @throws InternalError naming layer `layer` on a broken invariant.
+  void check(int64_t layer) const;
+
+ private:
+  void write_stream(HeadStream& s, const StreamSetup& st, float scale, const float* x, const int64_t* pos, int64_t n);
+  const StreamSetup* ks_;
+  const StreamSetup* vs_;
+  int64_t head_dim_;
+  std::vector<HeadStream> k_, v_;
+  float k_scale_ = 1.0f, v_scale_ = 1.0f;
+  bool scales_set_ = false;
+};
+
+}  // namespace kvcache::cache

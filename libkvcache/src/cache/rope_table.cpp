@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: Apache-2.0
+// Compiled without FMA contraction (the project default, -std=c++17): the rotation is the
+// export's x·cos + rot·sin, two products and a sum, bit for bit.
+#include "cache/rope_table.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kvcache/error.h"
+
+namespace kvcache::cache {
+
+RopeTable::RopeTable(RopeFn rope, int64_t head_dim) : rope_(std::move(rope)), head_dim_(head_dim) {
+  KV_CHECK_ARG(head_dim % 2 == 0, "key_storage=kPreRoPE rotates keys on read and needs an even head_dim, got ",
+               head_dim);
+  // Check the form on a few positions: rope(e_first_half) = [cos | sin], rope(e_second_half)
+  // = [−sin | cos], and rope of a random row equals the table's rotation of it.
+  const int64_t half = head_dim / 2;
+  const std::vector<int64_t> probe_pos = {0, 1, 7, 1000};
+  auto pos = at::tensor(probe_pos, at::kLong);
+  const int64_t n = static_cast<int64_t>(probe_pos.size());
+  auto e1 = at::zeros({1, 1, n, head_dim}, at::kFloat);
+  e1.narrow(3, 0, half).fill_(1.0f);
+  auto e2 = at::zeros({1, 1, n, head_dim}, at::kFloat);
+  e2.narrow(3, half, half).fill_(1.0f);
+  auto x = at::sin(at::arange(n * head_dim, at::kFloat).view({1, 1, n, head_dim}) * 0.731f) * 2.0f;
+  const auto r1 = rope_(e1, pos).to(at::kFloat).contiguous();
+  const auto r2 = rope_(e2, pos).to(at::kFloat).contiguous();
+  const auto rx = rope_(x, pos).to(at::kFloat).contiguous();
+  const float* a = r1.data_ptr<float>();
+  const float* b = r2.data_ptr<float>();
+  bool ok = true;
+  for (int64_t t = 0; t < n && ok; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = a[t * head_dim + i], s = a[t * head_dim + half + i];
+      ok = ok && -b[t * head_dim + i] == s && b[t * head_dim + half + i] == c && std::abs(c * c + s * s - 1.0f) < 1e-3f;
+    }
+  }
+  if (ok) {
+    std::vector<float> row(static_cast<size_t>(head_dim));
+    for (int64_t t = 0; t < n && ok; ++t) {
+      std::copy_n(x.data_ptr<float>() + t * head_dim, head_dim, row.begin());
+      const float* c = a + t * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = row[static_cast<size_t>(i)], x2 = row[static_cast<size_t>(i + half)];
+        row[static_cast<size_t>(i)] = x1 * c[i] + (-x2) * c[half + i];
+        row[static_cast<size_t>(i + half)] = x2 * c[i] + x1 * c[half + i];
+      }
+      for (int64_t i = 0; i < head_dim; ++i) {
+        ok = ok && std::abs(row[static_cast<size_t>(i)] - rx.data_ptr<float>()[t * head_dim + i]) <= 1e-5f;
+      }
+    }
+  }
+  KV_CHECK_ARG(ok, "CacheConfig.rope is not the rotate-half RoPE of HF Llama/Qwen (x·cos + rotate_half(x)·sin "
+               "with cos/sin repeated over both halves); key_storage=kPreRoPE rotates keys on read and needs it");
+}
+
+void RopeTable::probe(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
+  const int64_t half = head_dim_ / 2;
+  auto e = at::zeros({1, 1, n, head_dim_}, at::kFloat);
+  e.narrow(3, 0, half).fill_(1.0f);
+  const auto r = rope_(e, at::arange(first, first + n, at::kLong)).to(at::kFloat).contiguous();
+  const float* p = r.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    std::copy_n(p + t * head_dim_, half, cos_out + t * head_dim_);
+    std::copy_n(p + t * head_dim_ + half, half, sin_out + t * head_dim_);
+  }
+}
+
+void RopeTable::extend(const int64_t* pos, int64_t n) {
+  if (!enabled() || n == 0) return;
+  const int64_t hi = *std::max_element(pos, pos + n) + 1;
+  if (hi <= size_) return;
+  cs_.resize(static_cast<size_t>(hi * head_dim_));
+  // Layout per position: D/2 cos then D/2 sin (probe writes cos at +0 and sin at +half).
+  float* base = cs_.data() + size_ * head_dim_;
+  probe(size_, hi - size_, base, base + head_dim_ / 2);
+  size_ = hi;
+}
+
+void RopeTable::rotate(float* x, int64_t p) const {
+  KV_INTERNAL_ASSERT(p >= 0 && p < size_, "RopeTable: position ", p, " not recorded (", size_, ")");
+  const int64_t half = head_dim_ / 2;
+  const float* c = cs_.data() + p * head_dim_;
+  const float* s = c + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] + (-x2) * s[i];
+    x[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+}  // namespace kvcache::cache
