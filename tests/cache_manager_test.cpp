@@ -3,6 +3,7 @@
 // re-rotation, and invariants under seeded random append/evict sequences.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -337,6 +338,36 @@ TEST(CacheManager, ResidualWindowWithPlainQuantizer) {
 
 // Seeded random sequences over quantizers × policies × key storage: check_invariants() after
 // every append, observation and end_step.
+/// Everything a rejected call must leave unchanged.
+struct Snapshot {
+  CacheStats stats;
+  std::vector<LayerTokens> layers;
+  std::vector<at::Tensor> kv;
+  explicit Snapshot(const CacheManager& m) : stats(m.stats()) {
+    for (int64_t l = 0; l < m.config().num_layers; ++l) {
+      layers.push_back(m.tokens(l));
+      const LayerKV g = m.get(l);
+      kv.push_back(g.k.clone());
+      kv.push_back(g.v.clone());
+    }
+  }
+  void expect_same(const CacheManager& m, const std::string& where) const {
+    const Snapshot now(m);
+    EXPECT_EQ(now.stats.bytes_resident, stats.bytes_resident) << where;
+    EXPECT_EQ(now.stats.bytes_reserved, stats.bytes_reserved) << where;
+    EXPECT_EQ(now.stats.tokens_written, stats.tokens_written) << where;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      EXPECT_EQ(now.layers[l].positions, layers[l].positions) << where;
+      EXPECT_EQ(now.layers[l].written, layers[l].written) << where;
+    }
+    for (size_t i = 0; i < kv.size(); ++i) EXPECT_TRUE(at::equal(now.kv[i], kv[i])) << where;
+  }
+};
+
+// Seeded random sequences over quantizers × policies × key storage × block sizes:
+// check_invariants() after every append, attention and end_step; attention comes from
+// attend() or from observe_attention(probs) at random; rejected calls (NaN in K or V, a
+// bad shape) change nothing.
 TEST(CacheManager, RandomizedInvariants) {
   const std::vector<std::string> quants = {"fp32", "fp16", "int8", "int4:g4", "int2:g8:chan",
                                            "fp8:e4m3:scaled", "kivi:k2:v4:g4:r8"};
@@ -352,22 +383,38 @@ TEST(CacheManager, RandomizedInvariants) {
         auto c = make_config(2, 4, 2, 8, quant, policy, 40);
         if (mode >= 1) c.key_storage = KeyStorage::kPreRoPE;
         if (mode == 2) c.position_mode = PositionMode::kRerotate;
+        std::mt19937 rng(static_cast<uint32_t>(seed + 1));
+        c.block_tokens = std::vector<int64_t>{0, 8, 16}[rng() % 3];  // multiples of every group here
         CacheManager m(c);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
         int64_t steps = 0;
-        std::mt19937 rng(static_cast<uint32_t>(seed));
         int64_t written = 0;
+        const std::string where = quant + " " + policy + " mode " + std::to_string(mode);
         while (written < 40) {
           const bool prefill = steps < 3;
           int64_t n = prefill ? 4 + static_cast<int64_t>(rng() % 6) : 1;
           n = std::min<int64_t>(n, 40 - written);
           for (int64_t l = 0; l < 2; ++l) {
             const int64_t p0 = m.next_position(l);
+            if (rng() % 5 == 0) {  // a rejected call first
+              const Snapshot before(m);
+              auto bad = testing::randn({1, 2, n, 8}, gen);
+              bad[0][rng() % 2][static_cast<int64_t>(rng() % n)][3] = std::nanf("");
+              if (rng() % 2) {
+                EXPECT_THROW(m.append(l, bad, testing::randn({1, 2, n, 8}, gen), positions_range(p0, n)), InvalidArgument);
+              } else {
+                EXPECT_THROW(m.append(l, testing::randn({1, 2, n, 8}, gen), bad, positions_range(p0, n)), InvalidArgument);
+              }
+              EXPECT_THROW(m.append(l, testing::randn({1, 2, n, 7}, gen), bad, positions_range(p0, n)), InvalidArgument);
+              before.expect_same(m, where + " after a rejected append");
+            }
             m.append(l, testing::randn({1, 2, n, 8}, gen) * 2.0, testing::randn({1, 2, n, 8}, gen),
                      positions_range(p0, n));
             m.check_invariants();
-            if (m.policy().needs_attention()) {
+            if (m.policy().needs_attention() && rng() % 2) {
               m.observe_attention(l, testing::random_probs(1, 4, n, testing::physical_length(m, l), gen));
+            } else {
+              (void)m.attend(l, testing::randn({1, 4, n, 8}, gen), positions_range(p0, n));
             }
           }
           m.end_step(testing::step_kind(steps == 2));
@@ -377,7 +424,7 @@ TEST(CacheManager, RandomizedInvariants) {
           const auto st = m.tokens(1).stats;
           EXPECT_EQ(st.tokens_written, written);
           if (policy != "full" && policy.rfind("snapkv", 0) != 0 && policy.rfind("pyramid", 0) != 0) {
-            EXPECT_LE(st.tokens_resident, 12) << quant << " " << policy << " mode " << mode;
+            EXPECT_LE(st.tokens_resident, 12) << where;
           }
         }
       }

@@ -21,7 +21,6 @@ using quant::bits_float;
 using quant::float_bits;
 
 constexpr int64_t kRowBlock = 64;
-constexpr int64_t kMaxBufferedScores = int64_t{16} << 20;  // floats (64 MiB)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /// exp(x) for x ≤ 0 (softmax arguments), 0 for x < −87.3 (incl. −inf). Cephes' expf:
@@ -233,7 +232,7 @@ void attend_head(const AttendArgs& a, int64_t h) {
   const int64_t sel_t = a.need.any() ? a.need.selected(tq) : 0;
   const int64_t sel_first = R - sel_t * G;  // first selected row
   const bool per_row = a.need.per_row;
-  const bool buffered = sel_t > 0 && sel_t * G * th <= kMaxBufferedScores;
+  const bool buffered = sel_t > 0 && sel_t * G * th <= a.max_buffered_scores;
   std::vector<float> sbuf;
   if (buffered) sbuf.assign(static_cast<size_t>(sel_t * G * th), kNegInf);
   std::vector<float> m_sel(static_cast<size_t>(sel_t * G)), l_sel(static_cast<size_t>(sel_t * G));

@@ -34,6 +34,9 @@ struct AttendArgs {
   AttentionNeed need;               ///< rows whose mass `mass` receives (if any())
   float* out = nullptr;             ///< `[H_q, T_q, D]` float32
   AttentionMass* mass = nullptr;    ///< filled when need.any()
+  /// Scores of the selected rows kept for the mass when they fit (floats); beyond, a second
+  /// pass over the blocks recomputes them (tests set 0 to exercise it).
+  int64_t max_buffered_scores = int64_t{16} << 20;
 };
 
 /// Runs attention for every KV head (at::parallel_for over heads when the work is large).
