@@ -70,7 +70,9 @@ TEST(StoredLayout, EncodeDecodeAreQuantizeDequantizeByteForByte) {
     auto bytes_of = [](const at::Tensor& a) { return a.defined() ? a.numel() * static_cast<int64_t>(a.element_size()) : 0; };
     EXPECT_EQ(groups * l.code_bytes, bytes_of(qt.codes)) << spec;
     const int64_t meta = groups * l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
-    if (!l.tensor_scale) EXPECT_EQ(meta, bytes_of(qt.scales)) << spec;
+    if (!l.tensor_scale) {
+      EXPECT_EQ(meta, bytes_of(qt.scales)) << spec;
+    }
     EXPECT_EQ(l.has_zeros ? meta : 0, bytes_of(qt.zeros)) << spec;
     EXPECT_DOUBLE_EQ(static_cast<double>(l.group_bytes()) * 8 / static_cast<double>(l.group_tokens * d),
                      q->bits_per_value(d))
@@ -83,9 +85,15 @@ TEST(StoredLayout, EncodeDecodeAreQuantizeDequantizeByteForByte) {
     const EncodeStatus st = q->encode(xf.data_ptr<float>(), groups, d, ts, {codes.data(), sc.data(), ze.data()});
     EXPECT_FALSE(st.overflow || st.nonfinite) << spec;
     EXPECT_EQ(std::memcmp(codes.data(), qt.codes.data_ptr(), codes.size()), 0) << spec;
-    if (l.meta_count > 0) EXPECT_EQ(std::memcmp(sc.data(), qt.scales.data_ptr(), sc.size()), 0) << spec;
-    if (l.has_zeros) EXPECT_EQ(std::memcmp(ze.data(), qt.zeros.data_ptr(), ze.size()), 0) << spec;
-    if (l.tensor_scale) EXPECT_EQ(ts, qt.scales.item<float>()) << spec;
+    if (l.meta_count > 0) {
+      EXPECT_EQ(std::memcmp(sc.data(), qt.scales.data_ptr(), sc.size()), 0) << spec;
+    }
+    if (l.has_zeros) {
+      EXPECT_EQ(std::memcmp(ze.data(), qt.zeros.data_ptr(), ze.size()), 0) << spec;
+    }
+    if (l.tensor_scale) {
+      EXPECT_EQ(ts, qt.scales.item<float>()) << spec;
+    }
     at::Tensor out = at::empty({t, d});
     q->decode({codes.data(), sc.data(), ze.data()}, groups, d, ts, out.data_ptr<float>());
     EXPECT_TRUE(at::equal(out.view({1, 1, t, d}), q->dequantize(qt))) << spec;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -46,9 +47,73 @@ KV_ALWAYS_INLINE float exp_nonpos(float x) {
   return live ? y * p2 : 0.0f;
 }
 
+// ---- SIMD building blocks (GCC/Clang vector extensions: every ISA clone gets its own code) --
+typedef float v16f __attribute__((vector_size(64)));
+
+KV_ALWAYS_INLINE v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+KV_ALWAYS_INLINE void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+KV_ALWAYS_INLINE v16f splat16(float x) { return v16f{} + x; }
+
+/// Lanes 0..7: adjacent pair sums of a; lanes 8..15: of b.
+KV_ALWAYS_INLINE v16f pair_sums(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/// Lane j of the result = the sum of the 16 lanes of v[j] (a fixed tree: 15 shuffle-add pairs
+/// for 16 sums instead of 16 serial reductions).
+KV_ALWAYS_INLINE v16f hsum16(v16f* v) {
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) v[i] = pair_sums(v[2 * i], v[2 * i + 1]);
+  }
+  return v[0];
+}
+
+/// s[r·ld + j] = (q_r · k_j) · scale for r < nr, j < n; D = 16·C.
+template <int C>
+KV_ALWAYS_INLINE void scores_vec(const float* q, int64_t nr, const float* const* krows, int64_t n, float scale,
+                                 float* s, int64_t ld) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t r = 0; r < nr; ++r) {
+    v16f qr[C];
+    for (int c = 0; c < C; ++c) qr[c] = load16(q + r * D + 16 * c);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      v16f acc[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        v16f a{};
+        if (j < m) {
+          const float* k = krows[j0 + j];
+          for (int c = 0; c < C; ++c) a += qr[c] * load16(k + 16 * c);
+        }
+        acc[j] = a;
+      }
+      const v16f sums = hsum16(acc) * scale;
+      if (m == 16) {
+        store16(s + r * ld + j0, sums);
+      } else {
+        float tmp[16];
+        store16(tmp, sums);
+        std::memcpy(s + r * ld + j0, tmp, static_cast<size_t>(m) * sizeof(float));
+      }
+    }
+  }
+}
+
 /// s[r·ld + j] = (q_r · k_j) · scale for r < nr, j < n.
 KV_TARGET_CLONES void tile_scores(const float* __restrict q, int64_t nr, const float* const* krows, int64_t n,
                                   int64_t d, float scale, float* __restrict s, int64_t ld) {
+  switch (d) {
+    case 16: return scores_vec<1>(q, nr, krows, n, scale, s, ld);
+    case 32: return scores_vec<2>(q, nr, krows, n, scale, s, ld);
+    case 64: return scores_vec<4>(q, nr, krows, n, scale, s, ld);
+    case 128: return scores_vec<8>(q, nr, krows, n, scale, s, ld);
+    default: break;
+  }
   for (int64_t r = 0; r < nr; ++r) {
     const float* __restrict qr = q + r * d;
     for (int64_t j = 0; j < n; ++j) {
@@ -68,6 +133,19 @@ void tile_mask(float* s, int64_t ld, int64_t nr, int64_t n, const int64_t* kpos,
       if (kpos[j] > rpos[r]) s[r * ld + j] = kNegInf;
     }
   }
+}
+
+/// acc_r = acc_r · corr + Σ_j p_j · v_j with the row in registers; D = 16·C.
+template <int C>
+KV_ALWAYS_INLINE void accumulate_vec(float* ar, float corr, const float* p, int64_t n, const float* const* vrows) {
+  v16f a[C];
+  for (int c = 0; c < C; ++c) a[c] = load16(ar + 16 * c) * corr;
+  for (int64_t j = 0; j < n; ++j) {
+    const v16f pj = splat16(p[j]);
+    const float* v = vrows[j];
+    for (int c = 0; c < C; ++c) a[c] += pj * load16(v + 16 * c);
+  }
+  for (int c = 0; c < C; ++c) store16(ar + 16 * c, a[c]);
 }
 
 /// Online-softmax update of rows r < nr with the tile's scores (masked: −inf) and V rows.
@@ -90,11 +168,17 @@ KV_TARGET_CLONES void tile_update(const float* __restrict s, int64_t ld, int64_t
     l[r] = l[r] * corr + sum;
     m[r] = mn;
     float* __restrict ar = acc + r * d;
+    switch (d) {
+      case 16: accumulate_vec<1>(ar, corr, p, n, vrows); continue;
+      case 32: accumulate_vec<2>(ar, corr, p, n, vrows); continue;
+      case 64: accumulate_vec<4>(ar, corr, p, n, vrows); continue;
+      case 128: accumulate_vec<8>(ar, corr, p, n, vrows); continue;
+      default: break;
+    }
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
     for (int64_t j = 0; j < n; ++j) {
       const float pj = p[j];
-      if (pj == 0.0f) continue;
       const float* __restrict v = vrows[j];
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ar[i] += pj * v[i];

@@ -458,7 +458,10 @@ void CacheManager::reset(int64_t context_length) {
   im.cfg.context_length = context_length;
   for (auto& l : im.layers) {
     l.store->clear();
-    l = LayerState{std::move(l.store)};
+    l.written = l.step_new = 0;
+    l.last_pos = -1;
+    l.observed = false;
+    l.stats = CacheStats{};
   }
   for (auto& [bytes, p] : im.pools) p->clear();  // give the memory back
   im.total = CacheStats{};

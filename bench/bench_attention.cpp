@@ -1,0 +1,244 @@
+// SPDX-License-Identifier: Apache-2.0
+// Long-context decode attention from the stored blocks, against the float32 path, and the
+// memory a cache really takes. Qwen2.5-0.5B shapes: 24 layers, 14 query heads, 2 KV heads,
+// head_dim 64; one decode query per step; the step cycles through the 24 layers' caches so no
+// layer stays in the CPU caches (the data comes from memory, as in a real decode step).
+//
+//   BM_Attend/<spec>/<T>/<threads>  CacheManager::attend() over T resident tokens per layer
+//   BM_AttendBaseline/<T>/<threads> the old path: float32 K/V tensors (what get() handed out)
+//                                   + at:: matmul/softmax/matmul (kvcache::reference_attention)
+//   BM_Copy                         memcpy of 256 MiB: STREAM-style copy bandwidth (2·N/t), the
+//                                   denominator of every `floor_ms` (bytes a step must read /
+//                                   copy bandwidth), measured in the same run
+//   BM_Memory/<spec>                24 layers × T = 32,768 tokens appended to a fresh cache: the
+//                                   process's resident-set growth against bytes_reserved and
+//                                   bytes_resident (MB)
+//
+//   build/bench/bench_attention --benchmark_counters_tabular=true
+//   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
+//
+// Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
+// (mallopt) so that every slab is its own mapping and memory freed between cases goes back to
+// the system — otherwise a later case would reuse pages an earlier one touched and its
+// resident-set growth would read low.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <malloc.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvcache/attention.h"
+#include "kvcache/cache_manager.h"
+
+namespace {
+
+constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
+double g_copy_gbps = 0;  ///< set by BM_Copy (runs first)
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) {
+  const int64_t half = kD / 2;
+  auto inv_freq = at::pow(1000000.0, -at::arange(0, half, at::kDouble) * 2.0 / static_cast<double>(kD));
+  auto ang = positions.to(at::kDouble).unsqueeze(1) * inv_freq.unsqueeze(0);
+  auto cos = at::cat({ang.cos(), ang.cos()}, 1).to(at::kFloat), sin = at::cat({ang.sin(), ang.sin()}, 1).to(at::kFloat);
+  auto x1 = x.narrow(3, 0, half), x2 = x.narrow(3, half, half);
+  return x * cos + at::cat({-x2, x1}, 3) * sin;
+}
+
+int64_t rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+kvcache::CacheConfig config(const std::string& spec) {
+  kvcache::CacheConfig c;
+  c.num_layers = kLayers;
+  c.num_q_heads = kHq;
+  c.num_kv_heads = kHkv;
+  c.head_dim = kD;
+  c.quant = spec;
+  c.policy = "full";
+  c.rope = rope;
+  return c;
+}
+
+/// One cache of 24 layers × T tokens, built on first use and kept until another is asked for.
+kvcache::CacheManager& filled_cache(const std::string& spec, int64_t t) {
+  static std::unique_ptr<kvcache::CacheManager> cache;
+  static std::string key;
+  const std::string want = spec + "/" + std::to_string(t);
+  if (cache && key == want) return *cache;
+  cache.reset();
+  cache = std::make_unique<kvcache::CacheManager>(config(spec));
+  key = want;
+  at::manual_seed(0);
+  const int64_t chunk = 4096;
+  for (int64_t p = 0; p < t; p += chunk) {
+    const int64_t n = std::min(chunk, t - p);
+    for (int64_t l = 0; l < kLayers; ++l) {
+      cache->append(l, at::randn({1, kHkv, n, kD}), at::randn({1, kHkv, n, kD}), at::arange(p, p + n, at::kLong));
+    }
+    cache->end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
+  }
+  return *cache;
+}
+
+void floor_counters(benchmark::State& state, double bytes_per_step) {
+  state.counters["MB_per_step"] = bytes_per_step / 1e6;
+  state.counters["GB_per_s"] = benchmark::Counter(bytes_per_step * static_cast<double>(state.iterations()) / 1e9,
+                                                  benchmark::Counter::kIsRate);
+  if (g_copy_gbps > 0) state.counters["floor_ms"] = bytes_per_step / (g_copy_gbps * 1e9) * 1e3;
+}
+
+void BM_Copy(benchmark::State& state) {
+  at::set_num_threads(1);
+  const size_t n = size_t{256} << 20;
+  std::vector<char> a(n, 1), b(n, 2);
+  for (auto _ : state) {
+    std::memcpy(b.data(), a.data(), n);
+    benchmark::DoNotOptimize(b.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["copy_GBps"] = benchmark::Counter(2.0 * static_cast<double>(n) * static_cast<double>(state.iterations()) / 1e9,
+                                                   benchmark::Counter::kIsRate);
+}
+
+/// BM_Copy's rate, measured here once more with a wall clock (the counter is not readable
+/// from other benchmarks): STREAM copy convention, 2·N bytes per memcpy of N.
+double measure_copy_gbps() {
+  const size_t n = size_t{256} << 20;
+  std::vector<char> a(n, 1), b(n, 2);
+  std::memcpy(b.data(), a.data(), n);
+  double best = 0;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(b.data(), a.data(), n);
+    benchmark::DoNotOptimize(b.data());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * static_cast<double>(n) / s / 1e9);
+  }
+  return best;
+}
+
+void BM_Attend(benchmark::State& state, const std::string& spec) {
+  const int64_t t = state.range(0);
+  at::set_num_threads(static_cast<int>(state.range(1)));
+  auto& m = filled_cache(spec, t);
+  const auto q = at::randn({1, kHq, 1, kD});
+  const auto pos = at::full({1}, t, at::kLong);
+  int64_t l = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(m.attend(l, q, pos).data_ptr());
+    l = (l + 1) % kLayers;
+  }
+  floor_counters(state, static_cast<double>(m.stats().bytes_resident) / kLayers);
+  state.counters["bits_per_value"] =
+      static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(kLayers * 2 * kHkv * t * kD);
+}
+
+void BM_AttendBaseline(benchmark::State& state) {
+  const int64_t t = state.range(0);
+  at::set_num_threads(static_cast<int>(state.range(1)));
+  at::manual_seed(0);
+  std::vector<at::Tensor> k, v;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    k.push_back(at::randn({1, kHkv, t, kD}));
+    v.push_back(at::randn({1, kHkv, t, kD}));
+  }
+  const auto kpos = at::arange(t, at::kLong).unsqueeze(0).expand({kHkv, t}).contiguous();
+  const auto q = at::randn({1, kHq, 1, kD});
+  const auto pos = at::full({1}, t, at::kLong);
+  int64_t l = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(kvcache::reference_attention(q, k[static_cast<size_t>(l)], v[static_cast<size_t>(l)], kpos, pos).data_ptr());
+    l = (l + 1) % kLayers;
+  }
+  floor_counters(state, 2.0 * static_cast<double>(kHkv * t * kD) * 4.0);
+}
+
+void BM_Memory(benchmark::State& state, const std::string& spec) {
+  const int64_t t = 32768;
+  for (auto _ : state) {
+    malloc_trim(0);
+    const int64_t before = rss_bytes();
+    double grown = 0, reserved = 0, resident = 0;
+    {
+      kvcache::CacheManager m(config(spec));
+      at::manual_seed(0);
+      // Random K/V are generated per chunk and freed: they are not part of the growth
+      // measured after the loop.
+      const int64_t chunk = 1024;
+      for (int64_t p = 0; p < t; p += chunk) {
+        for (int64_t l = 0; l < kLayers; ++l) {
+          m.append(l, at::randn({1, kHkv, chunk, kD}), at::randn({1, kHkv, chunk, kD}), at::arange(p, p + chunk, at::kLong));
+        }
+        m.end_step(p + chunk >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
+      }
+      malloc_trim(0);
+      grown = static_cast<double>(rss_bytes() - before);
+      reserved = static_cast<double>(m.stats().bytes_reserved);
+      resident = static_cast<double>(m.stats().bytes_resident);
+    }
+    state.counters["rss_growth_MB"] = grown / 1e6;
+    state.counters["reserved_MB"] = reserved / 1e6;
+    state.counters["resident_MB"] = resident / 1e6;
+    state.counters["rss_over_reserved"] = grown / reserved;
+    state.counters["reserved_over_resident"] = reserved / resident;
+  }
+}
+
+const std::vector<std::string>& specs() {
+  static const std::vector<std::string> s = {"fp32",      "fp16", "bf16", "fp8:e4m3", "fp8:e5m2", "fp8:e4m3:scaled",
+                                             "int8",      "int4", "int2", "int4:g32:chan", "kivi:k2:v2:g32:r128",
+                                             "kivi:k4:v4:g32:r128"};
+  return s;
+}
+
+void register_all() {
+  benchmark::RegisterBenchmark("BM_Copy", BM_Copy)->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (int64_t t : {4096, 32768}) {
+    for (int64_t threads : {1, 2}) {
+      if (threads == 2 && t != 32768) continue;
+      benchmark::RegisterBenchmark("BM_AttendBaseline", BM_AttendBaseline)
+          ->Args({t, threads})
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+      for (const auto& s : specs()) {
+        benchmark::RegisterBenchmark(("BM_Attend/" + s).c_str(), [s](benchmark::State& st) { BM_Attend(st, s); })
+            ->Args({t, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
+    }
+  }
+  for (const auto& s : {"fp32", "fp16", "int8", "int4", "int2", "kivi:k2:v2:g32:r128"}) {
+    const std::string spec = s;
+    benchmark::RegisterBenchmark(("BM_Memory/" + spec).c_str(), [spec](benchmark::State& st) { BM_Memory(st, spec); })
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mallopt(M_MMAP_THRESHOLD, 128 * 1024);  // see the file comment
+  g_copy_gbps = measure_copy_gbps();
+  std::printf("copy bandwidth (STREAM convention, 1 thread): %.1f GB/s\n", g_copy_gbps);
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
