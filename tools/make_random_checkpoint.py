@@ -109,10 +109,13 @@ def make(out_dir: str, config_path: str, tok_dir: str, seed: int, dtype_name: st
     check_weight_budget(cfg, config_path, itemsize, dtype_str, ram // 3 if ram else None, None,
                         "the {} one tensor may take (a third of this machine's RAM: each is drawn in "
                         "float32, cast and serialised in memory)")
+    disk = os.path.abspath(out_dir)
+    while not os.path.isdir(disk):  # the directory it will be created in
+        disk = os.path.dirname(disk)
+    check_weight_budget(cfg, config_path, itemsize, dtype_str, None, shutil.disk_usage(disk).free,
+                        f"the {{}} free in {disk}")
     tok = tokenizer_texts(tok_dir, cfg["vocab_size"])
     prepare_output_dir(out_dir)
-    check_weight_budget(cfg, config_path, itemsize, dtype_str, None, shutil.disk_usage(out_dir).free,
-                        f"the {{}} free in {out_dir}")
 
     note = f"random weights: Normal(0, {std}) (norms 1), seed {seed}, {dtype_name}; not a trained model"
     lazy = [(name, LazyTensor(shape, dtype, (lambda n=name, s=shape: random_tensor(n, s, seed, std, dtype))))

@@ -203,8 +203,11 @@ def weight_tensors(cfg: Dict) -> List[Tuple[str, str, List[int], Optional[int]]]
     shapes = expected_shapes(cfg)
     out = [(buf, pattern.format(i=i), shapes[buf], i)
            for buf, pattern in per_layer_tensors(cfg).items() for i in range(cfg["num_hidden_layers"])]
-    globals_ = ["embed_tokens", "final_norm"] + ([] if cfg["tie_word_embeddings"] else ["lm_head"])
-    return out + [(buf, GLOBAL_TENSORS[buf], shapes[buf], None) for buf in globals_]
+    return out + [(buf, GLOBAL_TENSORS[buf], shapes[buf], None) for buf in _global_buffers(cfg)]
+
+
+def _global_buffers(cfg: Dict) -> List[str]:
+    return ["embed_tokens", "final_norm"] + ([] if cfg["tie_word_embeddings"] else ["lm_head"])
 
 
 def _blamed_field(cfg: Dict, buf: str) -> str:
@@ -219,35 +222,38 @@ def _blamed_field(cfg: Dict, buf: str) -> str:
 
 def check_weight_budget(cfg: Dict, where: str, itemsize: int, dtype_name: str,
                         tensor_limit: Optional[int], total_limit: Optional[int], limit_what: str) -> int:
-    """Bounds the weights `cfg` implies, computed from the config alone (nothing is allocated):
-    no tensor over tensor_limit bytes and all of them together at most total_limit bytes, at
-    `itemsize` bytes per value; `limit_what` describes the bound, with {} for its size. Returns the
-    total. The ToolError names the field that makes it too large, the tensor, its arithmetic and
-    the bound, e.g. "field 'intermediate_size' = 1000000000
-    is too large: tensor '...' would be 1000000000 x 896 x 4 B = 3.6 TB (float32), more than ..."."""
-    total, per_layer = 0, 0
+    """Bounds the weights `cfg` implies, computed from the config alone (nothing is allocated, and
+    the cost does not grow with num_hidden_layers): no tensor over tensor_limit bytes and all of
+    them together at most total_limit bytes, at `itemsize` bytes per value; `limit_what` describes
+    the bound, with {} for its size. Returns the total. The ToolError names the field that makes it
+    too large, the tensor, its arithmetic and the bound, e.g. "field 'intermediate_size' =
+    1000000000 is too large: tensor '...' would be 1000000000 x 896 x 4 B = 3.6 TB (float32), ..."."""
+    shapes = expected_shapes(cfg)
     L = cfg["num_hidden_layers"]
-    for buf, name, shape, layer in weight_tensors(cfg):
-        n = math.prod(shape) * itemsize
+
+    def size(buf: str, name: str) -> int:
+        n = math.prod(shapes[buf]) * itemsize
         if tensor_limit is not None and n > tensor_limit:
             field = _blamed_field(cfg, buf)
-            dims = " x ".join(str(s) for s in shape)
+            dims = " x ".join(str(s) for s in shapes[buf])
             raise ToolError(f"{where}: field '{field}' = {cfg[field]} is too large: tensor '{name}' would be "
                             f"{dims} x {itemsize} B = {format_bytes(n)} ({dtype_name}), more than "
                             f"{limit_what.format(format_bytes(tensor_limit))}")
-        total += n
-        if layer == 0:
-            per_layer += n
+        return n
+
+    # layer 0 stands for every layer: they all have the same shapes
+    per_layer = sum(size(buf, pattern.format(i=0)) for buf, pattern in per_layer_tensors(cfg).items())
+    rest = sum(size(buf, GLOBAL_TENSORS[buf]) for buf in _global_buffers(cfg))
+    total = per_layer * L + rest
     if total_limit is not None and total > total_limit:
+        more = f"more than {limit_what.format(format_bytes(total_limit))}"
         if L == 1:
             fields = ", ".join(f"{f}={cfg[f]}" for f in ("hidden_size", "intermediate_size", "vocab_size"))
             raise ToolError(f"{where}: the model is too large: {fields} give {format_bytes(total)} of "
-                            f"{dtype_name} weights, more than {limit_what.format(format_bytes(total_limit))}")
-        rest = total - per_layer * L
+                            f"{dtype_name} weights, {more}")
         raise ToolError(f"{where}: field 'num_hidden_layers' = {L} makes the model too large: {L} layers x "
                         f"{format_bytes(per_layer)} + {format_bytes(rest)} embeddings and norm = "
-                        f"{format_bytes(total)} of {dtype_name} weights, more than "
-                        f"{limit_what.format(format_bytes(total_limit))}")
+                        f"{format_bytes(total)} of {dtype_name} weights, {more}")
     return total
 
 

@@ -38,8 +38,8 @@ def build_model(ckpt_dir: str, dtype_name: str = "fp32", out_dir: Optional[str] 
     cfg, _gen = load_config(ckpt_dir)
     cfg_path = os.path.join(ckpt_dir, "config.json")
     ram = physical_memory()
-    total = check_weight_budget(cfg, cfg_path, torch.finfo(dtype).bits // 8, dtype_str, ram,
-                                ram // 2 if ram else None,
+    budget = ram // 2 if ram else None
+    total = check_weight_budget(cfg, cfg_path, torch.finfo(dtype).bits // 8, dtype_str, budget, budget,
                                 "the {} the export may use (half this machine's RAM: it holds every "
                                 "weight, then the serialised file, in memory)")
     if out_dir is not None:
