@@ -66,10 +66,6 @@ def load_config(ckpt_dir: str) -> Tuple[Dict, Optional[Dict]]:
     return normalize_config(raw, cfg_path, gen, gen_path), gen
 
 
-def _shape_desc(buf: str) -> str:
-    return ", ".join(SHAPE_FIELDS[buf])
-
-
 def check_finite(t: torch.Tensor, where: str, name: str, what: str = "") -> None:
     """ToolError naming the tensor when it holds NaN or +-Inf values (counts and the first index).
     `what` says how they arose when not in the file itself (e.g. "after conversion to float16")."""
@@ -109,7 +105,7 @@ def load_weights(ckpt_dir: str, cfg: Dict, dtype: torch.dtype) -> Tuple[Dict[str
         info = f.tensors[hf_name]
         if info.shape != shape:
             raise ToolError(f"{f.path}: tensor '{hf_name}' has shape {info.shape} but {cfg_file} implies "
-                            f"{shape} [{_shape_desc(buf)}]")
+                            f"{shape} [{', '.join(SHAPE_FIELDS[buf])}]")
     if cfg["tie_word_embeddings"]:
         used.add(GLOBAL_TENSORS["lm_head"])  # tied: HF ignores a stored copy too
     for name, f in owner.items():

@@ -254,7 +254,9 @@ class atomic_output:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
             self._remove()
-            if issubclass(exc_type, OSError):
+            # an OSError on the temp file (or a write, which names no file) is the output's;
+            # one naming another file (an input read inside the block) propagates as it is
+            if issubclass(exc_type, OSError) and getattr(exc, "filename", None) in (None, self.tmp):
                 raise ToolError(f"{self.path}: cannot write: {exc.strerror or exc}") from None
             return False
         try:
