@@ -15,7 +15,7 @@ permutation of the head dimension.
 File formats: see ../shared/data/models/stories260K/README.md.
 """
 import argparse
-import json
+import math
 import os
 import struct
 import sys
@@ -25,8 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvcache_tools.checkpoint import check_finite  # noqa: E402
+from kvcache_tools.config import normalize_config  # noqa: E402
 from kvcache_tools.errors import ToolError, run_cli  # noqa: E402
-from kvcache_tools.safetensors_io import write_safetensors, write_text_atomic  # noqa: E402
+from kvcache_tools.fileio import prepare_output_dir, write_text_atomic  # noqa: E402
+from kvcache_tools.safetensors_io import write_safetensors  # noqa: E402
+from kvcache_tools.tokenizer_check import check_tokenizer_files  # noqa: E402
 from kvcache_tools.tokenizer_json import SPIECE_UNDERLINE, dumps, sentencepiece_bpe  # noqa: E402
 
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
@@ -39,15 +43,17 @@ def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_checkpoint(path: str):
-    """Returns (header dict, shared_classifier, {name: float32 tensor}) of a version-0 llama2.c file."""
+    """Returns (header dict, shared_classifier, {name: float32 tensor}) of a version-0 llama2.c file.
+    The header is checked against the file size before the weights are read; NaN/Inf weights are
+    rejected naming the tensor."""
     if not os.path.isfile(path):
         raise ToolError(f"{path}: llama2.c checkpoint not found")
     size = os.path.getsize(path)
     if size < 28:
         raise ToolError(f"{path}: truncated llama2.c checkpoint: {size} bytes, shorter than the 28-byte header")
     with open(path, "rb") as f:
-        raw = f.read()
-    hdr = dict(zip(HEADER_FIELDS, struct.unpack("<7i", raw[:28])))
+        head = f.read(28)
+    hdr = dict(zip(HEADER_FIELDS, struct.unpack("<7i", head)))
     shared = hdr["vocab_size"] > 0
     hdr["vocab_size"] = abs(hdr["vocab_size"])
     for k, v in hdr.items():
@@ -66,18 +72,24 @@ def read_checkpoint(path: str):
     ]
     if not shared:
         layout.append(("wcls", [V, dim]))
-    need = 28 + 4 * sum(int(np.prod(s)) for _, s in layout)
+    need = 28 + 4 * sum(math.prod(s) for _, s in layout)  # Python ints: no overflow
     if size < need:
         raise ToolError(f"{path}: truncated llama2.c checkpoint: {size} bytes, header "
                         f"({', '.join(f'{k}={hdr[k]}' for k in HEADER_FIELDS)}) needs {need}")
     if size > need:
         raise ToolError(f"{path}: {size} bytes but the header ({', '.join(f'{k}={hdr[k]}' for k in HEADER_FIELDS)}) "
                         f"implies {need}: not a version-0 llama2.c checkpoint")
-    arr = np.frombuffer(raw, dtype="<f4", offset=28)
+    with open(path, "rb") as f:
+        f.seek(28)
+        arr = np.fromfile(f, dtype="<f4", count=(need - 28) // 4)
+    if arr.size * 4 + 28 != need:
+        raise ToolError(f"{path}: truncated llama2.c checkpoint while reading (the file shrank)")
     tensors, off = {}, 0
     for name, shape in layout:
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         tensors[name] = torch.from_numpy(arr[off:off + n].astype(np.float32).reshape(shape))
+        if not name.startswith("freq_cis"):  # the RoPE tables are dropped
+            check_finite(tensors[name], path, name)
         off += n
     return hdr, shared, tensors
 
@@ -94,6 +106,8 @@ def read_tokenizer(path: str, vocab_size: int):
             raise ToolError(f"{path}: truncated llama2.c tokenizer: piece {i} of {vocab_size} (vocab_size from the checkpoint) missing")
         score, n = struct.unpack("<fi", raw[off:off + 8])
         off += 8
+        if not math.isfinite(score):
+            raise ToolError(f"{path}: piece {i} has score {score} (not a finite number)")
         if n < 0 or off + n > len(raw):
             raise ToolError(f"{path}: truncated llama2.c tokenizer: piece {i} says {n} bytes")
         try:
@@ -116,7 +130,7 @@ def convert(bin_path: str, tok_path: str, out_dir: str) -> None:
     # ids 0/1/2 are <unk>, "\n<s>\n", "\n</s>\n" in llama2.c's file; HF names them <unk>/<s>/</s>
     specials = {0: "<unk>", 1: "<s>", 2: "</s>"}
     hf_pieces = [specials.get(i, p.replace(" ", SPIECE_UNDERLINE)) for i, p in enumerate(pieces)]
-    tok = sentencepiece_bpe(hf_pieces, scores, specials, bos="<s>")
+    tok = sentencepiece_bpe(hf_pieces, scores, specials, bos="<s>", where=tok_path)
 
     weights = [("model.embed_tokens.weight", t["tok_embeddings"]), ("model.norm.weight", t["rms_final"])]
     if not shared:
@@ -146,12 +160,18 @@ def convert(bin_path: str, tok_path: str, out_dir: str) -> None:
                   "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "legacy": False,
                   "tokenizer_class": "LlamaTokenizer", "model_max_length": S}
     gen_config = {"bos_token_id": 1, "eos_token_id": 2}
-    os.makedirs(out_dir, exist_ok=True)
+    # everything is checked as the exporter will check it before anything is written
+    normalize_config(config, f"{bin_path}: header (as config.json)", gen_config)
+    texts = {name: dumps(doc) + "\n" for name, doc in (("config.json", config), ("tokenizer.json", tok),
+                                                       ("tokenizer_config.json", tok_config),
+                                                       ("generation_config.json", gen_config))}
+    check_tokenizer_files(texts, {"tokenizer.json": f"{tok_path} (as tokenizer.json)",
+                                  "tokenizer_config.json": f"{tok_path} (as tokenizer_config.json)"}, V)
+    prepare_output_dir(out_dir)
     src = f"{os.path.basename(bin_path)} + {os.path.basename(tok_path)} (llama2.c v0; wq/wk rows permuted to rotate_half)"
     write_safetensors(os.path.join(out_dir, "model.safetensors"), weights, {"format": "pt", "source": src})
-    for name, doc in (("config.json", config), ("tokenizer.json", tok), ("tokenizer_config.json", tok_config),
-                      ("generation_config.json", gen_config)):
-        write_text_atomic(os.path.join(out_dir, name), dumps(doc) + "\n")
+    for name, text in texts.items():
+        write_text_atomic(os.path.join(out_dir, name), text)
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,11 @@ Usage: /usr/bin/python3 tools/export_torchscript.py CHECKPOINT_DIR OUT.pt [--dty
 CHECKPOINT_DIR holds config.json (model_type llama or qwen2), model.safetensors or a sharded
 model.safetensors.index.json (BF16/F16/F32), tokenizer.json or vocab.json + merges.txt, and
 optionally tokenizer_config.json / generation_config.json. The output follows model ABI v1
-(docs/model-abi.md). It is written to a temp file and renamed, so a failed run leaves nothing.
+(docs/model-abi.md). Every input is checked first -- as strict JSON, against what the C++ loader
+checks (config values, token ids inside the vocabulary, the tokenizer files), tensor shapes against
+the config from the headers, the weight size against RAM and disk, NaN/Inf weights -- and a bad one
+is one line "error: FILE: field ...", exit status 1. The file is written to a temp file in the
+output directory, fsync'ed and renamed, so a failed or interrupted run leaves nothing.
 Needs only torch + numpy (no transformers, no safetensors package, no network).
 """
 import argparse

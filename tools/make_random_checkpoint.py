@@ -29,14 +29,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from kvcache_tools.config import load_json, normalize_config  # noqa: E402
+from kvcache_tools.config import (check_weight_budget, normalize_config, physical_memory,  # noqa: E402
+                                  weight_tensors)
 from kvcache_tools.errors import ToolError, run_cli  # noqa: E402
 from kvcache_tools.export import DTYPES  # noqa: E402
-from kvcache_tools.model import GLOBAL_TENSORS, expected_shapes, per_layer_tensors  # noqa: E402
-from kvcache_tools.safetensors_io import LazyTensor, write_safetensors, write_text_atomic  # noqa: E402
-from kvcache_tools.tokenizer_json import (dumps, qwen2_byte_level, qwen2_tokenizer_config,  # noqa: E402
-                                          read_merges)
-
+from kvcache_tools.fileio import (load_json, parse_json, prepare_output_dir, read_text,  # noqa: E402
+                                  write_text_atomic)
+from kvcache_tools.safetensors_io import LazyTensor, write_safetensors  # noqa: E402
+from kvcache_tools.tokenizer_check import check_tokenizer_files  # noqa: E402
+from kvcache_tools.tokenizer_json import dumps, qwen2_byte_level, qwen2_tokenizer_config, read_merges  # noqa: E402
 
 
 def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
@@ -46,67 +47,89 @@ def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype) -
     return (torch.randn(shape, generator=g, dtype=torch.float32) * std).to(dtype)
 
 
-def write_tokenizer(tok_dir: str, out_dir: str) -> None:
+def tokenizer_texts(tok_dir: str, vocab_size: int):
+    """The tokenizer files to write (name -> text), read and checked as the exporter will check
+    them (token ids inside vocab_size) before anything is written."""
     if not os.path.isdir(tok_dir):
         raise ToolError(f"{tok_dir}: tokenizer directory not found")
     tj = os.path.join(tok_dir, "tokenizer.json")
-    if os.path.isfile(tj):
+    out = {}
+    if os.path.exists(tj):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if os.path.isfile(os.path.join(tok_dir, name)):
-                shutil.copyfile(os.path.join(tok_dir, name), os.path.join(out_dir, name))
-        return
-    vj, mt = os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt")
-    for p in (vj, mt):
-        if not os.path.isfile(p):
-            raise ToolError(f"{p}: tokenizer file not found (need tokenizer.json, or vocab.json + merges.txt)")
-    vocab = load_json(vj, "vocab")
-    with open(mt, "r", encoding="utf-8") as f:
-        merges = read_merges(f.read(), mt)
-    if not isinstance(vocab, dict) or len(vocab) != 151643:
-        raise ToolError(f"{vj}: expected the Qwen2 vocabulary (151643 entries), got "
-                        f"{len(vocab) if isinstance(vocab, dict) else type(vocab).__name__}")
-    shutil.copyfile(vj, os.path.join(out_dir, "vocab.json"))
-    shutil.copyfile(mt, os.path.join(out_dir, "merges.txt"))
-    write_text_atomic(os.path.join(out_dir, "tokenizer.json"), dumps(qwen2_byte_level(vocab, merges)) + "\n")
-    templates = sorted(glob.glob(os.path.join(tok_dir, "*.jinja")))
-    if len(templates) != 1:
-        raise ToolError(f"{tok_dir}: expected exactly one *.jinja chat template, found {len(templates)}")
-    with open(templates[0], "r", encoding="utf-8") as f:
-        template = f.read().rstrip("\n")
-    write_text_atomic(os.path.join(out_dir, "tokenizer_config.json"), dumps(qwen2_tokenizer_config(template)) + "\n")
+            path = os.path.join(tok_dir, name)
+            if os.path.exists(path):
+                out[name] = read_text(path, name)
+        if "special_tokens_map.json" in out:  # not read by the loader; still must be JSON
+            load_json(os.path.join(tok_dir, "special_tokens_map.json"), "special tokens map")
+        paths = {name: os.path.join(tok_dir, name) for name in out}
+    else:
+        vj, mt = os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt")
+        for p in (vj, mt):
+            if not os.path.exists(p):
+                raise ToolError(f"{p}: tokenizer file not found (need tokenizer.json, or vocab.json + merges.txt)")
+        vocab_text = read_text(vj, "vocab")
+        vocab = parse_json(vocab_text, vj, "vocab")
+        merges_text = read_text(mt, "merges.txt")
+        merges = read_merges(merges_text, mt)
+        if not isinstance(vocab, dict) or len(vocab) != 151643:
+            raise ToolError(f"{vj}: expected the Qwen2 vocabulary (151643 entries), got "
+                            f"{len(vocab) if isinstance(vocab, dict) else type(vocab).__name__}")
+        templates = sorted(glob.glob(os.path.join(tok_dir, "*.jinja")))
+        if len(templates) != 1:
+            raise ToolError(f"{tok_dir}: expected exactly one *.jinja chat template, found {len(templates)}")
+        template = read_text(templates[0], "chat template").rstrip("\n")
+        out = {"vocab.json": vocab_text, "merges.txt": merges_text,
+               "tokenizer.json": dumps(qwen2_byte_level(vocab, merges)) + "\n",
+               "tokenizer_config.json": dumps(qwen2_tokenizer_config(template)) + "\n"}
+        paths = {"vocab.json": vj, "merges.txt": mt, "tokenizer.json": f"{tok_dir} (built tokenizer.json)",
+                 "tokenizer_config.json": f"{tok_dir} (built tokenizer_config.json)"}
+    check_tokenizer_files({k: v for k, v in out.items() if k != "special_tokens_map.json"}, paths, vocab_size)
+    return out
 
 
 def make(out_dir: str, config_path: str, tok_dir: str, seed: int, dtype_name: str, num_layers, std: float) -> None:
     raw = load_json(config_path, "model config")
+    if not isinstance(raw, dict):
+        raise ToolError(f"{config_path}: must be a JSON object")
     if num_layers is not None:
         if num_layers <= 0:
             raise ToolError(f"--num-layers must be positive, got {num_layers}")
         raw = dict(raw)
         raw["num_hidden_layers"] = num_layers
-        if "max_window_layers" in raw:
+        if isinstance(raw.get("max_window_layers"), int):
             raw["max_window_layers"] = min(raw["max_window_layers"], num_layers)
-    cfg = normalize_config(raw, config_path)  # validates; the raw config is what gets written
+    gen_path = os.path.join(os.path.dirname(os.path.abspath(config_path)), "generation_config.json")
+    gen_text = read_text(gen_path, "generation config") if os.path.exists(gen_path) else None
+    gen = load_json(gen_path, "generation config") if gen_text is not None else None
+    cfg = normalize_config(raw, config_path, gen, gen_path)  # validates; the raw config is what gets written
     dtype, dtype_str = DTYPES[dtype_name]
-    shapes = expected_shapes(cfg)
-    names = {"embed_tokens": GLOBAL_TENSORS["embed_tokens"], "final_norm": GLOBAL_TENSORS["final_norm"]}
-    tensors = [(names[k], shapes[k]) for k in names]
-    if not cfg["tie_word_embeddings"]:
-        tensors.append((GLOBAL_TENSORS["lm_head"], shapes["lm_head"]))
-    per_layer = per_layer_tensors(cfg)
-    for i in range(cfg["num_hidden_layers"]):
-        tensors += [(pattern.format(i=i), shapes[buf]) for buf, pattern in per_layer.items()]
-    os.makedirs(out_dir, exist_ok=True)
+    itemsize = torch.finfo(dtype).bits // 8
+    ram = physical_memory()
+    # one tensor at a time: drawn in float32, cast, serialised in memory (~3 copies)
+    check_weight_budget(cfg, config_path, itemsize, dtype_str, ram // 3 if ram else None, None,
+                        "the {} one tensor may take (a third of this machine's RAM: each is drawn in "
+                        "float32, cast and serialised in memory)")
+    disk = os.path.abspath(out_dir)
+    while not os.path.isdir(disk):  # the directory it will be created in
+        disk = os.path.dirname(disk)
+    check_weight_budget(cfg, config_path, itemsize, dtype_str, None, shutil.disk_usage(disk).free,
+                        f"the {{}} free in {disk}")
+    tok = tokenizer_texts(tok_dir, cfg["vocab_size"])
+    prepare_output_dir(out_dir)
+
     note = f"random weights: Normal(0, {std}) (norms 1), seed {seed}, {dtype_name}; not a trained model"
-    lazy = [(n, LazyTensor(s, dtype, (lambda n=n, s=s: random_tensor(n, s, seed, std, dtype)))) for n, s in tensors]
+    lazy = [(name, LazyTensor(shape, dtype, (lambda n=name, s=shape: random_tensor(n, s, seed, std, dtype))))
+            for _, name, shape, _ in weight_tensors(cfg)]
     write_safetensors(os.path.join(out_dir, "model.safetensors"), lazy, {"format": "pt", "note": note})
     raw = dict(raw)
     raw["torch_dtype"] = dtype_str
     raw["_kvcache_note"] = note
-    write_text_atomic(os.path.join(out_dir, "config.json"), json.dumps(raw, indent=2) + "\n")
-    gen = os.path.join(os.path.dirname(os.path.abspath(config_path)), "generation_config.json")
-    if os.path.isfile(gen):
-        shutil.copyfile(gen, os.path.join(out_dir, "generation_config.json"))
-    write_tokenizer(tok_dir, out_dir)
+    write_text_atomic(os.path.join(out_dir, "config.json"),
+                      json.dumps(raw, indent=2, allow_nan=False) + "\n")
+    if gen_text is not None:
+        write_text_atomic(os.path.join(out_dir, "generation_config.json"), gen_text)
+    for name, text in tok.items():
+        write_text_atomic(os.path.join(out_dir, name), text)
 
 
 def main(argv=None) -> int:

@@ -1,14 +1,16 @@
 """Export a HF checkpoint directory to one TorchScript .pt following model ABI v1."""
 import json
 import os
-from typing import Dict, Tuple
+import shutil
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .checkpoint import load_config, load_weights, tokenizer_files
+from .config import check_weight_budget, dumps_config, format_bytes, physical_memory
 from .errors import ToolError
+from .fileio import atomic_output, check_output_path
 from .model import KVCacheModel
-from .safetensors_io import atomic_output
 
 ABI_VERSION = 1
 EXPORT_FORMAT = "libkvcache-torchscript"
@@ -24,15 +26,28 @@ EXTRA_FILE_NAMES = (EXPORT_INFO_FILE, "config.json", "tokenizer.json", "vocab.js
                     "tokenizer_config.json", "generation_config.json")
 
 
-def build_model(ckpt_dir: str, dtype_name: str = "fp32"):
-    """Returns (scripted module, extra files dict). Raises ToolError on bad input."""
+def build_model(ckpt_dir: str, dtype_name: str = "fp32", out_dir: Optional[str] = None):
+    """Returns (scripted module, extra files dict). Raises ToolError on bad input: everything is
+    checked (config, its size against this machine's RAM and, with out_dir, the free disk space
+    there, the tokenizer files, every tensor header) before the weights are read."""
     if dtype_name not in DTYPES:
         raise ToolError(f"--dtype: unsupported export dtype '{dtype_name}' (supported: {', '.join(DTYPES)})")
     if not os.path.isdir(ckpt_dir):
         raise ToolError(f"{ckpt_dir}: checkpoint directory not found")
     dtype, dtype_str = DTYPES[dtype_name]
     cfg, _gen = load_config(ckpt_dir)
-    tok = tokenizer_files(ckpt_dir)  # checked before the (slow) weight load
+    cfg_path = os.path.join(ckpt_dir, "config.json")
+    ram = physical_memory()
+    budget = ram // 2 if ram else None
+    total = check_weight_budget(cfg, cfg_path, torch.finfo(dtype).bits // 8, dtype_str, budget, budget,
+                                "the {} the export may use (half this machine's RAM: it holds every "
+                                "weight, then the serialised file, in memory)")
+    if out_dir is not None:
+        free = shutil.disk_usage(out_dir).free
+        if total > free:
+            raise ToolError(f"{cfg_path}: the export needs {format_bytes(total)} of {dtype_str} weights, "
+                            f"more than the {format_bytes(free)} free in the output directory {out_dir}")
+    tok = tokenizer_files(ckpt_dir, cfg["vocab_size"])  # checked before the (slow) weight load
     weights, files, st_dtypes = load_weights(ckpt_dir, cfg, dtype)
     model = KVCacheModel(cfg, weights, dtype)
     del weights
@@ -48,19 +63,26 @@ def build_model(ckpt_dir: str, dtype_name: str = "fp32"):
         "rope": "rotate_half",
     }
     extra = {EXPORT_INFO_FILE: json.dumps(info, indent=1),
-             "config.json": json.dumps(cfg, indent=1, ensure_ascii=False)}
+             "config.json": dumps_config(cfg)}
     extra.update(tok)
     return scripted, extra
 
 
 def export_checkpoint(ckpt_dir: str, out_path: str, dtype_name: str = "fp32") -> Dict[str, str]:
-    """Builds and saves the module atomically (temp file + rename). Returns the extra files."""
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    if not os.path.isdir(out_dir):
-        raise ToolError(f"{out_path}: output directory {out_dir} does not exist")
-    scripted, extra = build_model(ckpt_dir, dtype_name)
+    """Builds and saves the module atomically (temp file in the output directory, created first so
+    an unwritable directory fails at once; fsync; rename). Returns the extra files. On any failure,
+    Ctrl-C or a full disk included, neither the output nor a temp file is left.
+
+    The archive is serialised in memory and written by Python: LibTorch 1.13's file writer
+    (torch.jit.save to a path) throws from its destructor on a write error, which aborts the
+    process before any cleanup can run."""
+    out_dir = check_output_path(out_path)
     with atomic_output(out_path) as tmp:
-        torch.jit.save(scripted, tmp, _extra_files=extra)
+        scripted, extra = build_model(ckpt_dir, dtype_name, out_dir)
+        data = scripted.save_to_buffer(_extra_files=extra)
+        del scripted
+        with open(tmp, "wb") as f:
+            f.write(data)
     return extra
 
 

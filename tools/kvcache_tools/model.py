@@ -62,6 +62,19 @@ def expected_shapes(cfg: Dict) -> Dict[str, List[int]]:
     return shapes
 
 
+# The config fields behind each dimension of expected_shapes (for messages)
+SHAPE_FIELDS = {
+    "input_norm": ("hidden_size",), "post_norm": ("hidden_size",), "final_norm": ("hidden_size",),
+    "wq": ("num_attention_heads*head_dim", "hidden_size"), "bq": ("num_attention_heads*head_dim",),
+    "wk": ("num_key_value_heads*head_dim", "hidden_size"), "bk": ("num_key_value_heads*head_dim",),
+    "wv": ("num_key_value_heads*head_dim", "hidden_size"), "bv": ("num_key_value_heads*head_dim",),
+    "wo": ("hidden_size", "num_attention_heads*head_dim"),
+    "w_gate": ("intermediate_size", "hidden_size"), "w_up": ("intermediate_size", "hidden_size"),
+    "w_down": ("hidden_size", "intermediate_size"),
+    "embed_tokens": ("vocab_size", "hidden_size"), "lm_head": ("vocab_size", "hidden_size"),
+}
+
+
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     """y = x W^T (+ b) for x [..., K], W [N, K].
 

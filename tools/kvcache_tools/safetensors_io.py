@@ -14,12 +14,17 @@ import numpy as np
 import torch
 
 from .errors import ToolError
+from .fileio import atomic_output, parse_json, write_text_atomic  # noqa: F401  (write_text_atomic: re-exported)
 
 # dtype name -> bytes per element
 DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # a header larger than this is not a model checkpoint header (real ones are < 1 MiB)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class TensorInfo:
@@ -62,9 +67,10 @@ class SafetensorsFile:
                                 f"but only {self.file_size - 8} bytes follow it")
             raw = f.read(n)
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ToolError(f"{path}: safetensors header is not valid JSON: {e}") from None
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ToolError(f"{path}: safetensors header is not valid JSON: not UTF-8: {e}") from None
+        header = parse_json(text, path, "safetensors header")
         if not isinstance(header, dict):
             raise ToolError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
         self.data_start = 8 + n
@@ -86,10 +92,10 @@ class SafetensorsFile:
         if dtype not in DTYPE_SIZES:
             raise ToolError(f"{where}: unsupported dtype '{dtype}' (supported: {', '.join(DTYPE_SIZES)})")
         shape = e["shape"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
             raise ToolError(f"{where}: field 'shape' must be a list of non-negative ints, got {shape!r}")
         offs = e["data_offsets"]
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
             raise ToolError(f"{where}: field 'data_offsets' must be [begin, end] with 0 <= begin <= end, "
                             f"got {offs!r}")
@@ -182,32 +188,3 @@ def write_safetensors(path: str, tensors: Iterable[Tuple[str, TensorLike]],
                     raise ToolError(f"{path}: tensor '{name}' produced {list(tensor.shape)} {tensor.dtype}, "
                                     f"announced {list(t.shape)} {t.dtype}")
                 f.write(_tensor_bytes(tensor))
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Writes a UTF-8 text file through atomic_output."""
-    with atomic_output(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-
-class atomic_output:
-    """Context manager yielding a temp path next to `path`; renamed onto `path` on success, deleted
-    on any exception, so a failed or interrupted run leaves no half-written output."""
-
-    def __init__(self, path: str):
-        self.path = path
-        d = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(d):
-            raise ToolError(f"{path}: output directory {d} does not exist")
-        self.tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-
-    def __enter__(self) -> str:
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        elif os.path.exists(self.tmp):
-            os.remove(self.tmp)
-        return False

@@ -32,7 +32,7 @@ def added_token(tid: int, content: str, special: bool, normalized: bool) -> Dict
 
 
 def sentencepiece_bpe(pieces: Sequence[str], scores: Sequence[float], specials: Dict[int, str],
-                      bos: Optional[str] = None) -> Dict:
+                      bos: Optional[str] = None, where: str = "tokenizer") -> Dict:
     """SentencePiece-style BPE as HF's Llama tokenizer.json: BPE with byte_fallback, normalizer
     Prepend("▁") + Replace(" " -> "▁"), no pre-tokenizer, decoder Replace("▁" -> " ") + ByteFallback
     + Fuse + Strip(one leading space); post-processor prepends `bos` when given.
@@ -44,7 +44,7 @@ def sentencepiece_bpe(pieces: Sequence[str], scores: Sequence[float], specials: 
     vocab: Dict[str, int] = {}
     for i, p in enumerate(pieces):
         if p in vocab:
-            raise ToolError(f"duplicate tokenizer piece {p!r} at ids {vocab[p]} and {i}")
+            raise ToolError(f"{where}: duplicate tokenizer piece {p!r} at ids {vocab[p]} and {i}")
         vocab[p] = i
     normal = [i for i, p in enumerate(pieces) if i not in specials and not _is_byte_piece(p)]
     normal_set = {pieces[i] for i in normal}
@@ -96,16 +96,25 @@ def _is_byte_piece(p: str) -> bool:
     return len(p) == 6 and p.startswith("<0x") and p.endswith(">")
 
 
-def read_merges(text: str, where: str) -> List[str]:
-    """merges.txt lines 'a b' (an optional first line '#version: ...' is skipped)."""
+def merge_lines(text: str, where: str) -> List[Tuple[int, str]]:
+    """(line number, 'left right') of each merge of a merges.txt, read as the C++ loader reads it:
+    a trailing '\r' dropped, empty lines and a first line '#version...' skipped, every other line
+    exactly two non-empty parts separated by one space."""
     out = []
     for n, line in enumerate(text.split("\n"), 1):
+        line = line[:-1] if line.endswith("\r") else line
         if not line or (n == 1 and line.startswith("#version")):
             continue
-        if len(line.split(" ")) != 2:
-            raise ToolError(f"{where}: line {n} is not a merge 'a b': {line!r}")
-        out.append(line)
+        parts = line.split(" ")
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ToolError(f"{where}: line {n} is not a merge 'left right': {line[:60]!r}")
+        out.append((n, line))
     return out
+
+
+def read_merges(text: str, where: str) -> List[str]:
+    """merges.txt lines 'a b' (see merge_lines)."""
+    return [m for _, m in merge_lines(text, where)]
 
 
 def qwen2_byte_level(vocab: Dict[str, int], merges: List[str], added=None) -> Dict:
