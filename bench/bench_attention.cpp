@@ -16,6 +16,7 @@
 //
 //   build/bench/bench_attention --benchmark_counters_tabular=true
 //   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
+//   build/bench/bench_attention --block_tokens=128 --benchmark_filter=/4096/1   # other block sizes
 //
 // Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
 // (mallopt) so that every slab is its own mapping and memory freed between cases goes back to
@@ -30,6 +31,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -42,7 +44,8 @@
 namespace {
 
 constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
-double g_copy_gbps = 0;  ///< set by BM_Copy (runs first)
+double g_copy_gbps = 0;        ///< measured at start-up
+int64_t g_block_tokens = 0;    ///< --block_tokens=N (0: the default)
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) {
   const int64_t half = kD / 2;
@@ -69,6 +72,7 @@ kvcache::CacheConfig config(const std::string& spec) {
   c.quant = spec;
   c.policy = "full";
   c.rope = rope;
+  c.block_tokens = g_block_tokens;
   return c;
 }
 
@@ -233,6 +237,16 @@ void register_all() {
 
 int main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 128 * 1024);  // see the file comment
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
+      g_block_tokens = std::atoll(argv[i] + 15);
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  argc = static_cast<int>(args.size());
+  argv = args.data();
   g_copy_gbps = measure_copy_gbps();
   std::printf("copy bandwidth (STREAM convention, 1 thread): %.1f GB/s\n", g_copy_gbps);
   register_all();

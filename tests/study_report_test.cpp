@@ -29,8 +29,10 @@ ResultRow task_row(const std::string& arm, int i, bool passed, double peak, int 
   r.family = family;
   r.depth_pct = depth;
   r.passed = passed;
-  r.values = {{"peak_bytes", peak}, {"tokens_written", 100}, {"tokens_resident", arm.find('@') != std::string::npos ? 50 : 100},
+  r.values = {{"peak_bytes", peak}, {"peak_reserved_bytes", 2 * peak}, {"tokens_written", 100},
+              {"tokens_resident", arm.find('@') != std::string::npos ? 50 : 100},
               {"prompt_tokens", 95}, {"generated_tokens", 5}, {"prefill_s", 0.5}, {"decode_s", 0.25}};
+  if (i % 2 == 0) r.values["rss_growth_peak_bytes"] = 4096.0 * (1 + i);  // measured on even tasks only
   return r;
 }
 
@@ -109,6 +111,9 @@ TEST(StudyReport, PerArmNumbers) {
   EXPECT_DOUBLE_EQ(c.accuracy, 0.9);
   EXPECT_DOUBLE_EQ(c.peak_kib_mean, 1.0);
   EXPECT_DOUBLE_EQ(c.memory_ratio, 1.0);
+  EXPECT_DOUBLE_EQ(c.reserved_kib_mean, 2.0);
+  // RSS growth over the tasks that measured it: t0, t2, t4, t6, t8 → 4 KiB × (1+3+5+7+9)/5.
+  EXPECT_DOUBLE_EQ(c.rss_growth_kib_mean, 4.0 * 5);
   const auto& q = arm(s, "int4+full");
   EXPECT_NEAR(q.delta_pp, -10.0, 1e-9);
   EXPECT_EQ(q.delta_tasks, -1);
@@ -200,11 +205,17 @@ TEST(StudyReport, MarkdownJsonCsv) {
   EXPECT_NE(md.find("| per-channel K + per-token V (KIVI) | 0.3000 | 0.2000 | 0.0500 | 0.0300 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| int4+full | 190.0 | 20.0 | 7.5 |"), std::string::npos) << md;
   EXPECT_NE(md.find("`int4+full`"), std::string::npos);
+  // Stored 0.25 KiB, reserved 0.5 KiB (2×), RSS growth 20 KiB (the measured tasks' mean).
+  EXPECT_NE(md.find("| arm | stored peak KiB | reserved peak KiB | RSS growth peak KiB | reserved / stored |"),
+            std::string::npos) << md;
+  EXPECT_NE(md.find("| int4+full | 0.2 | 0.5 | 20.0 | 2.00 |"), std::string::npos) << md;
 
   const auto j = nlohmann::json::parse(summary_json(s));
   EXPECT_EQ(j["arms"].size(), 4u);
   EXPECT_EQ(j["arms"][1]["arm"], "int4+full");
   EXPECT_DOUBLE_EQ(j["arms"][1]["memory_ratio"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["arms"][1]["reserved_kib_mean"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(j["arms"][1]["rss_growth_kib_mean"].get<double>(), 20.0);
   EXPECT_DOUBLE_EQ(j["arms"][1]["depth_accuracy"]["95"].get<double>(), 1.0);
   EXPECT_TRUE(j["arms"][3]["ppl_stream"].is_null());
   EXPECT_EQ(j["recommendations"][0]["arm"], "int4+full");
@@ -218,7 +229,7 @@ TEST(StudyReport, MarkdownJsonCsv) {
   std::getline(in, second);
   EXPECT_EQ(header.rfind("arm,is_control,tasks,passed,errors,accuracy,delta_pp,delta_tasks,peak_kib_mean", 0), 0u);
   EXPECT_NE(header.find(",acc_needle,acc_summary,needle_d5,needle_d35,needle_d65,needle_d95"), std::string::npos) << header;
-  EXPECT_EQ(second.rfind("int4+full,0,10,8,0,0.8,-10,-1,0.25,0.25,0.25,", 0), 0u) << second;
+  EXPECT_EQ(second.rfind("int4+full,0,10,8,0,0.8,-10,-1,0.25,0.25,0.25,0.5,20,", 0), 0u) << second;
 }
 
 TEST(StudyReport, ModelSelectionAndWrite) {

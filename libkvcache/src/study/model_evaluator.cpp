@@ -19,6 +19,7 @@
 #include "kvcache/model/runner.h"
 #include "kvcache/model/tokenizer.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/study/process_memory.h"
 #include "kvcache/study/task_suite.h"
 
 namespace kvcache::study {
@@ -107,6 +108,8 @@ class ModelArmEvaluator : public ArmEvaluator {
     for (const auto& m : task.messages) msgs.push_back({m.role, m.content});
     const std::string rendered = template_.render(msgs, /*add_generation_prompt=*/true);
     const auto ids = tokenizer_.encode(rendered, SpecialTokens::kParse, PostProcess::kApply);
+    PeakRssProbe rss;
+    rss.start();
     CacheManager cache(config_for(arm));
     GenerationOptions go;
     go.max_new_tokens = task.max_new_tokens;
@@ -118,6 +121,7 @@ class ModelArmEvaluator : public ArmEvaluator {
     g.prompt_tokens = r.prompt_tokens;
     g.generated_tokens = static_cast<int64_t>(r.tokens.size());
     g.cache = cache.stats();
+    g.rss_growth_peak = rss.peak_growth();
     g.prefill_seconds = r.prefill_seconds;
     g.decode_seconds = r.decode_seconds;
     g.span_resident = span_resident(task, msgs, rendered, cache);

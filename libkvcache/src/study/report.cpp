@@ -38,7 +38,9 @@ struct Accum {
   int64_t order = std::numeric_limits<int64_t>::max();
   int64_t tasks = 0, passed = 0, errors = 0;
   int64_t measured = 0;  ///< task rows without error: memory/speed means are over these
-  double peak_sum = 0, peak_max = 0, written_sum = 0, resident_sum = 0;
+  double peak_sum = 0, peak_max = 0, written_sum = 0, resident_sum = 0, reserved_sum = 0;
+  double rss_sum = 0;
+  int64_t rss_n = 0;
   double span_sum = 0;
   int64_t span_n = 0;
   double prompt_tokens = 0, prefill_s = 0, gen_tokens = 0, decode_s = 0;
@@ -174,6 +176,11 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
       a.peak_max = std::max(a.peak_max, peak);
       a.written_sum += nz(r.value("tokens_written"));
       a.resident_sum += nz(r.value("tokens_resident"));
+      a.reserved_sum += nz(r.value("peak_reserved_bytes"));
+      if (std::isfinite(r.value("rss_growth_peak_bytes"))) {
+        a.rss_sum += r.value("rss_growth_peak_bytes");
+        a.rss_n++;
+      }
       if (std::isfinite(r.value("span_resident"))) {
         a.span_sum += r.value("span_resident");
         a.span_n++;
@@ -238,6 +245,8 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
     const double m = static_cast<double>(a.measured);
     x.peak_kib_mean = a.measured ? a.peak_sum / m / 1024.0 : kNaN;
     x.peak_kib_max = a.measured ? a.peak_max / 1024.0 : kNaN;
+    x.reserved_kib_mean = a.measured ? a.reserved_sum / m / 1024.0 : kNaN;
+    x.rss_growth_kib_mean = a.rss_n ? a.rss_sum / static_cast<double>(a.rss_n) / 1024.0 : kNaN;
     x.tokens_written_mean = a.measured ? a.written_sum / m : kNaN;
     x.tokens_resident_mean = a.measured ? a.resident_sum / m : kNaN;
     x.span_resident_mean = a.span_n ? a.span_sum / static_cast<double>(a.span_n) : kNaN;
@@ -370,6 +379,18 @@ std::string summary_markdown(const Summary& s) {
        << " | " << fmt(a.tokens_resident_mean, "%.1f") << " | " << a.errors << " |\n";
   }
 
+  os << "\n## KV memory: stored, reserved, real\n\n"
+        "Mean over tasks of the peak stored bytes (bytes_resident_peak), the peak bytes of the blocks the cache "
+        "held (bytes_reserved_peak), and the peak growth of the process's resident set during the task (the cache "
+        "plus the request's other allocations).\n\n";
+  os << "| arm | stored peak KiB | reserved peak KiB | RSS growth peak KiB | reserved / stored |\n";
+  os << "|---|---:|---:|---:|---:|\n";
+  for (const auto& a : s.arms) {
+    os << "| " << a.arm << " | " << fmt(a.peak_kib_mean, "%.1f") << " | " << fmt(a.reserved_kib_mean, "%.1f") << " | "
+       << fmt(a.rss_growth_kib_mean, "%.1f") << " | "
+       << fmt(a.peak_kib_mean > 0 ? a.reserved_kib_mean / a.peak_kib_mean : kNaN, "%.2f") << " |\n";
+  }
+
   os << "\n## Accuracy per family\n\n| arm |";
   for (const auto& f : s.families) os << " " << f << " |";
   os << "\n|---|";
@@ -479,6 +500,8 @@ std::string summary_json(const Summary& s) {
     x["peak_kib_mean"] = jnum(a.peak_kib_mean);
     x["peak_kib_max"] = jnum(a.peak_kib_max);
     x["memory_ratio"] = jnum(a.memory_ratio);
+    x["reserved_kib_mean"] = jnum(a.reserved_kib_mean);
+    x["rss_growth_kib_mean"] = jnum(a.rss_growth_kib_mean);
     x["tokens_written_mean"] = jnum(a.tokens_written_mean);
     x["tokens_resident_mean"] = jnum(a.tokens_resident_mean);
     x["span_resident_mean"] = jnum(a.span_resident_mean);
@@ -527,7 +550,7 @@ std::string summary_json(const Summary& s) {
 std::string summary_csv(const Summary& s) {
   std::ostringstream os;
   os << "arm,is_control,tasks,passed,errors,accuracy,delta_pp,delta_tasks,peak_kib_mean,peak_kib_max,memory_ratio,"
-        "tokens_written_mean,tokens_resident_mean,span_resident_mean,ppl_single,ppl_stream,kld_mean,kld_max,top1,"
+        "reserved_kib_mean,rss_growth_kib_mean,tokens_written_mean,tokens_resident_mean,span_resident_mean,ppl_single,ppl_stream,kld_mean,kld_max,top1,"
         "prefill_tps,decode_tps,total_seconds";
   for (const auto& f : s.families) os << ",acc_" << f;
   for (int d : s.depths) os << ",needle_d" << d;
@@ -536,7 +559,7 @@ std::string summary_csv(const Summary& s) {
     os << csv_cell(a.arm) << "," << (a.is_control ? 1 : 0) << "," << a.tasks << "," << a.passed << "," << a.errors << ","
        << csv_num(a.accuracy) << "," << csv_num(a.delta_pp) << "," << (s.has_control ? std::to_string(a.delta_tasks) : "")
        << "," << csv_num(a.peak_kib_mean) << "," << csv_num(a.peak_kib_max) << "," << csv_num(a.memory_ratio) << ","
-       << csv_num(a.tokens_written_mean) << "," << csv_num(a.tokens_resident_mean) << "," << csv_num(a.span_resident_mean)
+       << csv_num(a.reserved_kib_mean) << "," << csv_num(a.rss_growth_kib_mean) << "," << csv_num(a.tokens_written_mean) << "," << csv_num(a.tokens_resident_mean) << "," << csv_num(a.span_resident_mean)
        << "," << csv_num(a.ppl_single) << "," << csv_num(a.ppl_stream) << "," << csv_num(a.kld_mean) << ","
        << csv_num(a.kld_max) << "," << csv_num(a.top1) << "," << csv_num(a.prefill_tps) << "," << csv_num(a.decode_tps)
        << "," << csv_num(a.total_seconds);

@@ -30,6 +30,8 @@ void put_cache_stats(const CacheStats& c, ResultRow& row) {
   row.values["tokens_resident_peak"] = static_cast<double>(c.tokens_resident_peak);
   row.values["peak_bytes"] = static_cast<double>(c.bytes_resident_peak);
   row.values["final_bytes"] = static_cast<double>(c.bytes_resident);
+  row.values["peak_reserved_bytes"] = static_cast<double>(c.bytes_reserved_peak);
+  row.values["final_reserved_bytes"] = static_cast<double>(c.bytes_reserved);
 }
 
 /// The sweep's lazily computed shared inputs.
@@ -69,6 +71,7 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       row.values["prefill_s"] = g.prefill_seconds;
       row.values["decode_s"] = g.decode_seconds;
       if (g.span_resident >= 0) row.values["span_resident"] = g.span_resident;
+      if (g.rss_growth_peak >= 0) row.values["rss_growth_peak_bytes"] = static_cast<double>(g.rss_growth_peak);
       put_cache_stats(g.cache, row);
       break;
     }

@@ -11,6 +11,9 @@
 ///   peak KV        mean of CacheStats::bytes_resident_peak (KiB = 1024 B) over the task rows
 ///                  without error (NaN if none: such an arm is never recommended), and its ratio
 ///                  to the control's mean; tokens written/resident and speed use the same rows;
+///   reserved       mean of CacheStats::bytes_reserved_peak (the blocks the cache held);
+///   RSS growth     mean of the peak growth of the process's resident set during a task (the
+///                  cache and the request's other allocations), over the rows that measured it;
 ///   prefill tok/s  Σ prompt_tokens / Σ prefill_s; decode tok/s Σ generated_tokens / Σ decode_s.
 /// Missing numbers are NaN (JSON null, empty CSV cell, "–" in Markdown).
 
@@ -35,6 +38,8 @@ struct ArmSummary {
   double peak_kib_mean = 0;
   double peak_kib_max = 0;
   double memory_ratio = 0;  ///< peak_kib_mean / control's
+  double reserved_kib_mean = 0;    ///< mean bytes_reserved_peak, KiB
+  double rss_growth_kib_mean = 0;  ///< mean peak resident-set growth, KiB (NaN if not measured)
   double tokens_written_mean = 0;
   double tokens_resident_mean = 0;
   double span_resident_mean = 0;  ///< NaN if not measured

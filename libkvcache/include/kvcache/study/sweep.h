@@ -38,6 +38,9 @@ struct Generation {
   int64_t prompt_tokens = 0;     ///< tokens of the chat-template-rendered prompt
   int64_t generated_tokens = 0;  ///< new tokens (incl. the end-of-turn token if produced)
   CacheStats cache;              ///< CacheManager::stats() at the end of the request
+  /// Peak growth of the process's resident set during the request, bytes (PeakRssProbe: the
+  /// cache, and whatever else the request allocated); < 0 if not measured.
+  int64_t rss_growth_peak = -1;
   double prefill_seconds = 0;
   double decode_seconds = 0;
   /// Fraction of the task's load-bearing span tokens (Task::span mapped through the chat
