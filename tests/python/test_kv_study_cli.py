@@ -119,6 +119,42 @@ class DefaultModelTest(unittest.TestCase):
         self.assertEqual(arm["arm"], "fp32+full")
         self.assertEqual((arm["passed"], arm["tasks"]), (COMMITTED_SMALL_PASS, 20))
 
+    def test_control_reproduces_unmanaged_generation_on_the_default_suite(self):
+        """fp32+full through the CacheManager (block storage, attend() reading the blocks) gives
+        every one of the 222 default-suite replies that unmanaged greedy decoding gives: the
+        trainer's Python loop over the same export, torch.cat of K/V and at:: attention."""
+        import sys
+        import torch
+        sys.path.insert(0, os.path.join(REPO, "tools"))
+        import train_default_model as T
+        with tempfile.TemporaryDirectory() as d:
+            tasks_path = os.path.join(d, "tasks.jsonl")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "suite", "--suite", "default", "--out", tasks_path],
+                               capture_output=True, text=True, timeout=120, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            r = subprocess.run([os.path.abspath(KV_STUDY), "run", "--tasks", tasks_path, "--configs", "fp32+full",
+                                "--out", os.path.join(d, "run"), "--threads", "1", "--no-text", "--no-recon",
+                                "--no-attn", "--quiet"], capture_output=True, text=True, timeout=900, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(tasks_path) as f:
+                tasks = [json.loads(line) for line in f]
+            with open(os.path.join(d, "run", "results.jsonl")) as f:
+                managed = {row["task"]: row["output"] for row in map(json.loads, f) if row.get("kind") == "task"}
+        self.assertEqual(len(tasks), 222)
+        extra = {"config.json": "", "tokenizer.json": ""}
+        module = torch.jit.load(DEFAULT_MODEL, _extra_files=extra)
+        layers = json.loads(extra["config.json"])["num_hidden_layers"]
+        tok = T.Tokenizer.from_json(json.loads(extra["tokenizer.json"]))
+        stop = [tok.special_ids[T.IM_END], tok.special_ids[T.ENDOFTEXT]]
+        differ = []
+        for t in tasks:
+            out = T.greedy_generate(module, layers, tok.encode(T.render_chatml(t["messages"], True)),
+                                    int(t["max_new_tokens"]), stop)
+            reply = tok.decode([i for i in out if i not in stop]).strip()
+            if reply != managed[t["id"]].strip():
+                differ.append((t["id"], reply, managed[t["id"]]))
+        self.assertEqual(differ, [])
+
 
 if __name__ == "__main__":
     unittest.main()
