@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <sstream>
 
 #include "evict/policies.h"
@@ -116,6 +117,19 @@ EvictionPlan uniform_plan(const std::vector<int64_t>& evict, int64_t num_kv_head
   EvictionPlan p;
   if (evict.empty()) return p;
   p.evict.assign(static_cast<size_t>(num_kv_heads), evict);
+  return p;
+}
+
+EvictionPlan evict_span(const EvictionContext& ctx, int64_t first, int64_t keep) {
+  EvictionPlan p;
+  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
+    const int64_t t = ctx.resident[static_cast<size_t>(h)];
+    if (t <= keep) continue;
+    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
+    auto& e = p.evict[static_cast<size_t>(h)];
+    e.resize(static_cast<size_t>(t - keep));
+    std::iota(e.begin(), e.end(), first);
+  }
   return p;
 }
 

@@ -15,6 +15,10 @@ namespace kvcache::evict {
 
 /// A plan that evicts the same indices from every one of `num_kv_heads` heads.
 EvictionPlan uniform_plan(const std::vector<int64_t>& evict, int64_t num_kv_heads);
+/// Per head holding t > `keep` tokens: evict the t − keep tokens from index `first` on (the
+/// first `first` and the last keep − first survive). A window is first = 0, StreamingLLM's
+/// sinks first = s.
+EvictionPlan evict_span(const EvictionContext& ctx, int64_t first, int64_t keep);
 /// The resident count shared by every head of `ctx` (uniform policies plan that way).
 /// @throws InvalidArgument naming `policy` if the heads hold different counts.
 int64_t uniform_resident(const EvictionContext& ctx, const char* policy);

@@ -2,7 +2,6 @@
 // Positional policies: full, window (most recent N), sink (StreamingLLM, arXiv 2309.17453).
 // They need no attention and keep the same tokens in every KV head.
 #include <limits>
-#include <numeric>
 
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -72,17 +71,7 @@ int64_t WindowPolicy::layer_budget(int64_t layer) const {
 }
 
 EvictionPlan WindowPolicy::plan(const EvictionContext& ctx) {
-  const int64_t w = layer_budget(ctx.layer);
-  EvictionPlan p;
-  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
-    const int64_t t = ctx.resident[static_cast<size_t>(h)];
-    if (t <= w) continue;
-    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
-    auto& e = p.evict[static_cast<size_t>(h)];
-    e.resize(static_cast<size_t>(t - w));
-    std::iota(e.begin(), e.end(), 0);  // the oldest t − w
-  }
-  return p;
+  return evict_span(ctx, /*first=*/0, layer_budget(ctx.layer));  // the oldest t − w
 }
 
 // ---------------------------------------------------------------- sink
@@ -142,17 +131,7 @@ int64_t SinkPolicy::layer_budget(int64_t layer) const {
 }
 
 EvictionPlan SinkPolicy::plan(const EvictionContext& ctx) {
-  const int64_t total = layer_budget(ctx.layer);
-  EvictionPlan p;
-  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
-    const int64_t t = ctx.resident[static_cast<size_t>(h)];
-    if (t <= total) continue;
-    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
-    auto& e = p.evict[static_cast<size_t>(h)];
-    e.resize(static_cast<size_t>(t - total));
-    std::iota(e.begin(), e.end(), sinks_);  // everything between the sinks and the window
-  }
-  return p;
+  return evict_span(ctx, /*first=*/sinks_, layer_budget(ctx.layer));  // between sinks and window
 }
 
 }  // namespace kvcache::evict
