@@ -4,7 +4,10 @@
 // head_dim 64; one decode query per step; the step cycles through the 24 layers' caches so no
 // layer stays in the CPU caches (the data comes from memory, as in a real decode step).
 //
-//   BM_Attend/<spec>/<T>/<threads>  CacheManager::attend() over T resident tokens per layer
+//   BM_Attend/<spec>/<T>/<threads>  CacheManager::attend() over T resident tokens per layer (the
+//                                   fused kernels where the CPU has them)
+//   BM_AttendGeneric/<spec>/<T>/<threads>  the same cache through the generic per-block path
+//                                   (the fused kernels' reference twin)
 //   BM_AttendBaseline/<T>/<threads> the old path: float32 K/V tensors (what get() handed out)
 //                                   + at:: matmul/softmax/matmul (kvcache::reference_attention)
 //   BM_Copy                         memcpy of 256 MiB: STREAM-style copy bandwidth (2·N/t), the
@@ -38,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/cache_manager_access.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
 
@@ -134,7 +138,7 @@ double measure_copy_gbps() {
   return best;
 }
 
-void BM_Attend(benchmark::State& state, const std::string& spec) {
+void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
   const int64_t t = state.range(0);
   at::set_num_threads(static_cast<int>(state.range(1)));
   auto& m = filled_cache(spec, t);
@@ -142,7 +146,11 @@ void BM_Attend(benchmark::State& state, const std::string& spec) {
   const auto pos = at::full({1}, t, at::kLong);
   int64_t l = 0;
   for (auto _ : state) {
-    benchmark::DoNotOptimize(m.attend(l, q, pos).data_ptr());
+    if (fused) {
+      benchmark::DoNotOptimize(m.attend(l, q, pos).data_ptr());
+    } else {
+      benchmark::DoNotOptimize(kvcache::cache::CacheManagerAccess::attend(m, l, q, pos, false).data_ptr());
+    }
     l = (l + 1) % kLayers;
   }
   floor_counters(state, static_cast<double>(m.stats().bytes_resident) / kLayers);
@@ -218,7 +226,12 @@ void register_all() {
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
       for (const auto& s : specs()) {
-        benchmark::RegisterBenchmark(("BM_Attend/" + s).c_str(), [s](benchmark::State& st) { BM_Attend(st, s); })
+        benchmark::RegisterBenchmark(("BM_Attend/" + s).c_str(), [s](benchmark::State& st) { BM_Attend(st, s, true); })
+            ->Args({t, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(("BM_AttendGeneric/" + s).c_str(),
+                                     [s](benchmark::State& st) { BM_Attend(st, s, false); })
             ->Args({t, threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();

@@ -1,12 +1,33 @@
 // SPDX-License-Identifier: Apache-2.0
 // kv_study: measures how KV-cache compression (quantization, eviction) trades quality for
 // memory. Thin CLI over kvcache::study (see docs/study.md).
+#include <unistd.h>
+
+#include <cstdlib>
 #include <iostream>
 
 #include "commands.h"
 #include "kvcache/error.h"
 
+namespace {
+
+/// OpenMP threads that wait for work by sleeping, not spinning, unless the user chose
+/// (OMP_WAIT_POLICY set). The model's matmuls (OpenBLAS) and the library's kernels open many
+/// short parallel regions per token; spinning waiters on a machine whose cores other jobs
+/// also use turn each region into a wait for a time slice: the small suite's int4 and fp32
+/// arms took 54 s with 2 threads spinning, 4.8 s sleeping, 3.8 s on 1 thread, on the loaded
+/// 2-core build machine (docs/performance.md, "OpenMP threads"). libgomp reads the variable
+/// when it loads, before main, so the process runs itself again once with it set.
+void prefer_passive_openmp_wait(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+  execv("/proc/self/exe", argv);  // returns only on failure: carry on with the default policy
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  prefer_passive_openmp_wait(argv);
   CLI::App app{
       "kv_study — the KV-cache compression study of libkvcache.\n"
       "Runs a deterministic task suite and text metrics under every (quantizer x eviction policy) arm,\n"

@@ -3,6 +3,7 @@
 // reductions, no OpenMP runtime) and -ffp-contract=fast (FMAs in the dot products); the
 // tile kernels are multiversioned like the quantizer kernels (KV_TARGET_CLONES).
 #include "cache/attend.h"
+#include "cache/attend_fused.h"
 
 #include <ATen/Parallel.h>
 
@@ -135,11 +136,63 @@ void tile_mask(float* s, int64_t ld, int64_t nr, int64_t n, const int64_t* kpos,
   }
 }
 
-/// acc_r = acc_r · corr + Σ_j p_j · v_j with the row in registers; D = 16·C.
+/// Largest and sum of n floats with 16-lane vectors (a fixed reduction tree).
+KV_ALWAYS_INLINE float vmax(const float* x, int64_t n) {
+  v16f m = splat16(kNegInf);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16f v = load16(x + j);
+    m = v > m ? v : m;
+  }
+  float r = kNegInf;
+  for (int i = 0; i < 16; ++i) r = m[i] > r ? m[i] : r;
+  for (; j < n; ++j) r = x[j] > r ? x[j] : r;
+  return r;
+}
+
+/// Online-softmax step of rows r < nr over a tile's scores (masked: −inf): turns s into
+/// p = exp(s − m_new) in place, rescales the row's accumulator and sum by exp(m_old − m_new).
+KV_TARGET_CLONES void tile_softmax(float* __restrict s, int64_t ld, int64_t nr, int64_t n, int64_t d,
+                                   float* __restrict m, float* __restrict l, float* __restrict acc) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float* __restrict sr = s + r * ld;
+    const float mt = vmax(sr, n);
+    if (mt == kNegInf) {  // every key of the tile is hidden from this row
+      for (int64_t j = 0; j < n; ++j) sr[j] = 0.0f;
+      continue;
+    }
+    const float mn = m[r] > mt ? m[r] : mt;
+    const float corr = m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mn);
+    v16f sum16{};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      v16f v = load16(sr + j) - mn;
+      v16f e;
+      for (int i = 0; i < 16; ++i) e[i] = exp_nonpos(v[i]);
+      store16(sr + j, e);
+      sum16 += e;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < 16; ++i) sum += sum16[i];
+    for (; j < n; ++j) {
+      sr[j] = exp_nonpos(sr[j] - mn);
+      sum += sr[j];
+    }
+    l[r] = l[r] * corr + sum;
+    m[r] = mn;
+    if (corr != 1.0f) {
+      float* __restrict ar = acc + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+    }
+  }
+}
+
+/// acc_r += Σ_j p_j · v_j with the row in registers; D = 16·C.
 template <int C>
-KV_ALWAYS_INLINE void accumulate_vec(float* ar, float corr, const float* p, int64_t n, const float* const* vrows) {
+KV_ALWAYS_INLINE void accumulate_vec(float* ar, const float* p, int64_t n, const float* const* vrows) {
   v16f a[C];
-  for (int c = 0; c < C; ++c) a[c] = load16(ar + 16 * c) * corr;
+  for (int c = 0; c < C; ++c) a[c] = load16(ar + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     const v16f pj = splat16(p[j]);
     const float* v = vrows[j];
@@ -148,37 +201,22 @@ KV_ALWAYS_INLINE void accumulate_vec(float* ar, float corr, const float* p, int6
   for (int c = 0; c < C; ++c) store16(ar + 16 * c, a[c]);
 }
 
-/// Online-softmax update of rows r < nr with the tile's scores (masked: −inf) and V rows.
-KV_TARGET_CLONES void tile_update(const float* __restrict s, int64_t ld, int64_t nr, int64_t n,
-                                  const float* const* vrows, int64_t d, float* __restrict m, float* __restrict l,
-                                  float* __restrict acc, float* __restrict p) {
+/// acc_r += Σ_j p[r·ld + j] · v_j for rows r < nr.
+KV_TARGET_CLONES void tile_pv(const float* __restrict p, int64_t ld, int64_t nr, int64_t n, const float* const* vrows,
+                              int64_t d, float* __restrict acc) {
   for (int64_t r = 0; r < nr; ++r) {
-    const float* __restrict sr = s + r * ld;
-    float mt = kNegInf;
-    for (int64_t j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
-    if (mt == kNegInf) continue;  // every key of the tile is hidden from this row
-    const float mn = m[r] > mt ? m[r] : mt;
-    const float corr = m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mn);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      p[j] = exp_nonpos(sr[j] - mn);
-      sum += p[j];
-    }
-    l[r] = l[r] * corr + sum;
-    m[r] = mn;
+    const float* __restrict pr = p + r * ld;
     float* __restrict ar = acc + r * d;
     switch (d) {
-      case 16: accumulate_vec<1>(ar, corr, p, n, vrows); continue;
-      case 32: accumulate_vec<2>(ar, corr, p, n, vrows); continue;
-      case 64: accumulate_vec<4>(ar, corr, p, n, vrows); continue;
-      case 128: accumulate_vec<8>(ar, corr, p, n, vrows); continue;
+      case 16: accumulate_vec<1>(ar, pr, n, vrows); continue;
+      case 32: accumulate_vec<2>(ar, pr, n, vrows); continue;
+      case 64: accumulate_vec<4>(ar, pr, n, vrows); continue;
+      case 128: accumulate_vec<8>(ar, pr, n, vrows); continue;
       default: break;
     }
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
     for (int64_t j = 0; j < n; ++j) {
-      const float pj = p[j];
+      const float pj = pr[j];
+      if (pj == 0.0f) continue;
       const float* __restrict v = vrows[j];
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ar[i] += pj * v[i];
@@ -200,26 +238,67 @@ KV_TARGET_CLONES void tile_mass(const float* __restrict s, int64_t ld, int64_t n
   }
 }
 
-/// Walks one stream's live tokens block by block (quantized list, then residual list),
-/// each block decoded once into float32 (pre-RoPE keys rotated by position).
+/// Walks one stream's live tokens block by block (quantized list, then residual list). In
+/// decode mode each block is decoded once into float32 (pre-RoPE keys rotated by position);
+/// in raw mode (the fused kernels) the block is read as stored. Rows and slot lists handed
+/// out stay valid until the second begin_tile() after them: a tile may span several blocks.
 class Cursor {
  public:
-  Cursor(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d)
-      : s_(s), scale_(tensor_scale), rope_(rope), d_(d) {}
+  Cursor(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d, bool raw)
+      : s_(s), scale_(tensor_scale), rope_(rope), d_(d), raw_(raw) {}
 
+  /// Starts a tile: the buffers of blocks loaded before it, except the current one, may be reused.
+  void begin_tile() {
+    if (have_) {
+      std::swap(pool_[cur_], pool_[0]);
+      cur_ = 0;
+      free_ = 1;
+    } else {
+      free_ = 0;
+    }
+  }
   /// Live tokens left in the current block, loading the next block when it is used up;
   /// 0 at the end of the stream.
   int64_t remaining() {
-    while (next_ >= slots_.size()) {
+    while (!have_ || next_ >= pool_[cur_].slots.size()) {
       if (!load()) return 0;
     }
-    return static_cast<int64_t>(slots_.size() - next_);
+    return static_cast<int64_t>(pool_[cur_].slots.size() - next_);
   }
-  const float* row(int64_t j) const { return rows_ + static_cast<int64_t>(slots_[next_ + static_cast<size_t>(j)]) * d_; }
-  int64_t position(int64_t j) const { return block_->position(slots_[next_ + static_cast<size_t>(j)]); }
+  const float* row(int64_t j) const {
+    const Loaded& b = pool_[cur_];
+    return b.rows + static_cast<int64_t>(b.slots[next_ + static_cast<size_t>(j)]) * d_;
+  }
+  int64_t position(int64_t j) const {
+    const Loaded& b = pool_[cur_];
+    return b.block->position(b.slots[next_ + static_cast<size_t>(j)]);
+  }
+  /// The next tokens as stored (raw mode).
+  fused::RawTokens raw_tokens() const {
+    const Loaded& b = pool_[cur_];
+    fused::RawTokens t;
+    t.block = b.format->pool->data(b.block->id);
+    t.kf = b.kf;
+    t.slots = b.slots.data() + next_;
+    t.tensor_scale = b.block->format == StreamFormats::kMain ? scale_ : 1.0f;
+    return t;
+  }
   void advance(int64_t n) { next_ += static_cast<size_t>(n); }
+  /// True if the current block is read as float32 rows (row()), false if as stored (raw mode
+  /// over a format the fused kernels read). Plain float32 blocks are always rows: they are
+  /// their own decoded form, and the generic tile kernels read them faster than a fused pass.
+  bool rows() const { return pool_[cur_].rows != nullptr; }
 
  private:
+  struct Loaded {
+    const Block* block = nullptr;
+    const BlockFormat* format = nullptr;
+    const float* rows = nullptr;  ///< decoded (or raw float32) rows; null in raw mode
+    fused::KernelFormat kf;
+    std::vector<float> scratch;
+    std::vector<int32_t> slots;  ///< live slots, increasing
+  };
+
   bool load() {
     const BlockList* list = nullptr;
     while (true) {
@@ -229,20 +308,29 @@ class Cursor {
       list_ = 1;
       bi_ = 0;
     }
-    block_ = &list->blocks()[bi_++];
-    const BlockFormat& f = list->format(*block_);
-    if (f.raw_fp32 && rope_ == nullptr) {
-      rows_ = reinterpret_cast<const float*>(f.pool->data(block_->id));
+    if (free_ >= pool_.size()) pool_.emplace_back();
+    cur_ = free_++;
+    have_ = true;
+    Loaded& b = pool_[cur_];
+    b.block = &list->blocks()[bi_++];
+    b.format = &list->format(*b.block);
+    b.rows = nullptr;
+    if (b.format->raw_fp32 && rope_ == nullptr) {
+      b.rows = reinterpret_cast<const float*>(b.format->pool->data(b.block->id));
+    } else if (raw_) {
+      auto& k = kf_cache_[b.block->format];
+      if (k.kind == fused::KernelFormat::Kind::kNone) k = fused::classify(*b.format);
+      b.kf = k;
     } else {
-      scratch_.resize(static_cast<size_t>(f.capacity * d_));
-      list->decode(*block_, scratch_.data(), scale_);
-      rows_ = scratch_.data();
+      b.scratch.resize(static_cast<size_t>(b.format->capacity * d_));
+      list->decode(*b.block, b.scratch.data(), scale_);
+      b.rows = b.scratch.data();
     }
-    slots_.clear();
-    for (int32_t s = 0; s < block_->filled; ++s) {
-      if (!block_->alive(s)) continue;
-      slots_.push_back(s);
-      if (rope_ != nullptr) rope_->rotate(scratch_.data() + static_cast<int64_t>(s) * d_, block_->position(s));
+    b.slots.clear();
+    for (int32_t sl = 0; sl < b.block->filled; ++sl) {
+      if (!b.block->alive(sl)) continue;
+      b.slots.push_back(sl);
+      if (rope_ != nullptr) rope_->rotate(b.scratch.data() + static_cast<int64_t>(sl) * d_, b.block->position(sl));
     }
     next_ = 0;
     return true;
@@ -252,14 +340,42 @@ class Cursor {
   float scale_;
   const RopeTable* rope_;
   int64_t d_;
+  bool raw_;
   int list_ = 0;
   size_t bi_ = 0;
-  const Block* block_ = nullptr;
-  std::vector<float> scratch_;
-  const float* rows_ = nullptr;
-  std::vector<int32_t> slots_;
+  std::vector<Loaded> pool_;  ///< blocks loaded for the current tile (the current one last)
+  size_t cur_ = 0, free_ = 0;
+  bool have_ = false;
   size_t next_ = 0;
+  fused::KernelFormat kf_cache_[StreamFormats::kCount];  ///< per format index, classified once
 };
+
+/// A run of one stream's tokens inside one block: tile keys [at, at + n).
+struct Segment {
+  int64_t at = 0, n = 0;
+  bool rows = true;       ///< given as float32 rows (Tile::krows/vrows), else `raw`
+  fused::RawTokens raw;
+};
+
+/// The keys and values of one tile: up to `tile_tokens` consecutive live tokens, which may span
+/// several blocks (a list of segments per stream: K and V blocks need not line up). Each
+/// segment is decoded rows (generic path, float32 blocks) or the stored tokens (fused).
+struct Tile {
+  int64_t n = 0, j0 = 0;  ///< tokens; resident index of the first
+  int64_t last_pos = 0;   ///< position of the tile's last (newest) key
+  const float* const* krows = nullptr;
+  const float* const* vrows = nullptr;
+  const int64_t* kpos = nullptr;  ///< per key, valid when last_pos > the rows' min position
+  const Segment* kseg = nullptr;
+  const Segment* vseg = nullptr;
+  size_t nk_seg = 0, nv_seg = 0;
+};
+
+/// Keys per tile: at least kMinTileTokens and at least the largest block of the layer. Long
+/// enough that the online softmax's per-row work (max, rescale, sums) is spread over many
+/// keys, short enough that a row block's scores stay in L1/L2. (bench_attention at 32k: 128-
+/// and 256-key tiles were no faster than 64 for per-token formats, and 8-10% slower for int8.)
+constexpr int64_t kMinTileTokens = 64;
 
 int64_t max_capacity(const StreamSetup& st) {
   int64_t c = 0;
@@ -267,32 +383,112 @@ int64_t max_capacity(const StreamSetup& st) {
   return c;
 }
 
-/// Iterates the tiles of rows' visible keys of one head: fn(n, krows, vrows, kpos, j0).
-/// Stops after the first tile whose keys all lie after `max_qpos`.
+/// Iterates the tiles of one head's keys: fn(const Tile&). Stops after the first tile that
+/// reaches keys lying after `max_qpos`; fills Tile::kpos only for tiles reaching past
+/// `min_qpos` (the only ones a mask touches).
 template <class Fn>
-void for_each_tile(const LayerStore& L, int64_t h, const RopeTable* rope, int64_t max_qpos, int64_t cap, Fn&& fn) {
+void for_each_tile(const LayerStore& L, int64_t h, const RopeTable* rope, bool raw, int64_t min_qpos, int64_t max_qpos,
+                   int64_t tile_tokens, Fn&& fn) {
   const int64_t d = L.head_dim();
-  Cursor kc(L.k(h), L.k_scale(), rope, d);
-  Cursor vc(L.v(h), L.v_scale(), nullptr, d);
-  std::vector<const float*> kr(static_cast<size_t>(cap)), vr(static_cast<size_t>(cap));
-  std::vector<int64_t> kpos(static_cast<size_t>(cap));
-  int64_t j0 = 0;
-  while (true) {
-    const int64_t nk = kc.remaining();
-    if (nk == 0) break;
-    const int64_t nv = vc.remaining();
-    KV_INTERNAL_ASSERT(nv > 0, "attend: V stream shorter than K at key ", j0);
-    const int64_t n = std::min(nk, nv);
-    for (int64_t j = 0; j < n; ++j) {
-      kr[static_cast<size_t>(j)] = kc.row(j);
-      vr[static_cast<size_t>(j)] = vc.row(j);
-      kpos[static_cast<size_t>(j)] = kc.position(j);
+  Cursor kc(L.k(h), L.k_scale(), rope, d, raw);
+  Cursor vc(L.v(h), L.v_scale(), nullptr, d, raw);
+  std::vector<const float*> kr(static_cast<size_t>(tile_tokens)), vr(static_cast<size_t>(tile_tokens));
+  std::vector<int64_t> kpos(static_cast<size_t>(tile_tokens));
+  std::vector<Segment> ks, vs;
+  Tile t;
+  t.krows = kr.data();
+  t.vrows = vr.data();
+  t.kpos = kpos.data();
+  bool done = false;
+  while (!done) {
+    kc.begin_tile();
+    vc.begin_tile();
+    ks.clear();
+    vs.clear();
+    int64_t n = 0;
+    bool need_pos = false;
+    while (n < tile_tokens) {
+      const int64_t nk = kc.remaining();
+      if (nk == 0) {
+        done = true;
+        break;
+      }
+      if (kc.position(0) > max_qpos) {  // positions increase along the stream: nothing later is visible
+        done = true;
+        break;
+      }
+      Segment sg;
+      sg.at = n;
+      sg.n = std::min(nk, tile_tokens - n);
+      sg.rows = kc.rows();
+      if (sg.rows) {
+        for (int64_t j = 0; j < sg.n; ++j) kr[static_cast<size_t>(n + j)] = kc.row(j);
+      } else {
+        sg.raw = kc.raw_tokens();
+      }
+      t.last_pos = kc.position(sg.n - 1);
+      if (t.last_pos > min_qpos) {  // some key may be hidden from some row: the mask needs positions
+        if (!need_pos) {
+          // Keys of the tile's earlier segments lie at or before min_qpos (positions grow
+          // along the stream) and no row hides them: min_qpos stands in for their positions.
+          std::fill(kpos.begin(), kpos.begin() + n, min_qpos);
+          need_pos = true;
+        }
+        for (int64_t j = 0; j < sg.n; ++j) kpos[static_cast<size_t>(n + j)] = kc.position(j);
+      }
+      ks.push_back(sg);
+      kc.advance(sg.n);
+      n += sg.n;
     }
-    if (kpos[0] > max_qpos) break;  // positions increase along the stream: nothing later is visible
-    fn(n, kr.data(), vr.data(), kpos.data(), j0);
-    kc.advance(n);
-    vc.advance(n);
-    j0 += n;
+    if (n == 0) break;
+    for (int64_t m = 0; m < n;) {
+      const int64_t nv = vc.remaining();
+      KV_INTERNAL_ASSERT(nv > 0, "attend: V stream shorter than K at key ", t.j0 + m);
+      Segment sg;
+      sg.at = m;
+      sg.n = std::min(nv, n - m);
+      sg.rows = vc.rows();
+      if (sg.rows) {
+        for (int64_t j = 0; j < sg.n; ++j) vr[static_cast<size_t>(m + j)] = vc.row(j);
+      } else {
+        sg.raw = vc.raw_tokens();
+      }
+      vs.push_back(sg);
+      vc.advance(sg.n);
+      m += sg.n;
+    }
+    t.n = n;
+    t.kseg = ks.data();
+    t.nk_seg = ks.size();
+    t.vseg = vs.data();
+    t.nv_seg = vs.size();
+    fn(t);
+    t.j0 += n;
+  }
+}
+
+/// True if the fused kernels can read every block of head h's layer (and its keys need no
+/// rotation on read).
+bool fusable(const LayerStore& L, const RopeTable* rope) {
+  if (rope != nullptr || !fused::available()) return false;
+  for (const StreamSetup* st : {&L.key_setup(), &L.value_setup()}) {
+    for (const auto& f : st->formats.f) {
+      if (f.quantizer != nullptr && fused::classify(f).kind == fused::KernelFormat::Kind::kNone) return false;
+    }
+  }
+  return true;
+}
+
+/// Scores of query rows [r0, r0 + nr) against a tile's keys, segment by segment.
+void tile_keys(const Tile& t, const fused::Queries& fq, const float* qh, int64_t r0, int64_t nr, int64_t d,
+               float scale, float* s, int64_t ld) {
+  for (size_t i = 0; i < t.nk_seg; ++i) {
+    const Segment& sg = t.kseg[i];
+    if (sg.rows) {
+      tile_scores(qh + r0 * d, nr, t.krows + sg.at, sg.n, d, scale, s + sg.at, ld);
+    } else {
+      fused::scores(fq, r0, nr, sg.raw, sg.n, s + sg.at, ld);
+    }
   }
 }
 
@@ -301,7 +497,7 @@ void attend_head(const AttendArgs& a, int64_t h) {
   const int64_t d = L.head_dim(), hkv = L.num_heads(), G = a.num_q_heads / hkv, tq = a.t_q;
   const int64_t R = G * tq;  // rows, token-major: r = t·G + g
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const int64_t cap = std::max(max_capacity(L.key_setup()), max_capacity(L.value_setup()));
+  const int64_t cap = std::max({kMinTileTokens, max_capacity(L.key_setup()), max_capacity(L.value_setup())});
   std::vector<float> qh(static_cast<size_t>(R * d));
   std::vector<int64_t> rpos(static_cast<size_t>(R));
   for (int64_t t = 0; t < tq; ++t) {
@@ -321,7 +517,10 @@ void attend_head(const AttendArgs& a, int64_t h) {
   if (buffered) sbuf.assign(static_cast<size_t>(sel_t * G * th), kNegInf);
   std::vector<float> m_sel(static_cast<size_t>(sel_t * G)), l_sel(static_cast<size_t>(sel_t * G));
 
-  std::vector<float> s(static_cast<size_t>(kRowBlock * cap)), p(static_cast<size_t>(cap));
+  const bool raw = a.fused && fusable(L, a.rope);
+  fused::Queries fq;
+  if (raw) fused::prepare(qh.data(), R, d, scale, fq);
+  std::vector<float> s(static_cast<size_t>(kRowBlock * cap));
   std::vector<float> m(static_cast<size_t>(kRowBlock)), l(static_cast<size_t>(kRowBlock));
   std::vector<float> acc(static_cast<size_t>(kRowBlock * d));
   for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
@@ -331,17 +530,24 @@ void attend_head(const AttendArgs& a, int64_t h) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     const int64_t* rp = rpos.data() + r0;
     const int64_t min_q = *std::min_element(rp, rp + nr), max_q = *std::max_element(rp, rp + nr);
-    for_each_tile(L, h, a.rope, max_q, cap,
-                  [&](int64_t n, const float* const* kr, const float* const* vr, const int64_t* kpos, int64_t j0) {
-                    tile_scores(qh.data() + r0 * d, nr, kr, n, d, scale, s.data(), cap);
-                    if (kpos[n - 1] > min_q) tile_mask(s.data(), cap, nr, n, kpos, rp);
-                    if (buffered && r0 + nr > sel_first) {
-                      for (int64_t r = std::max(r0, sel_first); r < r0 + nr; ++r) {
-                        std::copy_n(s.data() + (r - r0) * cap, n, sbuf.data() + (r - sel_first) * th + j0);
-                      }
-                    }
-                    tile_update(s.data(), cap, nr, n, vr, d, m.data(), l.data(), acc.data(), p.data());
-                  });
+    for_each_tile(L, h, a.rope, raw, min_q, max_q, cap, [&](const Tile& t) {
+      tile_keys(t, fq, qh.data(), r0, nr, d, scale, s.data(), cap);
+      if (t.last_pos > min_q) tile_mask(s.data(), cap, nr, t.n, t.kpos, rp);
+      if (buffered && r0 + nr > sel_first) {
+        for (int64_t r = std::max(r0, sel_first); r < r0 + nr; ++r) {
+          std::copy_n(s.data() + (r - r0) * cap, t.n, sbuf.data() + (r - sel_first) * th + t.j0);
+        }
+      }
+      tile_softmax(s.data(), cap, nr, t.n, d, m.data(), l.data(), acc.data());
+      for (size_t i = 0; i < t.nv_seg; ++i) {
+        const Segment& sg = t.vseg[i];
+        if (sg.rows) {
+          tile_pv(s.data() + sg.at, cap, nr, sg.n, t.vrows + sg.at, d, acc.data());
+        } else {
+          fused::accumulate(s.data() + sg.at, cap, nr, sg.raw, sg.n, d, acc.data());
+        }
+      }
+    });
     for (int64_t r = r0; r < r0 + nr; ++r) {
       const int64_t t = r / G, g = r % G;
       float* dst = a.out + ((h * G + g) * tq + t) * d;
@@ -379,13 +585,12 @@ void attend_head(const AttendArgs& a, int64_t h) {
   for (int64_t r0 = 0; r0 < nsel; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, nsel - r0);
     std::vector<float*> rows_at(static_cast<size_t>(nr));
-    for_each_tile(L, h, a.rope, max_q, cap,
-                  [&](int64_t n, const float* const* kr, const float* const*, const int64_t* kpos, int64_t j0) {
-                    tile_scores(qh.data() + (sel_first + r0) * d, nr, kr, n, d, scale, s.data(), cap);
-                    if (kpos[n - 1] > min_q) tile_mask(s.data(), cap, nr, n, kpos, rp + r0);
-                    for (int64_t r = 0; r < nr; ++r) rows_at[static_cast<size_t>(r)] = mass_rows[static_cast<size_t>(r0 + r)] + j0;
-                    tile_mass(s.data(), cap, nr, n, m_sel.data() + r0, l_sel.data() + r0, w, rows_at.data());
-                  });
+    for_each_tile(L, h, a.rope, raw, min_q, max_q, cap, [&](const Tile& t) {
+      tile_keys(t, fq, qh.data(), sel_first + r0, nr, d, scale, s.data(), cap);
+      if (t.last_pos > min_q) tile_mask(s.data(), cap, nr, t.n, t.kpos, rp + r0);
+      for (int64_t r = 0; r < nr; ++r) rows_at[static_cast<size_t>(r)] = mass_rows[static_cast<size_t>(r0 + r)] + t.j0;
+      tile_mass(s.data(), cap, nr, t.n, m_sel.data() + r0, l_sel.data() + r0, w, rows_at.data());
+    });
   }
 }
 

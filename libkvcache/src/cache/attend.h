@@ -37,6 +37,9 @@ struct AttendArgs {
   /// Scores of the selected rows kept for the mass when they fit (floats); beyond, a second
   /// pass over the blocks recomputes them (tests set 0 to exercise it).
   int64_t max_buffered_scores = int64_t{16} << 20;
+  /// Use the fused kernels (attend_fused.h) where the CPU and every block format allow; false
+  /// runs the generic path (the reference twin) everywhere.
+  bool fused = true;
 };
 
 /// Runs attention for every KV head (at::parallel_for over heads when the work is large).

@@ -27,7 +27,9 @@ BlockId BlockPool::allocate() {
     KV_CHECK(refs_.size() + static_cast<size_t>(blocks_per_slab_) <
                  static_cast<size_t>(std::numeric_limits<BlockId>::max()),
              CapacityError, "BlockPool: more than 2^31 blocks of ", block_bytes_, " B");
-    const int64_t bytes = (blocks_per_slab_ * block_bytes_ + kAlign - 1) / kAlign * kAlign;
+    // + kAlign: slack after the last block, so that vector loads and gathers of the read paths
+    // may read a few bytes past a block's last region without leaving the allocation.
+    const int64_t bytes = (blocks_per_slab_ * block_bytes_ + 2 * kAlign - 1) / kAlign * kAlign;
     auto* p = static_cast<uint8_t*>(std::aligned_alloc(kAlign, static_cast<size_t>(bytes)));
     if (p == nullptr) throw std::bad_alloc();
     slabs_.emplace_back(p);

@@ -3,7 +3,8 @@
 /// @file block_pool.h (internal)
 /// BlockPool: fixed-size blocks of raw memory with a free list and reference counts — the
 /// unit the cache frees now and shares next (prefix caching). Blocks are carved from slabs
-/// of about 256 KiB (at least one block), 64-byte aligned, allocated on demand; a freed
+/// of about 256 KiB (at least one block), 64-byte aligned with 64 bytes of slack after the
+/// last block (readers' vector loads may run a little past a block), allocated on demand; a freed
 /// block goes to a LIFO free list and is handed out again before a new slab is touched.
 /// Memory is returned to the allocator only by clear() / destruction. Not thread-safe.
 

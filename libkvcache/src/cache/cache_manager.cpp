@@ -274,8 +274,22 @@ struct CacheManager::Impl {
   }
 
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+    auto& l = layer_at(layer, "CacheManager::attend");
+    const AttentionNeed need = l.observed ? AttentionNeed{} : policy->attention_need();
+    AttentionMass mass;
+    at::Tensor out = attend_layer(layer, q, q_positions, need, &mass, cfg.fused_attention);
+    if (need.any() && q.size(2) > 0) {
+      policy->observe(layer, mass);
+      l.observed = true;
+    }
+    return out;
+  }
+
+  /// The read path of attend() (validation included), without touching the policy.
+  at::Tensor attend_layer(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions, const AttentionNeed& need,
+                          AttentionMass* mass, bool fused) const {
     static constexpr const char* fn = "CacheManager::attend";
-    auto& l = layer_at(layer, fn);
+    const auto& l = layer_at(layer, fn);
     const int64_t hq = cfg.num_q_heads, d = cfg.head_dim;
     KV_CHECK_ARG(q.defined() && q.dim() == 4 && q.size(0) == 1 && q.size(1) == hq && q.size(3) == d &&
                      is_float_input(q) && q.device().is_cpu(),
@@ -289,8 +303,6 @@ struct CacheManager::Impl {
     const at::Tensor qp = q_positions.contiguous();
     at::Tensor out = at::empty({1, hq, tq, d}, at::kFloat);
     if (tq == 0) return out;
-    const AttentionNeed need = l.observed ? AttentionNeed{} : policy->attention_need();
-    AttentionMass mass;
     cache::AttendArgs a;
     a.layer = l.store.get();
     a.q = qf.data_ptr<float>();
@@ -300,12 +312,9 @@ struct CacheManager::Impl {
     a.rope = pre_rope() ? &rope_table : nullptr;
     a.need = need;
     a.out = out.data_ptr<float>();
-    a.mass = &mass;
+    a.mass = mass;
+    a.fused = fused;
     cache::attend_generic(a);
-    if (need.any()) {
-      policy->observe(layer, mass);
-      l.observed = true;
-    }
     return out;
   }
 
@@ -578,6 +587,15 @@ StreamDebug CacheManagerAccess::stream(const CacheManager& m, int64_t layer, boo
 }
 
 std::string CacheManagerAccess::scheme(const CacheManager& m) { return m.impl_->scheme.canonical; }
+
+const LayerStore& CacheManagerAccess::layer(const CacheManager& m, int64_t layer) {
+  return *m.impl_->layer_at(layer, "CacheManagerAccess::layer").store;
+}
+
+at::Tensor CacheManagerAccess::attend(const CacheManager& m, int64_t layer, const at::Tensor& q,
+                                      const at::Tensor& q_positions, bool fused) {
+  return m.impl_->attend_layer(layer, q, q_positions, AttentionNeed{}, nullptr, fused);
+}
 
 }  // namespace cache
 

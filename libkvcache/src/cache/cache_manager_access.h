@@ -14,6 +14,8 @@
 
 namespace kvcache::cache {
 
+class LayerStore;
+
 /// Stored form of one stream (K or V) of one layer, per KV head.
 struct StreamDebug {
   std::vector<int64_t> quantized_tokens;  ///< live tokens in the stream's quantized format
@@ -32,6 +34,12 @@ struct StreamDebug {
 
 struct CacheManagerAccess {
   static StreamDebug stream(const CacheManager& m, int64_t layer, bool key);
+  /// attend() of `layer` without recording attention for the policy, through the fused
+  /// kernels where available (`fused`) or the generic per-block path everywhere.
+  static at::Tensor attend(const CacheManager& m, int64_t layer, const at::Tensor& q, const at::Tensor& q_positions,
+                           bool fused);
+  /// The block store of `layer` (read-only).
+  static const LayerStore& layer(const CacheManager& m, int64_t layer);
   /// Canonical cache scheme spec.
   static std::string scheme(const CacheManager& m);
 };

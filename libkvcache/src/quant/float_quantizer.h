@@ -17,6 +17,8 @@ class FloatCastQuantizer final : public Quantizer {
 
   std::string spec() const override { return name_; }
   double bits_per_value(int64_t head_dim) const override;
+  /// The storage dtype (kFloat, kHalf, kBFloat16).
+  at::ScalarType storage() const { return storage_; }
 
  protected:
   bool checks_finite_itself() const override { return true; }

@@ -1,0 +1,581 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fused attention kernels (attend_fused.h) for x86-64 with AVX-512 F/BW/VL/DQ, VNNI, VBMI
+// and F16C. This translation unit is compiled with those instructions enabled and is entered
+// only through fused::scores / fused::accumulate after fused::available() said the CPU has
+// them: nothing in it may run at load time (no dynamic initialisers).
+//
+// Layouts read (docs/quantizers.md "Packing layout", StoredLayout): a block is
+// [codes | scales | zeros]; a per-token format stores token slot s's codes at s·code_bytes and
+// its group scales/zeros (fp16) at s·meta_count; a per-channel block holds one group of g
+// tokens: code row j, byte d holds tokens j + m·rows (m < 8/bits) of channel d, and D fp16
+// scales and zeros.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cache/fused_abi.h"
+
+namespace kvcache::cache::fused::avx512 {
+namespace {
+
+using Kind = KernelFormat::Kind;
+
+// Local helpers only (internal linkage): see fused_abi.h on why nothing shared may be
+// instantiated in this translation unit.
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline float maxf(float a, float b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------- conversions
+
+/// fp16 bits of |e4m3| for the 7-bit magnitude code (normal: exponent + 8, mantissa << 7;
+/// subnormal m·2^-9 normalised; 0x7F, the NaN code, is never produced by the encoder).
+struct E4M3Table {
+  alignas(64) uint16_t w[128];
+};
+constexpr E4M3Table make_e4m3_table() {
+  E4M3Table t{};
+  constexpr uint16_t sub[8] = {0x0000, 0x1800, 0x1C00, 0x1E00, 0x2000, 0x2100, 0x2200, 0x2300};
+  for (int c = 0; c < 128; ++c) {
+    const int e = c >> 3, m = c & 7;
+    t.w[c] = e == 0 ? sub[m] : static_cast<uint16_t>(((e + 8) << 10) | (m << 7));
+  }
+  return t;
+}
+constexpr E4M3Table kE4M3 = make_e4m3_table();
+
+/// 16 fp8 e4m3 codes → 16 floats.
+inline __m512 e4m3_to_ps(__m128i codes) {
+  const __m512i w = _mm512_cvtepu8_epi32(codes);  // one code per dword
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
+  // Two 64-entry word lookups (entries 0..63 and 64..127), on the low word of each dword.
+  const __m512i t0 = _mm512_load_si512(kE4M3.w), t1 = _mm512_load_si512(kE4M3.w + 32);
+  const __m512i t2 = _mm512_load_si512(kE4M3.w + 64), t3 = _mm512_load_si512(kE4M3.w + 96);
+  // Each dword's low word indexes 64 words (mag mod 64) of a table pair; its high word
+  // indexes entry 0 and is masked off below.
+  const __m512i lo = _mm512_permutex2var_epi16(t0, mag, t1);
+  const __m512i hi = _mm512_permutex2var_epi16(t2, mag, t3);
+  const __mmask16 upper = _mm512_test_epi32_mask(mag, _mm512_set1_epi32(64));
+  __m512i h = _mm512_mask_blend_epi32(upper, lo, hi);
+  h = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+  h = _mm512_or_si512(h, _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 8));
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+}
+
+/// 16 stored values of a float format at `p` → 16 floats.
+template <Kind K>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (K == Kind::kF32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (K == Kind::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (K == Kind::kBF16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else if constexpr (K == Kind::kE5M2) {
+    // e5m2 is the upper byte of the fp16 with the same bits.
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+    return _mm512_cvtph_ps(h);
+  } else {
+    static_assert(K == Kind::kE4M3);
+    return e4m3_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+/// Bytes per stored value of a float format.
+template <Kind K>
+constexpr int64_t value_bytes() {
+  return K == Kind::kF32 ? 4 : (K == Kind::kF16 || K == Kind::kBF16) ? 2 : 1;
+}
+
+inline float half_at(const uint8_t* base, int64_t index) {
+  uint16_t h;
+  std::memcpy(&h, base + 2 * index, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+// ---------------------------------------------------------------- integer codes
+
+/// 32 codes (one per byte) of dims [32c, 32c + 32) of per-token slot `slot`.
+inline __m256i token_codes32(const RawTokens& t, int32_t slot, int64_t c) {
+  const int bits = t.kf.bits;
+  const int64_t g = t.kf.group;
+  const uint8_t* row = t.block + static_cast<int64_t>(slot) * t.kf.code_bytes;
+  const int64_t o = 32 * c, gi = o / g, off = o % g;
+  const uint8_t* base = row + gi * (g * bits / 8);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  if (bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off));
+  if (bits == 4) {
+    if (g == 32) {  // byte j = c[j] | c[j + 16] << 4
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base));
+      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+      return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    const int64_t half = g / 2;
+    if (off < half) return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off)), m4);
+    return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off - half)), 4), m4);
+  }
+  // bits == 2: byte j = c[j] | c[j + q] << 2 | c[j + 2q] << 4 | c[j + 3q] << 6, q = g / 4
+  const int64_t q = g / 4;
+  if (g == 32) {  // 8 bytes, four fields of 8
+    uint64_t w;
+    std::memcpy(&w, base, sizeof w);
+    const __m128i b = _mm_set1_epi64x(static_cast<long long>(w));
+    const __m128i f01 = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2));
+    const __m128i f23 = _mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6));
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(f01), f23, 1), m2);
+  }
+  if (g == 64) {  // 16 bytes, four fields of 16; chunk 0 = fields 0, 1; chunk 1 = fields 2, 3
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base));
+    const int s0 = off == 0 ? 0 : 4;
+    const __m128i lo = _mm_srl_epi16(b, _mm_cvtsi32_si128(s0));
+    const __m128i hi = _mm_srl_epi16(b, _mm_cvtsi32_si128(s0 + 2));
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), m2);
+  }
+  const int64_t field = off / q, oq = off % q;
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + oq));
+  return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(static_cast<int>(2 * field))), m2);
+}
+
+/// Where token `slot` of a per-channel block (one group) lies: its code row's byte offset and
+/// the shift of its bit field.
+struct ChanPos {
+  int64_t offset;
+  __m128i shift;
+};
+inline ChanPos chan_pos(const RawTokens& t, int32_t slot) {
+  const int64_t rows = t.kf.group * t.kf.bits / 8;
+  int64_t row, field;
+  if ((rows & (rows - 1)) == 0) {  // the usual case (g a power of two): no division per key
+    row = slot & (rows - 1);
+    field = slot >> __builtin_ctzll(static_cast<unsigned long long>(rows));
+  } else {
+    row = slot % rows;
+    field = slot / rows;
+  }
+  return {row * t.kf.head_dim, _mm_cvtsi32_si128(static_cast<int>(t.kf.bits * field))};
+}
+
+/// 32 codes of dims [32c, 32c + 32) of the per-channel token at `p`.
+inline __m256i channel_codes32(const RawTokens& t, const ChanPos& p, int64_t c) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.block + p.offset + 32 * c));
+  if (t.kf.bits == 8) return b;
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << t.kf.bits) - 1));
+  return _mm256_and_si256(_mm256_srl_epi16(b, p.shift), mask);
+}
+
+/// 16 ymm rows of 8 dwords (keys j, dwords 0..7) → 8 zmm: out[e] lane j = row j's dword e.
+inline void transpose_16x8(const __m256i (&in)[16], __m512i (&out)[8]) {
+  __m512i z[8];
+  for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(in[i]), in[i + 8], 1);
+  __m512i t[8];
+  for (int a = 0; a < 4; ++a) {
+    t[2 * a] = _mm512_unpacklo_epi32(z[2 * a], z[2 * a + 1]);
+    t[2 * a + 1] = _mm512_unpackhi_epi32(z[2 * a], z[2 * a + 1]);
+  }
+  __m512i u[2][4];
+  for (int b = 0; b < 2; ++b) {
+    u[b][0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[b][1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[b][2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[b][3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[0][k], u[1][k], 0x88);  // lanes (0,2 | 0,2)
+    const __m512i x1 = _mm512_shuffle_i32x4(u[0][k], u[1][k], 0xDD);  // lanes (1,3 | 1,3)
+    out[k] = _mm512_shuffle_i32x4(x0, x0, 0xD8);
+    out[4 + k] = _mm512_shuffle_i32x4(x1, x1, 0xD8);
+  }
+}
+
+/// 16×16 float transpose in place: r[e] lane j = old r[j] element e.
+inline void transpose_16x16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m512 v[4][4];  // v[b][k] lane L = keys 4b..4b+3, element 4L + k
+  for (int b = 0; b < 4; ++b) {
+    const __m512d lo0 = _mm512_castps_pd(t[4 * b]), lo1 = _mm512_castps_pd(t[4 * b + 2]);
+    const __m512d hi0 = _mm512_castps_pd(t[4 * b + 1]), hi1 = _mm512_castps_pd(t[4 * b + 3]);
+    v[b][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+    v[b][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+    v[b][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+    v[b][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 x0 = _mm512_shuffle_f32x4(v[0][k], v[1][k], 0x88);
+    const __m512 x1 = _mm512_shuffle_f32x4(v[0][k], v[1][k], 0xDD);
+    const __m512 x2 = _mm512_shuffle_f32x4(v[2][k], v[3][k], 0x88);
+    const __m512 x3 = _mm512_shuffle_f32x4(v[2][k], v[3][k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(x0, x2, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(x0, x2, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(x1, x3, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(x1, x3, 0xDD);
+  }
+}
+
+inline void store_row(float* dst, __m512 v, int m) {
+  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << m) - 1u), v);
+}
+
+/// The fp16 words at `base` of group `gi` for 16 token slots (meta_count `mc` words per
+/// token: the per-token scales or zeros), as floats. Ascending slots that span 16 (no holes)
+/// are read with one or two vector loads and a word permute; holes and tails with a gather
+/// of the 32-bit words at their 2-byte offsets (the pool's slab slack covers the last one).
+inline __m512 meta16(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1u);
+  if (m == 16 && slots[15] - slots[0] == 15 && mc <= 4) {
+    const uint8_t* p = base + 2 * static_cast<int64_t>(slots[0]) * mc;
+    if (mc == 1) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    // Word j·mc + gi of the 16·mc words from p, for j < 16.
+    const __m512i idx = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                            _mm512_set1_epi16(static_cast<int16_t>(mc))),
+                                         _mm512_set1_epi16(static_cast<int16_t>(gi)));
+    const __m512i w0 = _mm512_loadu_si512(p);
+    const __m512i sel = mc == 2 ? _mm512_permutexvar_epi16(idx, w0)
+                                : _mm512_permutex2var_epi16(w0, idx, _mm512_loadu_si512(p + 64));
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(sel));
+  }
+  const __m512i slot_v = _mm512_maskz_loadu_epi32(lanes, slots);
+  const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(slot_v, _mm512_set1_epi32(static_cast<int>(mc))),
+                                      _mm512_set1_epi32(static_cast<int>(gi)));
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, base, 2)));
+}
+
+// ---------------------------------------------------------------- q·k
+
+/// Rounds 16 floats to int8 (half to even, the default MXCSR mode; clamped to ±127) at `dst`;
+/// returns them as floats.
+inline __m512 round_to_int8(__m512 x, int8_t* dst) {
+  const __m512i lim = _mm512_set1_epi32(127);
+  const __m512i i = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(x), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(i));
+  return _mm512_cvtepi32_ps(i);
+}
+
+/// Integer keys: for 16 keys at a time, u8 codes × the two int8 terms of the query (VNNI), per
+/// 32-dim chunk scaled by the query chunk's scale and the key group's scale, plus zero × Σq'.
+template <int NR, bool kChannel>
+void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  const int64_t d = q.d, chunks = d / 32;
+  const int64_t mc = k.kf.meta_count;
+  const uint8_t* sc = k.block + k.kf.scales_offset;
+  const uint8_t* ze = k.block + k.kf.zeros_offset;
+  // Per-channel keys: fold the channel scales into the query (w = q ⊙ s), split w per chunk
+  // into two int8 terms as prepare() splits q, and add Σ_d q_d z_d once per row.
+  alignas(64) int8_t wh[NR][256], wl[NR][256];
+  float ws[NR][8], wz[NR];
+  const int8_t* qh[NR];
+  const int8_t* ql[NR];
+  const float* qs[NR];
+  const float* qsum[NR];
+  if constexpr (kChannel) {
+    __m512 sv[16], zv[16];
+    for (int64_t i = 0; i < d / 16; ++i) {
+      sv[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32 * i)));
+      zv[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ze + 32 * i)));
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float* qf = q.qf + (r0 + r) * d;
+      __m512 z = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 q0 = _mm512_loadu_ps(qf + 32 * c), q1 = _mm512_loadu_ps(qf + 32 * c + 16);
+        const __m512 w0 = _mm512_mul_ps(q0, sv[2 * c]), w1 = _mm512_mul_ps(q1, sv[2 * c + 1]);
+        z = _mm512_fmadd_ps(q0, zv[2 * c], _mm512_fmadd_ps(q1, zv[2 * c + 1], z));
+        const float amax = maxf(_mm512_reduce_max_ps(_mm512_abs_ps(w0)), _mm512_reduce_max_ps(_mm512_abs_ps(w1)));
+        const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        const __m512 sc_v = _mm512_set1_ps(scale), step = _mm512_set1_ps(scale / kLowSteps);
+        // The low term from w − scale·hi with one rounding (an explicit FMA: the contraction
+        // the compiler would otherwise choose per call site is fixed here).
+        const __m512 h0 = round_to_int8(_mm512_div_ps(w0, sc_v), wh[r] + 32 * c);
+        const __m512 h1 = round_to_int8(_mm512_div_ps(w1, sc_v), wh[r] + 32 * c + 16);
+        round_to_int8(_mm512_div_ps(_mm512_fnmadd_ps(sc_v, h0, w0), step), wl[r] + 32 * c);
+        round_to_int8(_mm512_div_ps(_mm512_fnmadd_ps(sc_v, h1, w1), step), wl[r] + 32 * c + 16);
+        ws[r][c] = scale;
+      }
+      wz[r] = _mm512_reduce_add_ps(z);
+      qh[r] = wh[r];
+      ql[r] = wl[r];
+      qs[r] = ws[r];
+    }
+  } else {
+    for (int r = 0; r < NR; ++r) {
+      qh[r] = q.qh + (r0 + r) * d;
+      ql[r] = q.ql + (r0 + r) * d;
+      qs[r] = q.qs + (r0 + r) * chunks;
+      qsum[r] = q.qsum + (r0 + r) * chunks;
+    }
+  }
+  const __m512 low = _mm512_set1_ps(1.0f / kLowSteps);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int m = static_cast<int>(min64(16, n - j0));
+    const int32_t* slots = k.slots + j0;
+    __m512 out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = kChannel ? _mm512_set1_ps(wz[r]) : _mm512_setzero_ps();
+    ChanPos pos[16];
+    if constexpr (kChannel) {
+      for (int j = 0; j < m; ++j) pos[j] = chan_pos(k, slots[j]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256i rows[16];
+      for (int j = 0; j < 16; ++j) {
+        rows[j] = j < m ? (kChannel ? channel_codes32(k, pos[j], c) : token_codes32(k, slots[j], c))
+                        : _mm256_setzero_si256();
+      }
+      __m512i kt[8];
+      transpose_16x8(rows, kt);
+      __m512i ah[NR], al[NR];
+      for (int r = 0; r < NR; ++r) ah[r] = al[r] = _mm512_setzero_si512();
+      for (int e = 0; e < 8; ++e) {
+        for (int r = 0; r < NR; ++r) {
+          int32_t h4, l4;
+          std::memcpy(&h4, qh[r] + 32 * c + 4 * e, sizeof h4);
+          std::memcpy(&l4, ql[r] + 32 * c + 4 * e, sizeof l4);
+          ah[r] = _mm512_dpbusd_epi32(ah[r], kt[e], _mm512_set1_epi32(h4));
+          al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(l4));
+        }
+      }
+      // Σ q'·c / qs = ah + al / kLowSteps (int32 sums, exact in float up to 2^24).
+      __m512 dots[NR];
+      for (int r = 0; r < NR; ++r) dots[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[r]), low, _mm512_cvtepi32_ps(ah[r]));
+      if constexpr (kChannel) {
+        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(dots[r], _mm512_set1_ps(qs[r][c]), out[r]);
+      } else {
+        // The 16 keys' scale and zero of the group holding this chunk.
+        const int64_t gi = 32 * c / k.kf.group;
+        const __m512 sv = meta16(sc, slots, m, mc, gi);
+        const __m512 zv = meta16(ze, slots, m, mc, gi);
+        for (int r = 0; r < NR; ++r) {
+          out[r] = _mm512_fmadd_ps(_mm512_mul_ps(dots[r], sv), _mm512_set1_ps(qs[r][c]), out[r]);
+          out[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qsum[r][c]), out[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
+/// Float keys: 16 keys × 16 dims converted in registers, transposed, multiplied in float32.
+template <int NR, Kind K>
+void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  const int64_t d = q.d;
+  const int64_t row_bytes = k.kf.code_bytes;
+  const float ts = k.kf.scaled ? k.tensor_scale : 1.0f;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int m = static_cast<int>(min64(16, n - j0));
+    const int32_t* slots = k.slots + j0;
+    __m512 out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      __m512 kt[16];
+      for (int j = 0; j < 16; ++j) {
+        kt[j] = j < m ? load16<K>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c * value_bytes<K>())
+                      : _mm512_setzero_ps();
+      }
+      transpose_16x16(kt);
+      for (int e = 0; e < 16; ++e) {
+        for (int r = 0; r < NR; ++r) {
+          out[r] = _mm512_fmadd_ps(kt[e], _mm512_set1_ps(q.qf[(r0 + r) * d + c + e]), out[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, _mm512_mul_ps(out[r], _mm512_set1_ps(ts)), m);
+  }
+}
+
+template <int NR>
+void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  switch (k.kf.kind) {
+    case Kind::kF32: return qk_float<NR, Kind::kF32>(q, r0, k, n, s, ld);
+    case Kind::kF16: return qk_float<NR, Kind::kF16>(q, r0, k, n, s, ld);
+    case Kind::kBF16: return qk_float<NR, Kind::kBF16>(q, r0, k, n, s, ld);
+    case Kind::kE4M3: return qk_float<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
+    case Kind::kE5M2: return qk_float<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
+    case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
+    case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
+    case Kind::kNone: break;
+  }
+}
+
+// ---------------------------------------------------------------- p·v
+
+/// Dims [32h, 32h + 32) of value slot `slot`, dequantized: x0 (first 16), x1.
+template <Kind K>
+inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs, const float* cz, __m512& x0,
+                    __m512& x1) {
+  if constexpr (K == Kind::kIntToken || K == Kind::kIntChannel) {
+    const __m256i codes = K == Kind::kIntToken ? token_codes32(v, slot, h) : channel_codes32(v, chan_pos(v, slot), h);
+    x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+    x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
+    if constexpr (K == Kind::kIntToken) {
+      const int64_t at = static_cast<int64_t>(slot) * v.kf.meta_count + 32 * h / v.kf.group;
+      const __m512 sc = _mm512_set1_ps(half_at(v.block + v.kf.scales_offset, at));
+      const __m512 ze = _mm512_set1_ps(half_at(v.block + v.kf.zeros_offset, at));
+      x0 = _mm512_fmadd_ps(x0, sc, ze);
+      x1 = _mm512_fmadd_ps(x1, sc, ze);
+    } else {
+      x0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(cs + 32 * h), _mm512_loadu_ps(cz + 32 * h));
+      x1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(cs + 32 * h + 16), _mm512_loadu_ps(cz + 32 * h + 16));
+    }
+  } else {
+    const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h * value_bytes<K>();
+    x0 = load16<K>(row);
+    x1 = load16<K>(row + 16 * value_bytes<K>());
+    if (v.kf.scaled) {
+      x0 = _mm512_mul_ps(x0, _mm512_set1_ps(v.tensor_scale));
+      x1 = _mm512_mul_ps(x1, _mm512_set1_ps(v.tensor_scale));
+    }
+  }
+}
+
+/// acc[r] += Σ_j p[r][j] · v_j, 32 dims at a time with the rows' accumulators in registers.
+/// (Float formats and per-channel integers; per-token integers: pv_int_token.)
+template <int NR, Kind K>
+void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  alignas(64) float cs[256], cz[256];
+  if constexpr (K == Kind::kIntChannel) {
+    for (int64_t i = 0; i < d; ++i) {
+      cs[i] = half_at(v.block + v.kf.scales_offset, i);
+      cz[i] = half_at(v.block + v.kf.zeros_offset, i);
+    }
+  }
+  for (int64_t h = 0; h < d / 32; ++h) {
+    __m512 a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc + r * d + 32 * h);
+      a[r][1] = _mm512_loadu_ps(acc + r * d + 32 * h + 16);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 x0, x1;
+      value32<K>(v, v.slots[j], h, cs, cz, x0, x1);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r * ld + j]);
+        a[r][0] = _mm512_fmadd_ps(pj, x0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(pj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(acc + r * d + 32 * h, a[r][0]);
+      _mm512_storeu_ps(acc + r * d + 32 * h + 16, a[r][1]);
+    }
+  }
+}
+
+/// Per-token integer values: v_jd = s_jG c_jd + z_jG (G the group of dim d), so
+/// Σ_j p_j v_jd = Σ_j (p_j s_jG) c_jd + Σ_j p_j z_jG: the weights p·s and the zero sums are
+/// formed 16 keys at a time, and the inner loop only converts codes and multiplies.
+template <int NR>
+void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  const int64_t mc = v.kf.meta_count;  // groups per token
+  const uint8_t* sc = v.block + v.kf.scales_offset;
+  const uint8_t* ze = v.block + v.kf.zeros_offset;
+  alignas(64) float w[NR][8][64];  // [row][group][key]: p · s (n ≤ 64 per call, groups ≤ 8)
+  alignas(64) float zacc[NR][8][16];  // [row][group]: Σ p·z, 16 lanes
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t gi = 0; gi < mc; ++gi) _mm512_store_ps(zacc[r][gi], _mm512_setzero_ps());
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int m = static_cast<int>(min64(16, n - j0));
+    const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1u);
+    for (int64_t gi = 0; gi < mc; ++gi) {
+      const __m512 sv = meta16(sc, v.slots + j0, m, mc, gi);
+      const __m512 zv = meta16(ze, v.slots + j0, m, mc, gi);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pr = _mm512_maskz_loadu_ps(lanes, p + r * ld + j0);
+        _mm512_store_ps(&w[r][gi][j0], _mm512_mul_ps(pr, sv));
+        _mm512_store_ps(zacc[r][gi], _mm512_fmadd_ps(pr, zv, _mm512_load_ps(zacc[r][gi])));
+      }
+    }
+  }
+  float zsum[NR][8];
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t gi = 0; gi < mc; ++gi) zsum[r][gi] = _mm512_reduce_add_ps(_mm512_load_ps(zacc[r][gi]));
+  }
+  for (int64_t h = 0; h < d / 32; ++h) {
+    const int64_t gi = 32 * h / v.kf.group;
+    __m512 a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      const __m512 z = _mm512_set1_ps(zsum[r][gi]);
+      a[r][0] = _mm512_add_ps(_mm512_loadu_ps(acc + r * d + 32 * h), z);
+      a[r][1] = _mm512_add_ps(_mm512_loadu_ps(acc + r * d + 32 * h + 16), z);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256i codes = token_codes32(v, v.slots[j], h);
+      const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+      const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 wj = _mm512_set1_ps(w[r][gi][j]);
+        a[r][0] = _mm512_fmadd_ps(wj, x0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(wj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(acc + r * d + 32 * h, a[r][0]);
+      _mm512_storeu_ps(acc + r * d + 32 * h + 16, a[r][1]);
+    }
+  }
+}
+
+template <int NR>
+void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  switch (v.kf.kind) {
+    case Kind::kF32: return pv_rows<NR, Kind::kF32>(p, ld, v, n, d, acc);
+    case Kind::kF16: return pv_rows<NR, Kind::kF16>(p, ld, v, n, d, acc);
+    case Kind::kBF16: return pv_rows<NR, Kind::kBF16>(p, ld, v, n, d, acc);
+    case Kind::kE4M3: return pv_rows<NR, Kind::kE4M3>(p, ld, v, n, d, acc);
+    case Kind::kE5M2: return pv_rows<NR, Kind::kE5M2>(p, ld, v, n, d, acc);
+    case Kind::kIntToken: return pv_int_token<NR>(p, ld, v, n, d, acc);
+    case Kind::kIntChannel: return pv_rows<NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
+    case Kind::kNone: break;
+  }
+}
+
+}  // namespace
+
+void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  for (int64_t g = 0; g < nr; g += 8) {
+    const int64_t cnt = min64(8, nr - g);
+    float* sg = s + g * ld;
+    switch (cnt) {
+      case 1: qk<1>(q, r0 + g, k, n, sg, ld); break;
+      case 2: qk<2>(q, r0 + g, k, n, sg, ld); break;
+      case 3: qk<3>(q, r0 + g, k, n, sg, ld); break;
+      case 4: qk<4>(q, r0 + g, k, n, sg, ld); break;
+      case 5: qk<5>(q, r0 + g, k, n, sg, ld); break;
+      case 6: qk<6>(q, r0 + g, k, n, sg, ld); break;
+      case 7: qk<7>(q, r0 + g, k, n, sg, ld); break;
+      default: qk<8>(q, r0 + g, k, n, sg, ld); break;
+    }
+  }
+}
+
+void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  if (n > 64) {  // pv_int_token's weights are sized for 64 keys: larger blocks go 64 at a time
+    for (int64_t j = 0; j < n; j += 64) {
+      RawTokens part = v;
+      part.slots = v.slots + j;
+      accumulate(p + j, ld, nr, part, min64(64, n - j), d, acc);
+    }
+    return;
+  }
+  for (int64_t g = 0; g < nr; g += 8) {
+    const int64_t cnt = min64(8, nr - g);
+    const float* pg = p + g * ld;
+    float* ag = acc + g * d;
+    switch (cnt) {
+      case 1: pv<1>(pg, ld, v, n, d, ag); break;
+      case 2: pv<2>(pg, ld, v, n, d, ag); break;
+      case 3: pv<3>(pg, ld, v, n, d, ag); break;
+      case 4: pv<4>(pg, ld, v, n, d, ag); break;
+      case 5: pv<5>(pg, ld, v, n, d, ag); break;
+      case 6: pv<6>(pg, ld, v, n, d, ag); break;
+      case 7: pv<7>(pg, ld, v, n, d, ag); break;
+      default: pv<8>(pg, ld, v, n, d, ag); break;
+    }
+  }
+}
+
+}  // namespace kvcache::cache::fused::avx512

@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: Apache-2.0
+// Format classification, CPU detection and query preparation of the fused kernels
+// (attend_fused.h). Compiled with the project's default flags: nothing here may use the
+// instructions the kernels need; attend_avx512.cpp holds the kernels themselves.
+#include "cache/attend_fused.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kvcache/error.h"
+#include "quant/float_quantizer.h"
+#include "quant/fp8_quantizer.h"
+#include "quant/int_quantizer.h"
+
+namespace kvcache::cache::fused {
+
+namespace {
+
+bool int_chunks_fit(int bits, int64_t g) {
+  // A 32-dim chunk must lie in one group and be a contiguous run of one packed code stream.
+  if (g % 32 != 0) return false;
+  switch (bits) {
+    case 8: return true;
+    case 4: return g == 32 || g % 64 == 0;
+    case 2: return g == 32 || g == 64 || g % 128 == 0;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+KernelFormat classify(const BlockFormat& f) {
+  KernelFormat k;
+  const int64_t d = f.head_dim;
+  if (f.quantizer == nullptr || d % 32 != 0 || d > 256) return k;
+  k.head_dim = d;
+  k.code_bytes = f.layout.code_bytes;
+  k.meta_count = f.layout.meta_count;
+  k.scales_offset = f.scales_offset;
+  k.zeros_offset = f.zeros_offset;
+  if (const auto* fc = dynamic_cast<const quant::FloatCastQuantizer*>(f.quantizer)) {  // NOLINT
+    k.kind = fc->storage() == at::kFloat  ? KernelFormat::Kind::kF32
+             : fc->storage() == at::kHalf ? KernelFormat::Kind::kF16
+                                          : KernelFormat::Kind::kBF16;
+  } else if (const auto* f8 = dynamic_cast<const quant::Fp8Quantizer*>(f.quantizer)) {
+    k.kind = f8->format() == quant::Fp8Format::kE4M3 ? KernelFormat::Kind::kE4M3 : KernelFormat::Kind::kE5M2;
+    k.scaled = f8->scaled();
+  } else if (const auto* iq = dynamic_cast<const quant::IntQuantizer*>(f.quantizer)) {
+    k.bits = iq->bits();
+    if (iq->group_axis() == GroupAxis::kPerToken) {
+      k.group = iq->group_for(d);
+      if (!int_chunks_fit(k.bits, k.group)) return KernelFormat{};
+      k.kind = KernelFormat::Kind::kIntToken;
+    } else {
+      k.group = iq->group();
+      k.kind = KernelFormat::Kind::kIntChannel;
+    }
+  }
+  return k;
+}
+
+bool available() {
+#if defined(KVCACHE_FUSED_AVX512)
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out) {
+  KV_INTERNAL_ASSERT(d % 32 == 0 && d <= 256, "fused::prepare: head_dim ", d);
+  const int64_t chunks = d / 32;
+  out.qf.resize(static_cast<size_t>(rows * d));
+  out.qh.resize(static_cast<size_t>(rows * d));
+  out.ql.resize(static_cast<size_t>(rows * d));
+  out.qs.resize(static_cast<size_t>(rows * chunks));
+  out.qsum.resize(static_cast<size_t>(rows * chunks));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* src = q + r * d + c * 32;
+      float* qf = out.qf.data() + r * d + c * 32;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) {
+        qf[i] = src[i] * scale;
+        amax = std::max(amax, std::abs(qf[i]));
+      }
+      const float qs = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const float step = qs / kLowSteps;
+      int8_t* qh = out.qh.data() + r * d + c * 32;
+      int8_t* ql = out.ql.data() + r * d + c * 32;
+      float sum = 0.0f;
+      for (int i = 0; i < 32; ++i) {
+        const float hi = std::clamp(std::nearbyint(qf[i] / qs), -127.0f, 127.0f);
+        const float lo = std::clamp(std::nearbyint((qf[i] - qs * hi) / step), -127.0f, 127.0f);
+        qh[i] = static_cast<int8_t>(hi);
+        ql[i] = static_cast<int8_t>(lo);
+        sum += qs * hi + step * lo;
+      }
+      out.qs[static_cast<size_t>(r * chunks + c)] = qs;
+      // The zero point multiplies the ROUNDED query's sum, so that the integer path computes
+      // exactly q'·k̂ for q' = qs·qh + step·ql: its only error is q's (tiny) rounding.
+      out.qsum[static_cast<size_t>(r * chunks + c)] = sum;
+    }
+  }
+  out.view = QueryView{rows, d, out.qf.data(), out.qh.data(), out.ql.data(), out.qs.data(), out.qsum.data()};
+}
+
+void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+#if defined(KVCACHE_FUSED_AVX512)
+  avx512::scores(q.view, r0, nr, k, n, s, ld);
+#else
+  (void)q, (void)r0, (void)nr, (void)k, (void)n, (void)s, (void)ld;
+  KV_INTERNAL_ASSERT(false, "fused kernels are not built");
+#endif
+}
+
+void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+#if defined(KVCACHE_FUSED_AVX512)
+  avx512::accumulate(p, ld, nr, v, n, d, acc);
+#else
+  (void)p, (void)ld, (void)nr, (void)v, (void)n, (void)d, (void)acc;
+  KV_INTERNAL_ASSERT(false, "fused kernels are not built");
+#endif
+}
+
+}  // namespace kvcache::cache::fused

@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file attend_fused.h (internal)
+/// Fused attention kernels: q·k and p·v computed from the stored codes of a block, with no
+/// float32 copy of K or V (not even of one block). The generic path (attend.cpp) orchestrates —
+/// tiles, masks, the online softmax, the attention mass — and calls these for the two products
+/// when the CPU and every block format of the layer are supported; otherwise it decodes each
+/// block into scratch and runs its own tile kernels (the reference twin these are held to).
+///
+/// As llama.cpp's CPU flash attention does, keys in an integer format are dotted in the integer
+/// domain with AVX-512 VNNI (u8 codes × s8 query, int32 sums, 16 keys at a time), then scaled
+/// by the key group's scale, plus zero × Σq. Unlike llama.cpp, which rounds q to int8 (q8_0),
+/// the query is split into two int8 terms per 32-dim chunk, q' = qs·(qh + ql/254) (QueryView),
+/// two VNNI products per key: |q − q'| ≤ 1.6e-5·max|q|, so the fused path computes what the
+/// generic path computes to float accuracy and a study's results do not depend on whether the
+/// CPU has VNNI. (A single int8 term moved greedy outcomes: int2 on the default suite scored
+/// 111/222 with it, 113/222 on the generic path.) Float formats (fp16, bf16, fp8) are converted
+/// in registers and multiplied in float32. Values are dequantized one row at a time in
+/// registers inside p·v. Per-channel keys (KIVI) fold the channel scales into the query
+/// (w = q ⊙ s) per block and split w the same way.
+///
+/// Error against the generic path (float32 q·k over dequantized keys): integer keys see the
+/// two-term query q' (or w'), a score change of |Σ_d (q_d − q'_d) k̂_d| ≤ 1.6e-5·Σ_chunks
+/// max|q|·Σ_d |k̂_d|; float formats and every p·v agree to float32 rounding (different
+/// summation order). tests/attend_fused_test.cpp checks fused(q) against generic(q') to float
+/// rounding, per-channel scores against the exact formula, and fused(q) against generic(q)
+/// with the bound that δ implies.
+///
+/// The kernels are compiled for x86-64 with AVX-512 F/BW/VL/DQ, VNNI, VBMI and F16C
+/// (attend_avx512.cpp) and used only where the running CPU has them (available()).
+
+#include <cstdint>
+#include <vector>
+
+#include "cache/block_list.h"
+#include "cache/fused_abi.h"
+
+namespace kvcache::cache::fused {
+
+/// The kernel format of `f` (Kind::kNone if the fused kernels cannot read it: then the
+/// generic path runs).
+KernelFormat classify(const BlockFormat& f);
+
+/// True if this CPU runs the fused kernels (checked once).
+bool available();
+
+/// The step's query rows of one KV head, prepared once (owning QueryView).
+struct Queries {
+  std::vector<float> qf, qs, qsum;
+  std::vector<int8_t> qh, ql;
+  QueryView view;
+};
+
+/// `q` rows `[rows, d]` float32 → Queries; d must be a multiple of 32 and ≤ 256.
+void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out);
+
+/// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n (the keys of `k`).
+void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);
+
+/// acc[r·d + :] += Σ_j p[r·ld + j] · v_j for r < nr, j < n (the values of `v`).
+void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);
+
+}  // namespace kvcache::cache::fused

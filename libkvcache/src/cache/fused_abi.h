@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file fused_abi.h (internal)
+/// The plain-data interface between the attention orchestration and the fused kernels
+/// (attend_fused.h). The kernels' translation unit (attend_avx512.cpp) is compiled for
+/// AVX-512 and includes nothing but this header, <immintrin.h> and <cstdint>/<cstring>: an
+/// inline function of a shared header compiled there could be picked by the linker for the
+/// whole library and run on a CPU without those instructions.
+
+#include <cstdint>
+
+namespace kvcache::cache::fused {
+
+/// What a fused kernel needs to know about a block format (filled by classify()).
+struct KernelFormat {
+  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel };
+  Kind kind = Kind::kNone;
+  int bits = 0;          ///< integer formats: 8, 4, 2
+  int64_t group = 0;     ///< integer formats: group size (values per token, or tokens per channel)
+  bool scaled = false;   ///< fp8 with a per-stream scale
+  int64_t head_dim = 0;  ///< D
+  int64_t code_bytes = 0, meta_count = 0;  ///< StoredLayout of one group
+  int64_t scales_offset = 0, zeros_offset = 0;  ///< byte offsets of the metadata regions
+};
+
+/// One stream's tokens of a tile, as stored: `n` live slots of one block.
+struct RawTokens {
+  const uint8_t* block = nullptr;
+  KernelFormat kf;
+  const int32_t* slots = nullptr;  ///< slot indices (increasing)
+  float tensor_scale = 1.0f;       ///< the stream's scale (fp8:*:scaled main blocks), else 1
+};
+
+/// The step's query rows of one KV head: float rows scaled by 1/√D and, for integer keys,
+/// their two-term int8 form in chunks of 32 dims: q ≈ q' = qs·(qh + ql/kLowSteps), with
+/// qh = round(q/qs) and ql = round((q − qs·qh)·kLowSteps/qs), qs = max|q|/127 over the chunk
+/// (1 for a zero chunk). |q − q'| ≤ max|q|/(2·127·kLowSteps) ≈ 1.6e-5·max|q|: below fp16's
+/// rounding, so integer keys are read with VNNI at float accuracy.
+inline constexpr float kLowSteps = 254.0f;
+struct QueryView {
+  int64_t rows = 0, d = 0;
+  const float* qf = nullptr;    ///< `[rows, d]` q / √D
+  const int8_t* qh = nullptr;   ///< `[rows, d]` high parts
+  const int8_t* ql = nullptr;   ///< `[rows, d]` low parts
+  const float* qs = nullptr;    ///< `[rows, d/32]` chunk scales
+  const float* qsum = nullptr;  ///< `[rows, d/32]` Σ q' over the chunk (of the rounded query)
+};
+
+namespace avx512 {
+/// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n.
+void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);
+/// acc[r·d + :] += Σ_j p[r·ld + j] · v_j for r < nr, j < n.
+void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);
+}  // namespace avx512
+
+}  // namespace kvcache::cache::fused

@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fused attention kernels (src/cache/attend_avx512.cpp) against their reference twin, the
+// generic per-block path, on the same cache: every stored format the kernels read, head_dim
+// 32/64/128, odd head counts, one-token blocks, per-channel key groups, T not a multiple of the
+// block, holes left by eviction, decode queries and prefill chunks. Skipped (saying so) on a CPU without AVX-512
+// VNNI/VBMI.
+//
+// Tolerances, stated and derived (attend_fused.h):
+//   - float key formats (fp32/fp16/bf16/fp8): both paths compute q·k, the softmax and p·v in
+//     float32 over the same stored values, in a different order (FMA, register blocking,
+//     transposes): |Δout| ≤ 2e-5 for unit-scale data (as attend_test.cpp against at::).
+//   - per-token integer keys: the fused path computes exactly q'·k̂ for the two-term int8 query
+//     q' (chunks of 32 dims, q' = qs·hi + qs/254·lo, |q − q'| ≤ 1.6e-5·max|q|); fused(q) against
+//     generic(q') to the same 2e-5. The rounding's own effect on the output is bounded
+//     separately: scores move by ≤ δ = max |(q − q')·k̂|, so each probability by a factor in
+//     [e^{−2δ}, e^{2δ}] and |fused(q) − generic(q)| ≤ (e^{2δ} − 1)·max|v̂|.
+//   - per-channel keys (KIVI, :chan): the kernel rounds w = q ⊙ s; its scores are checked
+//     against the exact formula Σ_c ws_c Σ_d wi_d c_d + Σ_d q_d z_d at 1e-5 relative (float
+//     accumulation order), and end to end against generic(q) with the bound above, δ computed
+//     from the stored codes.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cache/attend_fused.h"
+#include "cache/cache_manager_access.h"
+#include "cache/layer_store.h"
+#include "cache_test_util.h"
+#include "kvcache/cache_manager.h"
+#include "kvcache/quantizer.h"
+
+namespace kvcache {
+namespace {
+
+using cache::CacheManagerAccess;
+using testing::make_config;
+using testing::positions_range;
+
+#define REQUIRE_FUSED()                                                                        \
+  do {                                                                                         \
+    if (!cache::fused::available()) GTEST_SKIP() << "CPU without AVX-512 VNNI/VBMI: fused kernels not used"; \
+  } while (0)
+
+constexpr double kFloatTol = 2e-5;
+
+bool integer_keys(const std::string& quant) { return quant.rfind("int", 0) == 0 || quant.rfind("kivi", 0) == 0; }
+bool channel_keys(const std::string& quant) {
+  return quant.rfind("kivi", 0) == 0 || quant.find(":chan") != std::string::npos;
+}
+
+double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
+
+/// x rounded as the fused path rounds queries (fused::prepare): two int8 terms per 32-dim
+/// chunk, x' = qs·hi + (qs/254)·lo, qs = max|x|/127 (1 for a zero chunk), round half to even —
+/// in float32, the same operations.
+/// `fused_residual`: x − qs·hi rounded once (as an FMA), the per-channel fold in the kernel;
+/// otherwise product and difference rounded apart, as fused::prepare does.
+at::Tensor two_term_rounded(const at::Tensor& x, bool fused_residual = false) {
+  auto out = x.clone();
+  for (int64_t c = 0; c < x.size(-1) / 32; ++c) {
+    const auto ch = x.narrow(-1, 32 * c, 32);
+    auto qs = std::get<0>(ch.abs().max(-1, /*keepdim=*/true)) / 127.0f;
+    qs = at::where(qs > 0, qs, at::ones_like(qs));
+    const auto step = qs / cache::fused::kLowSteps;
+    const auto hi = at::clamp(at::round(ch / qs), -127, 127);
+    const auto resid = fused_residual ? (ch.to(at::kDouble) - qs.to(at::kDouble) * hi.to(at::kDouble)).to(at::kFloat)
+                                      : ch - qs * hi;
+    const auto lo = at::clamp(at::round(resid / step), -127, 127);
+    out.narrow(-1, 32 * c, 32).copy_(qs * hi + step * lo);
+  }
+  return out;
+}
+
+float inv_sqrt(int64_t d) { return 1.0f / std::sqrt(static_cast<float>(d)); }
+
+/// The query that makes the generic path compute what the fused path computes for q:
+/// q' / (1/√D), q' = two_term_rounded(q · (1/√D)).
+at::Tensor rounded_query(const at::Tensor& q) {
+  const float s = inv_sqrt(q.size(3));
+  return two_term_rounded(q * s) / s;
+}
+
+/// max over query rows and keys of |(q − q')·k̂| (per-token keys).
+double token_delta(const CacheManager& m, const at::Tensor& q) {
+  const LayerKV kv = m.get(0);
+  const int64_t hq = q.size(1), g = hq / kv.k.size(1);
+  const auto qf = q * inv_sqrt(q.size(3));
+  const auto dq = (qf - two_term_rounded(qf)).to(at::kDouble)[0];
+  double delta = 0;
+  for (int64_t h = 0; h < hq; ++h) {
+    delta = std::max(delta, max_abs(at::matmul(dq[h], kv.k[0][h / g].to(at::kDouble).t())));
+  }
+  return delta;
+}
+
+float half_at(const uint8_t* p, int64_t i) {
+  at::Half h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return static_cast<float>(h);
+}
+
+/// Per-channel key blocks of layer 0: for each (KV head, main block), the codes [g, D], the
+/// stored scales and zeros [D] (exact, read from the block) — what the kernel reads.
+struct ChannelBlock {
+  int64_t head;
+  at::Tensor codes, s, z;  // float64
+  cache::fused::RawTokens raw;
+  std::vector<int32_t> slots;
+};
+
+std::vector<ChannelBlock> channel_blocks(const CacheManager& m) {
+  std::vector<ChannelBlock> out;
+  const auto& L = CacheManagerAccess::layer(m, 0);
+  for (int64_t h = 0; h < L.num_heads(); ++h) {
+    const auto& list = L.k(h).quant;
+    for (const auto& b : list.blocks()) {
+      if (b.format != cache::StreamFormats::kMain) continue;
+      const auto& f = list.format(b);
+      const int64_t d = f.head_dim, g = f.layout.group_tokens;
+      ChannelBlock cb;
+      cb.head = h;
+      const uint8_t* data = f.pool->data(b.id);
+      cb.s = at::empty({d}, at::kDouble);
+      cb.z = at::empty({d}, at::kDouble);
+      for (int64_t i = 0; i < d; ++i) {
+        cb.s[i] = half_at(data + f.scales_offset, i);
+        cb.z[i] = half_at(data + f.zeros_offset, i);
+      }
+      std::vector<float> rows(static_cast<size_t>(g * d));
+      list.decode(b, rows.data(), 1.0f);
+      const auto khat = at::from_blob(rows.data(), {g, d}, at::kFloat).to(at::kDouble);
+      cb.codes = at::round((khat - cb.z) / at::where(cb.s > 0, cb.s, at::ones_like(cb.s)));
+      cb.slots.resize(static_cast<size_t>(g));
+      for (int64_t t = 0; t < g; ++t) cb.slots[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+      cb.raw.block = data;
+      cb.raw.kf = cache::fused::classify(f);
+      out.push_back(std::move(cb));
+    }
+  }
+  return out;
+}
+
+/// max |(w − w')·c| over rows and the per-channel blocks' keys (w = q/√D ⊙ s).
+double channel_delta(const CacheManager& m, const at::Tensor& q) {
+  const int64_t hq = q.size(1), g = hq / m.config().num_kv_heads;
+  const auto qf = q * inv_sqrt(q.size(3));
+  double delta = 0;
+  for (const auto& cb : channel_blocks(m)) {
+    for (int64_t h = cb.head * g; h < (cb.head + 1) * g; ++h) {
+      const auto w = qf[0][h] * cb.s.to(at::kFloat);  // [T_q, D], float as the kernel does
+      const auto dw = (w - two_term_rounded(w, true)).to(at::kDouble);
+      delta = std::max(delta, max_abs(at::matmul(dw, cb.codes.t())));
+    }
+  }
+  return delta;
+}
+
+struct Shape {
+  int64_t hq, hkv, d, block_tokens;
+};
+
+TEST(AttendFused, MatchesTheGenericPathForEveryFormat) {
+  REQUIRE_FUSED();
+  const std::vector<std::string> quants = {"fp32",          "fp16",          "bf16",          "fp8:e4m3",
+                                           "fp8:e5m2",      "fp8:e4m3:scaled", "int8",        "int4",
+                                           "int2",          "int8:g32",      "int4:g32",      "int2:g32",
+                                           "int4:g32:chan", "int2:g32:chan", "int8:g32:chan", "kivi:k2:v2:g32:r128",
+                                           "kivi:k4:v4:g32:r32"};
+  // The last shape has one-token blocks: every tile spans many blocks (segments).
+  const std::vector<Shape> shapes = {{14, 2, 64, 64}, {9, 3, 32, 32}, {4, 1, 128, 96}, {7, 7, 64, 32}, {6, 2, 64, 1}};
+  uint64_t seed = 1;
+  for (const auto& quant : quants) {
+    for (const auto& sh : shapes) {
+      if (sh.block_tokens == 1 && channel_keys(quant)) continue;  // a per-channel block is one group
+      auto c = make_config(1, sh.hq, sh.hkv, sh.d, quant, "full");
+      c.block_tokens = sh.block_tokens;
+      CacheManager m(c);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+      int64_t pos = 0;
+      for (int64_t n : {1, 37, 250, 1, 1, 80}) {  // T reaches 370: never a multiple of the block
+        m.append(0, testing::randn({1, sh.hkv, n, sh.d}, gen) * 1.5, testing::randn({1, sh.hkv, n, sh.d}, gen),
+                 positions_range(pos, n));
+        pos += n;
+        for (int64_t tq : {int64_t{1}, std::min<int64_t>(n, 9)}) {
+          const std::string where = quant + " H_q " + std::to_string(sh.hq) + " H_kv " + std::to_string(sh.hkv) +
+                                    " D " + std::to_string(sh.d) + " T " + std::to_string(pos) + " T_q " +
+                                    std::to_string(tq);
+          const auto q = testing::randn({1, sh.hq, tq, sh.d}, gen);
+          const auto qp = positions_range(pos - tq, tq);
+          const auto fast = CacheManagerAccess::attend(m, 0, q, qp, /*fused=*/true);
+          const auto ref = CacheManagerAccess::attend(m, 0, q, qp, /*fused=*/false);
+          const double vmax = max_abs(m.get(0).v);
+          if (!integer_keys(quant)) {
+            EXPECT_LE(max_abs(fast - ref), kFloatTol) << where;
+            continue;
+          }
+          const double delta = channel_keys(quant) ? channel_delta(m, q) : token_delta(m, q);
+          EXPECT_LE(max_abs(fast - ref), (std::exp(2 * delta) - 1) * vmax + kFloatTol) << where;
+          if (!channel_keys(quant)) {  // exactly the rounded query's attention
+            const auto rounded = CacheManagerAccess::attend(m, 0, rounded_query(q), qp, /*fused=*/false);
+            EXPECT_LE(max_abs(fast - rounded), kFloatTol) << where;
+          }
+        }
+        m.end_step(StepKind::kPrefill);
+      }
+    }
+  }
+}
+
+// Per-channel keys: the kernel's scores equal Σ_c ws_c Σ_d wi_d c_d + Σ_d q_d z_d (w = q ⊙ s
+// rounded per chunk as the kernel rounds it), from the stored codes, scales and zeros.
+TEST(AttendFused, ChannelKeyScoresFollowTheFoldedQueryFormula) {
+  REQUIRE_FUSED();
+  for (const std::string quant : {"int2:g32:chan", "int4:g32:chan", "int8:g32:chan", "kivi:k2:v2:g32:r128"}) {
+    CacheManager m(make_config(1, 6, 2, 64, quant, "full"));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+    m.append(0, testing::randn({1, 2, 300, 64}, gen) * 2.0, testing::randn({1, 2, 300, 64}, gen), positions_range(0, 300));
+    const auto q = testing::randn({1, 6, 3, 64}, gen);
+    const auto blocks = channel_blocks(m);
+    ASSERT_GE(blocks.size(), 8u) << quant;
+    for (const auto& cb : blocks) {
+      // The head's 3 query heads × 3 tokens, token-major as attend orders rows.
+      std::vector<float> rows;
+      for (int64_t t = 0; t < 3; ++t) {
+        for (int64_t g = 0; g < 3; ++g) {
+          const auto r = q[0][cb.head * 3 + g][t].contiguous();
+          rows.insert(rows.end(), r.data_ptr<float>(), r.data_ptr<float>() + 64);
+        }
+      }
+      cache::fused::Queries fq;
+      cache::fused::prepare(rows.data(), 9, 64, inv_sqrt(64), fq);
+      cache::fused::RawTokens raw = cb.raw;
+      raw.slots = cb.slots.data();
+      std::vector<float> s(9 * 32);
+      cache::fused::scores(fq, 0, 9, raw, 32, s.data(), 32);
+      const auto qf = at::from_blob(rows.data(), {9, 64}, at::kFloat) * inv_sqrt(64);
+      const auto w = qf * cb.s.to(at::kFloat);
+      const auto want = at::matmul(two_term_rounded(w, true).to(at::kDouble), cb.codes.t()) +
+                        at::matmul(qf.to(at::kDouble), cb.z).unsqueeze(1);  // [9, 32]
+      const auto got = at::from_blob(s.data(), {9, 32}, at::kFloat).to(at::kDouble);
+      EXPECT_LE(max_abs(got - want), 1e-5 * (1 + max_abs(want))) << quant;
+    }
+  }
+}
+
+// Holes: scattered eviction leaves dead slots inside blocks (tiles with non-consecutive slots)
+// and frees/merges blocks; the fused path reads the same live tokens.
+TEST(AttendFused, SkipsHolesLikeTheGenericPath) {
+  REQUIRE_FUSED();
+  for (const std::string quant : {"fp16", "int4", "int8:g32", "kivi:k2:v2:g32:r128", "fp8:e5m2"}) {
+    auto c = make_config(1, 14, 2, 64, quant, "random:seed9@300", 4000);
+    c.block_tokens = 32;
+    CacheManager m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
+    m.append(0, testing::randn({1, 2, 400, 64}, gen), testing::randn({1, 2, 400, 64}, gen), positions_range(0, 400));
+    m.end_step(StepKind::kPrefillEnd);
+    for (int64_t step = 0; step < 40; ++step) {
+      const int64_t p = 400 + step;
+      m.append(0, testing::randn({1, 2, 1, 64}, gen), testing::randn({1, 2, 1, 64}, gen), positions_range(p, 1));
+      const auto q = testing::randn({1, 14, 1, 64}, gen);
+      const auto fast = CacheManagerAccess::attend(m, 0, q, positions_range(p, 1), true);
+      const auto qg = integer_keys(quant) && !channel_keys(quant) ? rounded_query(q) : q;
+      const auto ref = CacheManagerAccess::attend(m, 0, qg, positions_range(p, 1), false);
+      const double tol = channel_keys(quant) ? (std::exp(2 * channel_delta(m, q)) - 1) * max_abs(m.get(0).v) + kFloatTol
+                                             : kFloatTol;
+      EXPECT_LE(max_abs(fast - ref), tol) << quant << " step " << step;
+      m.end_step(StepKind::kDecode);
+    }
+    const auto s = CacheManagerAccess::stream(m, 0, false);
+    EXPECT_GT(s.dead_slots[0] + s.dead_slots[1], 0) << quant << ": the case must have holes";
+  }
+}
+
+// CacheConfig::fused_attention selects the path of the public attend(): false is exactly the
+// generic per-block path, true exactly the fused one (here int4, where the two differ).
+TEST(AttendFused, ConfigSelectsThePath) {
+  REQUIRE_FUSED();
+  for (const bool fused : {false, true}) {
+    auto c = make_config(1, 14, 2, 64, "int4", "full");
+    c.fused_attention = fused;
+    CacheManager m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    m.append(0, testing::randn({1, 2, 200, 64}, gen), testing::randn({1, 2, 200, 64}, gen), positions_range(0, 200));
+    const auto q = testing::randn({1, 14, 1, 64}, gen);
+    const auto out = m.attend(0, q, positions_range(199, 1));
+    EXPECT_TRUE(at::equal(out, CacheManagerAccess::attend(m, 0, q, positions_range(199, 1), fused)));
+    EXPECT_FALSE(at::equal(out, CacheManagerAccess::attend(m, 0, q, positions_range(199, 1), !fused)));
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
