@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache::study {
 namespace {
@@ -136,17 +137,10 @@ Shard Shard::parse(const std::string& text) {
   const auto slash = text.find('/');
   KV_CHECK_ARG(slash != std::string::npos, "shard '", text, "' must be i/n with 0 <= i < n, e.g. 0/4");
   Shard s;
-  try {
-    size_t a = 0;
-    size_t b = 0;
-    s.index = std::stoll(text.substr(0, slash), &a);
-    s.count = std::stoll(text.substr(slash + 1), &b);
-    KV_CHECK_ARG(a == slash && b == text.size() - slash - 1, "shard '", text, "' must be i/n, e.g. 0/4");
-  } catch (const std::logic_error&) {
-    throw InvalidArgument("shard '" + text + "' must be i/n with integers, e.g. 0/4");
-  }
-  KV_CHECK_ARG(s.count >= 1 && s.index >= 0 && s.index < s.count, "shard '", text,
-               "': need 0 <= i < n (shards are 0-based, like SLURM_ARRAY_TASK_ID with --array=0-(n-1))");
+  s.count = parse_integer(text.substr(slash + 1), "shard '" + text + "': n", 1, kMaxShards);
+  s.index = parse_integer(text.substr(0, slash), "shard '" + text + "': i", 0, kMaxShards);
+  KV_CHECK_ARG(s.index < s.count, "shard '", text, "': i = ", s.index, " is out of range [0, ", s.count - 1,
+               "] (shards are 0-based, like SLURM_ARRAY_TASK_ID with --array=0-(n-1))");
   return s;
 }
 

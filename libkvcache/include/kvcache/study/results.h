@@ -48,12 +48,16 @@ std::string row_to_json(const ResultRow& row);
 /// @throws InvalidArgument if the line is not a row.
 ResultRow row_from_json(const std::string& line);
 
+/// The most shards a sweep may be cut into (`--shard i/n`: n <= 10^6, as Slurm's largest arrays).
+inline constexpr int64_t kMaxShards = 1000000;
+
 /// Deterministic slice `index` of `count` (0-based): owns plan item `order` iff
 /// order % count == index.
 struct Shard {
   int64_t index = 0;
   int64_t count = 1;
-  /// Parses "i/n" with 0 <= i < n. @throws InvalidArgument otherwise.
+  /// Parses "i/n": decimal integers (no blanks or signs) with 1 <= n <= kMaxShards, 0 <= i < n.
+  /// @throws InvalidArgument naming the shard text, the bad part and its range.
   static Shard parse(const std::string& text);
   bool owns(int64_t order) const { return order % count == index; }
   std::string to_string() const { return std::to_string(index) + "/" + std::to_string(count); }
