@@ -18,6 +18,7 @@
 #include "cache/rope_table.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/spec.h"
 
 namespace kvcache {
 namespace {
@@ -62,7 +63,8 @@ void CacheConfig::validate() const {
                "CacheConfig.num_q_heads must be a positive multiple of num_kv_heads=", num_kv_heads,
                ", got ", num_q_heads);
   KV_CHECK_ARG(head_dim >= 1, "CacheConfig.head_dim must be >= 1, got ", head_dim);
-  KV_CHECK_ARG(residual_length >= 0, "CacheConfig.residual_length must be >= 0, got ", residual_length);
+  KV_CHECK_ARG(residual_length >= 0 && residual_length <= kMaxTokens, "CacheConfig.residual_length must be in [0, ",
+               kMaxTokens, "], got ", residual_length);
   KV_CHECK_ARG(context_length >= 0, "CacheConfig.context_length must be >= 0, got ", context_length);
   KV_CHECK_ARG(static_cast<bool>(rope),
                "CacheConfig.rope is required (the model's rotary embedding: x [B, H, T, D], "

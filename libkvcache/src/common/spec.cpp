@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvcache/spec.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -231,7 +232,9 @@ int64_t Budget::resolve(int64_t context_tokens) const {
       KV_CHECK_ARG(context_tokens > 0, "budget ", to_string(),
                    " needs the request's context length, got ", context_tokens);
       // Small epsilon so that 0.5 * 10 = 5 exactly despite binary fractions.
-      auto t = static_cast<int64_t>(std::floor(value * static_cast<double>(context_tokens) + 1e-9));
+      const double c = static_cast<double>(context_tokens);
+      const double f = std::floor(value * c + 1e-9);
+      const int64_t t = f >= c ? context_tokens : static_cast<int64_t>(f);  // never past the context (nor int64)
       KV_CHECK(t >= 1, CapacityError, "budget ", to_string(), " of a ", context_tokens,
                "-token context rounds to ", t, " tokens; a budget must keep at least 1 token");
       return t;
