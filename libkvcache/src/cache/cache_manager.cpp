@@ -351,17 +351,22 @@ struct CacheManager::Impl {
   }
 
   void end_step(StepKind step) {
+    KV_CHECK_ARG(step == StepKind::kPrefill || step == StepKind::kPrefillEnd || step == StepKind::kDecode,
+                 "CacheManager::end_step: step kind ", static_cast<int>(step),
+                 " is none of kPrefill, kPrefillEnd, kDecode");
     const int64_t n0 = layers[0].step_new;
     for (int64_t i = 1; i < cfg.num_layers; ++i) {
       KV_CHECK_ARG(layers[static_cast<size_t>(i)].step_new == n0, "CacheManager::end_step: layer ", i, " appended ",
                    layers[static_cast<size_t>(i)].step_new, " tokens this step but layer 0 appended ", n0,
                    " (every layer must append the step's tokens)");
     }
-    // Plan every layer first: a plan that throws leaves every layer as it was.
+    // Plan every layer first (plan() is const): a plan that throws leaves every layer and the
+    // policy as they were.
     std::vector<EvictionPlan> plans(static_cast<size_t>(cfg.num_layers));
+    std::vector<EvictionContext> contexts(static_cast<size_t>(cfg.num_layers));
     for (int64_t i = 0; i < cfg.num_layers; ++i) {
       auto& l = layers[static_cast<size_t>(i)];
-      EvictionContext ctx;
+      EvictionContext& ctx = contexts[static_cast<size_t>(i)];
       ctx.layer = i;
       ctx.step = step;
       ctx.new_tokens = l.step_new;
@@ -380,6 +385,7 @@ struct CacheManager::Impl {
         if (cfg.position_mode == PositionMode::kRerotate) l.store->renumber_positions();
         sample(l);
       }
+      policy->on_step_end(contexts[static_cast<size_t>(i)]);
       l.step_new = 0;
       l.observed = false;
     }

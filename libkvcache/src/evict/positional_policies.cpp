@@ -25,7 +25,7 @@ int64_t FullPolicy::layer_budget(int64_t layer) const {
   return context_length() > 0 ? context_length() : std::numeric_limits<int64_t>::max();
 }
 
-EvictionPlan FullPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan FullPolicy::plan(const EvictionContext& ctx) const {
   (void)ctx;
   return {};
 }
@@ -70,7 +70,7 @@ int64_t WindowPolicy::layer_budget(int64_t layer) const {
   return window_;
 }
 
-EvictionPlan WindowPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan WindowPolicy::plan(const EvictionContext& ctx) const {
   return evict_span(ctx, /*first=*/0, layer_budget(ctx.layer));  // the oldest t − w
 }
 
@@ -130,7 +130,7 @@ int64_t SinkPolicy::layer_budget(int64_t layer) const {
   return sinks_ + window_;
 }
 
-EvictionPlan SinkPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan SinkPolicy::plan(const EvictionContext& ctx) const {
   return evict_span(ctx, /*first=*/sinks_, layer_budget(ctx.layer));  // between sinks and window
 }
 
