@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -52,6 +53,28 @@ void check_finite(const at::Tensor& x, const char* fn, const char* name) {
                                         " at [b, h, t, d] = [", i[0].item<int64_t>(), ", ", i[1].item<int64_t>(), ", ",
                                         i[2].item<int64_t>(), ", ", i[3].item<int64_t>(),
                                         "]; the cache stores finite keys and values only"));
+}
+
+/// Throws unless every value of `probs` `[1, H_q, T_q, T]` is a probability in [0, 1] and no
+/// row's mass exceeds 1 (softmax rows over the resident keys sum to 1; 1e-3 of slack for
+/// rounding), naming the first bad index.
+void check_probabilities(const at::Tensor& probs, const char* fn) {
+  const at::Tensor p = probs.contiguous();
+  const float* x = p.data_ptr<float>();
+  const int64_t hq = p.size(1), tq = p.size(2), t = p.size(3);
+  for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t r = 0; r < tq; ++r) {
+      const float* row = x + (h * tq + r) * t;
+      double sum = 0;
+      for (int64_t j = 0; j < t; ++j) {
+        KV_CHECK_ARG(std::isfinite(row[j]) && row[j] >= 0.0f && row[j] <= 1.0f, fn, ": probs[0, ", h, ", ", r, ", ",
+                     j, "] = ", row[j], " is not a probability (expected a finite value in [0, 1])");
+        sum += row[j];
+      }
+      KV_CHECK_ARG(sum <= 1.0 + 1e-3, fn, ": probs[0, ", h, ", ", r, ", :] sums to ", sum,
+                   " > 1 (expected attention probabilities over the resident keys)");
+    }
+  }
 }
 
 }  // namespace
@@ -233,8 +256,11 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(k_in.sizes() == v_in.sizes(), fn, ": k ", k_in.sizes(), " and v ", v_in.sizes(), " differ");
     const int64_t n = k_in.size(2);
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
-                     positions.scalar_type() == at::kLong,
-                 fn, ": positions must be int64 [T_new=", n, "], got ", shape_str(positions));
+                     positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+                 fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
+    KV_CHECK_ARG(!l.observed || n == 0, fn, ": the attention of layer ", layer,
+                 " was already observed in this step (by attend() or observe_attention); append the step's "
+                 "tokens first, then attend, then end_step()");
     const at::Tensor pos = positions.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
     const bool rerotate = cfg.position_mode == PositionMode::kRerotate;
@@ -250,6 +276,8 @@ struct CacheManager::Impl {
       }
     }
     if (n == 0) return;
+    KV_CHECK_ARG(pp[n - 1] < std::numeric_limits<int64_t>::max(), fn, ": position ", pp[n - 1],
+                 " leaves no next position (positions must be < 2^63 - 1)");
     KV_CHECK_ARG(!pre_rope() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
                  " is beyond the ", kMaxPreRopePosition, " positions key_storage=kPreRoPE records RoPE tables for");
     check_finite(k_in, fn, "k");
@@ -285,8 +313,9 @@ struct CacheManager::Impl {
                  shape_str(q));
     const int64_t tq = q.size(2);
     KV_CHECK_ARG(q_positions.defined() && q_positions.dim() == 1 && q_positions.size(0) == tq &&
-                     q_positions.scalar_type() == at::kLong,
-                 fn, ": q_positions must be int64 [T_q=", tq, "], got ", shape_str(q_positions));
+                     q_positions.scalar_type() == at::kLong && q_positions.device().is_cpu(),
+                 fn, ": q_positions must be a CPU int64 tensor [T_q=", tq, "], got ", shape_str(q_positions));
+    check_finite(q, fn, "q");
     const at::Tensor qf = q.to(at::kFloat).contiguous();
     const at::Tensor qp = q_positions.contiguous();
     at::Tensor out = at::empty({1, hq, tq, d}, at::kFloat);
@@ -321,11 +350,13 @@ struct CacheManager::Impl {
                    "; probabilities [B, H_q, T_q, T_res] need heads of equal length (use attend())");
     }
     KV_CHECK_ARG(probs.defined() && probs.dim() == 4 && probs.scalar_type() == at::kFloat && probs.size(0) == 1 &&
-                     probs.size(1) == cfg.num_q_heads && probs.size(3) == t,
-                 fn, ": probs must be float32 [B=1, H_q=", cfg.num_q_heads, ", T_q, T_res=", t, "] for layer ", layer,
-                 ", got ", shape_str(probs));
+                     probs.size(1) == cfg.num_q_heads && probs.size(2) >= 1 && probs.size(3) == t &&
+                     probs.device().is_cpu(),
+                 fn, ": probs must be a CPU float32 tensor [B=1, H_q=", cfg.num_q_heads, ", T_q >= 1, T_res=", t,
+                 "] for layer ", layer, ", got ", shape_str(probs));
     KV_CHECK_ARG(!l.observed, fn, ": the attention of layer ", layer,
                  " was already observed in this step (by attend() or observe_attention)");
+    check_probabilities(probs, fn);
     const AttentionNeed need = policy->attention_need();
     if (!need.any()) return;
     const AttentionMass mass = reduce_attention(probs, cfg.num_kv_heads, need);
@@ -462,7 +493,11 @@ const EvictionPolicy& CacheManager::policy() const { return *impl_->policy; }
 void CacheManager::reset(int64_t context_length) {
   KV_CHECK_ARG(context_length >= 0, "CacheManager::reset: context_length must be >= 0, got ", context_length);
   auto& im = *impl_;
-  im.policy->reset(context_length, CacheShape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads});
+  const CacheShape shape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads};
+  // A budget that does not fit this context throws from the policy's reset, which may have
+  // changed the policy by then: try a fresh one first, so that a rejected reset changes nothing.
+  make_eviction_policy(im.cfg.policy)->reset(context_length, shape);
+  im.policy->reset(context_length, shape);
   im.cfg.context_length = context_length;
   for (auto& l : im.layers) {
     l.store->clear();
