@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "kvcache/error.h"
+#include "kvcache/log.h"
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -12,7 +13,13 @@ int main(int argc, char** argv) {
       "Runs a deterministic task suite and text metrics under every (quantizer x eviction policy) arm,\n"
       "writes crash-safe results.jsonl and summary.md/json/csv. See docs/study.md."};
   app.require_subcommand(1);
-  app.fallthrough(false);
+  // --log-level may come before or after the subcommand.
+  app.fallthrough(true);
+  app.add_option_function<std::string>(
+         "--log-level", [](const std::string& level) { kvcache::set_log_level(kvcache::parse_log_level(level)); },
+         "diagnostics of the library on stderr (`kvcache: warning: ...`): trace, debug, info, warn, error or off "
+         "(default warn)")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   kv_study::add_memory_command(app);
   kv_study::add_suite_command(app);
   kv_study::add_quant_command(app);

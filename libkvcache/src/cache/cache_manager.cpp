@@ -17,6 +17,7 @@
 #include "cache/cache_scheme.h"
 #include "cache/layer_store.h"
 #include "cache/rope_table.h"
+#include "common/log.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
@@ -75,6 +76,18 @@ void check_probabilities(const at::Tensor& probs, const char* fn) {
                    " > 1 (expected attention probabilities over the resident keys)");
     }
   }
+}
+
+/// Warns (once per policy spec) when the policy's budget holds the whole request: it evicts
+/// nothing, which a study arm rarely means.
+void warn_if_evicts_nothing(const EvictionPolicy& policy, int64_t context_length) {
+  if (context_length <= 0 || policy.budget().kind == Budget::Kind::kNone) return;
+  const int64_t budget = policy.token_budget();
+  if (budget < context_length) return;
+  log::warn_once("evicts-nothing:" + policy.spec(),
+                 detail::str_cat("eviction policy '", policy.spec(), "' evicts nothing from a request of ",
+                                 context_length, " tokens: its budget of ", budget,
+                                 " tokens per KV head holds the whole prompt and every new token"));
 }
 
 }  // namespace
@@ -192,6 +205,7 @@ struct CacheManager::Impl {
     setup_stream(vset, scheme.value, *vq, *vres);
     policy = make_eviction_policy(cfg.policy);
     policy->reset(cfg.context_length, CacheShape{cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads});
+    warn_if_evicts_nothing(*policy, cfg.context_length);
     if (pre_rope()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim);
     layers.resize(static_cast<size_t>(cfg.num_layers));
     make_stores();
@@ -508,6 +522,7 @@ void CacheManager::reset(int64_t context_length) {
   }
   for (auto& [bytes, p] : im.pools) p->clear();  // give the memory back
   im.total = CacheStats{};
+  warn_if_evicts_nothing(*im.policy, context_length);
 }
 
 void CacheManager::append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
