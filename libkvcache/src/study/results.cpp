@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
 
@@ -59,16 +60,6 @@ std::vector<ResultRow> parse_lines(const std::vector<std::string>& lines, const 
     }
   }
   return rows;
-}
-
-void write_fully(int fd, const std::string& data, const std::string& path) {
-  size_t off = 0;
-  while (off < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + off, data.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    KV_CHECK(n > 0, InternalError, "write to '", path, "' failed: ", std::strerror(errno));
-    off += static_cast<size_t>(n);
-  }
 }
 
 }  // namespace
@@ -185,13 +176,14 @@ void ResultsStore::append(const ResultRow& row) {
   const std::string key = row.key();
   KV_CHECK_ARG(!contains(key), "results file '", path_, "' already holds arm '", row.arm, "', task '", row.task,
                "', model '", row.model, "'");
-  write_fully(fd_, row_to_json(row) + "\n", path_);
+  io::write_all(fd_, row_to_json(row) + "\n", path_);
   KV_CHECK(::fsync(fd_) == 0, InternalError, "fsync '", path_, "' failed: ", std::strerror(errno));
   index_.emplace(key, rows_.size());
   rows_.push_back(row);
 }
 
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines) {
+  io::check_regular_file(path, "results file");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open results file '", path, "'");
   std::stringstream ss;
@@ -204,21 +196,9 @@ std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_li
 }
 
 void write_results(const std::string& path, const std::vector<ResultRow>& rows) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  KV_CHECK_ARG(fd >= 0, "cannot write '", tmp, "': ", std::strerror(errno));
   std::string data;
   for (const auto& r : rows) data += row_to_json(r) + "\n";
-  try {
-    write_fully(fd, data, tmp);
-    KV_CHECK(::fsync(fd) == 0, InternalError, "fsync '", tmp, "' failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-  KV_CHECK_ARG(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "': ",
-               std::strerror(errno));
+  io::write_file_atomic(path, data);
 }
 
 std::vector<ResultRow> merge_rows(const std::vector<std::vector<ResultRow>>& inputs, MergeStats* stats) {

@@ -7,6 +7,7 @@
 #include <regex>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "kvcache/error.h"
 
 namespace kvcache::study {
@@ -236,14 +237,13 @@ Task task_from_json(const std::string& line) {
 }
 
 void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  KV_CHECK_ARG(out.good(), "cannot open '", path, "' for writing");
-  for (const auto& t : tasks) out << task_to_json(t) << '\n';
-  out.flush();
-  KV_CHECK_ARG(out.good(), "failed writing tasks to '", path, "'");
+  std::string data;
+  for (const auto& t : tasks) data += task_to_json(t) + '\n';
+  io::write_file_atomic(path, data);
 }
 
 std::vector<Task> read_tasks_jsonl(const std::string& path) {
+  io::check_regular_file(path, "task file");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open task file '", path, "'");
   std::vector<Task> tasks;

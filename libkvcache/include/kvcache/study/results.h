@@ -93,10 +93,13 @@ class ResultsStore {
 };
 
 /// Reads a results file without modifying it. A trailing partial line is skipped and counted in
-/// `*partial_lines` if given. @throws InvalidArgument on a bad complete line (naming it).
+/// `*partial_lines` if given. @throws InvalidArgument if `path` is not a readable regular file or
+///         on a bad complete line (naming it).
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines = nullptr);
 
-/// Writes rows (one line each) to `path` via a temporary file + rename.
+/// Writes rows (one line each) to `path` atomically: a temporary file in the same directory,
+/// fsync, rename; on any failure `path` is as it was and no temporary is left.
+/// @throws InvalidArgument naming the path and the OS error.
 void write_results(const std::string& path, const std::vector<ResultRow>& rows);
 
 struct MergeStats {
