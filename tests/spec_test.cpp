@@ -254,6 +254,12 @@ TEST(SpecParseInteger, RangesAndMessages) {
   EXPECT_EQ(message("-1", 0, 100), "--context = -1 is out of range [0, 100]");
   EXPECT_EQ(message("9223372036854775808", 0, 100), "--context = 9223372036854775808 is out of range [0, 100]");
   EXPECT_EQ(message("-99999999999999999999", 0, 100), "--context = -99999999999999999999 is out of range [0, 100]");
+  try {
+    (void)parse_integer("7", "", 1, 5);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "7 is out of range [1, 5]");  // a CLI option validator: CLI11 prefixes the option
+  }
   for (const char* bad : {"", " 1", "1 ", "+1", "1e3", "0x10", "1.0", "one", "-"}) {
     EXPECT_EQ(message(bad, 0, 100), "--context = '" + std::string(bad) + "' is not an integer (expected one in [0, 100])")
         << bad;

@@ -99,7 +99,7 @@ std::pair<std::string, Budget> split_budget(const std::string& text);
 
 /// Parses the decimal integer `text` (an optional '-' and digits only: no blanks, '+', hex or
 /// exponent) and checks that it lies in [min_value, max_value]. `what` names it in errors, as
-/// the user wrote it (e.g. "--context", "shard index").
+/// the user wrote it (e.g. "--context", "shard '9/4': i"); empty: the message starts with the value.
 /// @throws InvalidArgument "<what> = '<text>' is not an integer (...)" or
 ///         "<what> = <text> is out of range [min, max]" (also for values beyond int64).
 int64_t parse_integer(const std::string& text, const std::string& what, int64_t min_value, int64_t max_value);

@@ -271,10 +271,11 @@ int64_t parse_integer(const std::string& text, const std::string& what, int64_t 
   const char* last = text.data() + text.size();
   const auto [ptr, ec] = std::from_chars(first, last, v);
   const bool digits = !text.empty() && ptr == last;
-  KV_CHECK_ARG(digits && (ec == std::errc() || ec == std::errc::result_out_of_range), what, " = '", text,
+  const std::string named = what.empty() ? std::string() : what + " = ";
+  KV_CHECK_ARG(digits && (ec == std::errc() || ec == std::errc::result_out_of_range), named, "'", text,
                "' is not an integer (expected one in [", min_value, ", ", max_value, "])");
-  KV_CHECK_ARG(ec == std::errc() && v >= min_value && v <= max_value, what, " = ", text, " is out of range [",
-               min_value, ", ", max_value, "]");
+  KV_CHECK_ARG(ec == std::errc() && v >= min_value && v <= max_value, named, text, " is out of range [", min_value,
+               ", ", max_value, "]");
   return v;
 }
 
