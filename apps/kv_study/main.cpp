@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // kv_study: measures how KV-cache compression (quantization, eviction) trades quality for
 // memory. Thin CLI over kvcache::study (see docs/study.md).
+#include <c10/util/Exception.h>
+
 #include <iostream>
+#include <new>
 
 #include "commands.h"
 #include "kvcache/error.h"
@@ -35,6 +38,14 @@ int main(int argc, char** argv) {
   } catch (const kvcache::Error& e) {
     std::cerr << "kv_study: error: " << e.what() << "\n";
     return 1;
+  } catch (const c10::Error& e) {
+    // A LibTorch error the library did not turn into a message of its own (a bug): one line,
+    // without LibTorch's backtrace.
+    std::cerr << "kv_study: unexpected LibTorch error: " << e.what_without_backtrace() << "\n";
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "kv_study: out of memory\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "kv_study: unexpected error: " << e.what() << "\n";
     return 2;

@@ -57,11 +57,10 @@ void write_file_atomic(const std::string& path, const std::string& data) {
   }
 }
 
-void check_regular_file(const std::string& path, const std::string& what) {
+void check_readable_file(const std::string& path, const std::string& what) {
   struct stat st {};
   KV_CHECK_ARG(::stat(path.c_str(), &st) == 0, "cannot open ", what, " '", path, "': ", std::strerror(errno));
-  KV_CHECK_ARG(S_ISREG(st.st_mode), "cannot open ", what, " '", path, "': ",
-               S_ISDIR(st.st_mode) ? "it is a directory" : "not a regular file");
+  KV_CHECK_ARG(!S_ISDIR(st.st_mode), "cannot open ", what, " '", path, "': it is a directory");
 }
 
 }  // namespace kvcache::io

@@ -18,8 +18,9 @@ void write_all(int fd, const std::string& data, const std::string& path);
 ///         exist, `path` is a directory, the disk is full).
 void write_file_atomic(const std::string& path, const std::string& data);
 
-/// Checks that `path` names a regular file (an std::ifstream opens a directory without an
-/// error and then reads nothing). @throws InvalidArgument "cannot open <what> '<path>': ...".
-void check_regular_file(const std::string& path, const std::string& what);
+/// Checks that `path` exists and is not a directory (an std::ifstream opens a directory
+/// without an error and then reads nothing; pipes and devices are fine).
+/// @throws InvalidArgument "cannot open <what> '<path>': ...".
+void check_readable_file(const std::string& path, const std::string& what);
 
 }  // namespace kvcache::io

@@ -183,7 +183,7 @@ void ResultsStore::append(const ResultRow& row) {
 }
 
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines) {
-  io::check_regular_file(path, "results file");
+  io::check_readable_file(path, "results file");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open results file '", path, "'");
   std::stringstream ss;

@@ -243,7 +243,7 @@ void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks) 
 }
 
 std::vector<Task> read_tasks_jsonl(const std::string& path) {
-  io::check_regular_file(path, "task file");
+  io::check_readable_file(path, "task file");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open task file '", path, "'");
   std::vector<Task> tasks;

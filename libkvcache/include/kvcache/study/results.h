@@ -93,7 +93,7 @@ class ResultsStore {
 };
 
 /// Reads a results file without modifying it. A trailing partial line is skipped and counted in
-/// `*partial_lines` if given. @throws InvalidArgument if `path` is not a readable regular file or
+/// `*partial_lines` if given. @throws InvalidArgument if `path` does not exist, is a directory, or
 ///         on a bad complete line (naming it).
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines = nullptr);
 

@@ -99,8 +99,8 @@ Task task_from_json(const std::string& line);
 /// cannot be written.
 void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks);
 /// Reads a file written by write_tasks_jsonl (blank lines ignored).
-/// @throws InvalidArgument if `path` is not a regular file, or naming the file and line of a
-///         bad entry.
+/// @throws InvalidArgument if `path` does not exist or is a directory, or naming the file
+///         and line of a bad entry.
 std::vector<Task> read_tasks_jsonl(const std::string& path);
 
 /// Renders messages in ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message, then
