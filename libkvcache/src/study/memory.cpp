@@ -26,12 +26,16 @@ bool is_dir(const std::string& p) {
 /// A config.json field in [1, kMaxShapeField] (no model comes near; products of three such
 /// fields stay far inside int64).
 int64_t get_int(const nlohmann::json& j, const char* key, const std::string& path) {
-  KV_CHECK_ARG(j.contains(key) && j[key].is_number_integer(), "config '", path,
-               "': missing integer field '", key, "'");
-  const bool fits = j[key].is_number_unsigned() ? j[key].get<uint64_t>() <= static_cast<uint64_t>(kMaxShapeField)
-                                                : j[key].get<int64_t>() >= 1 && j[key].get<int64_t>() <= kMaxShapeField;
-  KV_CHECK_ARG(fits, "config '", path, "': ", key, " = ", j[key].dump(), " is out of range [1, ", kMaxShapeField, "]");
-  return j[key].get<int64_t>();
+  KV_CHECK_ARG(j.contains(key) && j[key].is_number(), "config '", path, "': missing integer field '", key, "'");
+  const nlohmann::json& v = j[key];
+  // nlohmann keeps integers beyond uint64 as floats: every number is checked as a double.
+  const double d = v.is_number_unsigned() ? static_cast<double>(v.get<uint64_t>())
+                   : v.is_number_integer() ? static_cast<double>(v.get<int64_t>())
+                                           : v.get<double>();
+  KV_CHECK_ARG(d == std::floor(d), "config '", path, "': ", key, " = ", v.dump(), " is not an integer");
+  KV_CHECK_ARG(d >= 1 && d <= static_cast<double>(kMaxShapeField), "config '", path, "': ", key, " = ", v.dump(),
+               " is out of range [1, ", kMaxShapeField, "]");
+  return static_cast<int64_t>(d);
 }
 
 }  // namespace
