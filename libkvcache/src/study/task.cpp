@@ -2,13 +2,17 @@
 #include "kvcache/study/task.h"
 
 #include <cctype>
+#include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <sstream>
 
 #include "common/file_io.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache::study {
 namespace {
@@ -63,6 +67,42 @@ T required(const ojson& j, const char* key, const std::string& where) {
     throw InvalidArgument(detail::str_cat(where, ": field '", key, "' has the wrong type (",
                                           e.what(), ")"));
   }
+}
+
+/// Integer field `key` in [lo, hi]; `fallback` when absent (nullopt: required).
+int64_t int_field(const ojson& j, const char* key, const std::string& where, int64_t lo, int64_t hi,
+                  std::optional<int64_t> fallback = std::nullopt) {
+  if (!j.contains(key) && fallback) return *fallback;
+  KV_CHECK_ARG(j.contains(key), where, ": missing field '", key, "'");
+  const ojson& v = j.at(key);
+  // JSON integers beyond uint64 arrive as doubles: out of range, not "not an integer".
+  const bool integral_float = v.is_number_float() && std::isfinite(v.get<double>()) &&
+                              v.get<double>() == std::floor(v.get<double>());
+  KV_CHECK_ARG(v.is_number_integer() || integral_float, where, ": field '", key, "' = ", v.dump(),
+               " is not an integer");
+  bool fits = false;
+  int64_t out = 0;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    fits = hi >= 0 && u <= static_cast<uint64_t>(hi) && (lo <= 0 || u >= static_cast<uint64_t>(lo));
+    out = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    out = v.get<int64_t>();
+    fits = out >= lo && out <= hi;
+  } else {
+    const double d = v.get<double>();
+    fits = d >= static_cast<double>(lo) && d <= static_cast<double>(hi) && std::fabs(d) < 9.0e18;
+    out = fits ? static_cast<int64_t>(d) : 0;
+  }
+  KV_CHECK_ARG(fits, where, ": field '", key, "' = ", v.dump(), " is out of range [", lo, ", ", hi, "]");
+  return out;
+}
+
+/// Optional string field `key` ("" when absent).
+std::string optional_string(const ojson& j, const char* key, const std::string& where) {
+  if (!j.contains(key)) return std::string();
+  KV_CHECK_ARG(j.at(key).is_string(), where, ": field '", key, "' = ", j.at(key).dump(), " is not a string");
+  return j.at(key).get<std::string>();
 }
 
 }  // namespace
@@ -205,12 +245,13 @@ Task task_from_json(const std::string& line) {
   t.id = required<std::string>(j, "id", "task");
   const std::string where = "task '" + t.id + "'";
   t.family = parse_family(required<std::string>(j, "family", where));
-  t.depth_pct = required<int>(j, "depth_pct", where);
-  t.context_target = required<int64_t>(j, "context_target", where);
-  t.approx_tokens = j.value("approx_tokens", int64_t{0});
+  t.depth_pct = static_cast<int>(int_field(j, "depth_pct", where, -1, 100));
+  t.context_target = int_field(j, "context_target", where, 0, kMaxTokens);
+  t.approx_tokens = int_field(j, "approx_tokens", where, 0, kMaxTokens, 0);
   KV_CHECK_ARG(j.contains("messages") && j["messages"].is_array(), where,
                ": missing array field 'messages'");
   for (const auto& m : j["messages"]) {
+    KV_CHECK_ARG(m.is_object(), where, ": a message is ", m.dump(), ", not an object {role, content}");
     t.messages.push_back(Message{required<std::string>(m, "role", where),
                                  required<std::string>(m, "content", where)});
   }
@@ -218,11 +259,12 @@ Task task_from_json(const std::string& line) {
   t.answer = required<std::string>(j, "answer", where);
   KV_CHECK_ARG(j.contains("rule") && j["rule"].is_object(), where, ": missing object field 'rule'");
   t.rule.kind = parse_rule_kind(required<std::string>(j["rule"], "kind", where));
-  t.rule.arg = j["rule"].value("arg", std::string());
+  t.rule.arg = optional_string(j["rule"], "arg", where);
   if (j.contains("span")) {
-    t.span.message = required<int64_t>(j["span"], "message", where);
-    t.span.begin = required<int64_t>(j["span"], "begin", where);
-    t.span.end = required<int64_t>(j["span"], "end", where);
+    KV_CHECK_ARG(j["span"].is_object(), where, ": field 'span' is not an object {message, begin, end}");
+    t.span.message = int_field(j["span"], "message", where, -1, kMaxTokens);
+    t.span.begin = int_field(j["span"], "begin", where, -1, INT64_MAX);
+    t.span.end = int_field(j["span"], "end", where, -1, INT64_MAX);
     if (t.span.message >= 0) {
       KV_CHECK_ARG(t.span.message < static_cast<int64_t>(t.messages.size()) && t.span.begin >= 0 &&
                        t.span.begin <= t.span.end &&
@@ -231,8 +273,7 @@ Task task_from_json(const std::string& line) {
                    " is outside the message");
     }
   }
-  t.max_new_tokens = j.value("max_new_tokens", int64_t{16});
-  KV_CHECK_ARG(t.max_new_tokens >= 1, where, ": max_new_tokens must be >= 1, got ", t.max_new_tokens);
+  t.max_new_tokens = int_field(j, "max_new_tokens", where, 1, kMaxTokens, 16);
   return t;
 }
 
