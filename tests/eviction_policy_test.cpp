@@ -268,6 +268,23 @@ TEST(TovaPolicy, LastQueryAveragedOverAllHeadsSharedSelection) {
   EXPECT_EQ(plan_rows(*q, (ctx_for(0, 6))), (Rows{{3, 4, 5}, {3, 4, 5}}));
 }
 
+// A window larger than its budget names both, and the context only once it is known.
+TEST(WindowPolicy, WindowPastTheBudgetNamesBoth) {
+  try {
+    (void)make_eviction_policy("window:w5@3");
+    FAIL() << "expected CapacityError";
+  } catch (const CapacityError& e) {
+    EXPECT_STREQ(e.what(), "window: w5 exceeds the budget of 3 tokens (@3)");
+  }
+  auto p = make_eviction_policy("window:w5@50%");
+  try {
+    p->reset(8, CacheShape{1, 2, 2});
+    FAIL() << "expected CapacityError";
+  } catch (const CapacityError& e) {
+    EXPECT_STREQ(e.what(), "window: w5 exceeds the budget of 4 tokens (@50% of 8)");
+  }
+}
+
 // plan() is const: planning twice gives the same plan; the stream advances with on_evicted.
 TEST(RandomPolicy, PlanningChangesNothingEvictingAdvances) {
   auto p = make("random:seed7@20", 0, 2, 2, 2);

@@ -2,6 +2,7 @@
 // Positional policies: full, window (most recent N), sink (StreamingLLM, arXiv 2309.17453).
 // They need no attention and keep the same tokens in every KV head.
 #include <limits>
+#include <string>
 
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -59,7 +60,7 @@ void WindowPolicy::on_reset() {
   if (w_param_ > 0 && budget().kind != Budget::Kind::kNone) {
     KV_CHECK(w_param_ <= resolved_budget(), CapacityError, "window: w", w_param_,
              " exceeds the budget of ", resolved_budget(), " tokens (", budget().to_string(),
-             " of ", context_length(), ")");
+             context_length() > 0 ? " of " + std::to_string(context_length()) : std::string(), ")");
   }
   window_ = w_param_ > 0 ? w_param_ : resolved_budget();
 }
