@@ -141,6 +141,29 @@ TEST(StudyResults, ShardErrorsNameThePartAndItsRange) {
   EXPECT_EQ(Shard::parse("999999/1000000").index, 999999);
 }
 
+// A row with a mistyped or out-of-range field is an error naming the field and its value.
+TEST(StudyResults, BadRowFieldsAreNamed) {
+  auto message = [](const std::string& line) {
+    try {
+      (void)row_from_json(line);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  const std::string head = R"({"kind":"task","arm":"a","task":"t","model":"m")";
+  EXPECT_EQ(message(head + R"(,"order":0})"), "valid");
+  EXPECT_EQ(message(head + "}"), "result row: missing field 'order'");
+  EXPECT_EQ(message(head + R"(,"order":"zero"})"), "result row: field 'order' = \"zero\" is not an integer");
+  EXPECT_EQ(message(head + R"(,"order":99999999999999999999})"),
+            "result row: field 'order' = 1e+20 is out of range [0, 9223372036854775807]");
+  EXPECT_EQ(message(head + R"(,"order":-1})"), "result row: field 'order' = -1 is out of range [0, 9223372036854775807]");
+  EXPECT_EQ(message(head + R"(,"order":0,"passed":"yes"})"), "result row: field 'passed' = \"yes\" is not true or false");
+  EXPECT_EQ(message(head + R"(,"order":0,"values":{"x":"str"}})"), "result row: values['x'] = \"str\" is not a number");
+  EXPECT_EQ(message(R"({"order":0,"kind":"task","arm":7,"task":"t","model":"m"})"),
+            "result row: field 'arm' = 7 is not a string");
+}
+
 TEST(StudyResults, MergeDedupesAndSortsByPlanOrder) {
   auto r0 = row(0, "a", "t0");
   auto r1 = row(1, "a", "t1");

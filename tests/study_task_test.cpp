@@ -138,6 +138,7 @@ TEST(StudyTask, JsonNumbersOutOfRangeNameTheField) {
             "task 'x': field 'begin' = -2 is out of range [-1, 9223372036854775807]");
   EXPECT_EQ(message(R"(,"rule2":0)"), "valid");
   EXPECT_EQ(message(R"(,"max_new_tokens":12)"), "valid");
+  EXPECT_EQ(message(R"(,"rule":{"kind":"regex","arg":"(("})").rfind("task 'x': scoring rule regex '((' ", 0), 0u);
   EXPECT_EQ(message(R"(,"rule":{"kind":"word","arg":7})"), "task 'x': field 'arg' = 7 is not a string");
 }
 

@@ -9,12 +9,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "common/file_io.h"
+#include "study/json_fields.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
 
@@ -102,24 +104,26 @@ ResultRow row_from_json(const std::string& line) {
     throw InvalidArgument(detail::str_cat("invalid JSON: ", e.what()));
   }
   KV_CHECK_ARG(j.is_object(), "a result row must be a JSON object");
+  namespace f = json_fields;
+  const std::string where = "result row";
   ResultRow r;
-  try {
-    r.order = j.at("order").get<int64_t>();
-    r.kind = j.at("kind").get<std::string>();
-    r.arm = j.at("arm").get<std::string>();
-    r.task = j.at("task").get<std::string>();
-    r.model = j.at("model").get<std::string>();
-    r.family = j.value("family", std::string());
-    r.depth_pct = j.value("depth_pct", -1);
-    r.context_target = j.value("context_target", int64_t{0});
-    r.passed = j.value("passed", false);
-    r.output = j.value("output", std::string());
-    r.error = j.value("error", std::string());
-    if (j.contains("values")) {
-      for (const auto& [k, x] : j.at("values").items()) r.values[k] = x.get<double>();
+  r.order = f::integer(j, "order", where, 0, INT64_MAX);
+  r.kind = f::string(j, "kind", where);
+  r.arm = f::string(j, "arm", where);
+  r.task = f::string(j, "task", where);
+  r.model = f::string(j, "model", where);
+  r.family = f::string(j, "family", where, std::string());
+  r.depth_pct = static_cast<int>(f::integer(j, "depth_pct", where, -1, 100, -1));
+  r.context_target = f::integer(j, "context_target", where, 0, INT64_MAX, 0);
+  r.passed = f::boolean(j, "passed", where, false);
+  r.output = f::string(j, "output", where, std::string());
+  r.error = f::string(j, "error", where, std::string());
+  if (j.contains("values")) {
+    KV_CHECK_ARG(j.at("values").is_object(), where, ": field 'values' is not an object");
+    for (const auto& [k, x] : j.at("values").items()) {
+      KV_CHECK_ARG(x.is_number(), where, ": values['", k, "'] = ", x.dump(), " is not a number");
+      r.values[k] = x.template get<double>();
     }
-  } catch (const json::exception& e) {
-    throw InvalidArgument(detail::str_cat("missing or mistyped field: ", e.what()));
   }
   return r;
 }

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "common/file_io.h"
+#include "study/json_fields.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
 
@@ -69,40 +70,13 @@ T required(const ojson& j, const char* key, const std::string& where) {
   }
 }
 
-/// Integer field `key` in [lo, hi]; `fallback` when absent (nullopt: required).
 int64_t int_field(const ojson& j, const char* key, const std::string& where, int64_t lo, int64_t hi,
                   std::optional<int64_t> fallback = std::nullopt) {
-  if (!j.contains(key) && fallback) return *fallback;
-  KV_CHECK_ARG(j.contains(key), where, ": missing field '", key, "'");
-  const ojson& v = j.at(key);
-  // JSON integers beyond uint64 arrive as doubles: out of range, not "not an integer".
-  const bool integral_float = v.is_number_float() && std::isfinite(v.get<double>()) &&
-                              v.get<double>() == std::floor(v.get<double>());
-  KV_CHECK_ARG(v.is_number_integer() || integral_float, where, ": field '", key, "' = ", v.dump(),
-               " is not an integer");
-  bool fits = false;
-  int64_t out = 0;
-  if (v.is_number_unsigned()) {
-    const uint64_t u = v.get<uint64_t>();
-    fits = hi >= 0 && u <= static_cast<uint64_t>(hi) && (lo <= 0 || u >= static_cast<uint64_t>(lo));
-    out = static_cast<int64_t>(u);
-  } else if (v.is_number_integer()) {
-    out = v.get<int64_t>();
-    fits = out >= lo && out <= hi;
-  } else {
-    const double d = v.get<double>();
-    fits = d >= static_cast<double>(lo) && d <= static_cast<double>(hi) && std::fabs(d) < 9.0e18;
-    out = fits ? static_cast<int64_t>(d) : 0;
-  }
-  KV_CHECK_ARG(fits, where, ": field '", key, "' = ", v.dump(), " is out of range [", lo, ", ", hi, "]");
-  return out;
+  return json_fields::integer(j, key, where, lo, hi, fallback);
 }
 
-/// Optional string field `key` ("" when absent).
 std::string optional_string(const ojson& j, const char* key, const std::string& where) {
-  if (!j.contains(key)) return std::string();
-  KV_CHECK_ARG(j.at(key).is_string(), where, ": field '", key, "' = ", j.at(key).dump(), " is not a string");
-  return j.at(key).get<std::string>();
+  return json_fields::string(j, key, where, std::string());
 }
 
 }  // namespace
@@ -260,6 +234,13 @@ Task task_from_json(const std::string& line) {
   KV_CHECK_ARG(j.contains("rule") && j["rule"].is_object(), where, ": missing object field 'rule'");
   t.rule.kind = parse_rule_kind(required<std::string>(j["rule"], "kind", where));
   t.rule.arg = optional_string(j["rule"], "arg", where);
+  if (t.rule.kind == RuleKind::kRegex) {
+    try {
+      (void)score_output(t.rule, "");  // compiles the pattern: a bad one fails at load, not per row
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat(where, ": ", e.what()));
+    }
+  }
   if (j.contains("span")) {
     KV_CHECK_ARG(j["span"].is_object(), where, ": field 'span' is not an object {message, begin, end}");
     t.span.message = int_field(j["span"], "message", where, -1, kMaxTokens);
