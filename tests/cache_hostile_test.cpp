@@ -405,6 +405,28 @@ TEST(CacheHostile, RejectionsNameTheValue) {
             "over the resident keys)");
 }
 
+// Finite in, finite out at the edges: a query position before every key sees nothing and gets
+// a zero row; values near the float16 limit and far beyond it come back finite from every
+// format (fp32 blocks where a format cannot hold them).
+TEST(CacheHostile, EdgesStayFinite) {
+  for (const std::string quant : {"fp32", "fp16", "bf16", "fp8:e4m3", "int8", "int2:g4:chan", "kivi:k2:v2:g4:r4"}) {
+    CacheManager m(make_config(1, 2, 1, 8, quant, "full", 16));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+    m.append(0, randn({1, 1, 4, 8}, gen), randn({1, 1, 4, 8}, gen), positions_range(5, 4));
+    const at::Tensor none = m.attend(0, randn({1, 2, 1, 8}, gen), positions_range(0, 1));
+    EXPECT_TRUE(at::equal(none, at::zeros({1, 2, 1, 8}))) << quant;
+    for (float big : {65504.0f, 1e30f}) {
+      m.append(0, randn({1, 1, 4, 8}, gen) * big, randn({1, 1, 4, 8}, gen) * big,
+               positions_range(m.next_position(0), 4));
+      const at::Tensor out = m.attend(0, randn({1, 2, 4, 8}, gen), positions_range(m.next_position(0) - 4, 4));
+      EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << quant << " " << big;
+      m.end_step(StepKind::kPrefill);
+      expect_finite(m, quant);
+    }
+    m.check_invariants();
+  }
+}
+
 // Configurations that cannot work are rejected at construction, naming the value.
 TEST(CacheHostile, AbsurdConfigsAreRejected) {
   auto message = [](const std::function<void(CacheConfig&)>& edit) {
