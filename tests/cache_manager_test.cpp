@@ -18,6 +18,7 @@ namespace {
 
 using testing::make_config;
 using testing::positions_range;
+using testing::Snapshot;
 using testing::test_rope;
 
 TEST(CacheConfig, ValidateNamesTheBadField) {
@@ -336,38 +337,10 @@ TEST(CacheManager, ResidualWindowWithPlainQuantizer) {
   EXPECT_EQ(m.tokens(0).stats.bytes_resident, 2 * 2 * (2 * 8 + 3 * 16));
 }
 
-// Seeded random sequences over quantizers × policies × key storage: check_invariants() after
-// every append, observation and end_step.
-/// Everything a rejected call must leave unchanged.
-struct Snapshot {
-  CacheStats stats;
-  std::vector<LayerTokens> layers;
-  std::vector<at::Tensor> kv;
-  explicit Snapshot(const CacheManager& m) : stats(m.stats()) {
-    for (int64_t l = 0; l < m.config().num_layers; ++l) {
-      layers.push_back(m.tokens(l));
-      const LayerKV g = m.get(l);
-      kv.push_back(g.k.clone());
-      kv.push_back(g.v.clone());
-    }
-  }
-  void expect_same(const CacheManager& m, const std::string& where) const {
-    const Snapshot now(m);
-    EXPECT_EQ(now.stats.bytes_resident, stats.bytes_resident) << where;
-    EXPECT_EQ(now.stats.bytes_reserved, stats.bytes_reserved) << where;
-    EXPECT_EQ(now.stats.tokens_written, stats.tokens_written) << where;
-    for (size_t l = 0; l < layers.size(); ++l) {
-      EXPECT_EQ(now.layers[l].positions, layers[l].positions) << where;
-      EXPECT_EQ(now.layers[l].written, layers[l].written) << where;
-    }
-    for (size_t i = 0; i < kv.size(); ++i) EXPECT_TRUE(at::equal(now.kv[i], kv[i])) << where;
-  }
-};
-
 // Seeded random sequences over quantizers × policies × key storage × block sizes:
 // check_invariants() after every append, attention and end_step; attention comes from
 // attend() or from observe_attention(probs) at random; rejected calls (NaN in K or V, a
-// bad shape) change nothing.
+// bad shape) change nothing. tests/cache_hostile_test.cpp tries many more rejected calls.
 TEST(CacheManager, RandomizedInvariants) {
   const std::vector<std::string> quants = {"fp32", "fp16", "int8", "int4:g4", "int2:g8:chan",
                                            "fp8:e4m3:scaled", "kivi:k2:v4:g4:r8"};
@@ -406,7 +379,7 @@ TEST(CacheManager, RandomizedInvariants) {
                 EXPECT_THROW(m.append(l, testing::randn({1, 2, n, 8}, gen), bad, positions_range(p0, n)), InvalidArgument);
               }
               EXPECT_THROW(m.append(l, testing::randn({1, 2, n, 7}, gen), bad, positions_range(p0, n)), InvalidArgument);
-              before.expect_same(m, where + " after a rejected append");
+              before.expect_unchanged(m, where + " after a rejected append");
             }
             m.append(l, testing::randn({1, 2, n, 8}, gen) * 2.0, testing::randn({1, 2, n, 8}, gen),
                      positions_range(p0, n));

@@ -1,15 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Shared fixtures of the CacheManager tests: a small RoPE hook, configs, random KV and
-// attention.
+// attention, and a Snapshot of everything a rejected call must leave unchanged.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "kvcache/cache_manager.h"
+#include "kvcache/error.h"
 
 namespace kvcache::testing {
 
@@ -59,5 +61,72 @@ inline int64_t physical_length(const CacheManager& m, int64_t layer) { return m.
 inline at::Tensor positions_range(int64_t start, int64_t n) {
   return at::arange(start, start + n, at::kLong);
 }
+
+/// Everything a CacheManager shows through its public API: totals and peaks, per layer the
+/// positions, logical length, next position and counters, the dequantized K/V (when the heads
+/// hold equal numbers of tokens), and the policy's budget and attention need. A rejected call
+/// must leave it unchanged; two managers fed the same accepted calls must show the same.
+struct Snapshot {
+  CacheStats stats;
+  std::vector<LayerTokens> layers;
+  std::vector<at::Tensor> kv;  ///< per layer k, v (undefined for ragged heads)
+  int64_t budget = 0;
+  bool needs_attention = false;
+
+  explicit Snapshot(const CacheManager& m) : stats(m.stats()) {
+    for (int64_t l = 0; l < m.config().num_layers; ++l) {
+      layers.push_back(m.tokens(l));
+      const auto& pos = layers.back().positions;
+      bool uniform = true;
+      for (const auto& p : pos) uniform = uniform && p.size() == pos[0].size();
+      if (uniform) {
+        const LayerKV g = m.get(l);
+        kv.push_back(g.k.clone());
+        kv.push_back(g.v.clone());
+      } else {
+        kv.emplace_back();
+        kv.emplace_back();
+      }
+    }
+    try {
+      budget = m.policy().token_budget();
+    } catch (const Error&) {
+      budget = -1;  // a fractional budget before reset(context_length)
+    }
+    needs_attention = m.policy().needs_attention();
+  }
+
+  /// EXPECTs that `other` shows exactly this (bit for bit).
+  void expect_same(const Snapshot& other, const std::string& where) const {
+    auto same_stats = [&](const CacheStats& a, const CacheStats& b, const std::string& what) {
+      EXPECT_EQ(a.tokens_written, b.tokens_written) << where << what;
+      EXPECT_EQ(a.tokens_resident, b.tokens_resident) << where << what;
+      EXPECT_EQ(a.tokens_resident_peak, b.tokens_resident_peak) << where << what;
+      EXPECT_EQ(a.bytes_resident, b.bytes_resident) << where << what;
+      EXPECT_EQ(a.bytes_resident_peak, b.bytes_resident_peak) << where << what;
+      EXPECT_EQ(a.bytes_reserved, b.bytes_reserved) << where << what;
+      EXPECT_EQ(a.bytes_reserved_peak, b.bytes_reserved_peak) << where << what;
+    };
+    same_stats(stats, other.stats, " (totals)");
+    ASSERT_EQ(layers.size(), other.layers.size()) << where;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const std::string layer = " (layer " + std::to_string(l) + ")";
+      EXPECT_EQ(layers[l].positions, other.layers[l].positions) << where << layer;
+      EXPECT_EQ(layers[l].written, other.layers[l].written) << where << layer;
+      EXPECT_EQ(layers[l].next_position, other.layers[l].next_position) << where << layer;
+      same_stats(layers[l].stats, other.layers[l].stats, layer);
+    }
+    for (size_t i = 0; i < kv.size(); ++i) {
+      ASSERT_EQ(kv[i].defined(), other.kv[i].defined()) << where;
+      if (kv[i].defined()) {
+        EXPECT_TRUE(at::equal(kv[i], other.kv[i])) << where << " (K/V " << i << ")";
+      }
+    }
+    EXPECT_EQ(budget, other.budget) << where;
+    EXPECT_EQ(needs_attention, other.needs_attention) << where;
+  }
+  /// EXPECTs that `m` still shows this snapshot.
+  void expect_unchanged(const CacheManager& m, const std::string& where) const { expect_same(Snapshot(m), where); }
+};
 
 }  // namespace kvcache::testing

@@ -79,6 +79,27 @@ TEST(ChatTemplate, RejectsBadRoles) {
   }
 }
 
+// The byte offset of invalid UTF-8 points into the text the caller passed, not into the
+// rendered prompt (whose markers would shift it), for both templates.
+TEST(ChatTemplate, InvalidUtf8NamesTheMessageAndItsByte) {
+  for (const ChatTemplate& t : {ChatTemplate::chatml(), ChatTemplate::plain()}) {
+    try {
+      (void)t.render({{"system", "Be brief."}, {"user", "a\xff" "b"}}, true);
+      FAIL() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(), "ChatTemplate::render: the user message (message 1) is not valid UTF-8 at byte 1 of its "
+                             "content (byte value 0xff)");
+    }
+  }
+  try {
+    (void)ChatTemplate::chatml().render({{"system", "caf\xc3"}}, false);  // truncated 2-byte sequence
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the system message (message 0) is not valid UTF-8 at byte 3 of its content "
+                                    "(byte value 0xc3)"));
+  }
+}
+
 TEST(ChatTemplate, DetectFromQwenJinjaTemplate) {
   if (!exists(kQwenDir + "/Qwen-Qwen2.5-7B-Instruct.jinja")) GTEST_SKIP() << "shared data folder absent: " << kQwenDir;
   nlohmann::json cfg;

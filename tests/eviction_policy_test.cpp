@@ -51,6 +51,15 @@ Rows kept_rows(const EvictionPlan& plan, const EvictionContext& c) {
 
 Rows plan_rows(EvictionPolicy& p, const EvictionContext& c) { return kept_rows(p.plan(c), c); }
 
+/// One layer's end of step as CacheManager::end_step drives it: plan, on_evicted (for a
+/// non-empty plan), on_step_end; the kept rows.
+Rows step_rows(EvictionPolicy& p, const EvictionContext& c) {
+  const EvictionPlan plan = p.plan(c);
+  if (!plan.empty()) p.on_evicted(c.layer, plan);
+  p.on_step_end(c);
+  return kept_rows(plan, c);
+}
+
 std::unique_ptr<EvictionPolicy> make(const std::string& spec, int64_t context, int64_t hq = 2,
                                      int64_t hkv = 2, int64_t layers = 1) {
   auto p = make_eviction_policy(spec);
@@ -259,14 +268,41 @@ TEST(TovaPolicy, LastQueryAveragedOverAllHeadsSharedSelection) {
   EXPECT_EQ(plan_rows(*q, (ctx_for(0, 6))), (Rows{{3, 4, 5}, {3, 4, 5}}));
 }
 
+// A window larger than its budget names both, and the context only once it is known.
+TEST(WindowPolicy, WindowPastTheBudgetNamesBoth) {
+  try {
+    (void)make_eviction_policy("window:w5@3");
+    FAIL() << "expected CapacityError";
+  } catch (const CapacityError& e) {
+    EXPECT_STREQ(e.what(), "window: w5 exceeds the budget of 3 tokens (@3)");
+  }
+  auto p = make_eviction_policy("window:w5@50%");
+  try {
+    p->reset(8, CacheShape{1, 2, 2});
+    FAIL() << "expected CapacityError";
+  } catch (const CapacityError& e) {
+    EXPECT_STREQ(e.what(), "window: w5 exceeds the budget of 4 tokens (@50% of 8)");
+  }
+}
+
+// plan() is const: planning twice gives the same plan; the stream advances with on_evicted.
+TEST(RandomPolicy, PlanningChangesNothingEvictingAdvances) {
+  auto p = make("random:seed7@20", 0, 2, 2, 2);
+  const auto first = plan_rows(*p, ctx_for(1, 64));
+  EXPECT_EQ(plan_rows(*p, ctx_for(1, 64)), first);
+  EXPECT_EQ(step_rows(*p, ctx_for(1, 64)), first);
+  EXPECT_NE(plan_rows(*p, ctx_for(1, 64)), first);
+  EXPECT_EQ(plan_rows(*p, ctx_for(0, 64)), plan_rows(*make("random:seed7@20", 0, 2, 2, 2), ctx_for(0, 64)));
+}
+
 TEST(RandomPolicy, SeededReproducibleNewestKept) {
   auto a = make("random:seed7@20", 0, 2, 2, 2);
   auto b = make("random:seed7@20", 0, 2, 2, 2);
   auto c = make("random:seed8@20", 0, 2, 2, 2);
   for (int step = 0; step < 3; ++step) {
-    auto pa = plan_rows(*a, ctx_for(1, 64));
-    auto pb = plan_rows(*b, ctx_for(1, 64));
-    auto pc = plan_rows(*c, ctx_for(1, 64));
+    auto pa = step_rows(*a, ctx_for(1, 64));
+    auto pb = step_rows(*b, ctx_for(1, 64));
+    auto pc = step_rows(*c, ctx_for(1, 64));
     ASSERT_EQ(pa.size(), 2u);
     EXPECT_EQ(pa, pb);
     EXPECT_NE(pa, pc);
@@ -324,6 +360,8 @@ TEST(SnapKVPolicy, PooledSelectionOnceAtPrefillEnd) {
   // Pooled prefix scores [0.2, 0.2, 0.233, 0.133, 0.133, 0.067, 0, 0] → top-3 {0, 1, 2} +
   // window {8, 9}. (Raw scores would pick {1, 3, 4}.)
   EXPECT_EQ(plan_rows(*p, ctx_for(0, 10, 10, true, -1, 1)), (Rows{{0, 1, 2, 8, 9}}));
+  EXPECT_TRUE(p->needs_attention());  // planning changed nothing
+  EXPECT_EQ(step_rows(*p, ctx_for(0, 10, 10, true, -1, 1)), (Rows{{0, 1, 2, 8, 9}}));
   EXPECT_FALSE(p->needs_attention());
   EXPECT_TRUE(p->plan(ctx_for(0, 6, 1, false, 11, 1)).empty());  // decode: appended only
   // Raw (kernel 1) scores for comparison.
@@ -410,7 +448,7 @@ TEST(PyramidKVPolicy, PerLayerPlansAtPrefillEnd) {
   for (int64_t l = 0; l < 3; ++l) p->observe(l, at::softmax(at::randn({1, 2, 4, 20}, gen), -1));
   const int64_t want[] = {15, 10, 5};
   for (int64_t l = 0; l < 3; ++l) {
-    auto rows = plan_rows(*p, ctx_for(l, 20, 20, true));
+    auto rows = step_rows(*p, ctx_for(l, 20, 20, true));
     ASSERT_EQ(rows.size(), 2u);
     EXPECT_EQ(static_cast<int64_t>(rows[0].size()), want[l]) << "layer " << l;
     EXPECT_EQ(rows[0].back(), 19);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cache/cache_manager_access.h"
+#include "cache/cache_scheme.h"
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
@@ -122,6 +123,45 @@ TEST(Kivi, SchemeSpecValidation) {
   c.residual_length = 0;
   CacheManager m(c);
   EXPECT_EQ(CacheManagerAccess::scheme(m), "kivi:k2:v2:g32:r128");
+}
+
+// What validates runs: a residual shorter than a key group (r0 once passed validation and then
+// failed at the first flush with an internal error) and bit widths without an integer
+// quantizer are rejected, in the words of the spec the user wrote.
+TEST(Kivi, SchemesThatCannotRunAreRejected) {
+  auto message = [](const std::string& quant) {
+    try {
+      make_config(1, 2, 2, 8, quant, "full").validate();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  EXPECT_EQ(message("kivi:k2:v2:g4:r0"), "spec 'kivi:k2:v2:g4:r0': field 'r0': r=0 out of range [1, 1000000000] "
+                                         "(full-precision residual tokens (a positive multiple of g))");
+  EXPECT_EQ(message("kivi:g4:r2"), "cache scheme 'kivi:g4:r2': residual r=2 must be a positive multiple of the group "
+                                   "size g=4 (keys are quantized in whole groups of g tokens, which wait in the residual)");
+  EXPECT_EQ(message("kivi:k3:g4:r4"),
+            "cache scheme 'kivi:k3:g4:r4': k=3 bits is not a registered integer width (expected 2, 4 or 8)");
+  EXPECT_EQ(message("kivi:v5:g4:r4"),
+            "cache scheme 'kivi:v5:g4:r4': v=5 bits is not a registered integer width (expected 2, 4 or 8)");
+  EXPECT_EQ(message("kivi:g2:r2"), "cache scheme 'kivi:g2:r2': its keys are stored as 'int2:g2:chan', which fails: "
+                                   "int2:g2: group size must be a multiple of 4 (4 codes are packed per byte within a "
+                                   "group)");
+  EXPECT_THROW((void)cache::canonical_cache_spec("kivi:g2:r2"), InvalidArgument);  // needs no head_dim to know
+  EXPECT_EQ(message("kivi:k8:v8:g4:r4"), "valid");
+  // The smallest residual that validates runs: prefill, a flush, decode.
+  CacheManager m(make_config(1, 2, 2, 8, "kivi:k2:v2:g4:r4", "full"));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  m.append(0, testing::randn({1, 2, 5, 8}, gen), testing::randn({1, 2, 5, 8}, gen), positions_range(0, 5));
+  m.end_step(StepKind::kPrefillEnd);
+  for (int64_t p = 5; p < 12; ++p) {
+    m.append(0, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen), positions_range(p, 1));
+    m.end_step(StepKind::kDecode);
+    m.check_invariants();
+  }
+  EXPECT_EQ(m.stats().tokens_resident, 12);
+  EXPECT_EQ(CacheManagerAccess::stream(m, 0, true).residual_tokens, (std::vector<int64_t>{0, 0}));
 }
 
 // Evicting tokens of per-channel key groups (g = 8, D = 8, one KV head): a group that loses

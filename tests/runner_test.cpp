@@ -638,8 +638,12 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
   expect_throw([&] { runner.generate({1, 2048}, greedy(4), cache); }, "token id 2048 at index 1");
   expect_throw([&] { runner.generate({1, -1}, greedy(4), cache); }, "token id -1");
   expect_throw([&] { runner.generate({1}, greedy(0), cache); },
-               "max_new_tokens must be >= 1, got 0");
-  expect_throw([&] { runner.generate({1}, greedy(2, -3), cache); }, "chunk_size must be >= 0");
+               "max_new_tokens must be in [1, 1000000000], got 0");
+  // A huge limit is rejected before anything is reserved (it was std::bad_alloc).
+  expect_throw([&] { runner.generate({1}, greedy(int64_t{1} << 50), cache); },
+               "max_new_tokens must be in [1, 1000000000], got 1125899906842624");
+  expect_throw([&] { runner.generate({1}, greedy(2, -3), cache); }, "prefill_chunk must be >= 0");
+  expect_throw([&] { runner.prefill({1}, cache, -3); }, "chunk_size must be >= 0");
   expect_throw([&] { runner.score({1}, cache); }, "at least 2 tokens, got 1");
   expect_throw([&] { runner.decode_step(5000, cache); }, "token id 5000");
   CacheConfig wrong = m.lm->cache_config();

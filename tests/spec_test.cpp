@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
@@ -174,7 +176,7 @@ TEST(SpecBudget, Errors) {
     split_budget("window@0");
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("token budget must be an integer >= 1, got 0"));
+    EXPECT_THAT(e.what(), HasSubstr("token budget must be an integer in [1, 1000000000], got 0"));
   }
   EXPECT_THROW(split_budget("window@"), InvalidArgument);
   EXPECT_THROW(split_budget("window@0%"), InvalidArgument);
@@ -186,6 +188,82 @@ TEST(SpecBudget, Errors) {
   // A fraction that rounds to zero tokens.
   EXPECT_THROW(Budget::parse("1%").resolve(50), CapacityError);
   EXPECT_THROW(Budget::parse("50%").resolve(0), InvalidArgument);
+}
+
+// Budgets beyond any context (and beyond int64) are rejected where they are parsed, naming
+// the text the user wrote; the largest accepted one resolves exactly.
+TEST(SpecBudget, HugeAndNegativeTokenBudgets) {
+  auto message = [](const std::string& spec) {
+    try {
+      (void)split_budget(spec);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("random@1e300"), "budget '@1e300': token budget must be an integer in [1, 1000000000], got 1e300");
+  EXPECT_EQ(message("h2o@99999999999999999999"),
+            "budget '@99999999999999999999': token budget must be an integer in [1, 1000000000], got "
+            "99999999999999999999");
+  EXPECT_EQ(message("window@-5"), "budget '@-5': token budget must be an integer in [1, 1000000000], got -5");
+  EXPECT_EQ(message("window@1000000001"),
+            "budget '@1000000001': token budget must be an integer in [1, 1000000000], got 1000000001");
+  EXPECT_EQ(message("window@1e400"), "budget '@1e400': token budget must be an integer in [1, 1000000000], got 1e400");
+  EXPECT_EQ(message("window@1e400%"), "budget '@1e400%': percentage must be in (0, 100], got 1e400%");
+  EXPECT_EQ(message("window@1e-400%"), "budget '@1e-400%': percentage must be in (0, 100], got 1e-400%");
+  EXPECT_EQ(split_budget("window@1000000000").second.resolve(5), 1000000000);
+  EXPECT_EQ(split_budget("window@1e3").second.resolve(5), 1000);
+  // A Budget built by hand is checked when it resolves.
+  Budget b;
+  b.kind = Budget::Kind::kTokens;
+  b.value = 1e300;
+  EXPECT_THROW(b.resolve(10), InvalidArgument);
+}
+
+// A number too large for a double is out of range (not "not a number"), in every spec table.
+TEST(SpecParse, NumbersBeyondDoubleAreOutOfRange) {
+  const ParamTable t = demo_table();
+  try {
+    ParsedSpec::parse("demo:k" + std::string(400, '9'), t);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("k=" + std::string(400, '9') + " out of range [1, 8]"));
+  }
+  try {
+    make_quantizer("int4:g99999999999999999999");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("g=99999999999999999999 out of range [0, 65536]"));
+  }
+  EXPECT_THROW(ParsedSpec::parse("demo:r1e-400", t), InvalidArgument);
+}
+
+TEST(SpecParseInteger, RangesAndMessages) {
+  EXPECT_EQ(parse_integer("42", "--context", 0, 100), 42);
+  EXPECT_EQ(parse_integer("-7", "x", -10, 10), -7);
+  EXPECT_EQ(parse_integer("9223372036854775807", "x", 0, INT64_MAX), INT64_MAX);
+  auto message = [](const std::string& text, int64_t lo, int64_t hi) {
+    try {
+      (void)parse_integer(text, "--context", lo, hi);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("101", 0, 100), "--context = 101 is out of range [0, 100]");
+  EXPECT_EQ(message("-1", 0, 100), "--context = -1 is out of range [0, 100]");
+  EXPECT_EQ(message("9223372036854775808", 0, 100), "--context = 9223372036854775808 is out of range [0, 100]");
+  EXPECT_EQ(message("-99999999999999999999", 0, 100), "--context = -99999999999999999999 is out of range [0, 100]");
+  try {
+    (void)parse_integer("7", "", 1, 5);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "7 is out of range [1, 5]");  // a CLI option validator: CLI11 prefixes the option
+  }
+  for (const char* bad : {"", " 1", "1 ", "+1", "1e3", "0x10", "1.0", "one", "-"}) {
+    EXPECT_EQ(message(bad, 0, 100), "--context = '" + std::string(bad) + "' is not an integer (expected one in [0, 100])")
+        << bad;
+  }
 }
 
 TEST(SpecDescribe, ListsEveryParam) {

@@ -2,9 +2,14 @@
 // The memory calculator against the quantization deep-dive's numbers and methods b.0.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <fstream>
+#include <vector>
+#include <utility>
+#include <string>
 
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 #include "kvcache/study/memory.h"
 
 using namespace kvcache;
@@ -81,6 +86,41 @@ TEST(StudyMemory, BadSpecsAndArguments) {
   EXPECT_THROW(estimate_kv_memory(kLlama, kv_format("fp16", 128), -1), InvalidArgument);
   EXPECT_THROW(estimate_kv_memory(kLlama, kv_format("fp16", 128), 1, 0), InvalidArgument);
   EXPECT_THROW(model_shape_preset("gpt-5"), InvalidArgument);
+}
+
+// Contexts and batches up to the accepted limits compute without overflow (an int64 product
+// once printed a negative ratio); beyond them, an error naming the value and the range.
+TEST(StudyMemory, HugeSizesAreInRangeOrRejected) {
+  const KvFormat fp16 = kv_format("fp16", 128);
+  const auto m = estimate_kv_memory(kLlama, fp16, kMaxTokens, kMaxBatch);
+  EXPECT_DOUBLE_EQ(m.raw_bytes, 131072.0 * 1e9 * 1e6);
+  const std::string md = memory_table_markdown(kLlama, {fp16}, {kMaxTokens}, kMaxBatch);
+  EXPECT_NE(md.find("| 16.000 | 1.00x |"), std::string::npos) << md;
+  auto message = [&](int64_t tokens, int64_t batch) {
+    try {
+      (void)estimate_kv_memory(kLlama, fp16, tokens, batch);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(INT64_MAX, 4), "context length 9223372036854775807 tokens is out of range [0, 1000000000]");
+  EXPECT_EQ(message(4096, INT64_MAX), "batch 9223372036854775807 is out of range [1, 1000000]");
+  // A config.json with a field beyond any model (or beyond int64) is rejected by name.
+  const std::string path = ::testing::TempDir() + "/study_memory_huge_config.json";
+  // (JSON keeps an integer beyond uint64 as a double: it prints back as 1e+20.)
+  for (const auto& [layers, shown] : std::vector<std::pair<std::string, std::string>>{
+           {"99999999999999999999", "1e+20"}, {"2000000", "2000000"}, {"0", "0"}, {"-3", "-3"}}) {
+    std::ofstream(path) << "{\"num_hidden_layers\": " << layers
+                        << ", \"num_attention_heads\": 8, \"hidden_size\": 512}";
+    try {
+      (void)model_shape_from_config(path);
+      ADD_FAILURE() << layers;
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "config '" + path + "': num_hidden_layers = " + shown + " is out of range [1, 1000000]");
+    }
+  }
 }
 
 TEST(StudyMemory, ReadsConfigJson) {

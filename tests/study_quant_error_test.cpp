@@ -59,9 +59,16 @@ TEST(StudyQuantError, Tables) {
   const auto specs = default_quant_error_specs();
   EXPECT_EQ(specs.front(), "fp32");
   EXPECT_EQ(specs.back(), "kivi:k2:v2:g32:r128");
-  const std::string md = reconstruction_table_markdown({"fp32", "int4:g128:chan"}, s);
+  // A spec that cannot be measured is an error (never a table cell), or listed as skipped.
+  EXPECT_THROW((void)reconstruction_table_markdown({"fp32", "int4:g128:chan"}, s), InvalidArgument);
+  EXPECT_THROW((void)reconstruction_table_markdown({"int5"}, s), InvalidArgument);
+  std::vector<std::string> skipped;
+  const std::string md = reconstruction_table_markdown({"fp32", "int4:g128:chan"}, s, &skipped);
   EXPECT_NE(md.find("| fp32 | 32.00 | 0.0000 | 0.0000 | 0.0000 | 0.0000 |"), std::string::npos) << md;
-  EXPECT_NE(md.find("| int4:g128:chan | – |"), std::string::npos) << md;
+  EXPECT_EQ(md.find("int4:g128:chan"), std::string::npos) << md;
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_EQ(skipped[0].rfind("int4:g128:chan: quantizer 'int4:g128:chan' groups 128 tokens per channel", 0), 0u)
+      << skipped[0];
   const std::string att = attention_table_markdown(s, {2, 4}, 32);
   EXPECT_NE(att.find("| per-channel K + per-token V (KIVI) |"), std::string::npos) << att;
   EXPECT_NE(att.find("2-bit output | 2-bit probs | 4-bit output"), std::string::npos) << att;

@@ -116,9 +116,52 @@ TEST(StudyResults, ShardParseAndOwnership) {
   EXPECT_TRUE(s.owns(4));
   EXPECT_FALSE(s.owns(5));
   EXPECT_EQ(s.to_string(), "1/3");
-  for (const char* bad : {"3/3", "-1/3", "1/0", "1", "a/b", "1/3x", ""}) {
+  for (const char* bad : {"3/3", "-1/3", "1/0", "1", "a/b", "1/3x", "", " 1/3", "+1/3", "1/ 3", "1/3 "}) {
     EXPECT_THROW(Shard::parse(bad), InvalidArgument) << bad;
   }
+}
+
+// Every part of i/n is range-checked with the text the user wrote: values beyond int64 too.
+TEST(StudyResults, ShardErrorsNameThePartAndItsRange) {
+  auto message = [](const std::string& text) {
+    try {
+      (void)Shard::parse(text);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("3/2"), "shard '3/2': i = 3 is out of range [0, 1] (shards are 0-based, like "
+                            "SLURM_ARRAY_TASK_ID with --array=0-(n-1))");
+  EXPECT_EQ(message("0/0"), "shard '0/0': n = 0 is out of range [1, 1000000]");
+  EXPECT_EQ(message("99999999999999999999/2"), "shard '99999999999999999999/2': i = 99999999999999999999 is out of "
+                                               "range [0, 1000000]");
+  EXPECT_EQ(message("0/2000000"), "shard '0/2000000': n = 2000000 is out of range [1, 1000000]");
+  EXPECT_EQ(message("+1/2"), "shard '+1/2': i = '+1' is not an integer (expected one in [0, 1000000])");
+  EXPECT_EQ(Shard::parse("999999/1000000").index, 999999);
+}
+
+// A row with a mistyped or out-of-range field is an error naming the field and its value.
+TEST(StudyResults, BadRowFieldsAreNamed) {
+  auto message = [](const std::string& line) {
+    try {
+      (void)row_from_json(line);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  const std::string head = R"({"kind":"task","arm":"a","task":"t","model":"m")";
+  EXPECT_EQ(message(head + R"(,"order":0})"), "valid");
+  EXPECT_EQ(message(head + "}"), "result row: missing field 'order'");
+  EXPECT_EQ(message(head + R"(,"order":"zero"})"), "result row: field 'order' = \"zero\" is not an integer");
+  EXPECT_EQ(message(head + R"(,"order":99999999999999999999})"),
+            "result row: field 'order' = 1e+20 is out of range [0, 9223372036854775807]");
+  EXPECT_EQ(message(head + R"(,"order":-1})"), "result row: field 'order' = -1 is out of range [0, 9223372036854775807]");
+  EXPECT_EQ(message(head + R"(,"order":0,"passed":"yes"})"), "result row: field 'passed' = \"yes\" is not true or false");
+  EXPECT_EQ(message(head + R"(,"order":0,"values":{"x":"str"}})"), "result row: values['x'] = \"str\" is not a number");
+  EXPECT_EQ(message(R"({"order":0,"kind":"task","arm":7,"task":"t","model":"m"})"),
+            "result row: field 'arm' = 7 is not a string");
 }
 
 TEST(StudyResults, MergeDedupesAndSortsByPlanOrder) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <functional>
 #include <fstream>
 #include <sstream>
 
@@ -210,6 +211,43 @@ TEST(StudySweep, UserErrorsBecomeRowsOtherErrorsAbort) {
   auto dup = options();
   dup.tasks.push_back(dup.tasks[0]);
   EXPECT_THROW(run_sweep(ev2, dup, store2), InvalidArgument);
+}
+
+// What run_sweep would reject is rejected by validate_sweep, before a results file exists.
+TEST(StudySweep, ValidateSweepRejectsBadInputsUpFront) {
+  FakeEvaluator ev;
+  auto message = [&](const std::function<void(SweepOptions&)>& edit) {
+    SweepOptions o = options();
+    edit(o);
+    try {
+      validate_sweep(ev, o);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  EXPECT_EQ(message([](SweepOptions&) {}), "valid");
+  EXPECT_EQ(message([](SweepOptions& o) { o.arms.push_back(parse_arm("kivi:k2:v2:g64:r128")); }), "valid");
+  EXPECT_EQ(message([](SweepOptions& o) { o.arms.push_back(parse_arm("bogus+full")); }), "unknown quantizer 'bogus'");
+  EXPECT_EQ(message([](SweepOptions& o) { o.control = parse_arm("bogus+full"); }), "unknown quantizer 'bogus'");
+  EXPECT_EQ(message([](SweepOptions& o) { o.tasks.clear(); }), "the sweep has no task (an empty task file or suite)");
+  EXPECT_EQ(message([](SweepOptions& o) { o.arms.clear(); }), "the sweep has no arm");
+  EXPECT_EQ(message([](SweepOptions& o) { o.tasks.push_back(o.tasks[0]); }),
+            "task id '" + options().tasks[0].id + "' appears twice in the task list");
+  EXPECT_EQ(message([](SweepOptions& o) { o.attention_bits = {2, 0}; }),
+            "attention-error bit width 0 is out of range [1, 16]");
+  EXPECT_EQ(message([](SweepOptions& o) { o.attention_group = 99999999999; }),
+            "attention-error group 99999999999 is out of range [1, 65536]");
+  EXPECT_EQ(ev.served, 0);  // nothing ran
+  // run_sweep rejects the same before writing a row.
+  const std::string path = tmp("rejected.jsonl");
+  SweepOptions o = options();
+  o.arms.push_back(parse_arm("bogus+full"));
+  {
+    ResultsStore store(path);
+    EXPECT_THROW(run_sweep(ev, o, store), InvalidArgument);
+  }
+  EXPECT_EQ(slurp(path), "");
 }
 
 TEST(StudyProgress, LogLinesWithRateAndEta) {

@@ -113,6 +113,35 @@ TEST(StudyTask, JsonErrorsNameTheField) {
   EXPECT_THROW(task_from_json("not json"), kvcache::InvalidArgument);
 }
 
+// Numbers in a task file are range-checked by name (a huge max_new_tokens once reached the
+// runner's allocation; a string where a number belongs escaped as a JSON library exception).
+TEST(StudyTask, JsonNumbersOutOfRangeNameTheField) {
+  auto message = [](const std::string& fields) {
+    try {
+      (void)task_from_json(R"({"id":"x","family":"needle","depth_pct":5,"context_target":1,)"
+                           R"("messages":[{"role":"user","content":"abc"}],"answer":"a","rule":{"kind":"word"})" +
+                           fields + "}");
+    } catch (const kvcache::InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  EXPECT_EQ(message(""), "valid");
+  EXPECT_EQ(message(R"(,"max_new_tokens":99999999999999999999)"),
+            "task 'x': field 'max_new_tokens' = 1e+20 is out of range [1, 1000000000]");
+  EXPECT_EQ(message(R"(,"max_new_tokens":0)"), "task 'x': field 'max_new_tokens' = 0 is out of range [1, 1000000000]");
+  EXPECT_EQ(message(R"(,"max_new_tokens":"many")"), "task 'x': field 'max_new_tokens' = \"many\" is not an integer");
+  EXPECT_EQ(message(R"(,"max_new_tokens":2.5)"), "task 'x': field 'max_new_tokens' = 2.5 is not an integer");
+  EXPECT_EQ(message(R"(,"approx_tokens":-4)"), "task 'x': field 'approx_tokens' = -4 is out of range [0, 1000000000]");
+  EXPECT_EQ(message(R"(,"span":[1,2])"), "task 'x': field 'span' is not an object {message, begin, end}");
+  EXPECT_EQ(message(R"(,"span":{"message":0,"begin":-2,"end":1})"),
+            "task 'x': field 'begin' = -2 is out of range [-1, 9223372036854775807]");
+  EXPECT_EQ(message(R"(,"rule2":0)"), "valid");
+  EXPECT_EQ(message(R"(,"max_new_tokens":12)"), "valid");
+  EXPECT_EQ(message(R"(,"rule":{"kind":"regex","arg":"(("})").rfind("task 'x': scoring rule regex '((' ", 0), 0u);
+  EXPECT_EQ(message(R"(,"rule":{"kind":"word","arg":7})"), "task 'x': field 'arg' = 7 is not a string");
+}
+
 TEST(StudyTask, ChatmlOffsetsPointAtContent) {
   std::vector<Message> m = {{"system", "Be brief."}, {"user", "Hi there"}};
   std::vector<int64_t> off;

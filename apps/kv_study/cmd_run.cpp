@@ -8,6 +8,7 @@
 
 #include "commands.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 #include "kvcache/study/model_evaluator.h"
 #include "kvcache/study/progress.h"
 #include "kvcache/study/report.h"
@@ -109,14 +110,16 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--suite", *suite, "task suite: default (222 tasks) or small (20)")
       ->capture_default_str()
       ->check(CLI::IsMember({"default", "small"}));
-  cmd->add_option("--seed", *seed, "suite seed")->capture_default_str();
+  cmd->add_option("--seed", *seed, "suite seed")->capture_default_str()->check(IntRange(0, INT64_MAX));
   cmd->add_option("--tasks", *tasks_file, "read tasks from this JSONL file instead of --suite/--seed");
   cmd->add_option("--configs", *configs,
                   "arms: comma list or a file with one per line, 'quant+policy' (e.g. int4+h2o@50%); default: the 18 "
                   "default arms (kv_study list)");
   cmd->add_option("--budget", *budget, "override the budget of every evicting arm: tokens (256) or percent (25%)");
   cmd->add_option("--shard", *shard, "run slice i of n (0-based): items with plan index % n == i")->capture_default_str();
-  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
+      ->capture_default_str()
+      ->check(IntRange(1, kMaxThreads));
   cmd->add_flag("--no-text", *no_text, "skip the perplexity/KLD rows");
   cmd->add_flag("--no-recon", *no_recon, "skip the reconstruction-error rows");
   cmd->add_flag("--no-attn", *no_attn, "skip the attention-error rows");
@@ -131,7 +134,10 @@ void add_run_command(CLI::App& app) {
     opt.reconstruction = !*no_recon;
     opt.attention = !*no_attn;
     const std::string dir = out->empty() ? "runs/" + stem(*model) + "-" + (tasks_file->empty() ? *suite : stem(*tasks_file)) : *out;
-    auto evaluator = load_evaluator(*model, *threads);  // before make_dirs: a bad model leaves no directory
+    // Every input is checked before the output directory or results file exists: a bad model,
+    // arm or task list leaves nothing behind.
+    auto evaluator = load_evaluator(*model, *threads);
+    validate_sweep(*evaluator, opt);
     make_dirs(dir);
     const std::string path = results_path(dir, opt.shard);
     ResultsStore store(path);
@@ -210,8 +216,12 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--arm", *arm, "quant+policy")->capture_default_str();
   cmd->add_option("--prompt", *prompt, "user message")->required();
   cmd->add_option("--system", *system, "system message ('' for none)")->capture_default_str();
-  cmd->add_option("--max-new-tokens", *max_new, "generation limit")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--max-new-tokens", *max_new, "generation limit")
+      ->capture_default_str()
+      ->check(IntRange(1, kvcache::kMaxTokens));
+  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
+      ->capture_default_str()
+      ->check(IntRange(1, kMaxThreads));
   cmd->callback([=] {
     auto ev = load_evaluator(*model, *threads);
     const Arm a = ev->canonicalize(parse_arm(*arm));

@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Model-free subcommands: memory, suite, quant (synthetic), list.
+#include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
@@ -7,6 +9,7 @@
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/spec.h"
 #include "kvcache/study/arm.h"
 #include "kvcache/study/memory.h"
 #include "kvcache/study/model_evaluator.h"
@@ -29,23 +32,51 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+CLI::Validator IntRange(int64_t lo, int64_t hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) {
+        try {
+          (void)kvcache::parse_integer(text, "", lo, hi);
+        } catch (const kvcache::InvalidArgument& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      },
+      "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", "IntRange");
+}
+
+CLI::Validator NumberRange(double lo, double hi) {
+  std::ostringstream desc;
+  desc << "NUMBER in [" << lo << ", " << hi << "]";
+  return CLI::Validator(
+      [lo, hi](std::string& text) {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        const bool number = !text.empty() && end == text.c_str() + text.size() &&
+                            text.find_first_not_of("0123456789.-+eE") == std::string::npos;
+        std::ostringstream os;
+        if (!number) {
+          os << "'" << text << "' is not a number (expected one in [" << lo << ", " << hi << "])";
+        } else if (!(std::isfinite(v) && v >= lo && v <= hi)) {
+          os << text << " is out of range [" << lo << ", " << hi << "]";
+        }
+        return os.str();
+      },
+      desc.str(), "NumberRange");
+}
+
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what, int64_t lo, int64_t hi) {
+  std::vector<int64_t> out;
+  for (const auto& item : split_list(text)) out.push_back(kvcache::parse_integer(item, what, lo, hi));
+  return out;
+}
+
 namespace {
 
 std::string format_number(double v) {
   std::ostringstream os;
   os << v;
   return os.str();
-}
-
-int64_t parse_int(const std::string& s, const char* what) {
-  try {
-    size_t pos = 0;
-    const long long v = std::stoll(s, &pos);
-    KV_CHECK_ARG(pos == s.size(), what, " '", s, "' is not an integer");
-    return v;
-  } catch (const std::logic_error&) {
-    throw kvcache::InvalidArgument(std::string(what) + " '" + s + "' is not an integer");
-  }
 }
 
 }  // namespace
@@ -67,13 +98,12 @@ void add_memory_command(CLI::App& app) {
   cmd->add_option("--quant", *quants,
                   "quantizer or cache-scheme spec(s), comma-separated (any make_quantizer spec, or kivi:k<b>:v<b>:g<G>:r<R>)")
       ->capture_default_str();
-  cmd->add_option("--batch", *batch, "sequences in the batch")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", *batch, "sequences in the batch")->capture_default_str()->check(IntRange(1, kMaxBatch));
   cmd->callback([=] {
+    const std::vector<int64_t> ctx = parse_int_list(*contexts, "--context", 0, kvcache::kMaxTokens);
     const ModelShape shape = resolve_model_shape(*model);
     std::vector<KvFormat> formats;
     for (const auto& q : split_list(*quants)) formats.push_back(kv_format(q, shape.head_dim));
-    std::vector<int64_t> ctx;
-    for (const auto& c : split_list(*contexts)) ctx.push_back(parse_int(c, "--context"));
     KV_CHECK_ARG(!formats.empty() && !ctx.empty(), "--quant and --context need at least one value each");
     std::cout << memory_table_markdown(shape, formats, ctx, *batch);
     std::cout << "\nraw: code bits only (deep-dive convention); effective: + fp16 scale/zero per group, "
@@ -99,15 +129,20 @@ void add_suite_command(CLI::App& app) {
   cmd->add_option("--suite", *suite, "evaluation suite: default (222 tasks) or small (20)")
       ->capture_default_str()
       ->check(CLI::IsMember({"default", "small"}));
-  cmd->add_option("--seed", *seed, "generator seed")->capture_default_str();
-  cmd->add_option("--count", *count, "training-data mode: number of tasks (random lengths/depths/families)");
-  cmd->add_option("--min-context", *min_ctx, "training mode: smallest context target (approx. tokens)")->capture_default_str();
-  cmd->add_option("--max-context", *max_ctx, "training mode: largest context target (approx. tokens)")->capture_default_str();
+  cmd->add_option("--seed", *seed, "generator seed")->capture_default_str()->check(IntRange(0, INT64_MAX));
+  auto* count_opt = cmd->add_option("--count", *count, "training-data mode: number of tasks (random lengths/depths/families)")
+                        ->check(IntRange(0, kMaxTrainingTasks));
+  cmd->add_option("--min-context", *min_ctx, "training mode: smallest context target (approx. tokens)")
+      ->capture_default_str()
+      ->check(IntRange(48, kMaxTrainingContext));
+  cmd->add_option("--max-context", *max_ctx, "training mode: largest context target (approx. tokens)")
+      ->capture_default_str()
+      ->check(IntRange(48, kMaxTrainingContext));
   cmd->add_option("--families", *families, "training mode: comma list of needle,multiturn,instruction,summary (default all)");
   cmd->add_option("--out", *out, "output JSONL file ('-' for stdout)")->required();
   cmd->callback([=] {
     std::vector<kvcache::study::Task> tasks;
-    if (*count >= 0) {
+    if (count_opt->count() > 0) {
       TrainingOptions opt;
       opt.min_context = *min_ctx;
       opt.max_context = *max_ctx;
@@ -145,17 +180,32 @@ void add_quant_command(CLI::App& app) {
   auto threads = std::make_shared<int>(0);
   cmd->add_option("--specs", *specs, "comma list of quantizer/scheme specs (default: every registered quantizer + variants)");
   cmd->add_option("--model", *model, "capture Q/K/V from this exported model instead of synthetic data");
-  cmd->add_option("--threads", *threads, "LibTorch threads with --model (0: default)");
-  cmd->add_option("--tokens", *tokens, "synthetic: tokens")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--head-dim", *head_dim, "synthetic: head_dim")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-heads", *kv_heads, "synthetic: KV heads")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--q-heads", *q_heads, "synthetic: query heads (multiple of --kv-heads)")->capture_default_str();
-  cmd->add_option("--outliers", *outliers, "synthetic: outlier key channels")->capture_default_str();
-  cmd->add_option("--outlier-scale", *outlier_scale, "synthetic: scale and offset of outlier channels")->capture_default_str();
-  cmd->add_option("--seed", *seed, "synthetic: seed")->capture_default_str();
-  cmd->add_option("--bits", *bits, "attention-error bit widths, comma list")->capture_default_str();
-  cmd->add_option("--group", *group, "attention-error min-max group size")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", *threads, "LibTorch threads with --model (0: default)")->check(IntRange(0, kMaxThreads));
+  cmd->add_option("--tokens", *tokens, "synthetic: tokens")->capture_default_str()->check(IntRange(1, 65536));
+  cmd->add_option("--head-dim", *head_dim, "synthetic: head_dim")->capture_default_str()->check(IntRange(1, 4096));
+  cmd->add_option("--kv-heads", *kv_heads, "synthetic: KV heads")->capture_default_str()->check(IntRange(1, 256));
+  cmd->add_option("--q-heads", *q_heads, "synthetic: query heads (multiple of --kv-heads)")
+      ->capture_default_str()
+      ->check(IntRange(1, 1024));
+  cmd->add_option("--outliers", *outliers, "synthetic: outlier key channels (at most --head-dim)")
+      ->capture_default_str()
+      ->check(IntRange(0, 4096));
+  cmd->add_option("--outlier-scale", *outlier_scale, "synthetic: scale and offset of outlier channels")
+      ->capture_default_str()
+      ->check(NumberRange(-10000, 10000));
+  cmd->add_option("--seed", *seed, "synthetic: seed")->capture_default_str()->check(IntRange(0, INT64_MAX));
+  cmd->add_option("--bits", *bits, "attention-error bit widths in [1, 16], comma list")->capture_default_str();
+  cmd->add_option("--group", *group, "attention-error min-max group size")
+      ->capture_default_str()
+      ->check(IntRange(1, 65536));
   cmd->callback([=] {
+    // Every input is checked before anything is computed or printed.
+    std::vector<int> b;
+    for (int64_t x : parse_int_list(*bits, "--bits", 1, 16)) b.push_back(static_cast<int>(x));
+    KV_CHECK_ARG(!b.empty(), "--bits needs at least one bit width");
+    const bool explicit_specs = !specs->empty();
+    const auto list = explicit_specs ? split_list(*specs) : default_quant_error_specs();
+    KV_CHECK_ARG(!list.empty(), "--specs '", *specs, "' lists no spec");
     std::vector<QkvSample> samples;
     std::string source;
     if (!model->empty()) {
@@ -170,14 +220,18 @@ void add_quant_command(CLI::App& app) {
                " KV heads, " + std::to_string(*tokens) + " tokens, head_dim " + std::to_string(*head_dim) + ", " +
                std::to_string(*outliers) + " outlier key channels (scale and offset " + format_number(*outlier_scale) + ")";
     }
-    const auto list = specs->empty() ? default_quant_error_specs() : split_list(*specs);
-    std::vector<int> b;
-    for (const auto& x : split_list(*bits)) b.push_back(static_cast<int>(parse_int(x, "--bits")));
-    std::cout << "# Quantizer reconstruction error\n\n" << source << "\n\n" << reconstruction_table_markdown(list, samples);
+    // A spec the user names must be measurable (else an error, exit 1); a default one that
+    // does not fit these samples is left out with a note.
+    std::vector<std::string> skipped;
+    const std::string recon = reconstruction_table_markdown(list, samples, explicit_specs ? nullptr : &skipped);
+    const std::string attn = attention_table_markdown(samples, b, *group);
+    std::cout << "# Quantizer reconstruction error\n\n" << source << "\n\n" << recon;
+    if (!skipped.empty()) std::cout << "\nLeft out (not measurable on these samples):\n";
+    for (const auto& s : skipped) std::cout << "- " << s << "\n";
     std::cout << "\n# Attention error by K/V granularity (relative Frobenius error of softmax(qK^T/sqrt(d))V and of the "
                  "probabilities; asymmetric min-max groups of "
               << *group << ")\n\n"
-              << attention_table_markdown(samples, b, *group);
+              << attn;
   });
 }
 

@@ -4,6 +4,7 @@
 // command (exceptions propagate to main, which prints them and exits non-zero).
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,18 @@ void add_generate_command(CLI::App& app);
 
 /// Splits "a,b,c" (trimming blanks, dropping empty items).
 std::vector<std::string> split_list(const std::string& text);
+
+/// Option check: a decimal integer in [lo, hi] (kvcache::parse_integer: no blanks, signs other
+/// than '-', exponents or overflow); CLI11 reports "--opt: <value> is out of range [lo, hi]".
+CLI::Validator IntRange(int64_t lo, int64_t hi);
+/// Option check: a finite decimal number in [lo, hi].
+CLI::Validator NumberRange(double lo, double hi);
+/// Each item of a comma list (split_list) as kvcache::parse_integer in [lo, hi]; `what` names
+/// the option in errors (e.g. "--context").
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what, int64_t lo, int64_t hi);
+
+/// LibTorch intra-op threads an option may ask for.
+inline constexpr int64_t kMaxThreads = 256;
 
 /// The default model of `run`, `generate` and `quant --model`.
 inline const char* kDefaultModel = "models/kvstudy-default.pt";

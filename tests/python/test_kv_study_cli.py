@@ -93,6 +93,87 @@ class KvStudyCliTest(unittest.TestCase):
             self.assertNotEqual(r.returncode, 0, args)
             self.assertIn(needle, r.stderr, args)
 
+    def test_numbers_out_of_range_name_the_value_and_the_range(self):
+        """Every number a user types is range-checked where it is parsed: one clean line naming
+        the value as written and the allowed range, a non-zero exit, no LibTorch backtrace."""
+        for args, needle in [
+                (("memory", "--context", "9223372036854775807", "--batch", "4"),
+                 "--context = 9223372036854775807 is out of range [0, 1000000000]"),
+                (("memory", "--batch", "0"), "--batch: 0 is out of range [1, 1000000]"),
+                (("memory", "--batch", "99999999999999999999"), "--batch: 99999999999999999999 is out of range"),
+                (("memory", "--quant", "int4:g99999999999999999999"),
+                 "g=99999999999999999999 out of range [0, 65536]"),
+                (("memory", "--quant", "kivi:k2:v2:g4:r0"), "r=0 out of range [1, 1000000000]"),
+                (("run", "--shard", "99999999999999999999/2"),
+                 "shard '99999999999999999999/2': i = 99999999999999999999 is out of range [0, 1000000]"),
+                (("run", "--seed", "-1"), "--seed: -1 is out of range [0, 9223372036854775807]"),
+                (("run", "--threads", "100000"), "--threads: 100000 is out of range [1, 256]"),
+                (("run", "--budget", "1e300"), "budget '@1e300': token budget must be an integer in [1, 1000000000]"),
+                (("generate", "--prompt", "hi", "--max-new-tokens", "999999999999999"),
+                 "--max-new-tokens: 999999999999999 is out of range [1, 1000000000]"),
+                (("suite", "--count", "-5", "--out", "-"), "--count: -5 is out of range [0, 10000000]"),
+                (("suite", "--count", "99999999999999", "--out", "-"), "--count: 99999999999999 is out of range"),
+                (("quant", "--tokens", "99999999999"), "--tokens: 99999999999 is out of range [1, 65536]"),
+                (("quant", "--group", "99999999999"), "--group: 99999999999 is out of range [1, 65536]"),
+                (("quant", "--outlier-scale", "nan"), "--outlier-scale: 'nan' is not a number"),
+                (("quant", "--bits", "0"), "--bits = 0 is out of range [1, 16]")]:
+            r = run(*args)
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertIn(needle, r.stderr, args)
+            self.assertNotIn("frame #", r.stderr, args)
+            self.assertNotIn("unexpected error", r.stderr, args)
+            self.assertEqual(r.stdout, "", args)  # nothing printed before the check
+
+    def test_memory_of_huge_contexts_does_not_overflow(self):
+        r = run("memory", "--model", "llama-3-8b", "--context", "1000000000", "--batch", "1000000", "--quant", "fp16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("| fp16 | 1000000000 | 131072 | 131072000000.00 GB |", r.stdout)
+        self.assertIn("| 16.000 | 1.00x |", r.stdout)
+
+    def test_quant_with_a_bad_spec_exits_non_zero(self):
+        """`quant --specs int5` was exit 0 with the error inside a table cell."""
+        for spec, needle in [("int5", "unknown quantizer 'int5'"),
+                             ("int4:g48", "head_dim D = 64 is not divisible by the group size g = 48"),
+                             ("fp32,int4:g32:chan", "groups 32 tokens per channel but the sample has only 8 tokens")]:
+            r = run("quant", "--tokens", "8", "--specs", spec)
+            self.assertEqual(r.returncode, 1, spec)
+            self.assertIn(needle, r.stderr, spec)
+            self.assertEqual(r.stdout, "", spec)
+        # A default spec that does not fit the samples is left out, saying so.
+        r = run("quant", "--tokens", "8")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("Left out (not measurable on these samples):\n- int4:g32:chan: ", r.stdout)
+        self.assertIn("| int4:g32 | 5.00 |", r.stdout)
+
+    def test_failed_writes_leave_no_temporary_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            a = os.path.join(d, "a.jsonl")
+            with open(a, "w") as f:
+                f.write(json.dumps(row(0, "fp32+full", "t0", True, 1024)) + "\n")
+            out = os.path.join(d, "out")
+            os.mkdir(out)
+            r = run("merge", a, "--out", out)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn(f"cannot write '{out}': Is a directory", r.stderr)
+            os.mkdir(os.path.join(d, "summary.md"))
+            r = run("report", a, "--quiet")
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("Is a directory", r.stderr)
+            r = run("suite", "--suite", "small", "--out", out)
+            self.assertEqual(r.returncode, 1)
+            self.assertEqual(sorted(os.listdir(d)), ["a.jsonl", "out", "summary.md"])
+            self.assertEqual(os.listdir(out), [])
+            r = run("report", d)  # a directory: its results.jsonl is missing
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("cannot open results file", r.stderr)
+
+    def test_log_level_is_checked(self):
+        r = run("--log-level", "verbose", "list")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--log-level: verbose not in {trace,debug,info,warn,error,off}", r.stderr)
+        r = run("list", "--log-level", "off")
+        self.assertEqual(r.returncode, 0, r.stderr)
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = os.path.join(REPO, "models", "kvstudy-default.pt")
@@ -118,6 +199,54 @@ class DefaultModelTest(unittest.TestCase):
                 arm = json.load(f)["arms"][0]
         self.assertEqual(arm["arm"], "fp32+full")
         self.assertEqual((arm["passed"], arm["tasks"]), (COMMITTED_SMALL_PASS, 20))
+
+    def test_bad_inputs_create_no_file(self):
+        """A run whose arm list or task file is bad creates nothing (it once left an empty
+        results.jsonl): every input is checked before the output directory exists."""
+        with tempfile.TemporaryDirectory() as d:
+            empty = os.path.join(d, "empty.jsonl")
+            open(empty, "w").close()
+            for args, needle in [(("--configs", "int5+full"), "unknown quantizer 'int5'"),
+                                 (("--configs", "fp32+window@0.5"), "token budget must be an integer"),
+                                 (("--tasks", empty), "the sweep has no task"),
+                                 (("--tasks", d), f"cannot open task file '{d}': it is a directory")]:
+                out = os.path.join(d, "run")
+                r = subprocess.run([os.path.abspath(KV_STUDY), "run", *args, "--out", out, "--threads", "1"],
+                                   capture_output=True, text=True, timeout=120, cwd=REPO)
+                self.assertEqual(r.returncode, 1, args)
+                self.assertIn(needle, r.stderr, args)
+                self.assertFalse(os.path.exists(out), args)
+
+    def test_generate_errors_and_warnings(self):
+        def generate(*args):
+            new = () if "--max-new-tokens" in args else ("--max-new-tokens", "2")
+            return subprocess.run([os.path.abspath(KV_STUDY), "generate", "--threads", "1", *new, *args],
+                                  capture_output=True, timeout=120, cwd=REPO)
+        # The byte offset of bad UTF-8 is the one in the text the user passed.
+        r = generate("--prompt", b"a\xffb")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(b"the user message (message 1) is not valid UTF-8 at byte 1 of its content (byte value 0xff)",
+                      r.stderr)
+        # A budget that holds the whole request evicts nothing: a warning through the library's
+        # logger, silenced by --log-level error.
+        warning = b"kvcache: warning: eviction policy 'window@1000' evicts nothing from a request of"
+        r = generate("--prompt", "hi", "--arm", "fp32+window@1000")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(warning, r.stderr)
+        r = generate("--prompt", "hi", "--arm", "fp32+window@1000", "--log-level", "error")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn(b"kvcache:", r.stderr)
+        # A prompt longer than the model's positions runs, with a warning.
+        r = generate("--prompt", " ".join(["the dog"] * 560), "--max-new-tokens", "1")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(b"kvcache: warning: generate: the prompt of ", r.stderr)
+        self.assertIn(b"tokens is longer than the model's max_position_embeddings of 1024", r.stderr)
+        # A scheme that validates runs (kivi r0 once validated, then failed at the first flush).
+        r = generate("--prompt", "hi", "--arm", "kivi:k2:v2:g4:r0")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(b"r=0 out of range [1, 1000000000]", r.stderr)
+        r = generate("--prompt", "hi", "--arm", "kivi:k2:v2:g4:r4")
+        self.assertEqual(r.returncode, 0, r.stderr)
 
     def test_control_reproduces_unmanaged_generation_on_the_default_suite(self):
         """fp32+full through the CacheManager (block storage, attend() reading the blocks) gives

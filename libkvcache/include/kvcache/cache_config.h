@@ -35,8 +35,8 @@ struct CacheConfig {
   /// Eviction policy spec with optional budget: "full", "window:w256", "sink:s4@50%",
   /// "h2o@50%", "random:seed7@50%", "snapkv@50%", "tova@50%".
   std::string policy = "full";
-  /// Full-precision residual window of the most recent tokens (0 = none). Schemes such as
-  /// KIVI set it themselves.
+  /// Full-precision residual window of the most recent tokens (0 = none), in [0, kMaxTokens]
+  /// (spec.h). Schemes such as KIVI set it themselves.
   int64_t residual_length = 0;
   /// Tokens per storage block (per layer, stream and KV head), in [1, 4096]; 0 = the default:
   /// kDefaultBlockTokens raised to a multiple of the scheme's per-channel group size. An

@@ -75,35 +75,42 @@ class CacheManager final : public KVCache {
 
   /// Clears every layer, counter (incl. peaks) and block for a new request of
   /// `context_length` tokens (prompt + max new tokens; resolves "@P%" budgets).
-  /// @throws InvalidArgument if context_length < 0.
+  /// All-or-nothing: a rejected call changes nothing.
+  /// @throws InvalidArgument if context_length < 0; CapacityError if the policy's budget
+  ///         does not fit this context (e.g. `sink@1%` of 100 tokens keeps no window).
   void reset(int64_t context_length) override;
 
   /// Appends new tokens to layer `layer`. All-or-nothing: a rejected call changes nothing.
   /// @param k  `[1, H_kv, T_new, D]` float32/float16/bfloat16 PRE-RoPE keys, finite
   /// @param v  `[1, H_kv, T_new, D]` values, same dtype rules
-  /// @param positions int64 `[T_new]`: increasing, after the layer's last position
-  ///        (in kRerotate mode exactly next_position(layer) + i)
-  /// @throws InvalidArgument on a wrong shape/dtype/layer, NaN/Inf (naming the index), or
-  ///         bad positions (the message names expected vs got).
+  /// @param positions int64 `[T_new]`: increasing, after the layer's last position, below
+  ///        2^63 − 1 (in kRerotate mode exactly next_position(layer) + i)
+  /// @throws InvalidArgument on a wrong shape/dtype/layer, NaN/Inf (naming the index), bad
+  ///         positions (the message names expected vs got), or an append after the layer's
+  ///         attention was observed in this step (append, then attend, then end_step).
   void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override;
 
   /// Attention of `q` `[1, H_q, T_q, D]` (post-RoPE, float) at `q_positions` int64 `[T_q]`
   /// over the tokens `layer` holds, read from their stored blocks (kvcache/attention.h) →
   /// `[1, H_q, T_q, D]` float32. Records the attention mass the policy needs for this step
   /// (at most once per layer and step).
-  /// @throws InvalidArgument on a wrong shape/dtype/layer, or a second attention
-  ///         observation of the layer in one step while the policy needs attention.
+  /// A query position that sees no key (all keys later) gets a zero row.
+  /// @throws InvalidArgument on a wrong shape/dtype/layer, NaN/Inf in q, or a second
+  ///         attention observation of the layer in one step while the policy needs attention.
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) override;
 
   /// For an engine that computes attention itself: hands the policy the step's
   /// probabilities `[1, H_q, T_q, T_res]` over `layer`'s resident keys (every KV head must
   /// hold T_res tokens). Needed only when policy().needs_attention().
-  /// @throws InvalidArgument on a shape that does not match, non-finite probabilities, or
-  ///         a second observation of the layer in one step.
+  /// All-or-nothing, and checked whether or not the policy needs attention.
+  /// @throws InvalidArgument on a shape that does not match, a value that is not a
+  ///         probability (NaN, Inf, < 0, > 1) or a row whose mass exceeds 1 (naming the
+  ///         index), or a second observation of the layer in one step.
   void observe_attention(int64_t layer, const at::Tensor& probs);
 
   /// Ends a forward step: asks the policy for a plan on every layer and evicts. All-or-
-  /// nothing: every layer's plan is made and validated before any token is evicted.
+  /// nothing: every layer's plan is made (EvictionPolicy::plan() is const) and validated
+  /// before any token is evicted or the policy advances.
   /// @throws InvalidArgument if layers appended different token counts in this step, or a
   ///         policy lacks the attention it needs; CapacityError if a budget cannot hold the
   ///         policy's protected tokens.

@@ -94,13 +94,21 @@ class EvictionPolicy {
   /// observe(layer, reduce_attention(probs, H_kv, attention_need())).
   void observe(int64_t layer, const at::Tensor& probs);
 
-  /// Tokens to evict from `ctx.layer` now. @throws CapacityError if the protected tokens do
-  /// not fit the budget; InvalidArgument if the attention it needs was not observed.
-  virtual EvictionPlan plan(const EvictionContext& ctx) = 0;
+  /// Tokens to evict from `ctx.layer` now. const: planning changes nothing, so that when the
+  /// plan of a later layer throws, CacheManager::end_step() leaves the cache and the policy as
+  /// they were; what advances with a step advances in on_evicted() / on_step_end().
+  /// @throws CapacityError if the protected tokens do not fit the budget; InvalidArgument if
+  ///         the attention it needs was not observed.
+  virtual EvictionPlan plan(const EvictionContext& ctx) const = 0;
 
   /// Called by the CacheManager after it evicted `plan` (from plan()) from `layer`, so that
   /// stateful policies (accumulated scores) follow the surviving tokens.
   virtual void on_evicted(int64_t layer, const EvictionPlan& plan) { (void)layer; (void)plan; }
+
+  /// Called by the CacheManager for every layer once end_step() has planned all layers without
+  /// an error (after on_evicted() for a non-empty plan), with the context plan() saw: where a
+  /// policy advances per-step state (SnapKV's one compression at the end of the prompt).
+  virtual void on_step_end(const EvictionContext& ctx) { (void)ctx; }
 
   /// Starts a new request: `context_length` = prompt + max new tokens (resolves "@P%"; 0 =
   /// unknown, then a fractional budget fails at the first plan); clears all per-layer state.

@@ -23,6 +23,11 @@
 
 namespace kvcache {
 
+/// The largest token count that any budget, spec field or `kv_study` option accepts (10^9
+/// tokens): far beyond any model's context, and small enough that sums and products of a few
+/// such counts never overflow int64.
+inline constexpr int64_t kMaxTokens = 1000000000;
+
 /// One parameter an implementation accepts in its spec string.
 struct ParamDef {
   enum class Kind { kInt, kFloat, kChoice };
@@ -79,7 +84,8 @@ struct Budget {
   Kind kind = Kind::kNone;
   double value = 0;  ///< tokens (kTokens) or fraction in (0, 1] (kFraction)
 
-  /// Parses "256" or "50%". @throws InvalidArgument if malformed, <= 0 tokens, or not in (0, 100]%.
+  /// Parses "256" or "50%". @throws InvalidArgument if malformed, not an integer in
+  /// [1, kMaxTokens] tokens, or not in (0, 100]%.
   static Budget parse(const std::string& text);
   /// Resolves to tokens for a request of `context_tokens` tokens: tokens, or
   /// floor(fraction * context). @throws CapacityError if the result is < 1 token.
@@ -90,6 +96,13 @@ struct Budget {
 
 /// Splits "head:fields@budget" into ("head:fields", budget).
 std::pair<std::string, Budget> split_budget(const std::string& text);
+
+/// Parses the decimal integer `text` (an optional '-' and digits only: no blanks, '+', hex or
+/// exponent) and checks that it lies in [min_value, max_value]. `what` names it in errors, as
+/// the user wrote it (e.g. "--context", "shard '9/4': i"); empty: the message starts with the value.
+/// @throws InvalidArgument "<what> = '<text>' is not an integer (...)" or
+///         "<what> = <text> is out of range [min, max]" (also for values beyond int64).
+int64_t parse_integer(const std::string& text, const std::string& what, int64_t min_value, int64_t max_value);
 
 /// Formats a ParamTable as help text (one line per param with default and range).
 std::string describe(const ParamTable& table);

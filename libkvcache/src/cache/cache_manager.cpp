@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -16,8 +17,10 @@
 #include "cache/cache_scheme.h"
 #include "cache/layer_store.h"
 #include "cache/rope_table.h"
+#include "common/log.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/spec.h"
 
 namespace kvcache {
 namespace {
@@ -53,6 +56,40 @@ void check_finite(const at::Tensor& x, const char* fn, const char* name) {
                                         "]; the cache stores finite keys and values only"));
 }
 
+/// Throws unless every value of `probs` `[1, H_q, T_q, T]` is a probability in [0, 1] and no
+/// row's mass exceeds 1 (softmax rows over the resident keys sum to 1; 1e-3 of slack for
+/// rounding), naming the first bad index.
+void check_probabilities(const at::Tensor& probs, const char* fn) {
+  const at::Tensor p = probs.contiguous();
+  const float* x = p.data_ptr<float>();
+  const int64_t hq = p.size(1), tq = p.size(2), t = p.size(3);
+  for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t r = 0; r < tq; ++r) {
+      const float* row = x + (h * tq + r) * t;
+      double sum = 0;
+      for (int64_t j = 0; j < t; ++j) {
+        KV_CHECK_ARG(std::isfinite(row[j]) && row[j] >= 0.0f && row[j] <= 1.0f, fn, ": probs[0, ", h, ", ", r, ", ",
+                     j, "] = ", row[j], " is not a probability (expected a finite value in [0, 1])");
+        sum += row[j];
+      }
+      KV_CHECK_ARG(sum <= 1.0 + 1e-3, fn, ": probs[0, ", h, ", ", r, ", :] sums to ", sum,
+                   " > 1 (expected attention probabilities over the resident keys)");
+    }
+  }
+}
+
+/// Warns (once per policy spec) when the policy's budget holds the whole request: it evicts
+/// nothing, which a study arm rarely means.
+void warn_if_evicts_nothing(const EvictionPolicy& policy, int64_t context_length) {
+  if (context_length <= 0 || policy.budget().kind == Budget::Kind::kNone) return;
+  const int64_t budget = policy.token_budget();
+  if (budget < context_length) return;
+  log::warn_once("evicts-nothing:" + policy.spec(),
+                 detail::str_cat("eviction policy '", policy.spec(), "' evicts nothing from a request of ",
+                                 context_length, " tokens: its budget of ", budget,
+                                 " tokens per KV head holds the whole prompt and every new token"));
+}
+
 }  // namespace
 
 void CacheConfig::validate() const {
@@ -62,7 +99,8 @@ void CacheConfig::validate() const {
                "CacheConfig.num_q_heads must be a positive multiple of num_kv_heads=", num_kv_heads,
                ", got ", num_q_heads);
   KV_CHECK_ARG(head_dim >= 1, "CacheConfig.head_dim must be >= 1, got ", head_dim);
-  KV_CHECK_ARG(residual_length >= 0, "CacheConfig.residual_length must be >= 0, got ", residual_length);
+  KV_CHECK_ARG(residual_length >= 0 && residual_length <= kMaxTokens, "CacheConfig.residual_length must be in [0, ",
+               kMaxTokens, "], got ", residual_length);
   KV_CHECK_ARG(context_length >= 0, "CacheConfig.context_length must be >= 0, got ", context_length);
   KV_CHECK_ARG(static_cast<bool>(rope),
                "CacheConfig.rope is required (the model's rotary embedding: x [B, H, T, D], "
@@ -167,6 +205,7 @@ struct CacheManager::Impl {
     setup_stream(vset, scheme.value, *vq, *vres);
     policy = make_eviction_policy(cfg.policy);
     policy->reset(cfg.context_length, CacheShape{cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads});
+    warn_if_evicts_nothing(*policy, cfg.context_length);
     if (pre_rope()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim);
     layers.resize(static_cast<size_t>(cfg.num_layers));
     make_stores();
@@ -231,8 +270,11 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(k_in.sizes() == v_in.sizes(), fn, ": k ", k_in.sizes(), " and v ", v_in.sizes(), " differ");
     const int64_t n = k_in.size(2);
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
-                     positions.scalar_type() == at::kLong,
-                 fn, ": positions must be int64 [T_new=", n, "], got ", shape_str(positions));
+                     positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+                 fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
+    KV_CHECK_ARG(!l.observed || n == 0, fn, ": the attention of layer ", layer,
+                 " was already observed in this step (by attend() or observe_attention); append the step's "
+                 "tokens first, then attend, then end_step()");
     const at::Tensor pos = positions.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
     const bool rerotate = cfg.position_mode == PositionMode::kRerotate;
@@ -248,6 +290,8 @@ struct CacheManager::Impl {
       }
     }
     if (n == 0) return;
+    KV_CHECK_ARG(pp[n - 1] < std::numeric_limits<int64_t>::max(), fn, ": position ", pp[n - 1],
+                 " leaves no next position (positions must be < 2^63 - 1)");
     KV_CHECK_ARG(!pre_rope() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
                  " is beyond the ", kMaxPreRopePosition, " positions key_storage=kPreRoPE records RoPE tables for");
     check_finite(k_in, fn, "k");
@@ -297,8 +341,9 @@ struct CacheManager::Impl {
                  shape_str(q));
     const int64_t tq = q.size(2);
     KV_CHECK_ARG(q_positions.defined() && q_positions.dim() == 1 && q_positions.size(0) == tq &&
-                     q_positions.scalar_type() == at::kLong,
-                 fn, ": q_positions must be int64 [T_q=", tq, "], got ", shape_str(q_positions));
+                     q_positions.scalar_type() == at::kLong && q_positions.device().is_cpu(),
+                 fn, ": q_positions must be a CPU int64 tensor [T_q=", tq, "], got ", shape_str(q_positions));
+    check_finite(q, fn, "q");
     const at::Tensor qf = q.to(at::kFloat).contiguous();
     const at::Tensor qp = q_positions.contiguous();
     at::Tensor out = at::empty({1, hq, tq, d}, at::kFloat);
@@ -328,11 +373,13 @@ struct CacheManager::Impl {
                    "; probabilities [B, H_q, T_q, T_res] need heads of equal length (use attend())");
     }
     KV_CHECK_ARG(probs.defined() && probs.dim() == 4 && probs.scalar_type() == at::kFloat && probs.size(0) == 1 &&
-                     probs.size(1) == cfg.num_q_heads && probs.size(3) == t,
-                 fn, ": probs must be float32 [B=1, H_q=", cfg.num_q_heads, ", T_q, T_res=", t, "] for layer ", layer,
-                 ", got ", shape_str(probs));
+                     probs.size(1) == cfg.num_q_heads && probs.size(2) >= 1 && probs.size(3) == t &&
+                     probs.device().is_cpu(),
+                 fn, ": probs must be a CPU float32 tensor [B=1, H_q=", cfg.num_q_heads, ", T_q >= 1, T_res=", t,
+                 "] for layer ", layer, ", got ", shape_str(probs));
     KV_CHECK_ARG(!l.observed, fn, ": the attention of layer ", layer,
                  " was already observed in this step (by attend() or observe_attention)");
+    check_probabilities(probs, fn);
     const AttentionNeed need = policy->attention_need();
     if (!need.any()) return;
     const AttentionMass mass = reduce_attention(probs, cfg.num_kv_heads, need);
@@ -358,17 +405,22 @@ struct CacheManager::Impl {
   }
 
   void end_step(StepKind step) {
+    KV_CHECK_ARG(step == StepKind::kPrefill || step == StepKind::kPrefillEnd || step == StepKind::kDecode,
+                 "CacheManager::end_step: step kind ", static_cast<int>(step),
+                 " is none of kPrefill, kPrefillEnd, kDecode");
     const int64_t n0 = layers[0].step_new;
     for (int64_t i = 1; i < cfg.num_layers; ++i) {
       KV_CHECK_ARG(layers[static_cast<size_t>(i)].step_new == n0, "CacheManager::end_step: layer ", i, " appended ",
                    layers[static_cast<size_t>(i)].step_new, " tokens this step but layer 0 appended ", n0,
                    " (every layer must append the step's tokens)");
     }
-    // Plan every layer first: a plan that throws leaves every layer as it was.
+    // Plan every layer first (plan() is const): a plan that throws leaves every layer and the
+    // policy as they were.
     std::vector<EvictionPlan> plans(static_cast<size_t>(cfg.num_layers));
+    std::vector<EvictionContext> contexts(static_cast<size_t>(cfg.num_layers));
     for (int64_t i = 0; i < cfg.num_layers; ++i) {
       auto& l = layers[static_cast<size_t>(i)];
-      EvictionContext ctx;
+      EvictionContext& ctx = contexts[static_cast<size_t>(i)];
       ctx.layer = i;
       ctx.step = step;
       ctx.new_tokens = l.step_new;
@@ -387,6 +439,7 @@ struct CacheManager::Impl {
         if (cfg.position_mode == PositionMode::kRerotate) l.store->renumber_positions();
         sample(l);
       }
+      policy->on_step_end(contexts[static_cast<size_t>(i)]);
       l.step_new = 0;
       l.observed = false;
     }
@@ -463,7 +516,11 @@ const EvictionPolicy& CacheManager::policy() const { return *impl_->policy; }
 void CacheManager::reset(int64_t context_length) {
   KV_CHECK_ARG(context_length >= 0, "CacheManager::reset: context_length must be >= 0, got ", context_length);
   auto& im = *impl_;
-  im.policy->reset(context_length, CacheShape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads});
+  const CacheShape shape{im.cfg.num_layers, im.cfg.num_q_heads, im.cfg.num_kv_heads};
+  // A budget that does not fit this context throws from the policy's reset, which may have
+  // changed the policy by then: try a fresh one first, so that a rejected reset changes nothing.
+  make_eviction_policy(im.cfg.policy)->reset(context_length, shape);
+  im.policy->reset(context_length, shape);
   im.cfg.context_length = context_length;
   for (auto& l : im.layers) {
     l.store->clear();
@@ -474,6 +531,7 @@ void CacheManager::reset(int64_t context_length) {
   }
   for (auto& [bytes, p] : im.pools) p->clear();  // give the memory back
   im.total = CacheStats{};
+  warn_if_evicts_nothing(*im.policy, context_length);
 }
 
 void CacheManager::append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {

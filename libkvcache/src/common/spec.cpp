@@ -1,7 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvcache/spec.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <limits>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -46,21 +50,26 @@ std::string allowed_fields(const ParamTable& table) {
   return os.str();
 }
 
+enum class NumberText { kOk, kMalformed, kOutOfRange };
+
 /// Decimal numbers only ("64", "0.5", "-1", "1e3"); no hex, inf or nan, which strtod
-/// would otherwise accept.
-bool parse_number(const std::string& s, double* out) {
-  if (s.empty()) return false;
+/// would otherwise accept. A well-formed number whose magnitude does not fit a double
+/// ("1e400", a 400-digit integer) or underflows to zero ("1e-400") is kOutOfRange.
+NumberText parse_number(const std::string& s, double* out) {
+  if (s.empty()) return NumberText::kMalformed;
   for (char c : s) {
     if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '+' || c == 'e' ||
           c == 'E')) {
-      return false;
+      return NumberText::kMalformed;
     }
   }
   char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  if (end != s.c_str() + s.size() || !std::isfinite(v)) return false;
+  errno = 0;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size()) return NumberText::kMalformed;
+  if (!std::isfinite(v) || (errno == ERANGE && v == 0.0)) return NumberText::kOutOfRange;
   *out = v;
-  return true;
+  return NumberText::kOk;
 }
 
 }  // namespace
@@ -134,8 +143,12 @@ ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
     KV_CHECK_ARG(match != nullptr, "spec '", text, "': unknown field '", f, "'; ",
                  allowed_fields(table));
     double v = 0;
-    KV_CHECK_ARG(parse_number(value_text, &v), "spec '", text, "': field '", f, "': '", value_text,
+    const NumberText nt = parse_number(value_text, &v);
+    KV_CHECK_ARG(nt != NumberText::kMalformed, "spec '", text, "': field '", f, "': '", value_text,
                  "' is not a number; ", allowed_fields(table));
+    KV_CHECK_ARG(nt == NumberText::kOk, "spec '", text, "': field '", f, "': ", match->key, "=", value_text,
+                 " out of range [", format_number(match->min_value), ", ", format_number(match->max_value), "] (",
+                 match->help, ")");
     if (match->kind == ParamDef::Kind::kInt) {
       KV_CHECK_ARG(v == std::floor(v), "spec '", text, "': field '", f, "': ", match->key,
                    " must be an integer, got ", value_text);
@@ -188,16 +201,18 @@ Budget Budget::parse(const std::string& text) {
   KV_CHECK_ARG(!text.empty(), "empty budget after '@' (expected e.g. '@256' tokens or '@50%')");
   double v = 0;
   if (text.back() == '%') {
-    KV_CHECK_ARG(parse_number(text.substr(0, text.size() - 1), &v), "budget '@", text,
-                 "': not a percentage (expected e.g. '@50%')");
-    KV_CHECK_ARG(v > 0 && v <= 100, "budget '@", text, "': percentage must be in (0, 100], got ", v);
+    const NumberText nt = parse_number(text.substr(0, text.size() - 1), &v);
+    KV_CHECK_ARG(nt != NumberText::kMalformed, "budget '@", text, "': not a percentage (expected e.g. '@50%')");
+    KV_CHECK_ARG(nt == NumberText::kOk && v > 0 && v <= 100, "budget '@", text,
+                 "': percentage must be in (0, 100], got ", text);
     b.kind = Kind::kFraction;
     b.value = v / 100.0;
   } else {
-    KV_CHECK_ARG(parse_number(text, &v), "budget '@", text,
+    const NumberText nt = parse_number(text, &v);
+    KV_CHECK_ARG(nt != NumberText::kMalformed, "budget '@", text,
                  "': not a token count (expected e.g. '@256' or '@50%')");
-    KV_CHECK_ARG(v >= 1 && v == std::floor(v), "budget '@", text,
-                 "': token budget must be an integer >= 1, got ", text);
+    KV_CHECK_ARG(nt == NumberText::kOk && v >= 1 && v <= static_cast<double>(kMaxTokens) && v == std::floor(v),
+                 "budget '@", text, "': token budget must be an integer in [1, ", kMaxTokens, "], got ", text);
     b.kind = Kind::kTokens;
     b.value = v;
   }
@@ -209,12 +224,17 @@ int64_t Budget::resolve(int64_t context_tokens) const {
     case Kind::kNone:
       return context_tokens;
     case Kind::kTokens:
+      KV_CHECK_ARG(value >= 1 && value <= static_cast<double>(kMaxTokens) && value == std::floor(value), "budget ",
+                   to_string(), ": a token budget must be an integer in [1, ", kMaxTokens, "]");
       return static_cast<int64_t>(value);
     case Kind::kFraction: {
+      KV_CHECK_ARG(value > 0 && value <= 1, "budget ", to_string(), ": a fraction must be in (0, 100]%");
       KV_CHECK_ARG(context_tokens > 0, "budget ", to_string(),
                    " needs the request's context length, got ", context_tokens);
       // Small epsilon so that 0.5 * 10 = 5 exactly despite binary fractions.
-      auto t = static_cast<int64_t>(std::floor(value * static_cast<double>(context_tokens) + 1e-9));
+      const double c = static_cast<double>(context_tokens);
+      const double f = std::floor(value * c + 1e-9);
+      const int64_t t = f >= c ? context_tokens : static_cast<int64_t>(f);  // never past the context (nor int64)
       KV_CHECK(t >= 1, CapacityError, "budget ", to_string(), " of a ", context_tokens,
                "-token context rounds to ", t, " tokens; a budget must keep at least 1 token");
       return t;
@@ -241,6 +261,22 @@ std::pair<std::string, Budget> split_budget(const std::string& text) {
   KV_CHECK_ARG(text.find('@', at + 1) == std::string::npos, "spec '", text,
                "': more than one '@budget'");
   return {text.substr(0, at), Budget::parse(text.substr(at + 1))};
+}
+
+int64_t parse_integer(const std::string& text, const std::string& what, int64_t min_value, int64_t max_value) {
+  KV_INTERNAL_ASSERT(min_value <= max_value, "parse_integer(", what, "): empty range");
+  // std::from_chars takes an optional '-' and decimal digits only: no blanks, '+', hex or exponent.
+  int64_t v = 0;
+  const char* first = text.data();
+  const char* last = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(first, last, v);
+  const bool digits = !text.empty() && ptr == last;
+  const std::string named = what.empty() ? std::string() : what + " = ";
+  KV_CHECK_ARG(digits && (ec == std::errc() || ec == std::errc::result_out_of_range), named, "'", text,
+               "' is not an integer (expected one in [", min_value, ", ", max_value, "])");
+  KV_CHECK_ARG(ec == std::errc() && v >= min_value && v <= max_value, named, text, " is out of range [", min_value,
+               ", ", max_value, "]");
+  return v;
 }
 
 std::string describe(const ParamTable& table) {

@@ -70,7 +70,7 @@ void H2OPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
   }
 }
 
-EvictionPlan H2OPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan H2OPolicy::plan(const EvictionContext& ctx) const {
   const int64_t budget_tokens = layer_budget(ctx.layer);
   EvictionPlan p;
   const auto& s = scores_.at(static_cast<size_t>(ctx.layer));

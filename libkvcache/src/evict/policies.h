@@ -30,7 +30,7 @@ class FullPolicy final : public EvictionPolicy {
   explicit FullPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override { return "full"; }
   int64_t layer_budget(int64_t layer) const override;
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
 };
 
 /// `window:w<N>`: the N most recent tokens (N defaults to the budget).
@@ -40,7 +40,7 @@ class WindowPolicy final : public EvictionPolicy {
   WindowPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
 
  protected:
   void on_reset() override;
@@ -58,7 +58,7 @@ class SinkPolicy final : public EvictionPolicy {
   SinkPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
   int64_t sinks() const { return sinks_; }
   int64_t window() const { return window_; }
 
@@ -81,7 +81,7 @@ class H2OPolicy final : public EvictionPolicy {
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return {AttentionNeed::kAllRows, false}; }
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
   void on_evicted(int64_t layer, const EvictionPlan& plan) override;
   /// Accumulated scores of `layer`, per KV head (one per token observed so far).
   const std::vector<std::vector<float>>& scores(int64_t layer) const { return scores_.at(static_cast<size_t>(layer)); }
@@ -106,7 +106,9 @@ class RandomPolicy final : public EvictionPolicy {
   RandomPolicy(const ParsedSpec& spec, Budget budget);
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
+  /// Advances the layer's stream: the next plan draws anew.
+  void on_evicted(int64_t layer, const EvictionPlan& plan) override;
 
  protected:
   void on_reset() override;
@@ -126,7 +128,7 @@ class TovaPolicy final : public EvictionPolicy {
   std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return {1, true}; }
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
   void on_evicted(int64_t layer, const EvictionPlan& plan) override;
 
  protected:
@@ -153,7 +155,9 @@ class SnapKVPolicy : public EvictionPolicy {
   AttentionNeed attention_need() const override {
     return prefill_done_ ? AttentionNeed{} : AttentionNeed{window_, true};
   }
-  EvictionPlan plan(const EvictionContext& ctx) override;
+  EvictionPlan plan(const EvictionContext& ctx) const override;
+  /// At the end of the prompt: the layer's rows are spent; after the last layer, done.
+  void on_step_end(const EvictionContext& ctx) override;
 
   /// Pools `scores` `[H, T]` along T with kernel `kernel` (odd), stride 1, padding kernel/2.
   /// avg: zero padding counted (avg_pool1d default); max: padding ignored.
@@ -163,15 +167,18 @@ class SnapKVPolicy : public EvictionPolicy {
   SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel, bool use_max);
   void on_reset() override;
   void do_observe(int64_t layer, const AttentionMass& mass) override;
+  /// Tokens reserved for the request's remaining (decode) tokens at the end of the prompt.
+  int64_t decode_reserve(const EvictionContext& ctx) const;
   /// Prompt tokens `layer` keeps when the uniform count is `uniform_keep` for a prompt of
   /// `prompt` resident tokens (SnapKV: uniform).
-  virtual int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) {
+  virtual int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) const {
     (void)layer;
     (void)prompt;
     return uniform_keep;
   }
   const char* name() const { return spec_text_.rfind("pyramid", 0) == 0 ? "pyramid" : "snapkv"; }
   int64_t window() const { return window_; }
+  bool prefill_done() const { return prefill_done_; }
 
  private:
   std::string spec_text_;
@@ -198,14 +205,16 @@ class PyramidKVPolicy final : public SnapKVPolicy {
                                       int64_t layers);
   /// After the prompt: that layer's kept prompt tokens + the decode reserve.
   int64_t layer_budget(int64_t layer) const override;
+  /// At the first layer's prompt end: fixes the per-layer budgets.
+  void on_step_end(const EvictionContext& ctx) override;
 
  protected:
   void on_reset() override;
-  int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) override;
+  int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) const override;
 
  private:
   double beta_;
-  std::vector<int64_t> budgets_;  ///< computed at the first layer's prefill end
+  std::vector<int64_t> budgets_;  ///< fixed after the first layer's prefill end
   int64_t reserve_ = 0;           ///< decode tokens reserved when budgets_ was computed
 };
 

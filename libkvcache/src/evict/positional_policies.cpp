@@ -2,6 +2,7 @@
 // Positional policies: full, window (most recent N), sink (StreamingLLM, arXiv 2309.17453).
 // They need no attention and keep the same tokens in every KV head.
 #include <limits>
+#include <string>
 
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -25,7 +26,7 @@ int64_t FullPolicy::layer_budget(int64_t layer) const {
   return context_length() > 0 ? context_length() : std::numeric_limits<int64_t>::max();
 }
 
-EvictionPlan FullPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan FullPolicy::plan(const EvictionContext& ctx) const {
   (void)ctx;
   return {};
 }
@@ -59,7 +60,7 @@ void WindowPolicy::on_reset() {
   if (w_param_ > 0 && budget().kind != Budget::Kind::kNone) {
     KV_CHECK(w_param_ <= resolved_budget(), CapacityError, "window: w", w_param_,
              " exceeds the budget of ", resolved_budget(), " tokens (", budget().to_string(),
-             " of ", context_length(), ")");
+             context_length() > 0 ? " of " + std::to_string(context_length()) : std::string(), ")");
   }
   window_ = w_param_ > 0 ? w_param_ : resolved_budget();
 }
@@ -70,7 +71,7 @@ int64_t WindowPolicy::layer_budget(int64_t layer) const {
   return window_;
 }
 
-EvictionPlan WindowPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan WindowPolicy::plan(const EvictionContext& ctx) const {
   return evict_span(ctx, /*first=*/0, layer_budget(ctx.layer));  // the oldest t − w
 }
 
@@ -130,7 +131,7 @@ int64_t SinkPolicy::layer_budget(int64_t layer) const {
   return sinks_ + window_;
 }
 
-EvictionPlan SinkPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan SinkPolicy::plan(const EvictionContext& ctx) const {
   return evict_span(ctx, /*first=*/sinks_, layer_budget(ctx.layer));  // between sinks and window
 }
 

@@ -35,13 +35,13 @@ int64_t RandomPolicy::layer_budget(int64_t layer) const {
   return resolved_budget();
 }
 
-EvictionPlan RandomPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan RandomPolicy::plan(const EvictionContext& ctx) const {
   const int64_t b = layer_budget(ctx.layer);
   const int64_t hkv = ctx.num_kv_heads();
   bool over = false;
   for (int64_t t : ctx.resident) over = over || t > b;
   if (!over) return {};
-  const uint64_t call = calls_.at(static_cast<size_t>(ctx.layer))++;
+  const uint64_t call = calls_.at(static_cast<size_t>(ctx.layer));
   EvictionPlan p;
   p.evict.resize(static_cast<size_t>(hkv));
   for (int64_t h = 0; h < hkv; ++h) {
@@ -70,6 +70,11 @@ EvictionPlan RandomPolicy::plan(const EvictionContext& ctx) {
     std::sort(e.begin(), e.end());
   }
   return p;
+}
+
+void RandomPolicy::on_evicted(int64_t layer, const EvictionPlan& plan) {
+  (void)plan;
+  ++calls_.at(static_cast<size_t>(layer));
 }
 
 }  // namespace kvcache::evict

@@ -81,13 +81,15 @@ at::Tensor SnapKVPolicy::pool(const at::Tensor& scores, int64_t kernel, bool use
   return out.squeeze(1).contiguous();
 }
 
-EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) {
-  if (prefill_done_ || !ctx.is_prefill_end()) return {};
-  if (++layers_done_ >= shape().num_layers) prefill_done_ = true;
-  const int64_t t = uniform_resident(ctx, name());
+int64_t SnapKVPolicy::decode_reserve(const EvictionContext& ctx) const {
   // Reserve room for the request's remaining tokens so the budget holds after the last one.
-  const int64_t reserve =
-      context_length() > ctx.logical_length ? context_length() - ctx.logical_length : 0;
+  return context_length() > ctx.logical_length ? context_length() - ctx.logical_length : 0;
+}
+
+EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) const {
+  if (prefill_done_ || !ctx.is_prefill_end()) return {};
+  const int64_t t = uniform_resident(ctx, name());
+  const int64_t reserve = decode_reserve(ctx);
   const int64_t uniform = layer_budget(ctx.layer) - reserve;
   const int64_t w = std::min(window_, t);
   KV_CHECK(uniform >= w, CapacityError, name(), ": budget of ", layer_budget(ctx.layer), " tokens (",
@@ -95,10 +97,7 @@ EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) {
            " tokens reserved for decoding leaves ", uniform, " prompt tokens, fewer than the w=", w,
            " observation window that is always kept");
   const int64_t keep_n = prompt_keep(ctx.layer, t, uniform);
-  if (keep_n >= t) {
-    rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
-    return {};
-  }
+  if (keep_n >= t) return {};
   const auto& rows = rows_.at(static_cast<size_t>(ctx.layer));
   KV_CHECK_ARG(rows.defined() && rows.size(2) == t, name(), ": layer ", ctx.layer, " has ", t,
                " prompt tokens but attention was observed over ", rows.defined() ? rows.size(2) : 0,
@@ -114,8 +113,13 @@ EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) {
     // Keep the top keep_n − w of the prefix (ties: the more recent) and the whole window.
     p.evict[static_cast<size_t>(h)] = lowest_k(scores.data_ptr<float>() + h * prefix, prefix, prefix - (keep_n - w));
   }
-  rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
   return p;
+}
+
+void SnapKVPolicy::on_step_end(const EvictionContext& ctx) {
+  if (prefill_done_ || !ctx.is_prefill_end()) return;
+  rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
+  if (++layers_done_ >= shape().num_layers) prefill_done_ = true;
 }
 
 // ---------------------------------------------------------------- pyramid
@@ -164,12 +168,21 @@ int64_t PyramidKVPolicy::layer_budget(int64_t layer) const {
   return budgets_.at(static_cast<size_t>(layer)) + reserve_;
 }
 
-int64_t PyramidKVPolicy::prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) {
-  if (budgets_.empty()) {
-    reserve_ = SnapKVPolicy::layer_budget(layer) - uniform_keep;
-    budgets_ = budgets(prompt, uniform_keep, std::min(window(), prompt), beta_, shape().num_layers);
+int64_t PyramidKVPolicy::prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) const {
+  if (!budgets_.empty()) return budgets_.at(static_cast<size_t>(layer));
+  // Every layer holds the same prompt at its end: the budgets the first layer fixes.
+  return budgets(prompt, uniform_keep, std::min(window(), prompt), beta_, shape().num_layers)
+      .at(static_cast<size_t>(layer));
+}
+
+void PyramidKVPolicy::on_step_end(const EvictionContext& ctx) {
+  if (!prefill_done() && ctx.is_prefill_end() && budgets_.empty()) {
+    const int64_t prompt = uniform_resident(ctx, "pyramid");
+    reserve_ = decode_reserve(ctx);
+    const int64_t uniform = SnapKVPolicy::layer_budget(ctx.layer) - reserve_;
+    budgets_ = budgets(prompt, uniform, std::min(window(), prompt), beta_, shape().num_layers);
   }
-  return budgets_.at(static_cast<size_t>(layer));
+  SnapKVPolicy::on_step_end(ctx);
 }
 
 }  // namespace kvcache::evict

@@ -45,7 +45,7 @@ void TovaPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
   for (auto& x : row) x /= static_cast<float>(hkv);
 }
 
-EvictionPlan TovaPolicy::plan(const EvictionContext& ctx) {
+EvictionPlan TovaPolicy::plan(const EvictionContext& ctx) const {
   const int64_t b = layer_budget(ctx.layer);
   const int64_t t = uniform_resident(ctx, "tova");
   if (t <= b) return {};

@@ -3,7 +3,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
+
 #include "kvcache/error.h"
+#include "model/unicode.h"
 
 namespace kvcache {
 namespace {
@@ -96,6 +99,18 @@ ChatTemplate ChatTemplate::detect(const std::string& model_type, const std::stri
 }
 
 std::string ChatTemplate::render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const {
+  // Checked here, on the text the caller passed: after rendering, a byte offset would point
+  // into the template's markers instead.
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string& c = messages[i].content;
+    const size_t bad = unicode::find_invalid_utf8(c);
+    if (bad == std::string::npos) continue;
+    char byte[8];
+    std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned>(static_cast<unsigned char>(c[bad])));
+    throw InvalidArgument(detail::str_cat("ChatTemplate::render: the ", messages[i].role, " message (message ", i,
+                                          ") is not valid UTF-8 at byte ", bad, " of its content (byte value ", byte,
+                                          ")"));
+  }
   std::string out;
   if (kind_ == Kind::kPlain) {
     for (const auto& m : messages) out += m.content;

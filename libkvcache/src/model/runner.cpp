@@ -7,10 +7,30 @@
 #include <cmath>
 #include <utility>
 
+#include "common/log.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache {
 namespace {
+
+/// Warns (once per cause) when `tokens` positions (`new_tokens` of them generated) reach past
+/// the model's max_position_embeddings: the model runs there, but was never trained there.
+void warn_past_positions(const ModelConfig& m, const char* fn, int64_t prompt, int64_t new_tokens) {
+  const int64_t max_pos = m.max_position_embeddings;
+  if (max_pos <= 0 || prompt + new_tokens <= max_pos) return;
+  if (prompt > max_pos) {
+    log::warn_once(detail::str_cat("positions:prompt:", max_pos),
+                   detail::str_cat(fn, ": the prompt of ", prompt, " tokens is longer than the model's ",
+                                   "max_position_embeddings of ", max_pos,
+                                   "; positions from there on were never trained (output quality is undefined)"));
+  } else {
+    log::warn_once(detail::str_cat("positions:request:", max_pos),
+                   detail::str_cat(fn, ": the prompt of ", prompt, " tokens + up to ", new_tokens,
+                                   " new tokens may pass the model's max_position_embeddings of ", max_pos,
+                                   "; positions from there on were never trained"));
+  }
+}
 
 /// Throws InvalidArgument naming `fn` if an id is outside [0, vocab).
 void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab, const char* fn) {
@@ -102,7 +122,12 @@ at::Tensor Runner::decode_step(int64_t token, KVCache& cache) const {
 GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const GenerationOptions& opt,
                                   KVCache& cache) const {
   KV_CHECK_ARG(!prompt.empty(), "Runner::generate: the prompt must not be empty");
-  KV_CHECK_ARG(opt.max_new_tokens >= 1, "Runner::generate: max_new_tokens must be >= 1, got ", opt.max_new_tokens);
+  KV_CHECK_ARG(static_cast<int64_t>(prompt.size()) <= kMaxTokens, "Runner::generate: the prompt has ", prompt.size(),
+               " tokens, more than the ", kMaxTokens, " a request may hold");
+  KV_CHECK_ARG(opt.max_new_tokens >= 1 && opt.max_new_tokens <= kMaxTokens,
+               "Runner::generate: max_new_tokens must be in [1, ", kMaxTokens, "], got ", opt.max_new_tokens);
+  KV_CHECK_ARG(opt.prefill_chunk >= 0, "Runner::generate: prefill_chunk must be >= 0 (0 = whole prompt), got ",
+               opt.prefill_chunk);
   check_token_ids(prompt, model_.config().vocab_size, "Runner::generate");
   check_cache_fits(cache.config(), model_.config(), "Runner::generate");
   const std::vector<int64_t>& eos = opt.eos_token_ids.empty() ? model_.config().eos_token_ids : opt.eos_token_ids;
@@ -110,9 +135,10 @@ GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const Gene
 
   GenerationResult r;
   r.prompt_tokens = static_cast<int64_t>(prompt.size());
-  r.tokens.reserve(static_cast<size_t>(opt.max_new_tokens));
+  r.tokens.reserve(static_cast<size_t>(std::min<int64_t>(opt.max_new_tokens, 4096)));
   std::vector<at::Tensor> kept;
   cache.reset(r.prompt_tokens + opt.max_new_tokens);
+  warn_past_positions(model_.config(), "generate", r.prompt_tokens, opt.max_new_tokens);
 
   const auto t0 = clock::now();
   at::Tensor logits = prefill(prompt, cache, opt.prefill_chunk);
@@ -145,6 +171,7 @@ ScoreResult Runner::score(const std::vector<int64_t>& ids, KVCache& cache, int64
   const int64_t c = chunk_size == 0 ? n : chunk_size;
   const auto t0 = std::chrono::steady_clock::now();
   cache.reset(n);
+  warn_past_positions(model_.config(), "score", n, 0);
   const at::Tensor all = ids_tensor(ids.data(), n).view({-1});
   std::vector<at::Tensor> parts;
   for (int64_t s = 0; s < n; s += c) {

@@ -23,10 +23,19 @@ bool is_dir(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+/// A config.json field in [1, kMaxShapeField] (no model comes near; products of three such
+/// fields stay far inside int64).
 int64_t get_int(const nlohmann::json& j, const char* key, const std::string& path) {
-  KV_CHECK_ARG(j.contains(key) && j[key].is_number_integer(), "config '", path,
-               "': missing integer field '", key, "'");
-  return j[key].get<int64_t>();
+  KV_CHECK_ARG(j.contains(key) && j[key].is_number(), "config '", path, "': missing integer field '", key, "'");
+  const nlohmann::json& v = j[key];
+  // nlohmann keeps integers beyond uint64 as floats: every number is checked as a double.
+  const double d = v.is_number_unsigned() ? static_cast<double>(v.get<uint64_t>())
+                   : v.is_number_integer() ? static_cast<double>(v.get<int64_t>())
+                                           : v.get<double>();
+  KV_CHECK_ARG(d == std::floor(d), "config '", path, "': ", key, " = ", v.dump(), " is not an integer");
+  KV_CHECK_ARG(d >= 1 && d <= static_cast<double>(kMaxShapeField), "config '", path, "': ", key, " = ", v.dump(),
+               " is out of range [1, ", kMaxShapeField, "]");
+  return static_cast<int64_t>(d);
 }
 
 }  // namespace
@@ -130,9 +139,14 @@ MemoryEstimate estimate_kv_memory(const ModelShape& s, const KvFormat& f, int64_
   KV_CHECK_ARG(s.num_layers > 0 && s.num_kv_heads > 0 && s.head_dim > 0, "model shape '", s.name,
                "' needs positive layers/KV heads/head_dim, got ", s.num_layers, "/", s.num_kv_heads, "/",
                s.head_dim);
-  KV_CHECK_ARG(tokens >= 0, "context length must be >= 0 tokens, got ", tokens);
-  KV_CHECK_ARG(batch >= 1, "batch must be >= 1, got ", batch);
-  const double per_token_values = static_cast<double>(s.num_layers * s.num_kv_heads * s.head_dim);  // per K or V
+  KV_CHECK_ARG(s.num_layers <= kMaxShapeField && s.num_kv_heads <= kMaxShapeField && s.head_dim <= kMaxShapeField,
+               "model shape '", s.name, "': layers/KV heads/head_dim must be <= ", kMaxShapeField, ", got ",
+               s.num_layers, "/", s.num_kv_heads, "/", s.head_dim);
+  KV_CHECK_ARG(tokens >= 0 && tokens <= kMaxTokens, "context length ", tokens, " tokens is out of range [0, ",
+               kMaxTokens, "]");
+  KV_CHECK_ARG(batch >= 1 && batch <= kMaxBatch, "batch ", batch, " is out of range [1, ", kMaxBatch, "]");
+  const double per_token_values = static_cast<double>(s.num_layers) * static_cast<double>(s.num_kv_heads) *
+                                  static_cast<double>(s.head_dim);  // per K or V
   const double t = static_cast<double>(tokens);
   const double b = static_cast<double>(batch);
   const double res_k = static_cast<double>(std::min<int64_t>(tokens, f.key_residual_tokens));
@@ -165,7 +179,8 @@ std::string format_mib(double bytes) {
 std::string memory_table_markdown(const ModelShape& shape, const std::vector<KvFormat>& formats,
                                   const std::vector<int64_t>& contexts, int64_t batch) {
   std::ostringstream os;
-  const double fp16_per_token = 2.0 * 2.0 * static_cast<double>(shape.num_layers * shape.num_kv_heads * shape.head_dim);
+  const double fp16_per_token = 2.0 * 2.0 * static_cast<double>(shape.num_layers) *
+                                static_cast<double>(shape.num_kv_heads) * static_cast<double>(shape.head_dim);
   os << "KV cache of " << shape.name << ": " << shape.num_layers << " layers x " << shape.num_kv_heads
      << " KV heads x head_dim " << shape.head_dim << ", batch " << batch << "; fp16 "
      << static_cast<int64_t>(fp16_per_token) << " B/token (" << fp16_per_token / 1024.0 << " KiB)\n\n";
@@ -176,7 +191,9 @@ std::string memory_table_markdown(const ModelShape& shape, const std::vector<KvF
       const auto m = estimate_kv_memory(shape, f, ctx, batch);
       char line[512];
       const double per_token = ctx > 0 ? m.raw_bytes / static_cast<double>(ctx) / static_cast<double>(batch) : 0;
-      const double ratio = m.effective_bytes > 0 ? fp16_per_token * static_cast<double>(ctx * batch) / m.effective_bytes : 0;
+      const double ratio = m.effective_bytes > 0
+                               ? fp16_per_token * static_cast<double>(ctx) * static_cast<double>(batch) / m.effective_bytes
+                               : 0;
       std::snprintf(line, sizeof line, "| %s | %lld | %.0f | %s | %s | %s | %s | %.3f | %.2fx |\n", f.spec.c_str(),
                     static_cast<long long>(ctx), per_token, format_gb(m.raw_bytes).c_str(),
                     format_mib(m.raw_bytes).c_str(), format_gb(m.effective_bytes).c_str(),

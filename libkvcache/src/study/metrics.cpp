@@ -126,7 +126,7 @@ at::Tensor fake_quantize_minmax(const at::Tensor& x, int bits, int64_t group, Gr
   KV_CHECK_ARG(at::isFloatingType(x.scalar_type()), "fake_quantize_minmax: expected a floating tensor, got ",
                x.scalar_type());
   KV_CHECK_ARG(bits >= 1 && bits <= 16, "fake_quantize_minmax: bits must be in [1, 16], got ", bits);
-  KV_CHECK_ARG(group >= 1, "fake_quantize_minmax: group must be >= 1, got ", group);
+  KV_CHECK_ARG(group >= 1 && group <= 65536, "fake_quantize_minmax: group ", group, " is out of range [1, 65536]");
   at::Tensor y = x.to(at::kFloat);
   if (axis == GroupAxis::kPerChannel) y = y.transpose(2, 3);  // groups along tokens
   y = y.contiguous();
@@ -242,8 +242,16 @@ QkvSample synthetic_qkv(uint64_t seed, int64_t h_q, int64_t h_kv, int64_t tokens
                "synthetic_qkv: sizes must be positive, got H_q=", h_q, " H_kv=", h_kv, " T=", tokens,
                " D=", head_dim);
   KV_CHECK_ARG(h_q % h_kv == 0, "synthetic_qkv: H_q=", h_q, " is not a multiple of H_kv=", h_kv);
+  // One sample of at most 2^24 floats (64 MiB) per tensor: the attention table is O(H_q T^2 D).
+  KV_CHECK_ARG(h_q <= 4096 && tokens <= 1048576 && head_dim <= 65536 &&
+                   static_cast<double>(h_q) * static_cast<double>(tokens) * static_cast<double>(head_dim) <=
+                       static_cast<double>(int64_t{1} << 24),
+               "synthetic_qkv: H_q=", h_q, " x T=", tokens, " x D=", head_dim,
+               " values exceed the 2^24 a synthetic sample may hold");
   KV_CHECK_ARG(outlier_channels >= 0 && outlier_channels <= head_dim,
                "synthetic_qkv: outlier_channels must be in [0, D=", head_dim, "], got ", outlier_channels);
+  KV_CHECK_ARG(std::isfinite(outlier_scale) && std::fabs(outlier_scale) <= 10000.0,
+               "synthetic_qkv: outlier_scale ", outlier_scale, " is out of range [-10000, 10000]");
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto opts = at::TensorOptions().dtype(at::kFloat);
   QkvSample s;

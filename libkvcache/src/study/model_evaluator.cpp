@@ -10,6 +10,7 @@
 #include <map>
 
 #include "cache/cache_scheme.h"
+#include "common/log.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
@@ -82,7 +83,11 @@ class ModelArmEvaluator : public ArmEvaluator {
     const std::string text = opt.text.empty() ? filler_passage(opt.passage_seed, opt.text_tokens) : opt.text;
     text_ids_ = tokenizer_.encode(text, SpecialTokens::kIgnore, PostProcess::kApply);
     const int64_t max_pos = model_.config().max_position_embeddings;
-    if (max_pos > 0 && static_cast<int64_t>(text_ids_.size()) > max_pos) text_ids_.resize(static_cast<size_t>(max_pos));
+    if (max_pos > 0 && static_cast<int64_t>(text_ids_.size()) > max_pos) {
+      log::logger().info("evaluation passage of {} tokens cut to the model's max_position_embeddings of {}",
+                         text_ids_.size(), max_pos);
+      text_ids_.resize(static_cast<size_t>(max_pos));
+    }
     KV_CHECK_ARG(text_ids_.size() >= 2, "evaluation passage of '", opt.model_path, "' has fewer than 2 tokens");
   }
 

@@ -78,18 +78,26 @@ std::vector<std::string> default_quant_error_specs() {
   return specs;
 }
 
-std::string reconstruction_table_markdown(const std::vector<std::string>& specs, const std::vector<QkvSample>& samples) {
+std::string reconstruction_table_markdown(const std::vector<std::string>& specs, const std::vector<QkvSample>& samples,
+                                          std::vector<std::string>* skipped) {
   std::ostringstream os;
   os << "| quantizer | bits/value | key rel. error | value rel. error | key max abs | value max abs |\n";
   os << "|---|---:|---:|---:|---:|---:|\n";
   for (const auto& spec : specs) {
+    ReconstructionResult r;
     try {
-      const auto r = measure_reconstruction(spec, samples);
-      os << "| " << spec << " | " << f(r.bits_per_value, "%.2f") << " | " << f(r.key_rel_err, "%.4f") << " | "
-         << f(r.value_rel_err, "%.4f") << " | " << f(r.key_max_abs, "%.4f") << " | " << f(r.value_max_abs, "%.4f") << " |\n";
-    } catch (const Error& e) {
-      os << "| " << spec << " | – | – | – | – | " << e.what() << " |\n";
+      r = measure_reconstruction(spec, samples);
+    } catch (const InvalidArgument& e) {
+      if (skipped == nullptr) throw;
+      skipped->push_back(spec + ": " + e.what());
+      continue;
+    } catch (const UnsupportedError& e) {
+      if (skipped == nullptr) throw;
+      skipped->push_back(spec + ": " + e.what());
+      continue;
     }
+    os << "| " << spec << " | " << f(r.bits_per_value, "%.2f") << " | " << f(r.key_rel_err, "%.4f") << " | "
+       << f(r.value_rel_err, "%.4f") << " | " << f(r.key_max_abs, "%.4f") << " | " << f(r.value_max_abs, "%.4f") << " |\n";
   }
   return os.str();
 }

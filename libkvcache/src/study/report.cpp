@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "kvcache/error.h"
 #include "kvcache/study/metrics.h"
 #include "kvcache/study/task.h"
@@ -97,17 +98,6 @@ std::string csv_num(double v) {
 
 nlohmann::ordered_json jnum(double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(); }
 
-void write_file(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    KV_CHECK_ARG(out.good(), "cannot write '", tmp, "'");
-    out << text;
-    out.flush();
-    KV_CHECK_ARG(out.good(), "failed writing '", tmp, "'");
-  }
-  KV_CHECK_ARG(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "'");
-}
 
 }  // namespace
 
@@ -580,9 +570,9 @@ void write_summary_files(const Summary& s, const std::string& dir) {
   ::mkdir(dir.c_str(), 0755);  // may exist
   struct stat st {};
   KV_CHECK_ARG(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "output directory '", dir, "' cannot be created");
-  write_file(dir + "/summary.md", summary_markdown(s));
-  write_file(dir + "/summary.json", summary_json(s));
-  write_file(dir + "/summary.csv", summary_csv(s));
+  io::write_file_atomic(dir + "/summary.md", summary_markdown(s));
+  io::write_file_atomic(dir + "/summary.json", summary_json(s));
+  io::write_file_atomic(dir + "/summary.csv", summary_csv(s));
 }
 
 }  // namespace kvcache::study

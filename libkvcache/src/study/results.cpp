@@ -9,12 +9,16 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/file_io.h"
+#include "study/json_fields.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache::study {
 namespace {
@@ -60,16 +64,6 @@ std::vector<ResultRow> parse_lines(const std::vector<std::string>& lines, const 
   return rows;
 }
 
-void write_fully(int fd, const std::string& data, const std::string& path) {
-  size_t off = 0;
-  while (off < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + off, data.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    KV_CHECK(n > 0, InternalError, "write to '", path, "' failed: ", std::strerror(errno));
-    off += static_cast<size_t>(n);
-  }
-}
-
 }  // namespace
 
 std::string ResultRow::key() const { return arm + '\t' + task + '\t' + model; }
@@ -110,24 +104,26 @@ ResultRow row_from_json(const std::string& line) {
     throw InvalidArgument(detail::str_cat("invalid JSON: ", e.what()));
   }
   KV_CHECK_ARG(j.is_object(), "a result row must be a JSON object");
+  namespace f = json_fields;
+  const std::string where = "result row";
   ResultRow r;
-  try {
-    r.order = j.at("order").get<int64_t>();
-    r.kind = j.at("kind").get<std::string>();
-    r.arm = j.at("arm").get<std::string>();
-    r.task = j.at("task").get<std::string>();
-    r.model = j.at("model").get<std::string>();
-    r.family = j.value("family", std::string());
-    r.depth_pct = j.value("depth_pct", -1);
-    r.context_target = j.value("context_target", int64_t{0});
-    r.passed = j.value("passed", false);
-    r.output = j.value("output", std::string());
-    r.error = j.value("error", std::string());
-    if (j.contains("values")) {
-      for (const auto& [k, x] : j.at("values").items()) r.values[k] = x.get<double>();
+  r.order = f::integer(j, "order", where, 0, INT64_MAX);
+  r.kind = f::string(j, "kind", where);
+  r.arm = f::string(j, "arm", where);
+  r.task = f::string(j, "task", where);
+  r.model = f::string(j, "model", where);
+  r.family = f::string(j, "family", where, std::string());
+  r.depth_pct = static_cast<int>(f::integer(j, "depth_pct", where, -1, 100, -1));
+  r.context_target = f::integer(j, "context_target", where, 0, INT64_MAX, 0);
+  r.passed = f::boolean(j, "passed", where, false);
+  r.output = f::string(j, "output", where, std::string());
+  r.error = f::string(j, "error", where, std::string());
+  if (j.contains("values")) {
+    KV_CHECK_ARG(j.at("values").is_object(), where, ": field 'values' is not an object");
+    for (const auto& [k, x] : j.at("values").items()) {
+      KV_CHECK_ARG(x.is_number(), where, ": values['", k, "'] = ", x.dump(), " is not a number");
+      r.values[k] = x.template get<double>();
     }
-  } catch (const json::exception& e) {
-    throw InvalidArgument(detail::str_cat("missing or mistyped field: ", e.what()));
   }
   return r;
 }
@@ -136,17 +132,10 @@ Shard Shard::parse(const std::string& text) {
   const auto slash = text.find('/');
   KV_CHECK_ARG(slash != std::string::npos, "shard '", text, "' must be i/n with 0 <= i < n, e.g. 0/4");
   Shard s;
-  try {
-    size_t a = 0;
-    size_t b = 0;
-    s.index = std::stoll(text.substr(0, slash), &a);
-    s.count = std::stoll(text.substr(slash + 1), &b);
-    KV_CHECK_ARG(a == slash && b == text.size() - slash - 1, "shard '", text, "' must be i/n, e.g. 0/4");
-  } catch (const std::logic_error&) {
-    throw InvalidArgument("shard '" + text + "' must be i/n with integers, e.g. 0/4");
-  }
-  KV_CHECK_ARG(s.count >= 1 && s.index >= 0 && s.index < s.count, "shard '", text,
-               "': need 0 <= i < n (shards are 0-based, like SLURM_ARRAY_TASK_ID with --array=0-(n-1))");
+  s.count = parse_integer(text.substr(slash + 1), "shard '" + text + "': n", 1, kMaxShards);
+  s.index = parse_integer(text.substr(0, slash), "shard '" + text + "': i", 0, kMaxShards);
+  KV_CHECK_ARG(s.index < s.count, "shard '", text, "': i = ", s.index, " is out of range [0, ", s.count - 1,
+               "] (shards are 0-based, like SLURM_ARRAY_TASK_ID with --array=0-(n-1))");
   return s;
 }
 
@@ -191,13 +180,14 @@ void ResultsStore::append(const ResultRow& row) {
   const std::string key = row.key();
   KV_CHECK_ARG(!contains(key), "results file '", path_, "' already holds arm '", row.arm, "', task '", row.task,
                "', model '", row.model, "'");
-  write_fully(fd_, row_to_json(row) + "\n", path_);
+  io::write_all(fd_, row_to_json(row) + "\n", path_);
   KV_CHECK(::fsync(fd_) == 0, InternalError, "fsync '", path_, "' failed: ", std::strerror(errno));
   index_.emplace(key, rows_.size());
   rows_.push_back(row);
 }
 
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines) {
+  io::check_readable_file(path, "results file");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open results file '", path, "'");
   std::stringstream ss;
@@ -210,21 +200,9 @@ std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_li
 }
 
 void write_results(const std::string& path, const std::vector<ResultRow>& rows) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  KV_CHECK_ARG(fd >= 0, "cannot write '", tmp, "': ", std::strerror(errno));
   std::string data;
   for (const auto& r : rows) data += row_to_json(r) + "\n";
-  try {
-    write_fully(fd, data, tmp);
-    KV_CHECK(::fsync(fd) == 0, InternalError, "fsync '", tmp, "' failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-  KV_CHECK_ARG(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "': ",
-               std::strerror(errno));
+  io::write_file_atomic(path, data);
 }
 
 std::vector<ResultRow> merge_rows(const std::vector<std::vector<ResultRow>>& inputs, MergeStats* stats) {

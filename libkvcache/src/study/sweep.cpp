@@ -152,26 +152,59 @@ std::vector<WorkItem> plan_sweep(const std::vector<Arm>& arms, const std::vector
   return plan;
 }
 
-SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& store, Progress* progress) {
-  std::vector<Arm> arms;
-  // Arms the model cannot run (UnsupportedError from canonicalize, e.g. a group size that does
-  // not divide its head_dim) stay in the plan under their spec as given; their rows carry the
-  // reason. Malformed specs (InvalidArgument) stop the sweep before anything runs.
+namespace {
+
+/// The sweep's inputs checked and canonicalized.
+struct Prepared {
+  std::vector<Arm> arms;  ///< canonical, de-duplicated
+  Arm control;
+  /// Arms the model cannot run (UnsupportedError from canonicalize, e.g. a group size that
+  /// does not divide its head_dim): kept in the plan under their spec as given; their rows
+  /// carry the reason.
   std::map<std::string, std::string> unsupported;
+};
+
+Prepared prepare(const ArmEvaluator& ev, const SweepOptions& opt) {
+  KV_CHECK_ARG(!opt.arms.empty(), "the sweep has no arm");
+  KV_CHECK_ARG(!opt.tasks.empty(), "the sweep has no task (an empty task file or suite)");
+  Prepared p;
+  // Malformed specs (InvalidArgument) stop the sweep before anything runs.
   for (const auto& a : opt.arms) {
     try {
-      arms.push_back(ev.canonicalize(a));
+      p.arms.push_back(ev.canonicalize(a));
     } catch (const UnsupportedError& e) {
-      arms.push_back(a);
-      unsupported.emplace(a.spec(), e.what());
+      p.arms.push_back(a);
+      p.unsupported.emplace(a.spec(), e.what());
     }
   }
-  arms = dedupe(arms);
-  const Arm control = ev.canonicalize(opt.control);
+  p.arms = dedupe(p.arms);
+  p.control = ev.canonicalize(opt.control);
   std::set<std::string> ids;
   for (const auto& t : opt.tasks) {
     KV_CHECK_ARG(ids.insert(t.id).second, "task id '", t.id, "' appears twice in the task list");
   }
+  if (opt.attention) {
+    for (int b : opt.attention_bits) {
+      KV_CHECK_ARG(b >= 1 && b <= 16, "attention-error bit width ", b, " is out of range [1, 16]");
+    }
+    KV_CHECK_ARG(opt.attention_group >= 1 && opt.attention_group <= 65536, "attention-error group ",
+                 opt.attention_group, " is out of range [1, 65536]");
+  }
+  KV_CHECK_ARG(opt.shard.count >= 1 && opt.shard.count <= kMaxShards && opt.shard.index >= 0 &&
+                   opt.shard.index < opt.shard.count,
+               "shard ", opt.shard.to_string(), " is not i/n with 0 <= i < n <= ", kMaxShards);
+  return p;
+}
+
+}  // namespace
+
+void validate_sweep(const ArmEvaluator& ev, const SweepOptions& opt) { (void)prepare(ev, opt); }
+
+SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& store, Progress* progress) {
+  const Prepared prepared = prepare(ev, opt);
+  const std::vector<Arm>& arms = prepared.arms;
+  const Arm& control = prepared.control;
+  const auto& unsupported = prepared.unsupported;
   const std::string model = ev.model_id();
   const auto plan = plan_sweep(arms, opt.tasks, opt);
 

@@ -2,12 +2,18 @@
 #include "kvcache/study/task.h"
 
 #include <cctype>
+#include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <sstream>
 
+#include "common/file_io.h"
+#include "study/json_fields.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache::study {
 namespace {
@@ -62,6 +68,15 @@ T required(const ojson& j, const char* key, const std::string& where) {
     throw InvalidArgument(detail::str_cat(where, ": field '", key, "' has the wrong type (",
                                           e.what(), ")"));
   }
+}
+
+int64_t int_field(const ojson& j, const char* key, const std::string& where, int64_t lo, int64_t hi,
+                  std::optional<int64_t> fallback = std::nullopt) {
+  return json_fields::integer(j, key, where, lo, hi, fallback);
+}
+
+std::string optional_string(const ojson& j, const char* key, const std::string& where) {
+  return json_fields::string(j, key, where, std::string());
 }
 
 }  // namespace
@@ -204,12 +219,13 @@ Task task_from_json(const std::string& line) {
   t.id = required<std::string>(j, "id", "task");
   const std::string where = "task '" + t.id + "'";
   t.family = parse_family(required<std::string>(j, "family", where));
-  t.depth_pct = required<int>(j, "depth_pct", where);
-  t.context_target = required<int64_t>(j, "context_target", where);
-  t.approx_tokens = j.value("approx_tokens", int64_t{0});
+  t.depth_pct = static_cast<int>(int_field(j, "depth_pct", where, -1, 100));
+  t.context_target = int_field(j, "context_target", where, 0, kMaxTokens);
+  t.approx_tokens = int_field(j, "approx_tokens", where, 0, kMaxTokens, 0);
   KV_CHECK_ARG(j.contains("messages") && j["messages"].is_array(), where,
                ": missing array field 'messages'");
   for (const auto& m : j["messages"]) {
+    KV_CHECK_ARG(m.is_object(), where, ": a message is ", m.dump(), ", not an object {role, content}");
     t.messages.push_back(Message{required<std::string>(m, "role", where),
                                  required<std::string>(m, "content", where)});
   }
@@ -217,11 +233,19 @@ Task task_from_json(const std::string& line) {
   t.answer = required<std::string>(j, "answer", where);
   KV_CHECK_ARG(j.contains("rule") && j["rule"].is_object(), where, ": missing object field 'rule'");
   t.rule.kind = parse_rule_kind(required<std::string>(j["rule"], "kind", where));
-  t.rule.arg = j["rule"].value("arg", std::string());
+  t.rule.arg = optional_string(j["rule"], "arg", where);
+  if (t.rule.kind == RuleKind::kRegex) {
+    try {
+      (void)score_output(t.rule, "");  // compiles the pattern: a bad one fails at load, not per row
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat(where, ": ", e.what()));
+    }
+  }
   if (j.contains("span")) {
-    t.span.message = required<int64_t>(j["span"], "message", where);
-    t.span.begin = required<int64_t>(j["span"], "begin", where);
-    t.span.end = required<int64_t>(j["span"], "end", where);
+    KV_CHECK_ARG(j["span"].is_object(), where, ": field 'span' is not an object {message, begin, end}");
+    t.span.message = int_field(j["span"], "message", where, -1, kMaxTokens);
+    t.span.begin = int_field(j["span"], "begin", where, -1, INT64_MAX);
+    t.span.end = int_field(j["span"], "end", where, -1, INT64_MAX);
     if (t.span.message >= 0) {
       KV_CHECK_ARG(t.span.message < static_cast<int64_t>(t.messages.size()) && t.span.begin >= 0 &&
                        t.span.begin <= t.span.end &&
@@ -230,20 +254,18 @@ Task task_from_json(const std::string& line) {
                    " is outside the message");
     }
   }
-  t.max_new_tokens = j.value("max_new_tokens", int64_t{16});
-  KV_CHECK_ARG(t.max_new_tokens >= 1, where, ": max_new_tokens must be >= 1, got ", t.max_new_tokens);
+  t.max_new_tokens = int_field(j, "max_new_tokens", where, 1, kMaxTokens, 16);
   return t;
 }
 
 void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  KV_CHECK_ARG(out.good(), "cannot open '", path, "' for writing");
-  for (const auto& t : tasks) out << task_to_json(t) << '\n';
-  out.flush();
-  KV_CHECK_ARG(out.good(), "failed writing tasks to '", path, "'");
+  std::string data;
+  for (const auto& t : tasks) data += task_to_json(t) + '\n';
+  io::write_file_atomic(path, data);
 }
 
 std::vector<Task> read_tasks_jsonl(const std::string& path) {
+  io::check_readable_file(path, "task file");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open task file '", path, "'");
   std::vector<Task> tasks;

@@ -414,11 +414,13 @@ std::vector<Task> generate_suite(const std::string& name, uint64_t seed) {
 }
 
 std::vector<Task> generate_training_tasks(uint64_t seed, int64_t count, const TrainingOptions& options) {
-  KV_CHECK_ARG(count >= 0, "training task count must be >= 0, got ", count);
-  KV_CHECK_ARG(options.min_context >= 48, "min_context must be >= 48 approximate tokens, got ",
-               options.min_context);
-  KV_CHECK_ARG(options.max_context >= options.min_context, "max_context (", options.max_context,
-               ") must be >= min_context (", options.min_context, ")");
+  KV_CHECK_ARG(count >= 0 && count <= kMaxTrainingTasks, "training task count ", count, " is out of range [0, ",
+               kMaxTrainingTasks, "]");
+  KV_CHECK_ARG(options.min_context >= 48 && options.min_context <= kMaxTrainingContext, "min_context ",
+               options.min_context, " is out of range [48, ", kMaxTrainingContext, "] approximate tokens");
+  KV_CHECK_ARG(options.max_context >= options.min_context && options.max_context <= kMaxTrainingContext,
+               "max_context ", options.max_context, " is out of range [min_context = ", options.min_context, ", ",
+               kMaxTrainingContext, "] approximate tokens");
   std::vector<TaskFamily> families = options.families.empty() ? all_families() : options.families;
   std::vector<Task> out;
   out.reserve(static_cast<size_t>(count));

@@ -27,7 +27,7 @@ namespace kvcache {
 
 /// Options of Runner::generate().
 struct GenerationOptions {
-  /// Most new tokens to produce (≥ 1).
+  /// Most new tokens to produce, in [1, kMaxTokens] (spec.h).
   int64_t max_new_tokens = 64;
   /// Prompt tokens per prefill step; 0 = the whole prompt in one step.
   int64_t prefill_chunk = 0;
@@ -87,9 +87,11 @@ class Runner {
   at::Tensor decode_step(int64_t token, KVCache& cache) const;
 
   /// Greedy generation: cache.reset(prompt + max_new_tokens), prefill, then one token per
-  /// step until max_new_tokens or an EOS id. The last new token is not fed back.
-  /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens < 1,
-  ///         prefill_chunk < 0, or a cache that does not fit the model.
+  /// step until max_new_tokens or an EOS id. The last new token is not fed back. Logs a
+  /// warning (kvcache/log.h) when prompt + max_new_tokens may pass the model's
+  /// max_position_embeddings.
+  /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens outside
+  ///         [1, kMaxTokens], prefill_chunk < 0, or a cache that does not fit the model.
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
                             KVCache& cache) const;
 

@@ -17,6 +17,11 @@
 
 namespace kvcache::study {
 
+/// The largest layer count, KV head count or head_dim the calculator accepts (10^6).
+inline constexpr int64_t kMaxShapeField = 1000000;
+/// The largest batch the calculator accepts (10^6 sequences).
+inline constexpr int64_t kMaxBatch = 1000000;
+
 /// The cache-relevant shape of a decoder.
 struct ModelShape {
   std::string name;
@@ -32,7 +37,8 @@ std::vector<std::string> model_shape_presets();
 ModelShape model_shape_preset(const std::string& name);
 /// Reads a Hugging Face config.json (num_hidden_layers, num_attention_heads,
 /// num_key_value_heads (default: num_attention_heads), head_dim (default: hidden_size /
-/// num_attention_heads)). @throws InvalidArgument naming the file and the missing field.
+/// num_attention_heads)), each in [1, kMaxShapeField].
+/// @throws InvalidArgument naming the file and the missing or out-of-range field.
 ModelShape model_shape_from_config(const std::string& config_json_path);
 /// A preset name, a config.json path, or a directory holding config.json.
 ModelShape resolve_model_shape(const std::string& name_or_path);
@@ -71,8 +77,10 @@ struct MemoryEstimate {
   double effective_bits_per_value = 0;  ///< effective_bytes * 8 / values (incl. residual, per-tensor)
 };
 
-/// Memory of `tokens` cached tokens x `batch` sequences of `shape` in `format`.
-/// @throws InvalidArgument on non-positive shape fields, tokens < 0 or batch < 1.
+/// Memory of `tokens` cached tokens x `batch` sequences of `shape` in `format` (computed in
+/// double: no overflow at any accepted size).
+/// @throws InvalidArgument on shape fields outside [1, kMaxShapeField], tokens outside
+///         [0, kMaxTokens] (spec.h) or batch outside [1, kMaxBatch].
 MemoryEstimate estimate_kv_memory(const ModelShape& shape, const KvFormat& format, int64_t tokens,
                                   int64_t batch = 1);
 

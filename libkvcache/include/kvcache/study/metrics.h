@@ -143,7 +143,8 @@ AttentionError scheme_attention_error(const std::vector<QkvSample>& samples, KvG
 /// A synthetic attention layer with the outlier structure of real keys (KIVI / KVQuant
 /// observation): q, v ~ N(0, 1); k ~ N(0, 1) plus, on `outlier_channels` fixed channels, an
 /// offset and scale of `outlier_scale`. Deterministic for a seed (CPU generator).
-/// @throws InvalidArgument on non-positive sizes or h_q % h_kv != 0.
+/// @throws InvalidArgument on non-positive sizes, h_q % h_kv != 0, more than 2^24 values in
+///         q, outlier_channels outside [0, head_dim] or outlier_scale outside [-1e4, 1e4].
 QkvSample synthetic_qkv(uint64_t seed, int64_t h_q, int64_t h_kv, int64_t tokens, int64_t head_dim,
                         int64_t outlier_channels = 4, double outlier_scale = 8.0);
 

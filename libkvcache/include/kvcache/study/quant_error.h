@@ -35,8 +35,13 @@ ReconstructionResult measure_reconstruction(const std::string& quant, const std:
 std::vector<std::string> default_quant_error_specs();
 
 /// Markdown table "| quantizer | bits/value | key rel. error | value rel. error | key max abs | value max abs |"
-/// of `specs` on `samples`; a spec that fails gets its error message in the row.
-std::string reconstruction_table_markdown(const std::vector<std::string>& specs, const std::vector<QkvSample>& samples);
+/// of `specs` on `samples`. A spec that cannot be measured (malformed, or a layout that does
+/// not fit the samples' head_dim or token count) throws — unless `skipped` is given: then it
+/// is left out of the table and "<spec>: <reason>" appended to `*skipped`.
+/// @throws InvalidArgument (or UnsupportedError) naming the first spec that fails, when
+///         `skipped` is null.
+std::string reconstruction_table_markdown(const std::vector<std::string>& specs, const std::vector<QkvSample>& samples,
+                                          std::vector<std::string>* skipped = nullptr);
 
 /// Markdown table of scheme_attention_error for the four granularities at `bits`.
 std::string attention_table_markdown(const std::vector<QkvSample>& samples, const std::vector<int>& bits, int64_t group);

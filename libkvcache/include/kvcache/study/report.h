@@ -100,7 +100,8 @@ std::string summary_markdown(const Summary& summary);
 std::string summary_json(const Summary& summary);
 std::string summary_csv(const Summary& summary);
 
-/// Writes summary.md, summary.json and summary.csv into `dir` (created if missing).
+/// Writes summary.md, summary.json and summary.csv into `dir` (created if missing), each one
+/// atomically (as write_results).
 void write_summary_files(const Summary& summary, const std::string& dir);
 
 }  // namespace kvcache::study

@@ -48,12 +48,16 @@ std::string row_to_json(const ResultRow& row);
 /// @throws InvalidArgument if the line is not a row.
 ResultRow row_from_json(const std::string& line);
 
+/// The most shards a sweep may be cut into (`--shard i/n`: n <= 10^6, as Slurm's largest arrays).
+inline constexpr int64_t kMaxShards = 1000000;
+
 /// Deterministic slice `index` of `count` (0-based): owns plan item `order` iff
 /// order % count == index.
 struct Shard {
   int64_t index = 0;
   int64_t count = 1;
-  /// Parses "i/n" with 0 <= i < n. @throws InvalidArgument otherwise.
+  /// Parses "i/n": decimal integers (no blanks or signs) with 1 <= n <= kMaxShards, 0 <= i < n.
+  /// @throws InvalidArgument naming the shard text, the bad part and its range.
   static Shard parse(const std::string& text);
   bool owns(int64_t order) const { return order % count == index; }
   std::string to_string() const { return std::to_string(index) + "/" + std::to_string(count); }
@@ -89,10 +93,13 @@ class ResultsStore {
 };
 
 /// Reads a results file without modifying it. A trailing partial line is skipped and counted in
-/// `*partial_lines` if given. @throws InvalidArgument on a bad complete line (naming it).
+/// `*partial_lines` if given. @throws InvalidArgument if `path` does not exist, is a directory, or
+///         on a bad complete line (naming it).
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines = nullptr);
 
-/// Writes rows (one line each) to `path` via a temporary file + rename.
+/// Writes rows (one line each) to `path` atomically: a temporary file in the same directory,
+/// fsync, rename; on any failure `path` is as it was and no temporary is left.
+/// @throws InvalidArgument naming the path and the OS error.
 void write_results(const std::string& path, const std::vector<ResultRow>& rows);
 
 struct MergeStats {

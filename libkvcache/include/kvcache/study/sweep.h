@@ -136,9 +136,16 @@ struct SweepStats {
   int64_t errors = 0;    ///< executed items whose row carries an error
 };
 
+/// Checks everything run_sweep() checks before it runs an item: every arm and the control
+/// canonicalize (a malformed spec throws; one this model cannot run is kept, its rows will
+/// say why), the arm and task lists are not empty, task ids are unique, the attention-table
+/// settings are in range. Call it before creating output files, so that bad inputs leave
+/// nothing behind. @throws InvalidArgument naming the bad input.
+void validate_sweep(const ArmEvaluator& evaluator, const SweepOptions& options);
+
 /// Runs the owned, unfinished items of the plan in order and appends one row per item.
 /// `progress` (optional) gets its total set to the shard's item count.
-/// @throws InvalidArgument if an arm spec is malformed or a task id repeats; rethrows
+/// @throws InvalidArgument as validate_sweep() (before any row is written); rethrows
 ///         non-user errors of the evaluator (rows written so far stay).
 SweepStats run_sweep(ArmEvaluator& evaluator, const SweepOptions& options, ResultsStore& store,
                      Progress* progress = nullptr);

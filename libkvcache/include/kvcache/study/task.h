@@ -95,10 +95,12 @@ std::string task_to_json(const Task& task);
 /// Parses task_to_json's output. @throws InvalidArgument naming the missing/bad field.
 Task task_from_json(const std::string& line);
 
-/// Writes one task per line. @throws InvalidArgument if the file cannot be written.
+/// Writes one task per line, atomically (as write_results). @throws InvalidArgument if the file
+/// cannot be written.
 void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks);
 /// Reads a file written by write_tasks_jsonl (blank lines ignored).
-/// @throws InvalidArgument naming the file and line of a bad entry.
+/// @throws InvalidArgument if `path` does not exist or is a directory, or naming the file
+///         and line of a bad entry.
 std::vector<Task> read_tasks_jsonl(const std::string& path);
 
 /// Renders messages in ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message, then

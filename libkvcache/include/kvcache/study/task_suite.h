@@ -34,6 +34,11 @@ std::vector<std::string> suite_names();
 /// @throws InvalidArgument for an unknown name (listing the valid ones).
 std::vector<Task> generate_suite(const std::string& name, uint64_t seed);
 
+/// The most tasks one generate_training_tasks() call writes (10^7).
+inline constexpr int64_t kMaxTrainingTasks = 10000000;
+/// The largest context target of a training task (approximate tokens).
+inline constexpr int64_t kMaxTrainingContext = 131072;
+
 /// Options of the training-data mode.
 struct TrainingOptions {
   int64_t min_context = 64;    ///< smallest context target (approximate tokens), >= 48
@@ -47,7 +52,8 @@ struct TrainingOptions {
 /// The random stream is salted with "train", so training tasks never coincide with a suite
 /// generated from the same numeric seed (issue 6 additionally uses disjoint seeds).
 /// Ids are "train-s<seed>-<index>".
-/// @throws InvalidArgument for a bad option (naming it).
+/// @throws InvalidArgument for a bad option (naming it): count outside [0, kMaxTrainingTasks],
+///         contexts outside [48, kMaxTrainingContext] or max_context < min_context.
 std::vector<Task> generate_training_tasks(uint64_t seed, int64_t count,
                                           const TrainingOptions& options = {});
 
