@@ -60,7 +60,6 @@ fi
 # ---- a one-node cluster in $tmp ----------------------------------------------------------------
 tmp=$(mktemp -d /tmp/kvcache-slurm.XXXXXX)
 chmod 0700 "$tmp"
-pids=()
 cleanup() {
   local rc=$?
   if [[ -f $tmp/slurmctld.pid ]]; then  # end this cluster's jobs first: their slurmstepd outlive slurmd
