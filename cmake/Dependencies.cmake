@@ -1,7 +1,9 @@
 # Every dependency comes from Debian packages (see tools/setup.sh).
 find_package(Torch REQUIRED)            # libtorch-dev (LibTorch 1.13)
 find_package(Threads REQUIRED)
-find_package(OpenMP REQUIRED)           # libgomp (GCC): makes at::parallel_for parallel in our kernels
+if(KVCACHE_OPENMP)
+  find_package(OpenMP REQUIRED)         # libgomp (GCC): makes at::parallel_for parallel in our kernels
+endif()
 find_package(spdlog REQUIRED)           # libspdlog-dev
 find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev
 find_package(PkgConfig REQUIRED)

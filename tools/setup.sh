@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Installs libkvcache's build/run dependencies from Debian packages and builds the project.
-# Idempotent and non-interactive. Usage: tools/setup.sh [--no-install] [--debug]
+# Idempotent and non-interactive. Usage: tools/setup.sh [--no-install] [--debug] [--sanitize]
+#   --sanitize  also install clang-14 + libclang-rt-14-dev and build the sanitizer + fuzz tree
+#               instead (ASan + UBSan, libFuzzer targets; default BUILD_DIR build-asan; docs/ci.md)
 #   BUILD_DIR   build directory (default: build)
 #   JOBS        parallel build jobs (default: nproc)
+#   KVCACHE_CMAKE_ARGS  extra cmake arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 install=1
 build_type=Release
+sanitize=0
 for arg in "$@"; do
   case "$arg" in
     --no-install) install=0 ;;
     --debug) build_type=Debug ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (expected --no-install, --debug)" >&2; exit 2 ;;
+    --sanitize) sanitize=1 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected --no-install, --debug, --sanitize)" >&2; exit 2 ;;
   esac
 done
 
@@ -24,6 +29,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy python3-matplotlib
 )
+# clang (ASan/UBSan with float-cast-overflow, libFuzzer); its OpenMP runtime is not used.
+[[ $sanitize -eq 1 ]] && PACKAGES+=(clang-14 libclang-rt-14-dev)
 
 if [[ $install -eq 1 ]]; then
   missing=()
@@ -39,9 +46,17 @@ if [[ $install -eq 1 ]]; then
   fi
 fi
 
+extra=()
+if [[ $sanitize -eq 1 ]]; then
+  BUILD_DIR=${BUILD_DIR:-build-asan}
+  # -O1: the usual optimisation for sanitizers (faster to build than -O3, still fast to run).
+  # No benchmarks; OpenMP off (docs/ci.md).
+  extra=(-DCMAKE_CXX_COMPILER=clang++-14 -DKVCACHE_SANITIZE=ON -DKVCACHE_FUZZ=ON -DKVCACHE_OPENMP=OFF
+         -DKVCACHE_BUILD_BENCH=OFF "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG")
+fi
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE="$build_type" -DKVCACHE_PYTHON=/usr/bin/python3 \
-      ${KVCACHE_CMAKE_ARGS:-} >/dev/null
+      "${extra[@]}" ${KVCACHE_CMAKE_ARGS:-} >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS"
-echo "setup.sh: built in $BUILD_DIR ($build_type)" >&2
+echo "setup.sh: built in $BUILD_DIR ($build_type$([[ $sanitize -eq 1 ]] && echo ", ASan+UBSan, fuzz targets"))" >&2
