@@ -55,7 +55,7 @@ at::Tensor Fp8Quantizer::do_dequantize(const QuantizedTensor& q) const {
   }
   at::Tensor out = at::empty(q.shape, q.codes.options().dtype(at::kFloat));
   fp8_decode_array(q.codes.data_ptr<uint8_t>(), out.numel(), scale, format_, out.data_ptr<float>());
-  return q.dtype == at::kFloat ? out : out.to(q.dtype);
+  return to_input_dtype(out, q.dtype);
 }
 
 float Fp8Quantizer::fit_tensor_scale(const at::Tensor& x) const {

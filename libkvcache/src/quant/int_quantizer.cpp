@@ -114,7 +114,7 @@ at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
                              b * h * (t / g), g, d, out.data_ptr<float>());
     }
   }
-  return q.dtype == at::kFloat ? out : out.to(q.dtype);
+  return to_input_dtype(out, q.dtype);  // saturating: a finite input never comes back ±Inf
 }
 
 StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {

@@ -80,6 +80,10 @@ KV_ALWAYS_INLINE float fp16_to_float(uint16_t h) {
 /// 1 if binary16 bits `h` are ±Inf or NaN.
 KV_ALWAYS_INLINE uint32_t fp16_nonfinite_bit(uint16_t h) { return static_cast<uint32_t>((h & 0x7c00u) == 0x7c00u); }
 
+/// Largest finite values of the 16-bit formats, as binary16 / bfloat16 bits without sign.
+constexpr uint16_t kFp16MaxBits = 0x7bffu;  // 65504
+constexpr uint16_t kBf16MaxBits = 0x7f7fu;  // 3.3895314e38
+
 /// Integer code of y ∈ [0, 2^22) rounded half-to-even: adding 1.5·2^23 leaves rint(y) in
 /// the low mantissa bits under the default rounding mode. Plain SSE2 arithmetic, unlike
 /// rintf (which needs SSE4.1 to vectorize). The caller masks the result to its bit width.
