@@ -7,12 +7,15 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "quant/reference.h"
+#include "quant/simd.h"
 #include "quant_test_util.h"
 
 namespace kvcache {
@@ -240,6 +243,52 @@ TEST(IntQuantizerBound, ElementwiseErrorWithinHalfStep) {
     EXPECT_TRUE(at::all(err <= bound).item<bool>()) << spec;
     // The bound is tight: some value sits within 5% of half a step.
     EXPECT_TRUE(at::any(err >= sb * 0.45).item<bool>()) << spec;
+  }
+}
+
+// The kernels' directed fp16 rounding (simd.h) against an independent oracle: a binary
+// search in the sorted list of every finite fp16 value, for every fp16 value, its float32
+// neighbours, the midpoints between consecutive fp16 values (ties) and random floats.
+TEST(IntQuantizerRounding, Fp16RoundDownAndUpAreExact) {
+  std::vector<float> grid;  // every finite fp16 value, ascending (one zero)
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    if ((h & 0x7c00u) == 0x7c00u || h == 0x8000u) continue;
+    grid.push_back(quant::fp16_to_float(static_cast<uint16_t>(h)));
+  }
+  std::sort(grid.begin(), grid.end());
+  const float inf = std::numeric_limits<float>::infinity();
+  auto check = [&](float f) {
+    // round down: the largest fp16 ≤ f (−Inf below −65504; 65504 up to 65536, the documented range)
+    auto it = std::upper_bound(grid.begin(), grid.end(), f);
+    const float down = it == grid.begin() ? -inf : *(it - 1);
+    if (f < 65536.0f) {
+      const float got = quant::fp16_to_float(static_cast<uint16_t>(quant::fp16_bits_down(f)));
+      ASSERT_EQ(got, down) << "round down of " << f;
+    }
+    if (f >= 0.0f) {
+      auto lo = std::lower_bound(grid.begin(), grid.end(), f);
+      const float up = lo == grid.end() ? inf : *lo;
+      const float got = quant::fp16_to_float(static_cast<uint16_t>(quant::fp16_bits_up(f)));
+      ASSERT_EQ(got, up) << "round up of " << f;
+    }
+  };
+  for (size_t i = 0; i < grid.size(); ++i) {
+    const float v = grid[i];
+    check(v);
+    check(std::nextafter(v, -inf));
+    check(std::nextafter(v, inf));
+    if (i + 1 < grid.size()) check(v + (grid[i + 1] - v) / 2);  // exact tie in float32
+  }
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> u(-70000.0f, 70000.0f);
+  std::uniform_int_distribution<int> e(-40, 16);
+  for (int i = 0; i < 200000; ++i) {
+    check(u(gen));
+    check(std::ldexp(u(gen) / 70000.0f, e(gen)));
+  }
+  for (float f : {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-30f, -1e-30f, 65504.0f, 65519.0f, 65520.0f, 65535.0f, -65504.0f,
+                  -65505.0f, -65520.0f, -1e6f}) {
+    check(f);
   }
 }
 
