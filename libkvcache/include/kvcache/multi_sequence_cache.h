@@ -99,7 +99,9 @@ struct PrefixMatch {
   int64_t cached_tokens = 0;   ///< reused from the index: their prefill is skipped
   int64_t min_first_step = 0;  ///< the next step must append at least this many tokens
   int64_t indexed_tokens = 0;  ///< the longest prefix the index held (whole blocks, before the caps)
-  std::string limited_by;      ///< why cached_tokens < indexed_tokens, or why nothing is shared ("" if neither)
+  /// Why cached_tokens < indexed_tokens (every rule that cut the match, in the order applied,
+  /// "; "-separated), or why nothing is shared; "" if neither.
+  std::string limited_by;
   /// Prompt tokens the request computes itself.
   int64_t computed_tokens() const { return prompt_tokens - cached_tokens; }
 };

@@ -77,6 +77,10 @@ int64_t settled_pages(const BlockList& list, int64_t P, int64_t b0, int64_t b1, 
     while (want < hi) {
       if (i == bl.size()) return b - b0;  // not settled yet (still in the residual, or not written)
       const Block& x = bl[i];
+      if (i + 1 == bl.size() && x.format == StreamFormats::kMain && x.filled < list.format(x).capacity &&
+          x.live == x.filled && x.dead.empty() && x.pos.empty() && x.pos0 == want) {
+        return b - b0;  // the tail block is still filling: settled once full
+      }
       if (!sealed(list, x) || x.pos0 != want || x.pos0 + x.filled > hi) {
         *irregular = true;
         return b - b0;
@@ -294,10 +298,10 @@ struct MultiSequenceCache::Impl {
     RadixTree::Match hit = tree.match(s.ns, s.prompt.data(), n);
     pm.indexed_tokens = hit.tokens;
     int64_t m = hit.tokens;
-    auto cut = [&](int64_t to, std::string why) {
+    auto cut = [&](int64_t to, const std::string& why) {
       if (to < m) {
         m = std::max<int64_t>(0, to);
-        pm.limited_by = std::move(why);
+        pm.limited_by += (pm.limited_by.empty() ? "" : "; ") + why;
       }
     };
     cut(n - std::max<int64_t>(1, s.min_step),
