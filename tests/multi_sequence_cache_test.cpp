@@ -406,8 +406,22 @@ TEST(MultiSequenceCache, ReferenceCountsReturnToZeroWhenEverySequenceEnds) {
   EXPECT_EQ(c.stats().cached_blocks, 0);
   EXPECT_EQ(c.counters().blocks_reclaimed, c.counters().blocks_published);
   c.check_invariants();
-  for (Sequence* s : seqs) c.remove_sequence(*s);
+  // Removing a sequence in the middle of a request gives its blocks back too.
+  Sequence& t = *seqs[0];
+  const Ids ids = cat(shared, tokens(900, 9));
+  t.begin_request(ids, 50);
+  run(t, ids, 41, 0, 0, 0, 2);
+  EXPECT_GT(c.stats().bytes_in_use, c.stats().bytes_cached);
+  c.remove_sequence(t);
+  EXPECT_EQ(c.stats().bytes_in_use, c.stats().bytes_cached) << "only the index holds blocks";
+  EXPECT_EQ(c.stats().cached_blocks, 5 * 8) << "t's 5 whole prompt blocks in 8 lists";
+  c.check_invariants();
+  for (size_t i = 1; i < seqs.size(); ++i) c.remove_sequence(*seqs[i]);
   EXPECT_EQ(c.num_sequences(), 0);
+  const int64_t cached = c.stats().bytes_cached;
+  EXPECT_GT(cached, 0);
+  EXPECT_EQ(c.reclaim(std::numeric_limits<int64_t>::max()), cached);
+  EXPECT_EQ(c.stats().bytes_in_use, 0);
 }
 
 TEST(MultiSequenceCache, PerChannelGroupsAreBatchInvariant) {

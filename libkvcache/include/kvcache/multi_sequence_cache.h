@@ -9,11 +9,14 @@
 /// eviction policy, residual and quantization groups (a per-channel group never spans two
 /// sequences, so a sequence holds and computes the same alone or beside others) — whose blocks
 /// come from the cache's shared pools. A prefix index, a radix tree over token ids at block
-/// granularity (SGLang RadixAttention, methods.md b.8), maps a new request's prompt to the
+/// granularity (RadixAttention: Zheng et al., "SGLang: Efficient Execution of Structured
+/// Language Model Programs", arXiv 2312.07104; methods.md b.8), maps a new request's prompt to the
 /// longest cached prefix; the request takes over those blocks by reference count and its
 /// caller skips their prefill (Runner::generate does, through KVCache::begin_request()).
 ///
-/// Why a radix tree rather than vLLM's chained block hashes (b.7): a match compares the token
+/// Why a radix tree rather than vLLM's chained block hashes (automatic prefix caching over
+/// PagedAttention blocks: Kwon et al., "Efficient Memory Management for Large Language Model
+/// Serving with PagedAttention", arXiv 2309.06180; b.7): a match compares the token
 /// ids themselves, so two prompts can never share a block by a hash collision and nothing has
 /// to be verified after a lookup; the tree's leaves are exactly what may be reclaimed (LRU,
 /// leaves first); and a sequence pins its whole prefix with one lock on its deepest node.
