@@ -38,6 +38,9 @@ namespace kvcache {
 
 namespace cache {
 struct CacheManagerAccess;  // test/debug introspection (src/cache/cache_manager_access.h)
+struct SequenceSeam;        // a sequence of a MultiSequenceCache (src/cache/sequence_seam.h)
+class PoolSet;
+class StepHooks;
 }  // namespace cache
 
 /// What `get(layer)` materialises (debugging and tests).
@@ -138,6 +141,10 @@ class CacheManager final : public KVCache {
 
  private:
   friend struct cache::CacheManagerAccess;
+  friend struct cache::SequenceSeam;
+  /// A manager whose blocks come from `pools`, shared with other holders, calling `hooks`
+  /// (may be null) before it allocates (MultiSequenceCache).
+  CacheManager(CacheConfig config, std::shared_ptr<cache::PoolSet> pools, cache::StepHooks* hooks);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -16,7 +16,9 @@
 #include "cache/cache_manager_access.h"
 #include "cache/cache_scheme.h"
 #include "cache/layer_store.h"
+#include "cache/pool_set.h"
 #include "cache/rope_table.h"
+#include "cache/sequence_seam.h"
 #include "common/log.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
@@ -147,8 +149,13 @@ struct LayerState {
   int64_t step_new = 0;
   int64_t last_pos = -1;
   bool observed = false;  ///< the policy got this step's attention for the layer
+  int64_t min_step = 0;   ///< after an adopted prefix: tokens the next append must carry at least
   CacheStats stats;
 };
+
+/// Largest magnitude every stored format holds finitely (fp16's): below it, no group of any
+/// format falls back to fp32, so BlockList::append_bound is exact.
+constexpr float kFp16Max = 65504.0f;
 
 }  // namespace
 
@@ -157,7 +164,9 @@ struct CacheManager::Impl {
   cache::CacheScheme scheme;
   int64_t block_tokens = 0;
   std::unique_ptr<Quantizer> kq, vq, kres, vres, fp32;
-  std::map<int64_t, std::unique_ptr<cache::BlockPool>> pools;  ///< by block bytes
+  std::shared_ptr<cache::PoolSet> pools = std::make_shared<cache::PoolSet>();  ///< by block bytes
+  bool shared_pools = false;          ///< pools shared with other holders (MultiSequenceCache)
+  cache::StepHooks* hooks = nullptr;  ///< called before allocating (shared pools only)
   cache::StreamSetup kset, vset;
   std::unique_ptr<EvictionPolicy> policy;
   cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read
@@ -166,12 +175,7 @@ struct CacheManager::Impl {
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
 
-  cache::BlockPool* pool_for(int64_t bytes) {
-    const int64_t key = (bytes + 7) / 8 * 8;
-    auto& p = pools[key];
-    if (!p) p = std::make_unique<cache::BlockPool>(key);
-    return p.get();
-  }
+  cache::BlockPool* pool_for(int64_t bytes) { return pools->get(bytes); }
 
   cache::BlockFormat format(const Quantizer& q, int64_t capacity) {
     return cache::BlockFormat(q, cfg.head_dim, capacity,
@@ -290,6 +294,10 @@ struct CacheManager::Impl {
       }
     }
     if (n == 0) return;
+    KV_CHECK_ARG(n >= l.min_step, fn, ": layer ", layer, " continues a reused prefix of ", l.written,
+                 " tokens; its first step must append at least ", l.min_step,
+                 " tokens (the scheme's sliding residual), got ", n,
+                 " (Sequence::prefix().min_first_step; Runner::generate does this)");
     KV_CHECK_ARG(pp[n - 1] < std::numeric_limits<int64_t>::max(), fn, ": position ", pp[n - 1],
                  " leaves no next position (positions must be < 2^63 - 1)");
     KV_CHECK_ARG(!pre_rope() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
@@ -304,6 +312,15 @@ struct CacheManager::Impl {
       k = rope(k, pos);
       check_finite(k, fn, "rope(k)");
     }
+    if (hooks != nullptr) {
+      // The pool's capacity: what this append allocates, checked before anything changes. A
+      // value beyond fp16's range may go to an fp32 fallback block: bound those steps loosely.
+      const bool wide = k.abs().max().item<float>() > kFp16Max || v.abs().max().item<float>() > kFp16Max;
+      int64_t bytes = l.store->write_bound(n);
+      // (at most two blocks per token and stream: a fallback block and the fresh block after it)
+      if (wide) bytes += 4 * hkv * (n + 1) * kset.formats.f[cache::StreamFormats::kFallback].block_bytes;
+      hooks->before_append(bytes);
+    }
     // --- nothing below throws for valid input ---
     auto& store = *l.store;
     if (!store.scales_set()) store.set_scales(kq->fit_tensor_scale(k), vq->fit_tensor_scale(v));
@@ -314,6 +331,7 @@ struct CacheManager::Impl {
     total.tokens_written += n;
     l.step_new += n;
     l.last_pos = pp[n - 1];
+    l.min_step = 0;
     sample(l);
   }
 
@@ -430,6 +448,17 @@ struct CacheManager::Impl {
       plans[static_cast<size_t>(i)] = policy->plan(ctx);
       check_plan(i, plans[static_cast<size_t>(i)]);
     }
+    if (hooks != nullptr) {
+      int64_t bytes = 0;
+      for (int64_t i = 0; i < cfg.num_layers; ++i) {
+        const auto& plan = plans[static_cast<size_t>(i)];
+        if (plan.empty()) continue;
+        for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
+          bytes += layers[static_cast<size_t>(i)].store->evict_bound(h, plan.evict[static_cast<size_t>(h)]);
+        }
+      }
+      hooks->before_evict(bytes);
+    }
     for (int64_t i = 0; i < cfg.num_layers; ++i) {
       auto& l = layers[static_cast<size_t>(i)];
       const auto& plan = plans[static_cast<size_t>(i)];
@@ -493,8 +522,8 @@ struct CacheManager::Impl {
              InternalError, "CacheManager invariant violated: totals (bytes ", total.bytes_resident, " vs layers ",
              sum.bytes_resident, ", reserved ", total.bytes_reserved, " vs ", sum.bytes_reserved, ", tokens ",
              total.tokens_resident, " vs ", sum.tokens_resident, ")");
-    int64_t pool_bytes = 0;
-    for (const auto& [bytes, p] : pools) pool_bytes += p->blocks_in_use() * p->block_bytes();
+    if (shared_pools) return;  // other holders' blocks are in the pools too (MultiSequenceCache checks)
+    const int64_t pool_bytes = pools->bytes_in_use();
     KV_CHECK(pool_bytes == total.bytes_reserved, InternalError, "CacheManager invariant violated: pools hold ",
              pool_bytes, " B of blocks in use but the layers reserve ", total.bytes_reserved, " B");
   }
@@ -503,6 +532,16 @@ struct CacheManager::Impl {
 CacheManager::CacheManager(CacheConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
   impl_->cfg = std::move(config);
+  impl_->build();
+}
+
+CacheManager::CacheManager(CacheConfig config, std::shared_ptr<cache::PoolSet> pools, cache::StepHooks* hooks)
+    : impl_(std::make_unique<Impl>()) {
+  config.validate();
+  impl_->cfg = std::move(config);
+  impl_->pools = std::move(pools);
+  impl_->shared_pools = true;
+  impl_->hooks = hooks;
   impl_->build();
 }
 
@@ -527,9 +566,10 @@ void CacheManager::reset(int64_t context_length) {
     l.written = l.step_new = 0;
     l.last_pos = -1;
     l.observed = false;
+    l.min_step = 0;
     l.stats = CacheStats{};
   }
-  for (auto& [bytes, p] : im.pools) p->clear();  // give the memory back
+  if (!im.shared_pools) im.pools->clear();  // give the memory back
   im.total = CacheStats{};
   warn_if_evicts_nothing(*im.policy, context_length);
 }
@@ -653,6 +693,97 @@ const LayerStore& CacheManagerAccess::layer(const CacheManager& m, int64_t layer
 at::Tensor CacheManagerAccess::attend(const CacheManager& m, int64_t layer, const at::Tensor& q,
                                       const at::Tensor& q_positions, bool fused) {
   return m.impl_->attend_layer(layer, q, q_positions, AttentionNeed{}, nullptr, fused);
+}
+
+// ---------------------------------------------------------------- sequences (sequence_seam.h)
+CacheManager SequenceSeam::make(CacheConfig config, std::shared_ptr<PoolSet> pools, StepHooks* hooks) {
+  return CacheManager(std::move(config), std::move(pools), hooks);
+}
+
+std::string SequenceSeam::replay_blocker(const CacheManager& m, int64_t tokens, bool allow_attention) {
+  const auto& im = *m.impl_;
+  const EvictionPolicy& policy = *im.policy;
+  if (policy.needs_attention() && !allow_attention) {
+    return detail::str_cat("policy '", policy.spec(),
+                           "' reads the prompt's attention during prefill, which a reused prefix skips");
+  }
+  for (int64_t i = 0; i < im.cfg.num_layers; ++i) {
+    if (policy.needs_attention()) {
+      // Its plan needs the skipped attention: test the budget alone.
+      const int64_t b = policy.layer_budget(i);
+      if (tokens > b) {
+        return detail::str_cat("policy '", policy.spec(), "' keeps ", b, " tokens in layer ", i,
+                               ", fewer than the prefix of ", tokens);
+      }
+      continue;
+    }
+    EvictionContext ctx;
+    ctx.layer = i;
+    ctx.step = StepKind::kPrefill;
+    ctx.new_tokens = tokens;
+    ctx.logical_length = tokens;
+    ctx.resident.assign(static_cast<size_t>(im.cfg.num_kv_heads), tokens);
+    try {
+      if (!policy.plan(ctx).empty()) {
+        return detail::str_cat("policy '", policy.spec(), "' would evict in layer ", i, " during a prefill of ", tokens,
+                               " tokens (budget ", policy.layer_budget(i), ")");
+      }
+    } catch (const Error& e) {
+      return e.what();
+    }
+  }
+  return "";
+}
+
+void SequenceSeam::adopt(CacheManager& m, const AdoptedPrefix& prefix) {
+  auto& im = *m.impl_;
+  const int64_t n = prefix.tokens;
+  const auto num_layers = static_cast<size_t>(im.cfg.num_layers);
+  KV_INTERNAL_ASSERT(n >= 1 && prefix.k.size() == num_layers && prefix.v.size() == num_layers, "adopt of ", n,
+                     " tokens over ", prefix.k.size(), " layers");
+  for (const auto& l : im.layers) KV_INTERNAL_ASSERT(l.written == 0 && l.step_new == 0, "adopt into a used manager");
+  for (size_t i = 0; i < num_layers; ++i) {
+    auto& l = im.layers[i];
+    for (int64_t h = 0; h < im.cfg.num_kv_heads; ++h) {
+      l.store->adopt(h, prefix.k[i][static_cast<size_t>(h)], prefix.v[i][static_cast<size_t>(h)]);
+      KV_INTERNAL_ASSERT(l.store->resident(h) == n, "adopted ", l.store->resident(h), " of ", n, " tokens");
+    }
+    l.written = n;
+    l.last_pos = n - 1;
+    l.min_step = prefix.min_next_step;
+    im.total.tokens_written += n;
+    im.sample(l);
+  }
+  if (im.pre_rope()) {
+    std::vector<int64_t> pos(static_cast<size_t>(n));
+    std::iota(pos.begin(), pos.end(), int64_t{0});
+    im.rope_table.extend(pos.data(), n);
+  }
+  // The policy sees the end of the step that would have appended the prefix (it planned nothing).
+  for (int64_t i = 0; i < im.cfg.num_layers; ++i) {
+    EvictionContext ctx;
+    ctx.layer = i;
+    ctx.step = StepKind::kPrefill;
+    ctx.new_tokens = n;
+    ctx.logical_length = n;
+    ctx.resident.assign(static_cast<size_t>(im.cfg.num_kv_heads), n);
+    im.policy->on_step_end(ctx);
+  }
+}
+
+const LayerStore& SequenceSeam::layer(const CacheManager& m, int64_t layer) {
+  return *m.impl_->layer_at(layer, "SequenceSeam::layer").store;
+}
+
+const CacheScheme& SequenceSeam::scheme(const CacheManager& m) { return m.impl_->scheme; }
+const StreamSetup& SequenceSeam::key_setup(const CacheManager& m) { return m.impl_->kset; }
+const StreamSetup& SequenceSeam::value_setup(const CacheManager& m) { return m.impl_->vset; }
+int64_t SequenceSeam::block_tokens(const CacheManager& m) { return m.impl_->block_tokens; }
+
+int64_t SequenceSeam::cow_copies(const CacheManager& m) {
+  int64_t n = 0;
+  for (const auto& l : m.impl_->layers) n += l.store->cow_copies();
+  return n;
 }
 
 }  // namespace cache
