@@ -46,46 +46,91 @@ KV_ALWAYS_INLINE uint32_t code_of(float x, float z, float inv) {
   return rint_bits(y) & ((1u << BITS) - 1u);
 }
 
+/// fp32-metadata groups: the same code computed on x·k (k = 1, or 1/4 for a group whose
+/// range reaches float32's limit, so x − z cannot overflow), with zk = z·k, inv = 1/(s·k).
+template <int BITS>
+KV_ALWAYS_INLINE uint32_t code_of_k(float x, float k, float zk, float inv) {
+  return code_of<BITS>(x * k, zk, inv);
+}
+
+// fp32-metadata constants (int_kernels.h): scales are at least 2^-126 (so 1/s is finite),
+// and a scale ≥ 2^96 marks a group computed and reconstructed at 1/4 scale.
+constexpr float kMinScale32 = 0x1p-126f;  // FLT_MIN
+constexpr float kQuarterScale = 0x1p96f;
+constexpr float kQuarterRange = 0x1p98f;  // (max − min)/4 from which the range is taken at 1/4
+constexpr float kFltMax = 0x1.fffffep127f;
+
 struct Flags {
   uint32_t bad = 0;
   uint32_t meta_overflow = 0;
-  uint32_t scale_overflow = 0;
 };
 
-/// Metadata of n groups from their min and max, vectorized across groups: stores
-/// s = meta((mx − mn) / L) and z = meta(mn), and returns the stored values as float in
-/// s_f / z_f and the inverse scale (0 for a constant group) in inv. `z_f` may alias `mn`.
+/// Metadata of n groups from their min and max, vectorized across groups (int_kernels.h):
+///   fp16: z = fp16 round-down(mn), s = fp16 round-up((mx − z) / L), at least 2^-24 if mx > z;
+///   fp32: z = mn, s = max((mx − z) / L, 2^-126) if mx > z (the range taken at 1/4 when it
+///         would overflow), k = 1/4 if s ≥ 2^96 else 1.
+/// s = 0 only for mx == z (then every code is 0 and x̂ = z = x). Writes the stored s and z, and
+/// for the codes: zc = z·k (k = 1 for fp16), inv = 1/(s·k) (0 if s == 0), and k (fp32 only,
+/// may be null for fp16). `zc` may alias `mn`.
 template <int BITS, typename MetaT>
 KV_ALWAYS_INLINE void make_meta(int64_t n, const float* mn, const float* __restrict mx, MetaT* __restrict s_out,
-                                MetaT* __restrict z_out, float* __restrict s_f, float* z_f, float* __restrict inv,
+                                MetaT* __restrict z_out, float* zc, float* __restrict inv, float* __restrict kk,
                                 Flags* f) {
   constexpr float kMax = static_cast<float>((1 << BITS) - 1);
-  uint32_t scale_bad = 0, meta_bad = 0;
-#pragma omp simd reduction(| : scale_bad, meta_bad)
-  for (int64_t i = 0; i < n; ++i) {
-    const float scale = (mx[i] - mn[i]) / kMax;
-    scale_bad |= nonfinite_bit(scale);
-    float s, z;
-    if constexpr (std::is_same_v<MetaT, c10::Half>) {
-      const uint16_t hs = fp16_bits(scale);
-      const uint16_t hz = fp16_bits(mn[i]);
-      meta_bad |= fp16_nonfinite_bit(hs) | fp16_nonfinite_bit(hz);
-      s_out[i].x = hs;
-      z_out[i].x = hz;
-      s = fp16_to_float(hs);
-      z = fp16_to_float(hz);
-    } else {
-      s_out[i] = scale;
-      z_out[i] = mn[i];
-      s = scale;
-      z = mn[i];
+  if constexpr (std::is_same_v<MetaT, c10::Half>) {
+    (void)kk;
+    uint32_t meta_bad = 0;
+#pragma omp simd reduction(| : meta_bad)
+    for (int64_t i = 0; i < n; ++i) {
+      const float lo = mn[i];
+      const float hi = mx[i];
+      const uint32_t hz = fp16_bits_down(lo);
+      const float z = fp16_to_float(static_cast<uint16_t>(hz));
+      const float scale = (hi - z) / kMax;
+      uint32_t hs = fp16_bits_up(scale);
+      hs = hs == 0 && hi > z ? 1u : hs;  // a range that underflows still gets 2^-24
+      // fp16 cannot hold a zero within one fp16 step below a minimum outside [−65504, 65520)
+      // (mn ≥ 65520 would round down to a far-away 65504), nor a scale past 65504.
+      meta_bad |= static_cast<uint32_t>(!(lo >= -65504.0f && lo < 65520.0f && scale <= 65504.0f));
+      s_out[i].x = static_cast<uint16_t>(hs);
+      z_out[i].x = static_cast<uint16_t>(hz);
+      const float s = fp16_to_float(static_cast<uint16_t>(hs));
+      zc[i] = z;
+      inv[i] = s != 0.0f ? 1.0f / s : 0.0f;
     }
-    s_f[i] = s;
-    z_f[i] = z;
-    inv[i] = s != 0.0f ? 1.0f / s : 0.0f;
+    f->meta_overflow |= meta_bad;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float z = mn[i];
+      const float hi = mx[i];
+      const float quarter = hi * 0.25f - z * 0.25f;  // never overflows
+      const float scale = quarter >= kQuarterRange ? (quarter / kMax) * 4.0f : (hi - z) / kMax;
+      const float s = hi > z ? (scale > kMinScale32 ? scale : kMinScale32) : 0.0f;
+      const float k = s >= kQuarterScale ? 0.25f : 1.0f;
+      s_out[i] = s;
+      z_out[i] = z;
+      zc[i] = z * k;
+      inv[i] = s != 0.0f ? 1.0f / (s * k) : 0.0f;
+      kk[i] = k;
+    }
   }
-  f->scale_overflow |= scale_bad;
-  f->meta_overflow |= meta_bad;
+}
+
+/// x̂ of fp32 metadata: (code·(s·k) + z·k) clamped to ±FLT_MAX·k, times 1/k (no overflow).
+struct Recon32 {
+  float sk, zk, lo, hi, back;
+};
+KV_ALWAYS_INLINE Recon32 recon32(float s, float z) {
+  const bool quarter = s >= kQuarterScale;
+  const float k = quarter ? 0.25f : 1.0f;
+  return {s * k, z * k, -kFltMax * k, kFltMax * k, quarter ? 4.0f : 1.0f};
+}
+KV_ALWAYS_INLINE float recon32_apply(float c, float sk, float zk, float lo, float hi, float back) {
+  float v = c * sk + zk;
+  v = v < lo ? lo : v;
+  v = v > hi ? hi : v;
+  return v * back;
 }
 
 // ---------------------------------------------------------------- per-token
@@ -107,7 +152,7 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
   const int64_t g_lanes = g - g % kLanes;
   alignas(64) uint32_t bad_lanes[kLanes] = {};
   uint32_t bad = 0;
-  alignas(64) float mn[kChunk], mx[kChunk], sv[kChunk], inv[kChunk];
+  alignas(64) float mn[kChunk], mx[kChunk], kv[kChunk], inv[kChunk];
   for (int64_t k0 = g0; k0 < g1; k0 += kChunk) {
     const int64_t n = std::min(kChunk, g1 - k0);
     for (int64_t i = 0; i < n; ++i) {
@@ -121,23 +166,36 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
         hi = v > hi ? v : hi;
       }
       for (int64_t e0 = 0; e0 < g_lanes; e0 += kLanes) {
+        // (omp simd: GCC's SLP pass otherwise leaves this unrolled loop scalar when the
+        // metadata code below grows, halving quantize throughput.)
+#pragma omp simd
         for (int64_t l = 0; l < kLanes; ++l) bad_lanes[l] |= nonfinite_bit(p[e0 + l]);
       }
       for (int64_t e = g_lanes; e < g; ++e) bad |= nonfinite_bit(p[e]);
       mn[i] = lo;
       mx[i] = hi;
     }
-    make_meta<BITS>(n, mn, mx, sc + k0, ze + k0, sv, mn, inv, f);  // mn now holds the stored zero
+    make_meta<BITS>(n, mn, mx, sc + k0, ze + k0, mn, inv, kv, f);  // mn now holds the codes' zero
     for (int64_t i = 0; i < n; ++i) {
       const float* __restrict p = x + (k0 + i) * g;
       uint8_t* __restrict o = codes + (k0 + i) * q;
       const float z = mn[i];
       const float iv = inv[i];
+      if constexpr (std::is_same_v<MetaT, c10::Half>) {
 #pragma omp simd
-      for (int64_t j = 0; j < q; ++j) {
-        uint32_t byte = 0;
-        for (int64_t m = 0; m < K; ++m) byte |= code_of<BITS>(p[j + m * q], z, iv) << (m * BITS);
-        o[j] = static_cast<uint8_t>(byte);
+        for (int64_t j = 0; j < q; ++j) {
+          uint32_t byte = 0;
+          for (int64_t m = 0; m < K; ++m) byte |= code_of<BITS>(p[j + m * q], z, iv) << (m * BITS);
+          o[j] = static_cast<uint8_t>(byte);
+        }
+      } else {
+        const float k = kv[i];
+#pragma omp simd
+        for (int64_t j = 0; j < q; ++j) {
+          uint32_t byte = 0;
+          for (int64_t m = 0; m < K; ++m) byte |= code_of_k<BITS>(p[j + m * q], k, z, iv) << (m * BITS);
+          o[j] = static_cast<uint8_t>(byte);
+        }
       }
     }
   }
@@ -158,11 +216,23 @@ KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* 
     const float z = load_meta_scalar(ze[k]);
     const uint8_t* __restrict in = codes + k * q;
     float* __restrict o = out + k * g;
+    if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      // |code·s + z| ≤ 255·65504 + 65504: finite, no clamp needed.
 #pragma omp simd
-    for (int64_t j = 0; j < q; ++j) {
-      const uint32_t byte = in[j];
-      for (int64_t m = 0; m < K; ++m) {
-        o[j + m * q] = static_cast<float>((byte >> (m * BITS)) & kMask) * s + z;
+      for (int64_t j = 0; j < q; ++j) {
+        const uint32_t byte = in[j];
+        for (int64_t m = 0; m < K; ++m) {
+          o[j + m * q] = static_cast<float>((byte >> (m * BITS)) & kMask) * s + z;
+        }
+      }
+    } else {
+      const Recon32 r = recon32(s, z);
+#pragma omp simd
+      for (int64_t j = 0; j < q; ++j) {
+        const uint32_t byte = in[j];
+        for (int64_t m = 0; m < K; ++m) {
+          o[j + m * q] = recon32_apply(static_cast<float>((byte >> (m * BITS)) & kMask), r.sk, r.zk, r.lo, r.hi, r.back);
+        }
       }
     }
   }
@@ -178,8 +248,8 @@ KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t 
   std::vector<float> buf(static_cast<size_t>(4 * d));
   float* mn = buf.data();
   float* __restrict mx = mn + d;
-  float* __restrict sv = mx + d;
-  float* __restrict inv = sv + d;
+  float* __restrict kv = mx + d;
+  float* __restrict inv = kv + d;
   uint32_t bad = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const float* p = x + b * g * d;
@@ -199,17 +269,28 @@ KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t 
         bad |= nonfinite_bit(v);
       }
     }
-    make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, sv, mn, inv, f);  // mn now holds the stored zero
+    make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, mn, inv, kv, f);  // mn now holds the codes' zero
     uint8_t* o = codes + b * q * d;
     for (int64_t j = 0; j < q; ++j) {
       uint8_t* __restrict orow = o + j * d;
+      if constexpr (std::is_same_v<MetaT, c10::Half>) {
 #pragma omp simd
-      for (int64_t c = 0; c < d; ++c) {
-        uint32_t byte = 0;
-        for (int64_t m = 0; m < K; ++m) {
-          byte |= code_of<BITS>(p[(j + m * q) * d + c], mn[c], inv[c]) << (m * BITS);
+        for (int64_t c = 0; c < d; ++c) {
+          uint32_t byte = 0;
+          for (int64_t m = 0; m < K; ++m) {
+            byte |= code_of<BITS>(p[(j + m * q) * d + c], mn[c], inv[c]) << (m * BITS);
+          }
+          orow[c] = static_cast<uint8_t>(byte);
         }
-        orow[c] = static_cast<uint8_t>(byte);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) {
+          uint32_t byte = 0;
+          for (int64_t m = 0; m < K; ++m) {
+            byte |= code_of_k<BITS>(p[(j + m * q) * d + c], kv[c], mn[c], inv[c]) << (m * BITS);
+          }
+          orow[c] = static_cast<uint8_t>(byte);
+        }
       }
     }
   }
@@ -223,7 +304,8 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
   constexpr int64_t K = 8 / BITS;
   constexpr uint32_t kMask = (1u << BITS) - 1u;
   const int64_t q = g / K;
-  std::vector<float> buf(static_cast<size_t>(2 * d));
+  constexpr bool kHalf = std::is_same_v<MetaT, c10::Half>;
+  std::vector<float> buf(static_cast<size_t>((kHalf ? 2 : 5) * d));
   float* __restrict sv = buf.data();
   float* __restrict zv = sv + d;
   for (int64_t b = b0; b < b1; ++b) {
@@ -233,13 +315,38 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
     }
     const uint8_t* in = codes + b * q * d;
     float* o = out + b * g * d;
-    for (int64_t j = 0; j < q; ++j) {
-      const uint8_t* irow = in + j * d;
-      for (int64_t m = 0; m < K; ++m) {
-        float* __restrict orow = o + (j + m * q) * d;
+    if constexpr (kHalf) {
+      for (int64_t j = 0; j < q; ++j) {
+        const uint8_t* irow = in + j * d;
+        for (int64_t m = 0; m < K; ++m) {
+          float* __restrict orow = o + (j + m * q) * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) {
-          orow[c] = static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask) * sv[c] + zv[c];
+          for (int64_t c = 0; c < d; ++c) {
+            orow[c] = static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask) * sv[c] + zv[c];
+          }
+        }
+      }
+    } else {
+      float* __restrict lo = zv + d;
+      float* __restrict hi = lo + d;
+      float* __restrict back = hi + d;
+      for (int64_t c = 0; c < d; ++c) {
+        const Recon32 r = recon32(sv[c], zv[c]);
+        sv[c] = r.sk;
+        zv[c] = r.zk;
+        lo[c] = r.lo;
+        hi[c] = r.hi;
+        back[c] = r.back;
+      }
+      for (int64_t j = 0; j < q; ++j) {
+        const uint8_t* irow = in + j * d;
+        for (int64_t m = 0; m < K; ++m) {
+          float* __restrict orow = o + (j + m * q) * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) {
+            orow[c] = recon32_apply(static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask),
+                                    sv[c], zv[c], lo[c], hi[c], back[c]);
+          }
         }
       }
     }
@@ -339,18 +446,16 @@ class StatusAccumulator {
   void add(const Flags& f) {
     if (f.bad != 0) nonfinite_.store(true, std::memory_order_relaxed);
     if (f.meta_overflow) meta_.store(true, std::memory_order_relaxed);
-    if (f.scale_overflow) scale_.store(true, std::memory_order_relaxed);
   }
   KernelStatus status() const {
     KernelStatus s;
     s.nonfinite = nonfinite_.load();
     s.meta_overflow = meta_.load();
-    s.scale_overflow = scale_.load();
     return s;
   }
 
  private:
-  std::atomic<bool> nonfinite_{false}, meta_{false}, scale_{false};
+  std::atomic<bool> nonfinite_{false}, meta_{false};
 };
 
 void check_group(int bits, int64_t g) {
