@@ -3,6 +3,7 @@
 // re-rotation, and invariants under seeded random append/evict sequences.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -417,6 +418,17 @@ TEST(CacheManager, RandomizedInvariants) {
           if (starts(policy, "adakv") && policy.find("snapkv") == std::string::npos) {
             const auto t = m.tokens(1);
             EXPECT_LE(t.resident(0) + t.resident(1), 2 * 12) << where;
+          }
+          // Decode-time compression: back to 12 per head every i decoded tokens, so from its first
+          // compression on a head holds at most 12 + i − 1 (head-wise: the layer 2·(12 + i − 1)).
+          // i3 without prefill first compresses in the third decode step (steps 3, 4, 5).
+          if (policy == "decode:i3:b2:keydiff@12" && steps >= 6) {
+            const auto t = m.tokens(1);
+            EXPECT_LE(std::max(t.resident(0), t.resident(1)), 12 + 2) << where << " step " << steps;
+          }
+          if (starts(policy, "decode:i4:b2:prefill") && steps >= 3) {
+            const auto t = m.tokens(1);
+            EXPECT_LE(t.resident(0) + t.resident(1), 2 * (12 + 3)) << where << " step " << steps;
           }
         }
         if (starts(policy, "duo")) {  // the budget holds on average over every head at the end

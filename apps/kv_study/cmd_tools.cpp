@@ -249,6 +249,10 @@ void add_list_command(CLI::App& app) {
     std::cout << "\n# Arm sets (kv_study run --configs NAME)\n";
     for (const auto& set : arm_sets()) {
       std::cout << "\n" << set.name << " — " << set.description << "\n";
+      if (set.name == "default") {
+        std::cout << "  (the default arms above)\n";
+        continue;
+      }
       for (const auto& a : set.arms) std::cout << "  " << a.spec() << "\n";
     }
     std::cout << "\n# Task families\n\n";

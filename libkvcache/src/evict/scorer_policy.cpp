@@ -123,7 +123,8 @@ const ParamTable& AdaKVPolicy::table() {
   static const ParamTable t{
       "adakv",
       "AdaKV (arXiv 2407.11550): head-wise budgets over any scorer: a floor of a*n top tokens per head, the rest of "
-      "the layer's H_kv*n to its globally top (head, token) pairs; heads really hold different numbers of tokens",
+      "the layer's H_kv*n to its globally top (head, token) pairs; heads really hold different numbers of tokens. "
+      "Spec: adakv[:a<alpha>]:<scorer spec>@B, e.g. adakv:snapkv@50%",
       {{"a", "alpha: floor per head as a fraction of the uniform count n", ParamDef::Kind::kFloat, 0.2, 0, 1, {}}}};
   return t;
 }
@@ -210,7 +211,8 @@ const ParamTable& DecodeCompressionPolicy::table() {
   static const ParamTable t{
       "decode",
       "decode-time compression (kvpress DecodingPress): every i decoded tokens, compress back to the budget with the "
-      "wrapped scorer, keeping the newest b; 'prefill' also compresses at the prompt's end",
+      "wrapped scorer, keeping the newest b; 'prefill' also compresses at the prompt's end. Spec: "
+      "decode[:i<N>][:b<N>][:prefill]:<scorer spec>@B, e.g. decode:i512:b256:expected@2048",
       {{"i", "interval: decoded tokens between compressions", ParamDef::Kind::kInt, 512, 1, 1e9, {}},
        {"b", "buffer: newest tokens always kept at a compression", ParamDef::Kind::kInt, 256, 0, 1e9, {}},
        {"when", "also compress at the end of the prompt", ParamDef::Kind::kChoice, 0, 0, 0, {"decodeonly", "prefill"}}}};
