@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "cache/attend.h"
+#include "cache/block_layer_view.h"
 #include "cache/block_pool.h"
 #include "cache/cache_manager_access.h"
 #include "cache/cache_scheme.h"
@@ -80,6 +81,16 @@ void check_probabilities(const at::Tensor& probs, const char* fn) {
   }
 }
 
+/// Why a config needs the RoPE table beyond pre-RoPE keys ("" if it does not): a policy that
+/// takes pre-RoPE queries (Expected Attention un-rotates them and averages future rotations).
+std::string rope_table_reason(const CacheConfig& c, const EvictionPolicy& policy) {
+  if (c.key_storage == KeyStorage::kPreRoPE) return "key_storage=kPreRoPE rotates keys on read and needs it";
+  if (policy.query_need().pre_rope) {
+    return "eviction policy '" + policy.spec() + "' reads pre-RoPE queries and the mean RoPE rotation and needs it";
+  }
+  return "";
+}
+
 /// Warns (once per policy spec) when the policy's budget holds the whole request: it evicts
 /// nothing, which a study arm rarely means.
 void warn_if_evicts_nothing(const EvictionPolicy& policy, int64_t context_length) {
@@ -125,7 +136,10 @@ void CacheConfig::validate() const {
                    which, " quantizer's group of ", g, " tokens ('", quant, "'; or 0 for the default)");
     }
   }
-  (void)make_eviction_policy(policy);
+  const auto p = make_eviction_policy(policy);
+  // The RoPE table probes the hook and checks its form: a config that validates builds.
+  const std::string why = rope_table_reason(*this, *p);
+  if (!why.empty()) (void)cache::RopeTable(rope, head_dim, why);
 }
 
 int64_t CacheConfig::resolved_block_tokens() const {
@@ -150,6 +164,7 @@ struct LayerState {
   int64_t last_pos = -1;
   bool observed = false;  ///< the policy got this step's attention for the layer
   int64_t min_step = 0;   ///< after an adopted prefix: tokens the next append must carry at least
+  bool queried = false;   ///< the policy got this step's query rows for the layer
   CacheStats stats;
 };
 
@@ -169,7 +184,7 @@ struct CacheManager::Impl {
   cache::StepHooks* hooks = nullptr;  ///< called before allocating (shared pools only)
   cache::StreamSetup kset, vset;
   std::unique_ptr<EvictionPolicy> policy;
-  cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read
+  cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read; policies: pre-RoPE queries, mean rotation
   std::vector<LayerState> layers;
   CacheStats total;
 
@@ -210,7 +225,8 @@ struct CacheManager::Impl {
     policy = make_eviction_policy(cfg.policy);
     policy->reset(cfg.context_length, CacheShape{cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads});
     warn_if_evicts_nothing(*policy, cfg.context_length);
-    if (pre_rope()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim);
+    const std::string why = rope_table_reason(cfg, *policy);
+    if (!why.empty()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim, why);
     layers.resize(static_cast<size_t>(cfg.num_layers));
     make_stores();
   }
@@ -276,8 +292,8 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
                      positions.scalar_type() == at::kLong && positions.device().is_cpu(),
                  fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
-    KV_CHECK_ARG(!l.observed || n == 0, fn, ": the attention of layer ", layer,
-                 " was already observed in this step (by attend() or observe_attention); append the step's "
+    KV_CHECK_ARG(!(l.observed || l.queried) || n == 0, fn, ": the attention of layer ", layer,
+                 " was already observed in this step (by attend(), observe_attention or observe_queries); append the step's "
                  "tokens first, then attend, then end_step()");
     const at::Tensor pos = positions.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
@@ -300,15 +316,15 @@ struct CacheManager::Impl {
                  " (Sequence::prefix().min_first_step; Runner::generate does this)");
     KV_CHECK_ARG(pp[n - 1] < std::numeric_limits<int64_t>::max(), fn, ": position ", pp[n - 1],
                  " leaves no next position (positions must be < 2^63 - 1)");
-    KV_CHECK_ARG(!pre_rope() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
-                 " is beyond the ", kMaxPreRopePosition, " positions key_storage=kPreRoPE records RoPE tables for");
+    KV_CHECK_ARG(!rope_table.enabled() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
+                 " is beyond the ", kMaxPreRopePosition, " positions the RoPE table records (",
+                 pre_rope() ? "key_storage=kPreRoPE" : "policy '" + policy->spec() + "'", ")");
     check_finite(k_in, fn, "k");
     check_finite(v_in, fn, "v");
     at::Tensor k = k_in.to(at::kFloat).contiguous();
     const at::Tensor v = v_in.to(at::kFloat).contiguous();
-    if (pre_rope()) {
-      rope_table.extend(pp, n);
-    } else {
+    rope_table.extend(pp, n);  // no-op unless the table is in use
+    if (!pre_rope()) {
       k = rope(k, pos);
       check_finite(k, fn, "rope(k)");
     }
@@ -338,13 +354,69 @@ struct CacheManager::Impl {
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
     auto& l = layer_at(layer, "CacheManager::attend");
     const AttentionNeed need = l.observed ? AttentionNeed{} : policy->attention_need();
+    const QueryNeed qneed = l.queried ? QueryNeed{} : policy->query_need();
     AttentionMass mass;
     at::Tensor out = attend_layer(layer, q, q_positions, need, &mass, cfg.fused_attention);
     if (need.any() && q.size(2) > 0) {
       policy->observe(layer, mass);
       l.observed = true;
     }
+    if (qneed.any() && q.size(2) > 0) hand_queries(layer, q, q_positions, qneed);
     return out;
+  }
+
+  /// The LayerView of `l` for the policy.
+  cache::BlockLayerView view_of(const LayerState& l) const {
+    return cache::BlockLayerView(l.store.get(), pre_rope() ? &rope_table : nullptr,
+                                 rope_table.enabled() ? &rope_table : nullptr, next_position(l));
+  }
+
+  /// Hands the policy the selected query rows of a checked q `[1, H_q, T_q, D]` (un-rotated
+  /// through the RoPE table when the need asks for pre-RoPE rows).
+  void hand_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions, const QueryNeed& need) {
+    auto& l = layers[static_cast<size_t>(layer)];
+    const int64_t hq = cfg.num_q_heads, d = cfg.head_dim, tq = q.size(2);
+    const int64_t n = need.selected(tq);
+    const at::Tensor qf = q.to(at::kFloat).narrow(2, tq - n, n).contiguous();
+    const at::Tensor qp = q_positions.narrow(0, tq - n, n).contiguous();
+    QueryRows rows;
+    rows.num_q_heads = hq;
+    rows.head_dim = d;
+    rows.positions.assign(qp.data_ptr<int64_t>(), qp.data_ptr<int64_t>() + n);
+    rows.post_rope.assign(qf.data_ptr<float>(), qf.data_ptr<float>() + hq * n * d);
+    if (need.pre_rope) {
+      KV_INTERNAL_ASSERT(rope_table.enabled(), "pre-RoPE queries without a RoPE table");
+      for (int64_t p : rows.positions) {
+        KV_CHECK_ARG(p >= 0 && p < kMaxPreRopePosition, "CacheManager::attend: query position ", p,
+                     " is outside [0, ", kMaxPreRopePosition, ") the RoPE table records");
+      }
+      rope_table.extend(rows.positions.data(), n);
+      rows.pre_rope = rows.post_rope;
+      for (int64_t h = 0; h < hq; ++h) {
+        for (int64_t t = 0; t < n; ++t) rope_table.unrotate(rows.pre_rope.data() + (h * n + t) * d, rows.positions[static_cast<size_t>(t)]);
+      }
+    }
+    const cache::BlockLayerView view = view_of(l);
+    policy->observe_queries(layer, rows, view);
+    l.queried = true;
+  }
+
+  void observe_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+    static constexpr const char* fn = "CacheManager::observe_queries";
+    auto& l = layer_at(layer, fn);
+    const int64_t hq = cfg.num_q_heads, d = cfg.head_dim;
+    KV_CHECK_ARG(q.defined() && q.dim() == 4 && q.size(0) == 1 && q.size(1) == hq && q.size(2) >= 1 &&
+                     q.size(3) == d && is_float_input(q) && q.device().is_cpu(),
+                 fn, ": q must be a CPU float32/float16/bfloat16 tensor [B=1, H_q=", hq, ", T_q >= 1, D=", d,
+                 "] (post-RoPE), got ", shape_str(q));
+    KV_CHECK_ARG(q_positions.defined() && q_positions.dim() == 1 && q_positions.size(0) == q.size(2) &&
+                     q_positions.scalar_type() == at::kLong && q_positions.device().is_cpu(),
+                 fn, ": q_positions must be a CPU int64 tensor [T_q=", q.size(2), "], got ", shape_str(q_positions));
+    KV_CHECK_ARG(!l.queried, fn, ": the queries of layer ", layer, " were already observed in this step");
+    check_finite(q, fn, "q");
+    const QueryNeed need = policy->query_need();
+    if (!need.any()) return;
+    hand_queries(layer, q, q_positions, need);
   }
 
   /// The read path of attend() (validation included), without touching the policy.
@@ -438,7 +510,9 @@ struct CacheManager::Impl {
     std::vector<EvictionContext> contexts(static_cast<size_t>(cfg.num_layers));
     for (int64_t i = 0; i < cfg.num_layers; ++i) {
       auto& l = layers[static_cast<size_t>(i)];
+      const cache::BlockLayerView view = view_of(l);
       EvictionContext& ctx = contexts[static_cast<size_t>(i)];
+      ctx.view = &view;
       ctx.layer = i;
       ctx.step = step;
       ctx.new_tokens = l.step_new;
@@ -447,6 +521,7 @@ struct CacheManager::Impl {
       for (int64_t h = 0; h < cfg.num_kv_heads; ++h) ctx.resident[static_cast<size_t>(h)] = l.store->resident(h);
       plans[static_cast<size_t>(i)] = policy->plan(ctx);
       check_plan(i, plans[static_cast<size_t>(i)]);
+      ctx.view = nullptr;  // on_step_end sees the context without a view (the layer changes first)
     }
     if (hooks != nullptr) {
       int64_t bytes = 0;
@@ -471,6 +546,7 @@ struct CacheManager::Impl {
       policy->on_step_end(contexts[static_cast<size_t>(i)]);
       l.step_new = 0;
       l.observed = false;
+      l.queried = false;
     }
   }
 
@@ -567,6 +643,7 @@ void CacheManager::reset(int64_t context_length) {
     l.last_pos = -1;
     l.observed = false;
     l.min_step = 0;
+    l.queried = false;
     l.stats = CacheStats{};
   }
   if (!im.shared_pools) im.pools->clear();  // give the memory back
@@ -583,6 +660,10 @@ at::Tensor CacheManager::attend(int64_t layer, const at::Tensor& q, const at::Te
 }
 
 void CacheManager::observe_attention(int64_t layer, const at::Tensor& probs) { impl_->observe_attention(layer, probs); }
+
+void CacheManager::observe_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+  impl_->observe_queries(layer, q, q_positions);
+}
 
 void CacheManager::end_step(StepKind step) { impl_->end_step(step); }
 
@@ -685,6 +766,10 @@ StreamDebug CacheManagerAccess::stream(const CacheManager& m, int64_t layer, boo
 }
 
 std::string CacheManagerAccess::scheme(const CacheManager& m) { return m.impl_->scheme.canonical; }
+
+BlockLayerView CacheManagerAccess::view(const CacheManager& m, int64_t layer) {
+  return m.impl_->view_of(m.impl_->layer_at(layer, "CacheManagerAccess::view"));
+}
 
 const LayerStore& CacheManagerAccess::layer(const CacheManager& m, int64_t layer) {
   return *m.impl_->layer_at(layer, "CacheManagerAccess::layer").store;
