@@ -126,18 +126,21 @@ void bench_kernel(benchmark::State& state, int bits, int64_t g, bool dequant, st
   const int64_t n = x.numel();
   std::vector<uint8_t> codes(static_cast<size_t>(n * bits / 8));
   std::vector<c10::Half> scales(static_cast<size_t>(n / g)), zeros(static_cast<size_t>(n / g));
-  std::vector<float> out(static_cast<size_t>(dequant ? n : 0));
+  // 64-byte aligned, like an at::empty output (the dequantize kernel streams its stores to an
+  // aligned output far larger than the caches).
+  at::Tensor out_t = at::empty({dequant ? n : 0}, at::kFloat);
+  float* out = out_t.data_ptr<float>();
   const auto quant = [&] {
     return kvcache::quant::quantize_per_token(bits, x.data_ptr<float>(), n / g, g, codes.data(), scales.data(),
                                               zeros.data(), kvcache::quant::MetaType::kHalf);
   };
   quant();  // touch all pages once
-  if (dequant) std::fill(out.begin(), out.end(), 0.0f);
+  if (dequant) std::fill(out, out + n, 0.0f);
   for (auto _ : state) {
     if (dequant) {
       kvcache::quant::dequantize_per_token(bits, codes.data(), scales.data(), zeros.data(),
-                                           kvcache::quant::MetaType::kHalf, n / g, g, out.data());
-      benchmark::DoNotOptimize(out.data());
+                                           kvcache::quant::MetaType::kHalf, n / g, g, out);
+      benchmark::DoNotOptimize(out);
     } else {
       benchmark::DoNotOptimize(quant());
     }

@@ -9,6 +9,8 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -128,6 +130,38 @@ TEST_F(Avx512Quant, NonFiniteInputIsReportedAnywhereInTheGroup) {
         EXPECT_TRUE(a.status.nonfinite) << "int" << c.bits << " g" << c.g << " value " << bad << " at " << at;
         EXPECT_EQ(a.status.nonfinite, run(c.bits, x, c.g, false).status.nonfinite);
       }
+    }
+  }
+}
+
+TEST_F(Avx512Quant, DequantizeMatchesThePortableKernelWithAndWithoutStreamingStores) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> n01;
+  for (const Case& c : kCases) {
+    for (int64_t groups : {1, 5, 64, 301}) {
+      std::vector<float> x(static_cast<size_t>(groups * c.g));
+      for (size_t i = 0; i < x.size(); ++i) x[i] = (i % 16 == 3) ? 8.0f * n01(rng) + 4.0f : n01(rng);
+      const Out q = run(c.bits, x, c.g, false);
+      ASSERT_FALSE(q.status.meta_overflow);
+      std::vector<float> want(x.size());
+      avx512::set_enabled(false);
+      kvcache::quant::dequantize_per_token(c.bits, q.codes.data(), q.scales.data(), q.zeros.data(), MetaType::kHalf,
+                                           groups, c.g, want.data());
+      avx512::set_enabled(true);
+      std::vector<float> got(x.size());
+      kvcache::quant::dequantize_per_token(c.bits, q.codes.data(), q.scales.data(), q.zeros.data(), MetaType::kHalf,
+                                           groups, c.g, got.data());
+      // The streaming-store variant directly, into a 64-byte aligned buffer.
+      float* aligned = static_cast<float*>(std::aligned_alloc(64, ((x.size() * 4 + 63) / 64) * 64));
+      ASSERT_NE(aligned, nullptr);
+      avx512::dequantize_per_token_fp16(c.bits, q.codes.data(), reinterpret_cast<const uint16_t*>(q.scales.data()),
+                                        reinterpret_cast<const uint16_t*>(q.zeros.data()), 0, groups, c.g, aligned,
+                                        /*stream=*/true);
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0) << "int" << c.bits << " g" << c.g << " value " << i;
+        ASSERT_EQ(std::memcmp(&aligned[i], &want[i], 4), 0) << "streamed int" << c.bits << " g" << c.g << " value " << i;
+      }
+      std::free(aligned);
     }
   }
 }

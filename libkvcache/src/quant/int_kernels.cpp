@@ -525,6 +525,19 @@ KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64
 void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, const void* zeros,
                           MetaType meta, int64_t ngroups, int64_t g, float* out) {
   check_group(bits, g);
+#if defined(KVCACHE_QUANT_AVX512)
+  if (meta == MetaType::kHalf && avx512::enabled() && avx512::available() && avx512::handles(bits, g)) {
+    // Non-temporal stores for an output well past the last-level cache (and 64-byte aligned):
+    // nothing will read it back from cache soon, and they save reading each line first.
+    constexpr int64_t kStreamBytes = int64_t{64} << 20;
+    const bool stream = ngroups * g * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0 && g % 16 == 0;
+    at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
+      avx512::dequantize_per_token_fp16(bits, codes, static_cast<const uint16_t*>(scales),
+                                        static_cast<const uint16_t*>(zeros), b, e, g, out, stream);
+    });
+    return;
+  }
+#endif
   const DequantTokFn fn = kDequantTok[variant(bits, meta)];
   at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) { fn(codes, scales, zeros, b, e, g, out); });
 }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file int_kernels_avx512.h (internal)
-/// Hand-written AVX-512 per-token quantize kernel for fp16 metadata (the default), entered from
-/// quantize_per_token() when the running CPU has AVX-512 F/BW/VL/DQ and the shape is one it
+/// Hand-written AVX-512 per-token quantize and dequantize kernels for fp16 metadata (the
+/// default), entered from quantize_per_token() / dequantize_per_token() when the running CPU has AVX-512 F/BW/VL/DQ and the shape is one it
 /// handles (avx512::handles()); everything else runs the portable kernel of int_kernels.cpp.
 /// Same results bit for bit as that kernel and the LibTorch-ops reference (int_kernels.h gives
 /// the arithmetic); tests/int_kernels_avx512_test.cpp holds it to the portable kernel.
@@ -31,6 +31,12 @@ bool handles(int bits, int64_t g);
 /// Requires available() && handles(bits, g).
 void quantize_per_token_fp16(int bits, const float* x, int64_t g0, int64_t g1, int64_t g, uint8_t* codes,
                              uint16_t* scales, uint16_t* zeros, uint32_t* nonfinite, uint32_t* meta_overflow);
+
+/// x̂ = code·s + z of groups [g0, g1) (fp16 metadata), bit-identical to the portable kernel.
+/// `stream`: non-temporal stores; requires `out` 64-byte aligned (the caller picks it for
+/// outputs far larger than the caches). Requires available() && handles(bits, g).
+void dequantize_per_token_fp16(int bits, const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
+                               int64_t g0, int64_t g1, int64_t g, float* out, bool stream);
 
 /// Tests only: false makes quantize_per_token() take the portable kernel even where this one
 /// could run, so both can be compared in one process. Not thread-safe; default true.
