@@ -211,6 +211,18 @@ TEST(SpecBudget, HugeAndNegativeTokenBudgets) {
   EXPECT_EQ(message("window@1e400"), "budget '@1e400': token budget must be an integer in [1, 1000000000], got 1e400");
   EXPECT_EQ(message("window@1e400%"), "budget '@1e400%': percentage must be in (0, 100], got 1e400%");
   EXPECT_EQ(message("window@1e-400%"), "budget '@1e-400%': percentage must be in (0, 100], got 1e-400%");
+  // A percentage that keeps under one token of the largest context (or underflows to 0 once
+  // divided by 100, which used to print back as '@0%') is refused; the smallest allowed one
+  // keeps exactly one token of a kMaxTokens context and prints back as it was typed.
+  EXPECT_EQ(message("window@7e-324%"),
+            "budget '@7e-324%': percentage must be at least 1e-07% (less keeps under one token of any context up "
+            "to 1000000000 tokens), got 7e-324%");
+  EXPECT_EQ(message("window@9e-8%"),
+            "budget '@9e-8%': percentage must be at least 1e-07% (less keeps under one token of any context up "
+            "to 1000000000 tokens), got 9e-8%");
+  const Budget smallest = split_budget("window@1e-7%").second;
+  EXPECT_EQ(smallest.resolve(1000000000), 1);
+  EXPECT_EQ(Budget::parse(smallest.to_string().substr(1)).value, smallest.value);
   EXPECT_EQ(split_budget("window@1000000000").second.resolve(5), 1000000000);
   EXPECT_EQ(split_budget("window@1e3").second.resolve(5), 1000);
   // A Budget built by hand is checked when it resolves.

@@ -85,7 +85,8 @@ struct Budget {
   double value = 0;  ///< tokens (kTokens) or fraction in (0, 1] (kFraction)
 
   /// Parses "256" or "50%". @throws InvalidArgument if malformed, not an integer in
-  /// [1, kMaxTokens] tokens, or not in (0, 100]%.
+  /// [1, kMaxTokens] tokens, or not in [100/kMaxTokens, 100]% (a smaller percentage keeps less
+  /// than one token of every context the cache accepts).
   static Budget parse(const std::string& text);
   /// Resolves to tokens for a request of `context_tokens` tokens: tokens, or
   /// floor(fraction * context). @throws CapacityError if the result is < 1 token.

@@ -205,6 +205,15 @@ Budget Budget::parse(const std::string& text) {
     KV_CHECK_ARG(nt != NumberText::kMalformed, "budget '@", text, "': not a percentage (expected e.g. '@50%')");
     KV_CHECK_ARG(nt == NumberText::kOk && v > 0 && v <= 100, "budget '@", text,
                  "': percentage must be in (0, 100], got ", text);
+    // Below 100/kMaxTokens % a budget keeps less than one token of every context the cache
+    // accepts (resolve() would always refuse it), and fractions that small lose their digits
+    // (7e-324% is 0 once divided by 100): reject them here, where the user's text is known.
+    // The test is resolve()'s own (floor(f·c + 1e-9) ≥ 1 at c = kMaxTokens), so a percentage
+    // printed back by to_string() (f·100, which may differ in its last digit) passes it too.
+    constexpr double kMinPercent = 100.0 / static_cast<double>(kMaxTokens);
+    KV_CHECK_ARG(v / 100.0 * static_cast<double>(kMaxTokens) + 1e-9 >= 1.0, "budget '@", text,
+                 "': percentage must be at least ", kMinPercent, "% (less keeps under one token of any context up to ",
+                 kMaxTokens, " tokens), got ", text);
     b.kind = Kind::kFraction;
     b.value = v / 100.0;
   } else {
