@@ -62,8 +62,14 @@ at::Tensor step(KVCache& c, const Ids& ids, int64_t from, int64_t n, StepKind ki
 /// Prefill of ids[start, n_prompt) as the runner does it (first step ≥ first_min, then chunks
 /// of `chunk`, 0 = the rest in one step), then `decode` tokens ids[n_prompt ..]: every step's
 /// outputs, in order.
-std::vector<at::Tensor> run(KVCache& c, const Ids& ids, int64_t n_prompt, int64_t start, int64_t chunk,
+std::vector<at::Tensor> run(KVCache& c, const Ids& prompt_ids, int64_t n_prompt, int64_t start, int64_t chunk,
                             int64_t first_min, int64_t decode) {
+  // Decoded tokens past the end of `prompt_ids` are a fixed function of their index (the
+  // callers pass only the prompt).
+  Ids ids = prompt_ids;
+  while (static_cast<int64_t>(ids.size()) < n_prompt + decode) {
+    ids.push_back(3 + (static_cast<int64_t>(ids.size()) * 11) % 50);
+  }
   std::vector<at::Tensor> out;
   if (chunk == 0) chunk = n_prompt;
   for (int64_t s = start; s < n_prompt;) {
