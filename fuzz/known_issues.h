@@ -63,7 +63,7 @@ inline bool skip_known_arm_fault(const std::string& policy) {
 /// (`kivi:k2:v2:g32:r0`) passes validation, and the first append then throws InternalError
 /// (block_list.cpp: "n % gt == 0 append of 16 tokens to format int2:g32:chan"): keys are
 /// flushed per token although a per-channel group spans g tokens. True for a canonical cache
-/// spec (cache::canonical_cache_spec) of that form. Reproducer: fuzz/known/arm/kivi-r0.
+/// spec (make_cache_scheme(...)->spec()) of that form. Reproducer: fuzz/known/arm/kivi-r0.
 inline bool skip_known_cache_fault(const std::string& canonical_quant) {
   if (known_faults_enabled()) return false;
   return canonical_quant.rfind("kivi:", 0) == 0 && canonical_quant.size() > 3 &&

@@ -161,7 +161,7 @@ at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
 
 CacheManager fp32_full_cache(const CausalLM& lm) {
   CacheConfig c = lm.cache_config();
-  c.quant = "fp32";
+  c.scheme = "fp32";
   c.policy = "full";
   return CacheManager(std::move(c));
 }
@@ -507,7 +507,7 @@ TEST(RunnerEviction, EveryPolicyRunsWithinBudget) {
     for (int64_t chunk : {0, 4}) {
       CacheConfig c = m.lm->cache_config();
       c.policy = policy;
-      c.quant = "int8";
+      c.scheme = "int8";
       CacheManager cache(std::move(c));
       o.prefill_chunk = chunk;
       const GenerationResult a = runner.generate(m.prompt, o, cache);

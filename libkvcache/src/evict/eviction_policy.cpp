@@ -9,6 +9,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "common/registry.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 
@@ -162,12 +163,14 @@ uint64_t SplitMix64::below(uint64_t n) {
 
 namespace {
 
+/// The eviction policies' registration list (order = `kv_study list` order): one line per
+/// policy, fed into the one registry of spec heads (common/registry.h).
 struct Registration {
   const ParamTable& (*table)();
   std::function<std::unique_ptr<EvictionPolicy>(const ParsedSpec&, Budget)> make;
 };
 
-const std::vector<Registration>& registry() {
+const std::vector<Registration>& registrations() {
   using namespace evict;
   static const std::vector<Registration> regs = {
       {&FullPolicy::table,
@@ -192,27 +195,37 @@ const std::vector<Registration>& registry() {
 
 }  // namespace
 
+namespace registry {
+
+std::vector<Entry> policy_entries() {
+  std::vector<Entry> v;
+  for (const auto& reg : registrations()) {
+    Entry e;
+    e.kind = SpecKind::kPolicy;
+    e.table = &reg.table();
+    e.policy = reg.make;
+    v.push_back(std::move(e));
+  }
+  return v;
+}
+
+}  // namespace registry
+
 std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec) {
   auto [body, budget] = split_budget(spec);
   KV_CHECK_ARG(!body.empty(), "eviction policy spec '", spec, "' has no head");
-  const std::string head = split_spec(body)[0];
-  for (const auto& reg : registry()) {
-    const ParamTable& table = reg.table();
-    if (table.head != head) continue;
-    auto policy = reg.make(ParsedSpec::parse(body, table), budget);
-    // Validates absolute budgets against protected tokens now; fractional ones at reset().
-    policy->reset(0, CacheShape{});
-    return policy;
-  }
-  std::ostringstream heads;
-  for (const auto& reg : registry()) heads << (heads.tellp() > 0 ? ", " : "") << reg.table().head;
-  throw InvalidArgument("unknown eviction policy '" + head + "' in spec '" + spec +
-                        "'; registered: " + heads.str());
+  const registry::Parsed p = registry::parse(body, SpecKind::kPolicy, {SpecKind::kPolicy});
+  auto policy = p.entry->policy(p.fields, budget);
+  // Validates absolute budgets against protected tokens now; fractional ones at reset().
+  policy->reset(0, CacheShape{});
+  return policy;
 }
 
 std::vector<ParamTable> registered_policies() {
   std::vector<ParamTable> out;
-  for (const auto& reg : registry()) out.push_back(reg.table());
+  for (const auto& e : registry::entries()) {
+    if (e.kind == SpecKind::kPolicy) out.push_back(*e.table);
+  }
   return out;
 }
 

@@ -28,7 +28,6 @@ class FullPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   explicit FullPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override { return "full"; }
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
 };
@@ -38,7 +37,6 @@ class WindowPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   WindowPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
 
@@ -56,7 +54,6 @@ class SinkPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   SinkPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
   int64_t sinks() const { return sinks_; }
@@ -78,7 +75,6 @@ class H2OPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   H2OPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return {AttentionNeed::kAllRows, false}; }
   EvictionPlan plan(const EvictionContext& ctx) const override;
@@ -104,7 +100,6 @@ class RandomPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   RandomPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
   /// Advances the layer's stream: the next plan draws anew.
@@ -125,7 +120,6 @@ class TovaPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   TovaPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return {1, true}; }
   EvictionPlan plan(const EvictionContext& ctx) const override;
@@ -150,7 +144,6 @@ class SnapKVPolicy : public EvictionPolicy {
  public:
   static const ParamTable& table();
   SnapKVPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override {
     return prefill_done_ ? AttentionNeed{} : AttentionNeed{window_, true};
@@ -176,12 +169,11 @@ class SnapKVPolicy : public EvictionPolicy {
     (void)prompt;
     return uniform_keep;
   }
-  const char* name() const { return spec_text_.rfind("pyramid", 0) == 0 ? "pyramid" : "snapkv"; }
+  const char* name() const { return spec_head(spec()) == "pyramid" ? "pyramid" : "snapkv"; }
   int64_t window() const { return window_; }
   bool prefill_done() const { return prefill_done_; }
 
  private:
-  std::string spec_text_;
   int64_t window_, kernel_;
   bool use_max_;
   bool prefill_done_ = false;
