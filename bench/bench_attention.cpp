@@ -261,7 +261,7 @@ int main(int argc, char** argv) {
   argc = static_cast<int>(args.size());
   argv = args.data();
   g_copy_gbps = measure_copy_gbps();
-  std::printf("copy bandwidth (STREAM convention, 1 thread): %.1f GB/s\n", g_copy_gbps);
+  std::fprintf(stderr, "copy bandwidth (STREAM convention, 1 thread): %.1f GB/s\n", g_copy_gbps);
   register_all();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

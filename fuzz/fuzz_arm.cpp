@@ -30,7 +30,7 @@ constexpr int64_t kPrompt = 40, kChunk = 16, kDecode = 8;
 
 /// One request of an accepted arm; returns when the cache refuses a call with a user error.
 void run_request(const Arm& arm) {
-  CacheConfig c = testing::make_config(kLayers, kQHeads, kKvHeads, kHeadDim, arm.scheme, arm.policy);
+  CacheConfig c = kvcache::testing::make_config(kLayers, kQHeads, kKvHeads, kHeadDim, arm.scheme, arm.policy);
   std::unique_ptr<CacheManager> m;
   if (!fuzz::accepts("CacheManager", [&] { m = std::make_unique<CacheManager>(c); })) return;
   if (!fuzz::accepts("reset", [&] { m->reset(kPrompt + kDecode); })) return;
@@ -38,11 +38,11 @@ void run_request(const Arm& arm) {
   int64_t pos = 0;
   auto step = [&](int64_t n, StepKind kind) {
     return fuzz::accepts("step", [&] {
-      const at::Tensor positions = testing::positions_range(pos, n);
+      const at::Tensor positions = kvcache::testing::positions_range(pos, n);
       for (int64_t l = 0; l < kLayers; ++l) {
-        const at::Tensor k = testing::randn({1, kKvHeads, n, kHeadDim}, gen);
-        const at::Tensor v = testing::randn({1, kKvHeads, n, kHeadDim}, gen);
-        const at::Tensor q = testing::randn({1, kQHeads, n, kHeadDim}, gen);
+        const at::Tensor k = kvcache::testing::randn({1, kKvHeads, n, kHeadDim}, gen);
+        const at::Tensor v = kvcache::testing::randn({1, kKvHeads, n, kHeadDim}, gen);
+        const at::Tensor q = kvcache::testing::randn({1, kQHeads, n, kHeadDim}, gen);
         m->append(l, k, v, positions);
         const at::Tensor out = m->attend(l, q, positions);
         KV_FUZZ_CHECK(out.sizes() == q.sizes(), "attend", arm.spec(), ": output ", out.sizes(), " for q ", q.sizes());

@@ -35,7 +35,8 @@ struct QuantizedTensor {
   /// Per-group scales (fp16 for integer formats, fp32 for a tensor whose metadata exceeds
   /// fp16's range; one fp32 per-tensor scale for `fp8:*:scaled`). May be undefined.
   at::Tensor scales;
-  /// Per-group zero points (= group minimum; same dtype and shape as `scales`). May be undefined.
+  /// Per-group zero points (the group minimum, rounded down to fp16 when fp16; same dtype and
+  /// shape as `scales`). May be undefined.
   at::Tensor zeros;
   /// Named side tensors (outlier values/indices, low-rank factors, ...). May be empty.
   std::map<std::string, at::Tensor> side;
@@ -92,9 +93,11 @@ struct ConstGroupBuffers {
 
 /// What encode() found while writing.
 struct EncodeStatus {
-  /// Some group's stored form is not finite in this format (float16 metadata or values
-  /// beyond ±65504, bf16 past its range, a range that overflows float32). The output of
-  /// such a group is unusable; every other group is written correctly.
+  /// Some group's stored form is not finite in this format (an integer group's fp16 zero or
+  /// scale: a minimum outside ±65504 or a range past 65504·(2^b − 1); fp16 values of
+  /// |x| ≥ 65520; an fp8 stream scale so large that max_finite · scale overflows). The output
+  /// of such a group is unusable; every other group is written correctly, and decode() of a
+  /// group written without overflow is finite.
   bool overflow = false;
   /// Some input value was NaN/±Inf (callers validate first; output unusable).
   bool nonfinite = false;
@@ -123,7 +126,8 @@ class Quantizer {
   ///         by the group size (the message names both numbers).
   QuantizedTensor quantize(const at::Tensor& x) const;
 
-  /// Reconstructs a tensor of `q.shape` and `q.dtype`.
+  /// Reconstructs a tensor of `q.shape` and `q.dtype`: the float32 reconstruction rounded to
+  /// q.dtype, saturating at its largest finite value (finite input never comes back ±Inf).
   /// @throws InvalidArgument if `q.format` differs from spec().
   at::Tensor dequantize(const QuantizedTensor& q) const;
 

@@ -16,6 +16,12 @@ KV_ALWAYS_INLINE uint16_t bf16_bits(float v) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/// Bits `h` of a 16-bit float whose exponent field is `exp_mask`: ±Inf becomes ±max_bits
+/// (the largest finite value of that sign); every other value is kept.
+KV_ALWAYS_INLINE uint16_t saturate_bits(uint16_t h, uint16_t exp_mask, uint16_t max_bits) {
+  return (h & exp_mask) == exp_mask ? static_cast<uint16_t>((h & 0x8000u) | max_bits) : h;
+}
+
 // Flags: bit 0 = non-finite input, bit 1 = output is ±Inf (exponent all ones).
 KV_TARGET_CLONES uint32_t fp16_range(const float* __restrict x, int64_t b, int64_t e, uint16_t* __restrict out) {
   uint32_t bad = 0, ovf = 0;
@@ -29,16 +35,22 @@ KV_TARGET_CLONES uint32_t fp16_range(const float* __restrict x, int64_t b, int64
   return bad | (ovf << 1);
 }
 
+// bf16 saturates: the few float32 values past bf16's largest finite (within half a bf16 step
+// of FLT_MAX) store ±3.3895e38 instead of rounding to ±Inf. Never reports overflow.
 KV_TARGET_CLONES uint32_t bf16_range(const float* __restrict x, int64_t b, int64_t e, uint16_t* __restrict out) {
-  uint32_t bad = 0, ovf = 0;
-#pragma omp simd reduction(| : bad, ovf)
+  uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
   for (int64_t i = b; i < e; ++i) {
-    const uint16_t h = bf16_bits(x[i]);
-    out[i] = h;
+    out[i] = saturate_bits(bf16_bits(x[i]), 0x7f80u, kBf16MaxBits);
     bad |= nonfinite_bit(x[i]);
-    ovf |= static_cast<uint32_t>((h & 0x7f80u) == 0x7f80u);
   }
-  return bad | (ovf << 1);
+  return bad;
+}
+
+KV_TARGET_CLONES uint32_t fp16_sat_range(const float* __restrict x, int64_t b, int64_t e, uint16_t* __restrict out) {
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) out[i] = saturate_bits(fp16_bits(x[i]), 0x7c00u, kFp16MaxBits);
+  return 0;
 }
 
 KV_TARGET_CLONES uint32_t copy_range(const float* __restrict x, int64_t b, int64_t e, float* __restrict out) {
@@ -76,6 +88,7 @@ CastStatus run(Fn fn, const float* x, int64_t n, Out* out) {
 CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out) { return run(fp16_range, x, n, out); }
 CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out) { return run(bf16_range, x, n, out); }
 CastStatus copy_fp32(const float* x, int64_t n, float* out) { return run(copy_range, x, n, out); }
+void cast_to_fp16_saturating(const float* x, int64_t n, uint16_t* out) { (void)run(fp16_sat_range, x, n, out); }
 
 void fp16_to_fp32(const uint16_t* x, int64_t n, float* out) {
   at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { fp16_widen_range(x, b, e, out); });

@@ -14,9 +14,14 @@ struct CastStatus {
   bool overflow = false;   ///< some finite input became ±Inf in the target type
 };
 
-/// out[i] = fp16(x[i]) (IEEE binary16 bits). Runs at::parallel_for.
+/// out[i] = fp16(x[i]) (IEEE binary16 bits). Runs at::parallel_for. |x| ≥ 65520 gives ±Inf
+/// and reports overflow.
 CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out);
-/// out[i] = bf16(x[i]) (upper 16 bits of float32 after rounding to nearest even).
+/// out[i] = fp16(x[i]), saturating: what would round to ±Inf becomes ±65504 (finite x).
+void cast_to_fp16_saturating(const float* x, int64_t n, uint16_t* out);
+/// out[i] = bf16(x[i]) (upper 16 bits of float32 after rounding to nearest even),
+/// saturating: a finite x that would round to ±Inf (|x| within half a bf16 step of FLT_MAX)
+/// becomes ±3.3895314e38, bf16's largest finite. `overflow` is never set.
 CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out);
 /// out[i] = x[i] (a copy that also checks finiteness).
 CastStatus copy_fp32(const float* x, int64_t n, float* out);

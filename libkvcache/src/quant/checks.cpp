@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "kvcache/error.h"
+#include "quant/cast_kernels.h"
 
 namespace kvcache::quant {
 namespace {
@@ -56,6 +57,21 @@ void check_no_overflow(const at::Tensor& original, const at::Tensor& converted, 
   throw InvalidArgument(detail::str_cat(where, ": x = ", value_at(original, idx), " at [b, h, t, d] = ",
                                         index_str(idx), " is outside ", type_name, "'s range ", range_text,
                                         "; use a wider format (bf16 or fp32) or rescale the input"));
+}
+
+at::Tensor to_input_dtype(const at::Tensor& x_f32, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return x_f32;
+  KV_INTERNAL_ASSERT(x_f32.scalar_type() == at::kFloat && x_f32.is_contiguous() &&
+                         (dtype == at::kHalf || dtype == at::kBFloat16),
+                     "to_input_dtype: bad arguments");
+  at::Tensor out = at::empty(x_f32.sizes(), x_f32.options().dtype(dtype));
+  const float* src = x_f32.data_ptr<float>();
+  if (dtype == at::kHalf) {
+    cast_to_fp16_saturating(src, x_f32.numel(), reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()));
+  } else {
+    (void)cast_to_bf16(src, x_f32.numel(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  }
+  return out;
 }
 
 }  // namespace kvcache::quant

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file checks.h (internal)
-/// Shared input checks of the quantizers, so every implementation words errors alike.
+/// Shared input checks of the quantizers, so every implementation words errors alike, and
+/// the conversion of a reconstruction back to the input's dtype.
 
 #include <ATen/ATen.h>
 
@@ -25,5 +26,12 @@ void check_finite(const at::Tensor& x, const std::string& where);
 void check_no_overflow(const at::Tensor& original, const at::Tensor& converted,
                        const std::string& where, const std::string& type_name,
                        const std::string& range_text);
+
+/// A float32 reconstruction (finite) converted to `dtype` (float32, float16 or bfloat16),
+/// rounding to nearest even and SATURATING: a value past the dtype's largest finite becomes
+/// that largest finite value (±65504, ±3.3895e38) instead of ±Inf. The input came from finite
+/// values of that dtype, so saturating only moves a reconstruction closer to it. Returns
+/// `x_f32` itself for float32.
+at::Tensor to_input_dtype(const at::Tensor& x_f32, at::ScalarType dtype);
 
 }  // namespace kvcache::quant

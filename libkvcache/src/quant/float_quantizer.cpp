@@ -46,13 +46,8 @@ QuantizedTensor FloatCastQuantizer::do_quantize(const at::Tensor& x) const {
     st = cast_to_bf16(src, n, reinterpret_cast<uint16_t*>(q.codes.data_ptr<at::BFloat16>()));
   }
   if (st.nonfinite) throw_first_nonfinite(x, where);
-  if (st.overflow) {
-    if (storage_ == at::kHalf) {
-      check_no_overflow(x, q.codes, where, "fp16", "±65504");
-    } else {
-      check_no_overflow(x, q.codes, where, "bf16", "±3.39e38");
-    }
-  }
+  // fp16 rejects what would round to ±Inf; bf16 saturates (cast_to_bf16) and never overflows.
+  if (st.overflow) check_no_overflow(x, q.codes, where, "fp16", "±65504");
   return q;
 }
 
@@ -60,7 +55,9 @@ at::Tensor FloatCastQuantizer::do_dequantize(const QuantizedTensor& q) const {
   KV_CHECK_ARG(q.codes.scalar_type() == storage_ && q.codes.sizes().vec() == q.shape,
                "dequantize(q) [", name_, "]: q.codes must be ", c10::toString(storage_), " of shape ",
                shape_str(q.shape), ", got ", q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
-  return q.codes.to(q.dtype, /*non_blocking=*/false, /*copy=*/true);
+  if (q.dtype == storage_ || q.dtype == at::kFloat) return q.codes.to(q.dtype, /*non_blocking=*/false, /*copy=*/true);
+  // bf16 values past ±65504 (from fp16 input rounded up to 65536) saturate back to ±65504.
+  return to_input_dtype(q.codes.to(at::kFloat).contiguous(), q.dtype);
 }
 
 StoredLayout FloatCastQuantizer::do_stored_layout(int64_t head_dim) const {

@@ -3,8 +3,9 @@
 /// @file float_quantizer.h (internal)
 /// fp32 / fp16 / bf16: the tensor is stored as a plain cast to the storage dtype.
 /// QuantizedTensor.codes holds the values in that dtype (4 or 2 bytes per value); no scales.
-/// fp16 rejects values outside ±65504 (they would become Inf); bf16 rejects values that
-/// round past ±3.39e38.
+/// fp16 rejects values outside ±65504 (they would become Inf); bf16 saturates the values
+/// within half a bf16 step of FLT_MAX to its largest finite ±3.3895e38 (never Inf).
+/// dequantize() to an fp16 input saturates too (fp16's 65504 is 65536 in bf16).
 
 #include "kvcache/quantizer.h"
 

@@ -9,10 +9,18 @@
 namespace kvcache::quant {
 namespace {
 
+/// True if decoded values (at most ±max_finite) times `scale` stay finite.
+bool scale_fits(float scale, float max_finite) { return std::isfinite(scale * max_finite); }
+
 /// amax / max_finite; 1 for amax == 0 or when the quotient underflows to 0 (codes stay finite).
+/// For amax near FLT_MAX the rounded quotient may be a hair too large for max_finite · s to
+/// stay finite (decode would give ±Inf): it is then lowered by one float32 step, which
+/// saturates amax itself to max_finite · s (within 2^-23 of it).
 float scale_for_amax(float amax, float max_finite) {
-  const float s = amax > 0.0f ? amax / max_finite : 1.0f;
-  return s == 0.0f ? 1.0f : s;
+  float s = amax > 0.0f ? amax / max_finite : 1.0f;
+  if (s == 0.0f) s = 1.0f;
+  if (!scale_fits(s, max_finite)) s = std::nextafter(s, 0.0f);
+  return s;
 }
 
 }  // namespace
@@ -79,7 +87,7 @@ at::Tensor Fp8Quantizer::do_dequantize(const QuantizedTensor& q) const {
   }
   at::Tensor out = at::empty(q.shape, q.codes.options().dtype(at::kFloat));
   fp8_decode_array(q.codes.data_ptr<uint8_t>(), out.numel(), scale, format_, out.data_ptr<float>());
-  return q.dtype == at::kFloat ? out : out.to(q.dtype);
+  return to_input_dtype(out, q.dtype);
 }
 
 float Fp8Quantizer::fit_tensor_scale(const at::Tensor& x) const {
@@ -99,7 +107,10 @@ EncodeStatus Fp8Quantizer::do_encode(const float* x, int64_t groups, int64_t hea
                                      GroupBuffers out) const {
   EncodeStatus s;
   s.nonfinite = fp8_encode_array(x, groups * head_dim, scaled_ ? tensor_scale : 1.0f, format_, out.codes);
-  return s;  // saturating: finite input never overflows
+  // Saturating codes: finite input never overflows, but a caller's stream scale may be so
+  // large that decode(code) · scale would (fit_tensor_scale() never returns such a scale).
+  s.overflow = scaled_ && !scale_fits(tensor_scale, fp8_max(format_));
+  return s;
 }
 
 void Fp8Quantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,

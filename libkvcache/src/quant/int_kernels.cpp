@@ -46,57 +46,103 @@ KV_ALWAYS_INLINE uint32_t code_of(float x, float z, float inv) {
   return rint_bits(y) & ((1u << BITS) - 1u);
 }
 
+/// fp32-metadata groups: the same code computed on x·k (k = 1, or 1/4 for a group whose
+/// range reaches float32's limit, so x − z cannot overflow), with zk = z·k, inv = 1/(s·k).
+template <int BITS>
+KV_ALWAYS_INLINE uint32_t code_of_k(float x, float k, float zk, float inv) {
+  return code_of<BITS>(x * k, zk, inv);
+}
+
+// fp32-metadata constants (int_kernels.h): scales are at least 2^-126 (so 1/s is finite),
+// and a scale ≥ 2^96 marks a group computed and reconstructed at 1/4 scale.
+constexpr float kMinScale32 = 0x1p-126f;  // FLT_MIN
+constexpr float kQuarterScale = 0x1p96f;
+constexpr float kQuarterRange = 0x1p98f;  // (max − min)/4 from which the range is taken at 1/4
+constexpr float kFltMax = 0x1.fffffep127f;
+
 struct Flags {
   uint32_t bad = 0;
   uint32_t meta_overflow = 0;
-  uint32_t scale_overflow = 0;
 };
 
-/// Metadata of n groups from their min and max, vectorized across groups: stores
-/// s = meta((mx − mn) / L) and z = meta(mn), and returns the stored values as float in
-/// s_f / z_f and the inverse scale (0 for a constant group) in inv. `z_f` may alias `mn`.
+/// Metadata of n groups from their min and max, vectorized across groups (int_kernels.h):
+///   fp16: z = fp16 round-down(mn), s = fp16 round-up((mx − z) / L), at least 2^-24 if mx > z;
+///   fp32: z = mn, s = max((mx − z) / L, 2^-126) if mx > z (the range taken at 1/4 when it
+///         would overflow), k = 1/4 if s ≥ 2^96 else 1.
+/// s = 0 only for mx == z (then every code is 0 and x̂ = z = x). Writes the stored s and z, and
+/// for the codes: zc = z·k (k = 1 for fp16), inv = 1/(s·k) (0 if s == 0), and k (fp32 only,
+/// may be null for fp16). `zc` may alias `mn`.
 template <int BITS, typename MetaT>
 KV_ALWAYS_INLINE void make_meta(int64_t n, const float* mn, const float* __restrict mx, MetaT* __restrict s_out,
-                                MetaT* __restrict z_out, float* __restrict s_f, float* z_f, float* __restrict inv,
+                                MetaT* __restrict z_out, float* zc, float* __restrict inv, float* __restrict kk,
                                 Flags* f) {
   constexpr float kMax = static_cast<float>((1 << BITS) - 1);
-  uint32_t scale_bad = 0, meta_bad = 0;
-#pragma omp simd reduction(| : scale_bad, meta_bad)
-  for (int64_t i = 0; i < n; ++i) {
-    const float scale = (mx[i] - mn[i]) / kMax;
-    scale_bad |= nonfinite_bit(scale);
-    float s, z;
-    if constexpr (std::is_same_v<MetaT, c10::Half>) {
-      const uint16_t hs = fp16_bits(scale);
-      const uint16_t hz = fp16_bits(mn[i]);
-      meta_bad |= fp16_nonfinite_bit(hs) | fp16_nonfinite_bit(hz);
-      s_out[i].x = hs;
-      z_out[i].x = hz;
-      s = fp16_to_float(hs);
-      z = fp16_to_float(hz);
-    } else {
-      s_out[i] = scale;
-      z_out[i] = mn[i];
-      s = scale;
-      z = mn[i];
+  if constexpr (std::is_same_v<MetaT, c10::Half>) {
+    (void)kk;
+    uint32_t meta_bad = 0;
+#pragma omp simd reduction(| : meta_bad)
+    for (int64_t i = 0; i < n; ++i) {
+      const float lo = mn[i];
+      const float hi = mx[i];
+      const uint32_t hz = fp16_bits_down(lo);
+      const float z = fp16_to_float(static_cast<uint16_t>(hz));
+      const float scale = (hi - z) / kMax;
+      uint32_t hs = fp16_bits_up(scale);
+      hs = hs == 0 && hi > z ? 1u : hs;  // a range that underflows still gets 2^-24
+      // fp16 cannot hold a zero within one fp16 step below a minimum outside [−65504, 65520)
+      // (mn ≥ 65520 would round down to a far-away 65504), nor a scale past 65504.
+      meta_bad |= static_cast<uint32_t>(!(lo >= -65504.0f && lo < 65520.0f && scale <= 65504.0f));
+      s_out[i].x = static_cast<uint16_t>(hs);
+      z_out[i].x = static_cast<uint16_t>(hz);
+      const float s = fp16_to_float(static_cast<uint16_t>(hs));
+      zc[i] = z;
+      inv[i] = s != 0.0f ? 1.0f / s : 0.0f;
     }
-    s_f[i] = s;
-    z_f[i] = z;
-    inv[i] = s != 0.0f ? 1.0f / s : 0.0f;
+    f->meta_overflow |= meta_bad;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float z = mn[i];
+      const float hi = mx[i];
+      const float quarter = hi * 0.25f - z * 0.25f;  // never overflows
+      const float scale = quarter >= kQuarterRange ? (quarter / kMax) * 4.0f : (hi - z) / kMax;
+      const float s = hi > z ? (scale > kMinScale32 ? scale : kMinScale32) : 0.0f;
+      const float k = s >= kQuarterScale ? 0.25f : 1.0f;
+      s_out[i] = s;
+      z_out[i] = z;
+      zc[i] = z * k;
+      inv[i] = s != 0.0f ? 1.0f / (s * k) : 0.0f;
+      kk[i] = k;
+    }
   }
-  f->scale_overflow |= scale_bad;
-  f->meta_overflow |= meta_bad;
 }
 
-// ---------------------------------------------------------------- int3 packing
-// 3-bit codes of a group of g = 8e codes c[0..g) occupy 3e bytes in two planes (the split of
-// llama.cpp's q3_K: the two low bits and the high bit stored apart), each packed like the
-// power-of-two widths, pairing code j with codes j + m·(plane run):
-//   low plane, bytes [0, 2e):  byte j = Σ_{m<4} (c[j + m·2e] & 3) << 2m     (int2's layout)
-//   high plane, bytes [2e, 3e): byte j = Σ_{m<8} (c[j + m·e] >> 2) << m      (1 bit per code)
-// Both are plain loops over j < e reading or writing codes j + m·e (m < 8): low byte j takes
-// the codes of even m, low byte j + e those of odd m. Per-channel blocks use the same planes
-// with code rows in place of bytes (int_kernels.h).
+/// x̂ of fp32 metadata: (code·(s·k) + z·k) clamped to ±FLT_MAX·k, times 1/k (no overflow).
+struct Recon32 {
+  float sk, zk, lo, hi, back;
+};
+KV_ALWAYS_INLINE Recon32 recon32(float s, float z) {
+  const bool quarter = s >= kQuarterScale;
+  const float k = quarter ? 0.25f : 1.0f;
+  return {s * k, z * k, -kFltMax * k, kFltMax * k, quarter ? 4.0f : 1.0f};
+}
+KV_ALWAYS_INLINE float recon32_apply(float c, float sk, float zk, float lo, float hi, float back) {
+  float v = c * sk + zk;
+  v = v < lo ? lo : v;
+  v = v > hi ? hi : v;
+  return v * back;
+}
+
+// ---------------------------------------------------------------- packing
+// Each kernel computes a group's codes with a function of the value (the metadata path: fp16
+// or fp32), then packs them (int_kernels.h):
+//   b ∈ {8, 4, 2}: k = 8/b codes per byte, byte j = Σ_{m<k} c[j + m·g/k] << m·b;
+//   int3 (g = 8e codes in 3e bytes, the split of llama.cpp's q3_K into the two low bits and
+//   the high bit): low plane bytes [0, 2e) pack c & 3 as int2 packs its codes (byte j holds
+//   codes j + m·2e, m < 4), high plane bytes [2e, 3e) hold c >> 2, byte j bit m = code j + m·e.
+//   Both planes are one plain loop over j < e reading codes j + m·e (m < 8): low byte j
+//   takes the codes of even m, low byte j + e those of odd m.
+// Per-channel blocks pack down each column, code rows in place of bytes.
 
 /// The low-plane byte of codes c[0], c[2], c[4], c[6] (odd = 0) or c[1], c[3], c[5], c[7].
 KV_ALWAYS_INLINE uint32_t low3(const uint32_t* c, int odd) {
@@ -112,6 +158,120 @@ KV_ALWAYS_INLINE uint32_t code3(uint32_t l0, uint32_t l1, uint32_t hi, int m) {
   return (((m & 1) ? l1 : l0) >> (2 * (m >> 1)) & 3u) | ((hi >> m) & 1u) << 2;
 }
 
+/// Packs the g codes code(p[i]) of one per-token group into o (g·b/8 bytes).
+template <int BITS, typename CodeFn>
+KV_ALWAYS_INLINE void pack_tok(const float* __restrict p, int64_t g, uint8_t* __restrict o, CodeFn code) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+#pragma omp simd
+    for (int64_t j = 0; j < e; ++j) {
+      uint32_t c[8];
+      for (int m = 0; m < 8; ++m) c[m] = code(p[j + m * e]);
+      o[j] = static_cast<uint8_t>(low3(c, 0));
+      o[j + e] = static_cast<uint8_t>(low3(c, 1));
+      o[j + 2 * e] = static_cast<uint8_t>(high3(c));
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    const int64_t q = g / K;
+#pragma omp simd
+    for (int64_t j = 0; j < q; ++j) {
+      uint32_t byte = 0;
+      for (int64_t m = 0; m < K; ++m) byte |= code(p[j + m * q]) << (m * BITS);
+      o[j] = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
+/// Unpacks one per-token group: o[i] = value(code i) for i < g.
+template <int BITS, typename ValueFn>
+KV_ALWAYS_INLINE void unpack_tok(const uint8_t* __restrict in, int64_t g, float* __restrict o, ValueFn value) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+#pragma omp simd
+    for (int64_t j = 0; j < e; ++j) {
+      const uint32_t l0 = in[j], l1 = in[j + e], hi = in[j + 2 * e];
+      for (int m = 0; m < 8; ++m) o[j + m * e] = value(static_cast<float>(code3(l0, l1, hi, m)));
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    const int64_t q = g / K;
+#pragma omp simd
+    for (int64_t j = 0; j < q; ++j) {
+      const uint32_t byte = in[j];
+      for (int64_t m = 0; m < K; ++m) o[j + m * q] = value(static_cast<float>((byte >> (m * BITS)) & kMask));
+    }
+  }
+}
+
+/// Packs one per-channel block (g rows × d columns at p) into o (g·b/8 rows of d bytes):
+/// code(v, c) is the code of value v of column c.
+template <int BITS, typename CodeFn>
+KV_ALWAYS_INLINE void pack_chan(const float* __restrict p, int64_t g, int64_t d, uint8_t* __restrict o, CodeFn code) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+    for (int64_t j = 0; j < e; ++j) {
+      uint8_t* __restrict lo0 = o + j * d;
+      uint8_t* __restrict lo1 = o + (j + e) * d;
+      uint8_t* __restrict hrow = o + (j + 2 * e) * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) {
+        uint32_t cm[8];
+        for (int m = 0; m < 8; ++m) cm[m] = code(p[(j + m * e) * d + c], c);
+        lo0[c] = static_cast<uint8_t>(low3(cm, 0));
+        lo1[c] = static_cast<uint8_t>(low3(cm, 1));
+        hrow[c] = static_cast<uint8_t>(high3(cm));
+      }
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    const int64_t q = g / K;
+    for (int64_t j = 0; j < q; ++j) {
+      uint8_t* __restrict orow = o + j * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) {
+        uint32_t byte = 0;
+        for (int64_t m = 0; m < K; ++m) byte |= code(p[(j + m * q) * d + c], c) << (m * BITS);
+        orow[c] = static_cast<uint8_t>(byte);
+      }
+    }
+  }
+}
+
+/// Unpacks one per-channel block: row r, column c of o = value(code, c).
+template <int BITS, typename ValueFn>
+KV_ALWAYS_INLINE void unpack_chan(const uint8_t* __restrict in, int64_t g, int64_t d, float* __restrict o,
+                                  ValueFn value) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+    for (int64_t j = 0; j < e; ++j) {
+      const uint8_t* lo0 = in + j * d;
+      const uint8_t* lo1 = in + (j + e) * d;
+      const uint8_t* hrow = in + (j + 2 * e) * d;
+      for (int m = 0; m < 8; ++m) {
+        float* __restrict orow = o + (j + m * e) * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) orow[c] = value(static_cast<float>(code3(lo0[c], lo1[c], hrow[c], m)), c);
+      }
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    const int64_t q = g / K;
+    for (int64_t j = 0; j < q; ++j) {
+      const uint8_t* irow = in + j * d;
+      for (int64_t m = 0; m < K; ++m) {
+        float* __restrict orow = o + (j + m * q) * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) {
+          orow[c] = value(static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask), c);
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- per-token
 // Groups are processed in chunks of kChunk: (1) min/max of each group, (2) the metadata of
 // the whole chunk as one vector loop (the scalar divide/convert chain per group would
@@ -122,7 +282,6 @@ constexpr int64_t kChunk = 16;
 template <int BITS, typename MetaT, int64_t G>
 KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g1, int64_t g_rt,
                                 uint8_t* __restrict codes, MetaT* __restrict sc, MetaT* __restrict ze, Flags* f) {
-  constexpr int64_t K = BITS == 3 ? 8 : 8 / BITS;  // codes per byte (int3: per 3 bytes)
   const int64_t g = G > 0 ? G : g_rt;
   const int64_t q = g * BITS / 8;  // bytes per group
   // NaN/Inf flags are OR-ed lane-wise across all groups and reduced once at the end (a
@@ -131,7 +290,7 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
   const int64_t g_lanes = g - g % kLanes;
   alignas(64) uint32_t bad_lanes[kLanes] = {};
   uint32_t bad = 0;
-  alignas(64) float mn[kChunk], mx[kChunk], sv[kChunk], inv[kChunk];
+  alignas(64) float mn[kChunk], mx[kChunk], kv[kChunk], inv[kChunk];
   for (int64_t k0 = g0; k0 < g1; k0 += kChunk) {
     const int64_t n = std::min(kChunk, g1 - k0);
     for (int64_t i = 0; i < n; ++i) {
@@ -145,35 +304,26 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
         hi = v > hi ? v : hi;
       }
       for (int64_t e0 = 0; e0 < g_lanes; e0 += kLanes) {
+        // (omp simd: GCC's SLP pass otherwise leaves this unrolled loop scalar when the
+        // metadata code below grows, halving quantize throughput.)
+#pragma omp simd
         for (int64_t l = 0; l < kLanes; ++l) bad_lanes[l] |= nonfinite_bit(p[e0 + l]);
       }
       for (int64_t e = g_lanes; e < g; ++e) bad |= nonfinite_bit(p[e]);
       mn[i] = lo;
       mx[i] = hi;
     }
-    make_meta<BITS>(n, mn, mx, sc + k0, ze + k0, sv, mn, inv, f);  // mn now holds the stored zero
+    make_meta<BITS>(n, mn, mx, sc + k0, ze + k0, mn, inv, kv, f);  // mn now holds the codes' zero
     for (int64_t i = 0; i < n; ++i) {
       const float* __restrict p = x + (k0 + i) * g;
       uint8_t* __restrict o = codes + (k0 + i) * q;
       const float z = mn[i];
       const float iv = inv[i];
-      if constexpr (BITS == 3) {
-        const int64_t e = g / 8;
-#pragma omp simd
-        for (int64_t j = 0; j < e; ++j) {
-          uint32_t c[8];
-          for (int m = 0; m < 8; ++m) c[m] = code_of<3>(p[j + m * e], z, iv);
-          o[j] = static_cast<uint8_t>(low3(c, 0));
-          o[j + e] = static_cast<uint8_t>(low3(c, 1));
-          o[j + 2 * e] = static_cast<uint8_t>(high3(c));
-        }
+      if constexpr (std::is_same_v<MetaT, c10::Half>) {
+        pack_tok<BITS>(p, g, o, [z, iv](float v) { return code_of<BITS>(v, z, iv); });
       } else {
-#pragma omp simd
-        for (int64_t j = 0; j < q; ++j) {
-          uint32_t byte = 0;
-          for (int64_t m = 0; m < K; ++m) byte |= code_of<BITS>(p[j + m * q], z, iv) << (m * BITS);
-          o[j] = static_cast<uint8_t>(byte);
-        }
+        const float k = kv[i];
+        pack_tok<BITS>(p, g, o, [k, z, iv](float v) { return code_of_k<BITS>(v, k, z, iv); });
       }
     }
   }
@@ -185,8 +335,6 @@ template <int BITS, typename MetaT, int64_t G>
 KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* __restrict sc,
                                   const MetaT* __restrict ze, int64_t g0, int64_t g1, int64_t g_rt,
                                   float* __restrict out) {
-  constexpr int64_t K = BITS == 3 ? 8 : 8 / BITS;
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
   const int64_t g = G > 0 ? G : g_rt;
   const int64_t q = g * BITS / 8;
   for (int64_t k = g0; k < g1; ++k) {
@@ -194,21 +342,12 @@ KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* 
     const float z = load_meta_scalar(ze[k]);
     const uint8_t* __restrict in = codes + k * q;
     float* __restrict o = out + k * g;
-    if constexpr (BITS == 3) {
-      const int64_t e = g / 8;
-#pragma omp simd
-      for (int64_t j = 0; j < e; ++j) {
-        const uint32_t l0 = in[j], l1 = in[j + e], hi = in[j + 2 * e];
-        for (int m = 0; m < 8; ++m) o[j + m * e] = static_cast<float>(code3(l0, l1, hi, m)) * s + z;
-      }
+    if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      // |code·s + z| ≤ 255·65504 + 65504: finite, no clamp needed.
+      unpack_tok<BITS>(in, g, o, [s, z](float c) { return c * s + z; });
     } else {
-#pragma omp simd
-      for (int64_t j = 0; j < q; ++j) {
-        const uint32_t byte = in[j];
-        for (int64_t m = 0; m < K; ++m) {
-          o[j + m * q] = static_cast<float>((byte >> (m * BITS)) & kMask) * s + z;
-        }
-      }
+      const Recon32 r = recon32(s, z);
+      unpack_tok<BITS>(in, g, o, [r](float c) { return recon32_apply(c, r.sk, r.zk, r.lo, r.hi, r.back); });
     }
   }
 }
@@ -218,13 +357,12 @@ template <int BITS, typename MetaT>
 KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t b1, int64_t g, int64_t d,
                                  uint8_t* __restrict codes, MetaT* __restrict sc, MetaT* __restrict ze,
                                  Flags* f) {
-  constexpr int64_t K = BITS == 3 ? 8 : 8 / BITS;
   const int64_t q = g * BITS / 8;  // code rows per block
   std::vector<float> buf(static_cast<size_t>(4 * d));
   float* mn = buf.data();
   float* __restrict mx = mn + d;
-  float* __restrict sv = mx + d;
-  float* __restrict inv = sv + d;
+  float* __restrict kv = mx + d;
+  float* __restrict inv = kv + d;
   uint32_t bad = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const float* p = x + b * g * d;
@@ -244,35 +382,13 @@ KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t 
         bad |= nonfinite_bit(v);
       }
     }
-    make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, sv, mn, inv, f);  // mn now holds the stored zero
+    make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, mn, inv, kv, f);  // mn now holds the codes' zero
     uint8_t* o = codes + b * q * d;
-    if constexpr (BITS == 3) {
-      const int64_t e = g / 8;
-      for (int64_t j = 0; j < e; ++j) {
-        uint8_t* __restrict lo0 = o + j * d;
-        uint8_t* __restrict lo1 = o + (j + e) * d;
-        uint8_t* __restrict hrow = o + (j + 2 * e) * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) {
-          uint32_t cm[8];
-          for (int m = 0; m < 8; ++m) cm[m] = code_of<3>(p[(j + m * e) * d + c], mn[c], inv[c]);
-          lo0[c] = static_cast<uint8_t>(low3(cm, 0));
-          lo1[c] = static_cast<uint8_t>(low3(cm, 1));
-          hrow[c] = static_cast<uint8_t>(high3(cm));
-        }
-      }
+    if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      pack_chan<BITS>(p, g, d, o, [mn, inv](float v, int64_t c) { return code_of<BITS>(v, mn[c], inv[c]); });
     } else {
-      for (int64_t j = 0; j < q; ++j) {
-        uint8_t* __restrict orow = o + j * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) {
-          uint32_t byte = 0;
-          for (int64_t m = 0; m < K; ++m) {
-            byte |= code_of<BITS>(p[(j + m * q) * d + c], mn[c], inv[c]) << (m * BITS);
-          }
-          orow[c] = static_cast<uint8_t>(byte);
-        }
-      }
+      pack_chan<BITS>(p, g, d, o,
+                      [mn, inv, kv](float v, int64_t c) { return code_of_k<BITS>(v, kv[c], mn[c], inv[c]); });
     }
   }
   f->bad |= bad;
@@ -282,10 +398,9 @@ template <int BITS, typename MetaT>
 KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT* __restrict sc,
                                    const MetaT* __restrict ze, int64_t b0, int64_t b1, int64_t g, int64_t d,
                                    float* __restrict out) {
-  constexpr int64_t K = BITS == 3 ? 8 : 8 / BITS;
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
   const int64_t q = g * BITS / 8;
-  std::vector<float> buf(static_cast<size_t>(2 * d));
+  constexpr bool kHalf = std::is_same_v<MetaT, c10::Half>;
+  std::vector<float> buf(static_cast<size_t>((kHalf ? 2 : 5) * d));
   float* __restrict sv = buf.data();
   float* __restrict zv = sv + d;
   for (int64_t b = b0; b < b1; ++b) {
@@ -295,31 +410,23 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
     }
     const uint8_t* in = codes + b * q * d;
     float* o = out + b * g * d;
-    if constexpr (BITS == 3) {
-      const int64_t e = g / 8;
-      for (int64_t j = 0; j < e; ++j) {
-        const uint8_t* lo0 = in + j * d;
-        const uint8_t* lo1 = in + (j + e) * d;
-        const uint8_t* hrow = in + (j + 2 * e) * d;
-        for (int m = 0; m < 8; ++m) {
-          float* __restrict orow = o + (j + m * e) * d;
-#pragma omp simd
-          for (int64_t c = 0; c < d; ++c) {
-            orow[c] = static_cast<float>(code3(lo0[c], lo1[c], hrow[c], m)) * sv[c] + zv[c];
-          }
-        }
+    if constexpr (kHalf) {
+      unpack_chan<BITS>(in, g, d, o, [sv, zv](float code, int64_t c) { return code * sv[c] + zv[c]; });
+    } else {
+      float* __restrict lo = zv + d;
+      float* __restrict hi = lo + d;
+      float* __restrict back = hi + d;
+      for (int64_t c = 0; c < d; ++c) {
+        const Recon32 r = recon32(sv[c], zv[c]);
+        sv[c] = r.sk;
+        zv[c] = r.zk;
+        lo[c] = r.lo;
+        hi[c] = r.hi;
+        back[c] = r.back;
       }
-      continue;
-    }
-    for (int64_t j = 0; j < q; ++j) {
-      const uint8_t* irow = in + j * d;
-      for (int64_t m = 0; m < K; ++m) {
-        float* __restrict orow = o + (j + m * q) * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) {
-          orow[c] = static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask) * sv[c] + zv[c];
-        }
-      }
+      unpack_chan<BITS>(in, g, d, o, [sv, zv, lo, hi, back](float code, int64_t c) {
+        return recon32_apply(code, sv[c], zv[c], lo[c], hi[c], back[c]);
+      });
     }
   }
 }
@@ -420,18 +527,16 @@ class StatusAccumulator {
   void add(const Flags& f) {
     if (f.bad != 0) nonfinite_.store(true, std::memory_order_relaxed);
     if (f.meta_overflow) meta_.store(true, std::memory_order_relaxed);
-    if (f.scale_overflow) scale_.store(true, std::memory_order_relaxed);
   }
   KernelStatus status() const {
     KernelStatus s;
     s.nonfinite = nonfinite_.load();
     s.meta_overflow = meta_.load();
-    s.scale_overflow = scale_.load();
     return s;
   }
 
  private:
-  std::atomic<bool> nonfinite_{false}, meta_{false}, scale_{false};
+  std::atomic<bool> nonfinite_{false}, meta_{false};
 };
 
 void check_group(int bits, int64_t g) {

@@ -6,13 +6,26 @@
 /// The LibTorch-ops reference in reference.h defines the same results; tests compare both
 /// bit-exactly.
 ///
-/// Per group of g values: mn = min, mx = max (float32), scale = (mx − mn) / (2^b − 1)
-/// (float32 division), stored scale s = meta(scale), stored zero z = meta(mn), where
-/// meta() rounds to the metadata type (fp16 by default, round-to-nearest-even; fp32 when
-/// the tensor's metadata does not fit fp16). Codes are computed from the STORED s and z:
+/// Per group of g values, L = 2^b − 1: mn = min, mx = max (float32). The stored zero z and
+/// scale s are chosen so that every value lies in [z, z + L·s] (up to float32 rounding) and
+/// codes are computed from the STORED s and z (docs/quantizers.md, "arithmetic"):
+///   fp16 metadata (the default): z = the largest fp16 ≤ mn (round down), then
+///     s = the smallest fp16 ≥ (mx − z) / L (float32 division, then round up), and s = 2^-24
+///     (the least fp16) if that is 0 while mx > z. A tensor with some mn outside ±65504, or
+///     some s past 65504, reports meta_overflow (IntQuantizer then stores fp32 metadata).
+///   fp32 metadata: z = mn, s = (mx − z) / L, at least 2^-126 (so 1/s is finite) when
+///     mx > z; when (mx − z)/4 ≥ 2^98 the range is taken as 4·((mx/4 − z/4) / L), which
+///     cannot overflow.
+///   s = 0 only if mx == z (a constant group of an fp16-representable value, or any
+///   constant group with fp32 metadata): every code is 0 and x̂ = z = x exactly.
 ///   inv = (s == 0 ? 0 : 1 / s),  code = clamp(rint((x − z) · inv), 0, 2^b − 1)
 /// with rint = round-half-to-even. Reconstruction: x̂ = code · s + z (two roundings: no
-/// fused multiply-add, so the reference's separate mul and add match bit for bit).
+/// fused multiply-add, so the reference's separate mul and add match bit for bit); with fp16
+/// metadata it is finite (|x̂| ≤ 256·65504).
+/// fp32 metadata with s ≥ 2^96 (a range near float32's limit): the same arithmetic at 1/4
+/// scale so nothing overflows, r = 1/4: code = clamp(rint((x·r − z·r) · (1/(s·r))), 0, L),
+/// x̂ = clamp(code·(s·r) + z·r, ±FLT_MAX·r) / r; with r = 1 (s < 2^96) these are the plain
+/// formulas (the clamp cannot bind). Error bound: docs/quantizers.md.
 ///
 /// Packing, b ∈ {8, 4, 2} (k = 8 / b codes per byte, group of g codes c[0..g)):
 ///   byte j (0 ≤ j < g/k) = Σ_{m<k} c[j + m·g/k] << (m·b)
@@ -54,8 +67,9 @@ constexpr int codes_per_unit(int bits) { return bits == 3 ? 8 : 8 / bits; }
 /// What a quantize kernel found while reading its input.
 struct KernelStatus {
   bool nonfinite = false;      ///< a NaN or ±Inf was read (results are garbage then)
-  bool meta_overflow = false;  ///< MetaType::kHalf only: a scale or zero rounded to ±Inf
-  bool scale_overflow = false; ///< (max − min) / (2^b − 1) is not finite in float32
+  /// MetaType::kHalf only: some group's zero or scale has no finite fp16 (see above); that
+  /// group's output is unusable. fp32 metadata never overflows.
+  bool meta_overflow = false;
 };
 
 /// Per-token: `ngroups` groups of `g` contiguous floats at `x`. Writes ngroups·g·bits/8

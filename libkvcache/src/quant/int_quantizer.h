@@ -13,7 +13,9 @@
 ///     codes uint8 [B, H, T·b/8, D]; scales/zeros [B, H, T/g, D].
 /// Metadata is fp16 unless some scale or zero of the tensor falls outside fp16's range
 /// (|values| ≳ 65504, possible in bf16/fp32 input); then the whole tensor's scales and zeros
-/// are stored as fp32 (nbytes() grows accordingly) instead of overflowing to Inf.
+/// are stored as fp32 (nbytes() grows accordingly) instead of overflowing to Inf. The zero
+/// is rounded down and the scale up so that every value lies in [z, z + L·s]: the error
+/// bound of docs/quantizers.md holds; dequantize() saturates to the input dtype's range.
 
 #include "kvcache/quantizer.h"
 

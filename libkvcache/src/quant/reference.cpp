@@ -22,7 +22,28 @@ at::Tensor grouped(const at::Tensor& x, int64_t g, GroupAxis axis, int64_t* gdim
   return x.reshape({b, h, t / g, g, d});
 }
 
+// fp32-metadata constants of int_kernels.h.
+constexpr double kMinScale32 = 0x1p-126;
+constexpr double kQuarterScale = 0x1p96;
+constexpr double kQuarterRange = 0x1p98;
+constexpr double kFltMax = 0x1.fffffep127;
+
+/// Binary16 bits of `h` (float16) viewed as int16, stepped one fp16 value toward −∞ where
+/// `mask` (a fp16 value above its target rounded up): sign-magnitude, so a negative value's
+/// code grows.
+at::Tensor fp16_step_down(const at::Tensor& h, const at::Tensor& mask) {
+  const at::Tensor bits = h.view(at::kShort);
+  const at::Tensor stepped = at::where(bits < 0, bits + 1, bits - 1);
+  return at::where(mask, stepped, bits).view(at::kHalf);
+}
+
 }  // namespace
+
+at::Tensor to_dtype_saturating(const at::Tensor& x, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return x.to(at::kFloat);
+  const double m = dtype == at::kHalf ? 65504.0 : 0x1.fep127;  // largest finite
+  return x.to(at::kFloat).clamp(-m, m).to(dtype);
+}
 
 IntRefResult quantize_int(const at::Tensor& x, int bits, int64_t g, GroupAxis axis) {
   KV_INTERNAL_ASSERT(x.dim() == 4 && g > 0, "reference quantize_int: bad input");
@@ -31,17 +52,34 @@ IntRefResult quantize_int(const at::Tensor& x, int bits, int64_t g, GroupAxis ax
   const at::Tensor xg = grouped(x.to(at::kFloat), g, axis, &gdim);
   const at::Tensor mn = xg.amin(gdim, /*keepdim=*/true);
   const at::Tensor mx = xg.amax(gdim, /*keepdim=*/true);
-  const at::Tensor scale32 = (mx - mn) / levels;  // float32 division
-  at::Tensor s = scale32.to(at::kHalf);
-  at::Tensor z = mn.to(at::kHalf);
-  if (!(at::isfinite(s).all().item<bool>() && at::isfinite(z).all().item<bool>())) {
-    s = scale32;  // metadata outside fp16's range: keep it in fp32
+  // fp16 metadata: z = round-down(mn), s = round-up((mx − z) / L), at least 2^-24 if mx > z.
+  const at::Tensor z_nearest = mn.to(at::kHalf);
+  at::Tensor z = fp16_step_down(z_nearest, z_nearest.to(at::kFloat) > mn);
+  at::Tensor zf = z.to(at::kFloat);
+  const at::Tensor scale32 = (mx - zf) / levels;  // float32 division
+  const at::Tensor s_nearest = scale32.to(at::kHalf);
+  at::Tensor s_bits = s_nearest.view(at::kShort);
+  s_bits = at::where(s_nearest.to(at::kFloat) < scale32, s_bits + 1, s_bits);
+  s_bits = at::where((s_bits == 0).logical_and(mx > zf), at::ones_like(s_bits), s_bits);
+  at::Tensor s = s_bits.view(at::kHalf);
+  at::Tensor codes_g;
+  if (at::isfinite(z_nearest).all().item<bool>() && at::isfinite(z).all().item<bool>() &&
+      at::isfinite(s).all().item<bool>()) {
+    const at::Tensor sf = s.to(at::kFloat);
+    const at::Tensor inv = at::where(sf == 0, at::zeros_like(sf), at::reciprocal(sf));
+    codes_g = ((xg - zf) * inv).round().clamp(0, levels).to(at::kByte);
+  } else {
+    // Metadata outside fp16's range: fp32, z = mn, the range taken at 1/4 where it would
+    // overflow, s ≥ 2^-126, and codes at 1/4 scale (k) where s ≥ 2^96.
     z = mn;
+    zf = mn;
+    const at::Tensor quarter = mx * 0.25 - mn * 0.25;
+    const at::Tensor scale = at::where(quarter >= kQuarterRange, (quarter / levels) * 4.0, (mx - mn) / levels);
+    s = at::where(mx > mn, scale.clamp_min(kMinScale32), at::zeros_like(scale));
+    const at::Tensor k = at::where(s >= kQuarterScale, at::full_like(s, 0.25), at::ones_like(s));
+    const at::Tensor inv = at::where(s == 0, at::zeros_like(s), at::reciprocal(s * k));
+    codes_g = ((xg * k - zf * k) * inv).round().clamp(0, levels).to(at::kByte);
   }
-  const at::Tensor sf = s.to(at::kFloat);
-  const at::Tensor zf = z.to(at::kFloat);
-  const at::Tensor inv = at::where(sf == 0, at::zeros_like(sf), at::reciprocal(sf));
-  const at::Tensor codes_g = ((xg - zf) * inv).round().clamp(0, levels).to(at::kByte);
 
   IntRefResult r;
   r.codes = codes_g.reshape(x.sizes());
@@ -128,7 +166,13 @@ at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, con
   const at::Tensor cg = grouped(codes.to(at::kFloat), g, axis, &gdim);
   const at::Tensor s = scales.to(at::kFloat).unsqueeze(gdim);
   const at::Tensor z = zeros.to(at::kFloat).unsqueeze(gdim);
-  return (cg * s + z).reshape(codes.sizes());
+  if (scales.scalar_type() == at::kHalf) return (cg * s + z).reshape(codes.sizes());
+  // fp32 metadata: at 1/4 scale where s ≥ 2^96, clamped to ±FLT_MAX (int_kernels.h).
+  const at::Tensor quarter = s >= kQuarterScale;
+  const at::Tensor k = at::where(quarter, at::full_like(s, 0.25), at::ones_like(s));
+  const at::Tensor back = at::where(quarter, at::full_like(s, 4.0), at::ones_like(s));
+  const at::Tensor v = at::minimum(at::maximum(cg * (s * k) + z * k, -kFltMax * k), kFltMax * k);
+  return (v * back).reshape(codes.sizes());
 }
 
 at::Tensor hadamard_matrix(int64_t d) {

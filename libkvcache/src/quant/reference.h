@@ -29,7 +29,8 @@ at::Tensor pack_codes(const at::Tensor& codes, int bits, int64_t g, GroupAxis ax
 /// Inverse of pack_codes: `packed` → per-value codes of `shape` [B, H, T, D].
 at::Tensor unpack_codes(const at::Tensor& packed, int bits, int64_t g, GroupAxis axis, at::IntArrayRef shape);
 
-/// x̂ = code · scale + zero, float32 [B, H, T, D] (scales/zeros in IntQuantizer's layout).
+/// x̂ = code · scale + zero, float32 [B, H, T, D] (scales/zeros in IntQuantizer's layout;
+/// fp32 metadata of a scale ≥ 2^96 at 1/4 scale and clamped to ±FLT_MAX, as int_kernels.h).
 at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t g,
                           GroupAxis axis);
 
@@ -37,5 +38,9 @@ at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, con
 /// H_d[i][j] = (−1)^popcount(i & j) / √d (d a power of two): the reference of
 /// hadamard_rows (hadamard.h), which computes x ↦ H_d · x for each row.
 at::Tensor hadamard_matrix(int64_t d);
+
+/// `x` converted to `dtype` as dequantize() returns it: round to nearest even, saturating at
+/// the dtype's largest finite value (clamp, then cast).
+at::Tensor to_dtype_saturating(const at::Tensor& x, at::ScalarType dtype);
 
 }  // namespace kvcache::quant::ref

@@ -80,6 +80,54 @@ KV_ALWAYS_INLINE float fp16_to_float(uint16_t h) {
 /// 1 if binary16 bits `h` are ±Inf or NaN.
 KV_ALWAYS_INLINE uint32_t fp16_nonfinite_bit(uint16_t h) { return static_cast<uint32_t>((h & 0x7c00u) == 0x7c00u); }
 
+/// fp16_bits() that also reports the direction of its rounding: `up` = 1 if |f| was rounded
+/// up in magnitude, `down` = 1 if rounded down (both 0 if exact). The rounding happens in the
+/// float add of the magic constant; subtracting it back gives 4·|rounded value| exactly, to be
+/// compared with 4·|f| (exact for |f| < 2^16; for larger |f| both are +Inf: "exact").
+KV_ALWAYS_INLINE uint32_t fp16_bits_dir(float f, uint32_t* up, uint32_t* down) {
+  const float scale_to_inf = bits_float(0x77800000u);   // 2^112
+  const float scale_to_zero = bits_float(0x08800000u);  // 2^-110
+  const uint32_t w = float_bits(f);
+  const float in = (bits_float(w & 0x7fffffffu) * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  const float magic = bits_float((bias >> 1) + 0x07800000u);
+  const float base = magic + in;
+  const float rounded = base - magic;
+  *up = rounded > in ? 1u : 0u;
+  *down = rounded < in ? 1u : 0u;
+  const uint32_t bits = float_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
+  const uint32_t mantissa_bits = bits & 0x00000fffu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return (sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign);
+}
+
+/// Binary16 bits of the largest fp16 value ≤ f (f finite): round-to-nearest-even, then one
+/// step toward −∞ if that rounded up. −Inf (0xFC00) if f < −65504; 65504 for 65504 ≤ f < 65536
+/// (+Inf above: such an f has no fp16 zero within a step below it, and callers reject it).
+KV_ALWAYS_INLINE uint32_t fp16_bits_down(float f) {
+  uint32_t up, down;
+  const uint32_t h = fp16_bits_dir(f, &up, &down);
+  // Toward −∞: a positive value rounded up steps down; a negative one (sign bit set) rounded
+  // down in magnitude steps up in magnitude.
+  return (h & 0x8000u) != 0 ? h + down : h - up;
+}
+
+/// Binary16 bits of the smallest fp16 value ≥ f, for f ≥ 0 finite: round-to-nearest-even,
+/// then one step up if that rounded down. +Inf (0x7C00) if f > 65504.
+KV_ALWAYS_INLINE uint32_t fp16_bits_up(float f) {
+  uint32_t up, down;
+  const uint32_t h = fp16_bits_dir(f, &up, &down);
+  return h + down;
+}
+
+/// Largest finite values of the 16-bit formats, as binary16 / bfloat16 bits without sign.
+constexpr uint16_t kFp16MaxBits = 0x7bffu;  // 65504
+constexpr uint16_t kBf16MaxBits = 0x7f7fu;  // 3.3895314e38
+
 /// Integer code of y ∈ [0, 2^22) rounded half-to-even: adding 1.5·2^23 leaves rint(y) in
 /// the low mantissa bits under the default rounding mode. Plain SSE2 arithmetic, unlike
 /// rintf (which needs SSE4.1 to vectorize). The caller masks the result to its bit width.
