@@ -45,7 +45,8 @@ struct RegisteredSpec {
 std::vector<RegisteredSpec> registered_specs();
 
 /// The kind of the head of `spec` (spec_head(): "had" of "had:k(int4)"), or std::nullopt when
-/// no registered head matches. Does not validate the fields.
+/// no registered head matches (an old spelling, `pyramidkv`, has its new head's kind: the
+/// factories accept it and canonicalize it to `pyramid`). Does not validate the fields.
 std::optional<SpecKind> spec_kind(const std::string& spec);
 
 }  // namespace kvcache

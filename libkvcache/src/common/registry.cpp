@@ -11,8 +11,8 @@ namespace kvcache {
 namespace registry {
 namespace {
 
-/// Spellings users have written that are not (or no longer) registered heads, with the head
-/// to write instead.
+/// Spellings users have written in arm files that are not (or no longer) registered heads:
+/// each is accepted as the head it maps to (and canonicalized to it: spec() prints the new one).
 const std::map<std::string, std::string>& old_spellings() {
   static const std::map<std::string, std::string> m = {
       {"pyramidkv", "pyramid"},  // the study's arm parser once listed PyramidKV under this name
@@ -54,8 +54,10 @@ const std::vector<Entry>& entries() {
 }
 
 const Entry* find(const std::string& head) {
+  const auto old = old_spellings().find(head);
+  const std::string& h = old == old_spellings().end() ? head : old->second;
   for (const auto& e : entries()) {
-    if (e.table->head == head) return &e;
+    if (e.table->head == h) return &e;
   }
   return nullptr;
 }
@@ -73,11 +75,10 @@ std::string heads(std::initializer_list<SpecKind> kinds) {
 Parsed parse(const std::string& text, SpecKind want, std::initializer_list<SpecKind> known) {
   const std::string head = spec_head(text);
   KV_CHECK_ARG(!head.empty(), "spec '", text, "' has no head (grammar: head(:field)*, e.g. 'int4:g64')");
+  const auto old = old_spellings().find(head);
+  if (old != old_spellings().end()) return parse(old->second + text.substr(head.size()), want, known);
   const Entry* e = find(head);
   if (e == nullptr) {
-    const auto old = old_spellings().find(head);
-    KV_CHECK_ARG(old == old_spellings().end(), "spec '", text, "': '", head, "' is spelled '", old->second,
-                 "' (write '", old->second, text.substr(head.size()), "')");
     throw InvalidArgument(detail::str_cat("unknown ", to_string(want), " '", head, "' in spec '", text,
                                           "'; registered: ", heads(known)));
   }

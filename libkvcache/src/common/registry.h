@@ -41,7 +41,7 @@ std::vector<Entry> policy_entries();
 
 /// Every entry (quantizers, schemes, policies). @throws InternalError on a duplicate head.
 const std::vector<Entry>& entries();
-/// The entry of `head`, or nullptr.
+/// The entry of `head` (an old spelling such as `pyramidkv` finds its new head), or nullptr.
 const Entry* find(const std::string& head);
 /// The registered heads of the kinds in `kinds`, ", "-separated (for error messages).
 std::string heads(std::initializer_list<SpecKind> kinds);
@@ -54,10 +54,9 @@ struct Parsed {
   std::string inner;  ///< wrappers only
 };
 
-/// Parses `text` (no @budget) for a factory that builds `want` ("quantizer", ... in
+/// Parses `text` (no @budget; an old spelling of a head is read as its new head) for a factory that builds `want` ("quantizer", ... in
 /// messages). @throws InvalidArgument: an unknown head (listing `known`, the heads of the
-/// kinds the caller builds), a head of another kind (naming it and where it belongs), an old
-/// spelling (naming the new one), a wrapper without its `(spec)` or parentheses after a plain
+/// kinds the caller builds), a head of another kind (naming it and where it belongs), a wrapper without its `(spec)` or parentheses after a plain
 /// head, bad fields.
 Parsed parse(const std::string& text, SpecKind want, std::initializer_list<SpecKind> known);
 
