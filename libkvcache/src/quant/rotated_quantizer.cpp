@@ -85,7 +85,7 @@ at::Tensor RotatedQuantizer::do_dequantize(const QuantizedTensor& q) const {
   }
   check_head_dim(y.size(3), "dequantize(q) [" + spec() + "]");
   hadamard_rows(y.data_ptr<float>(), y.numel() / y.size(3), y.size(3));
-  return q.dtype == at::kFloat ? y : y.to(q.dtype);
+  return to_input_dtype(y, q.dtype);  // saturating, as the other quantizers
 }
 
 StoredLayout RotatedQuantizer::do_stored_layout(int64_t head_dim) const {
@@ -96,12 +96,16 @@ StoredLayout RotatedQuantizer::do_stored_layout(int64_t head_dim) const {
 EncodeStatus RotatedQuantizer::do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                                          GroupBuffers out) const {
   const int64_t rows = groups * inner_->stored_layout(head_dim).group_tokens;
-  std::vector<float> y(x, x + rows * head_dim);
+  const int64_t n = rows * head_dim;
+  bool input_finite = true;
+  for (int64_t i = 0; i < n; ++i) input_finite = input_finite && std::isfinite(x[i]);
+  std::vector<float> y(x, x + n);
   hadamard_rows(y.data(), rows, head_dim);
   EncodeStatus s = inner_->encode(y.data(), groups, head_dim, tensor_scale, out);
   // Finite input whose rotation overflows float32 (|x| ~ 1e38) cannot be stored rotated: an
   // overflow, which the cache stores in its float32 fallback (unrotated), like any other.
-  if (s.nonfinite) {
+  // Non-finite input stays non-finite (the rotation would smear a NaN over the whole row).
+  if (s.nonfinite && input_finite) {
     s.nonfinite = false;
     s.overflow = true;
   }
