@@ -63,7 +63,8 @@ TEST(Attend, MatchesReferenceForEveryFormatAndBlockSize) {
       {"fp32", 1},       {"fp32", 3},         {"fp32", 0},        {"fp16", 3},          {"bf16", 0},
       {"fp8:e4m3", 3},   {"fp8:e5m2", 0},     {"fp8:e4m3:scaled", 1}, {"int8", 3},      {"int4", 0},
       {"int2:g4", 1},    {"int4:g8:chan", 8}, {"int2:g4:chan", 0}, {"kivi:k2:v2:g4:r8", 4},
-      {"kivi:k4:v4:g4:r8", 12}};
+      {"kivi:k4:v4:g4:r8", 12}, {"int3", 3},        {"int3:g8:chan", 8}, {"kivi:k3:v3:g8:r8", 8},
+      {"had(fp32)", 1},         {"had(int4)", 3},   {"had(int3:g8:chan)", 0}, {"had:k(kivi:k2:v2:g4:r8)", 4}};
   uint64_t seed = 40;
   for (const auto& fc : cases) {
     auto c = make_config(2, 21, 3, 8, fc.quant, "full");

@@ -543,6 +543,25 @@ TEST(RunnerEviction, PreRopeStorageWithoutEvictionEqualsPostRope) {
   EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
 }
 
+TEST(RunnerSchemes, HadamardFp32GeneratesWhatFp32Generates) {
+  // had(fp32): K and V rotated by H_D before storage and rotated back on read. Greedy tokens
+  // and logits of the control arm, with keys stored post- and pre-RoPE.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  for (const KeyStorage ks : {KeyStorage::kPostRoPE, KeyStorage::kPreRoPE}) {
+    CacheConfig base = m.lm->cache_config();
+    base.key_storage = ks;
+    CacheConfig rotated = base;
+    rotated.scheme = "had(fp32)";
+    CacheManager a_cache(std::move(base)), b_cache(std::move(rotated));
+    const GenerationResult a = runner.generate(m.prompt, greedy(16, 5), a_cache);
+    const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), b_cache);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
+  }
+}
+
 TEST(RunnerEviction, RerotatedSinkCacheKeepsPositionsContiguous) {
   // StreamingLLM: sinks + recent window, kept tokens re-assigned positions 0..n−1, so the
   // next token's position is the physical length, not the logical one.
