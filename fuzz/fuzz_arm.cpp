@@ -88,7 +88,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string quant, policy;
     if (!fuzz::accepts("make_cache_scheme", [&] { quant = make_cache_scheme(a.scheme)->spec(); })) continue;
     if (!fuzz::accepts("make_eviction_policy", [&] { policy = make_eviction_policy(a.policy)->spec(); })) continue;
-    if (fuzz::skip_known_cache_fault(quant)) continue;
     run_request(Arm{quant, policy});
   }
   return 0;
