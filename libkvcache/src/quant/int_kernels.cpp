@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvcache/error.h"
+#include "quant/int_kernels_avx512.h"
 #include "quant/simd.h"
 
 namespace kvcache::quant {
@@ -599,11 +600,55 @@ void check_group(int bits, int64_t g) {
 
 }  // namespace
 
+namespace avx512 {
+
+namespace {
+bool g_enabled = true;
+}  // namespace
+
+bool available() {
+#if defined(KVCACHE_QUANT_AVX512)
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool handles(int bits, int64_t g) {
+  if (g != 32 && g != 64 && g != 128) return false;
+  if (bits != 8 && bits != 4 && bits != 2) return false;
+  return (g / (8 / bits)) % 16 == 0;
+}
+
+void set_enabled(bool on) { g_enabled = on; }
+bool enabled() { return g_enabled; }
+
+}  // namespace avx512
+
 KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64_t g, uint8_t* codes,
                                 void* scales, void* zeros, MetaType meta) {
   check_group(bits, g);
-  const QuantTokFn fn = kQuantTok[variant(bits, meta)];
   StatusAccumulator acc;
+#if defined(KVCACHE_QUANT_AVX512)
+  if (meta == MetaType::kHalf && avx512::enabled() && avx512::available() && avx512::handles(bits, g)) {
+    at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
+      uint32_t bad = 0, meta_bad = 0;
+      avx512::quantize_per_token_fp16(bits, x, b, e, g, codes, static_cast<uint16_t*>(scales),
+                                      static_cast<uint16_t*>(zeros), &bad, &meta_bad);
+      Flags f;
+      f.bad = bad;
+      f.meta_overflow = meta_bad;
+      acc.add(f);
+    });
+    return acc.status();
+  }
+#endif
+  const QuantTokFn fn = kQuantTok[variant(bits, meta)];
   at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
     Flags f;
     fn(x, b, e, g, codes, scales, zeros, &f);
