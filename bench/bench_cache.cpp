@@ -2,11 +2,16 @@
 // Cost of one decode step of the CacheManager for one layer of Qwen2.5-0.5B shapes (H_q 14,
 // H_kv 2, D 64, batch 1) at a steady state of T resident tokens: the budget is `@T`, so
 // every step writes one token and evicts one (`full` and `snapkv` grow instead: SnapKV
-// compresses at prefill only). One step = append (RoPE through a cached cos/sin table,
-// quantize, store) + attend (one query over the stored blocks; for h2o/tova it also hands the
-// policy the step's attention mass) + end_step (plan, evict). Each part is timed on the
-// thread's CPU clock; `evict_pct` = end_step / attend, the eviction cost against the
-// attention it serves. Multiply by 24 layers for the whole model. One thread.
+// compresses at prefill only). The 2024–2026 scorers run in their every-step modes so that
+// each step evicts one token: knorm/keydiff/expected `:stream`, adakv over expected:stream,
+// duo with f0.5 (one of the two KV heads streams, the other keeps everything), and decode
+// (every 512 decoded tokens back to T; run for exactly 1024 steps, so its end_step is the
+// compression amortized over the interval). One step = append (RoPE through a cached cos/sin
+// table, quantize, store) + attend (one query over the stored blocks; for h2o/tova it also
+// hands the policy the step's attention mass, for expected the query rows) + end_step (plan,
+// evict; the key/value scorers decode the layer's blocks through the LayerView here). Each
+// part is timed on the thread's CPU clock; `evict_pct` = end_step / attend, the eviction cost
+// against the attention it serves. Multiply by 24 layers for the whole model. One thread.
 //
 //   ./build/bench/bench_cache --benchmark_min_time=0.3
 //   ./build/bench/bench_cache --benchmark_filter='h2o|tova|random' --benchmark_counters_tabular=true
@@ -51,6 +56,10 @@ std::string policy_spec(const std::string& head, int64_t t) {
   if (head == "full") return "full";
   if (head == "random") return "random:seed1" + b;
   if (head == "snapkv") return "snapkv@" + std::to_string(4 * t);  // = context: no eviction
+  if (head == "knorm" || head == "keydiff" || head == "expected") return head + ":stream" + b;
+  if (head == "adakv") return "adakv:expected:stream" + b;
+  if (head == "duo") return "duo:f0.5";  // a fraction of streaming heads, no budget
+  if (head == "decode") return "decode:expected" + b;
   return head + b;
 }
 
@@ -73,6 +82,7 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
     const int64_t n = std::min(chunk, t - p);
     m.append(0, at::randn({1, kHkv, n, kD}), at::randn({1, kHkv, n, kD}), at::arange(p, p + n, at::kLong));
     if (m.policy().needs_attention()) m.observe_attention(0, at::softmax(at::randn({1, kHq, 1, p + n}), -1));
+    if (m.policy().query_need().any()) m.observe_queries(0, at::randn({1, kHq, n, kD}), at::arange(p, p + n, at::kLong));
     m.end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
   }
   auto k1 = at::randn({1, kHkv, 1, kD}), v1 = at::randn({1, kHkv, 1, kD}), q1 = at::randn({1, kHq, 1, kD});
@@ -105,14 +115,17 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
 
 void register_all() {
   const std::vector<std::string> quants = {"fp16", "int8", "int4", "kivi:k2:v2:g32:r128"};
-  const std::vector<std::string> policies = {"full", "window", "sink", "h2o", "random", "snapkv", "tova"};
+  const std::vector<std::string> policies = {"full",  "window",  "sink",     "h2o", "random", "snapkv", "tova",
+                                               "knorm", "keydiff", "expected", "adakv", "duo",   "decode"};
   for (const auto& q : quants) {
     for (const auto& p : policies) {
-      benchmark::RegisterBenchmark(("BM_DecodeStep/" + q + "/" + p).c_str(),
-                                   [q, p](benchmark::State& s) { BM_DecodeStep(s, q, p); })
-          ->Arg(4096)
-          ->Arg(32768)
-          ->Unit(benchmark::kMicrosecond);
+      auto* b = benchmark::RegisterBenchmark(("BM_DecodeStep/" + q + "/" + p).c_str(),
+                                             [q, p](benchmark::State& s) { BM_DecodeStep(s, q, p); })
+                    ->Arg(4096)
+                    ->Arg(32768)
+                    ->Unit(benchmark::kMicrosecond);
+      // decode compresses every 512 steps: exactly two compressions, amortized over the interval.
+      if (p == "decode") b->Iterations(1024);
     }
   }
 }

@@ -11,8 +11,8 @@
 // persistent large-magnitude key channels KIVI, arXiv 2402.02750, and KVQuant,
 // arXiv 2401.18079, report) and the other channels have σ = 1, μ = 0.
 //
-// All figures are single-threaded (at::set_num_threads(1)); the API benchmarks include
-// allocating the output tensors, as a cache write/read does.
+// All figures are single-threaded (at::set_num_threads(1)); the quantize/dequantize API
+// benchmarks include allocating the output tensors, the *_into ones reuse the caller's.
 //
 // Run: build/bench/bench_quant [--benchmark_filter=<regex>]
 #include <ATen/ATen.h>
@@ -84,6 +84,36 @@ void bench_dequantize(benchmark::State& state, std::string spec, std::vector<int
   for (auto _ : state) {
     at::Tensor y = q->dequantize(qt);
     benchmark::DoNotOptimize(y.data_ptr());
+  }
+  set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
+}
+
+/// quantize_into(): the public API writing into the caller's QuantizedTensor, reused from
+/// the previous iteration (no allocation, no fresh pages after the first call).
+void bench_quantize_into(benchmark::State& state, std::string spec, std::vector<int64_t> shape) {
+  const at::Tensor& x = tensor_for(shape);
+  auto q = kvcache::make_quantizer(spec);
+  kvcache::QuantizedTensor qt;
+  q->quantize_into(x, qt);
+  for (auto _ : state) {
+    q->quantize_into(x, qt);
+    benchmark::DoNotOptimize(qt.codes.data_ptr());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
+}
+
+/// dequantize_into(): the public API writing into a reused float32 output.
+void bench_dequantize_into(benchmark::State& state, std::string spec, std::vector<int64_t> shape) {
+  const at::Tensor& x = tensor_for(shape);
+  auto q = kvcache::make_quantizer(spec);
+  const kvcache::QuantizedTensor qt = q->quantize(x);
+  at::Tensor y;
+  q->dequantize_into(qt, y);
+  for (auto _ : state) {
+    q->dequantize_into(qt, y);
+    benchmark::DoNotOptimize(y.data_ptr());
+    benchmark::ClobberMemory();
   }
   set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
 }
@@ -207,11 +237,18 @@ void register_all() {
   for (const auto& shape : target_shapes) {
     benchmark::RegisterBenchmark(("memcpy/fp32/" + shape_name(shape)).c_str(), bench_memcpy, shape)
         ->Unit(benchmark::kMillisecond);
-    for (const std::string s : {"int8:g32", "int4:g32"}) {
+    for (const std::string s : {"int8:g32", "int4:g32", "int8", "int4", "int2", "int4:g32:chan", "fp8:e4m3",
+                                "fp8:e5m2", "fp8:e4m3:scaled", "fp16", "bf16"}) {
       benchmark::RegisterBenchmark(("quantize/" + s + "/" + shape_name(shape)).c_str(), bench_quantize, s, shape)
           ->Unit(benchmark::kMillisecond);
       benchmark::RegisterBenchmark(("dequantize/" + s + "/" + shape_name(shape)).c_str(), bench_dequantize, s,
                                    shape)
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(("quantize_into/" + s + "/" + shape_name(shape)).c_str(), bench_quantize_into, s,
+                                   shape)
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(("dequantize_into/" + s + "/" + shape_name(shape)).c_str(), bench_dequantize_into,
+                                   s, shape)
           ->Unit(benchmark::kMillisecond);
     }
     for (int bits : {8, 4, 3}) {

@@ -3,6 +3,7 @@
 // re-rotation, and invariants under seeded random append/evict sequences.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -346,7 +347,20 @@ TEST(CacheManager, RandomizedInvariants) {
                                            "fp8:e4m3:scaled", "kivi:k2:v4:g4:r8"};
   const std::vector<std::string> policies = {"full", "window@12", "sink:s2@12", "h2o@12",
                                              "random:seed3@12", "tova@12", "snapkv:w4@90%",
-                                             "pyramid:w4:b2@90%"};
+                                             "pyramid:w4:b2@90%", "knorm:stream@12", "keydiff:stream@12",
+                                             "expected:s2:stream@12", "expected:s2:n8@90%", "adakv:h2o@12",
+                                             "adakv:knorm:stream@12", "adakv:snapkv:w4@90%", "duo:s2:r6:w4@24",
+                                             "decode:i3:b2:keydiff@12", "decode:i4:b2:prefill:adakv:expected:s2@12"};
+  // Policies that hold every head within the budget after every step, and those that hold the
+  // layer's total within H_kv × budget (head-wise).
+  auto starts = [](const std::string& p, const char* head) { return p.rfind(head, 0) == 0; };
+  auto per_head_bound = [&](const std::string& p) {
+    for (const char* h : {"window", "sink", "h2o", "random", "tova"}) {
+      if (starts(p, h)) return true;
+    }
+    return (starts(p, "knorm") || starts(p, "keydiff") || starts(p, "expected")) &&
+           p.find(":stream") != std::string::npos;
+  };
   uint64_t seed = 100;
   for (const auto& quant : quants) {
     for (const auto& policy : policies) {
@@ -384,7 +398,9 @@ TEST(CacheManager, RandomizedInvariants) {
             m.append(l, testing::randn({1, 2, n, 8}, gen) * 2.0, testing::randn({1, 2, n, 8}, gen),
                      positions_range(p0, n));
             m.check_invariants();
-            if (m.policy().needs_attention() && rng() % 2) {
+            const auto pos = m.tokens(l).positions;
+            const bool uniform = pos[0].size() == pos[1].size();  // observe_attention needs equal heads
+            if (m.policy().needs_attention() && uniform && rng() % 2) {
               m.observe_attention(l, testing::random_probs(1, 4, n, testing::physical_length(m, l), gen));
             } else {
               (void)m.attend(l, testing::randn({1, 4, n, 8}, gen), positions_range(p0, n));
@@ -396,9 +412,29 @@ TEST(CacheManager, RandomizedInvariants) {
           ++steps;
           const auto st = m.tokens(1).stats;
           EXPECT_EQ(st.tokens_written, written);
-          if (policy != "full" && policy.rfind("snapkv", 0) != 0 && policy.rfind("pyramid", 0) != 0) {
+          if (per_head_bound(policy)) {
             EXPECT_LE(st.tokens_resident, 12) << where;
           }
+          if (starts(policy, "adakv") && policy.find("snapkv") == std::string::npos) {
+            const auto t = m.tokens(1);
+            EXPECT_LE(t.resident(0) + t.resident(1), 2 * 12) << where;
+          }
+          // Decode-time compression: back to 12 per head every i decoded tokens, so from its first
+          // compression on a head holds at most 12 + i − 1 (head-wise: the layer 2·(12 + i − 1)).
+          // i3 without prefill first compresses in the third decode step (steps 3, 4, 5).
+          if (policy == "decode:i3:b2:keydiff@12" && steps >= 6) {
+            const auto t = m.tokens(1);
+            EXPECT_LE(std::max(t.resident(0), t.resident(1)), 12 + 2) << where << " step " << steps;
+          }
+          if (starts(policy, "decode:i4:b2:prefill") && steps >= 3) {
+            const auto t = m.tokens(1);
+            EXPECT_LE(t.resident(0) + t.resident(1), 2 * (12 + 3)) << where << " step " << steps;
+          }
+        }
+        if (starts(policy, "duo")) {  // the budget holds on average over every head at the end
+          int64_t total = 0;
+          for (int64_t l = 0; l < 2; ++l) total += m.tokens(l).resident(0) + m.tokens(l).resident(1);
+          EXPECT_LE(total, 2 * 2 * 24) << where;
         }
       }
     }

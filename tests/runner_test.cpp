@@ -16,6 +16,7 @@
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/tokenizer.h"
+#include "kvcache/multi_sequence_cache.h"
 #include "kvcache/attention.h"
 #include "model_test_util.h"
 
@@ -405,6 +406,59 @@ TEST_P(RunnerModels, GenerationIsDeterministic) {
   const GenerationResult b = runner.generate(m.prompt, greedy(6, 3), cache);
   EXPECT_EQ(a.tokens, b.tokens);
   EXPECT_TRUE(at::equal(a.logits, b.logits));
+}
+
+TEST_P(RunnerModels, PrefixCachingSkipsTheSharedPrefillAndGeneratesTheSame) {
+  // Requests over one MultiSequenceCache (blocks of 4 tokens). a (13 tokens, prefill steps of
+  // 12 + 1) publishes its first 12 tokens; b's prompt shares them, so b's prefill runs the
+  // forward over its last 3 tokens only, and a's prompt again over its last token only. Each
+  // generates bit for bit what a plain CacheManager generates when it computes the prefix as
+  // the publisher did (one step of 12 tokens) and then the same steps — the rest runs the same
+  // GEMMs over the same stored bytes — and the same tokens as one whole-prompt prefill.
+  const TestModel& m = GetParam().get();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  const std::vector<int64_t> pa(m.prompt.begin(), m.prompt.begin() + 13);
+  std::vector<int64_t> pb(m.prompt.begin(), m.prompt.begin() + 12);
+  for (size_t i : {3, 5, 2}) pb.push_back(m.prompt[i]);  // 15 tokens, another tail
+  for (const char* quant : {"fp32", "int8", "int4"}) {
+    CacheConfig c = m.lm->cache_config();
+    c.scheme = quant;
+    c.policy = "full";
+    c.block_tokens = 4;
+    MultiSequenceConfig mc;
+    mc.model = c;
+    mc.capacity_bytes = int64_t{1} << 30;
+    MultiSequenceCache pool(mc);
+    Sequence& a = pool.add_sequence();
+    Sequence& b = pool.add_sequence();
+    CacheManager alone(c);
+
+    const GenerationResult ra = runner.generate(pa, greedy(8, 12), a);
+    EXPECT_EQ(ra.cached_prompt_tokens, 0) << quant;
+    const GenerationResult ref_a = runner.generate(pa, greedy(8, 12), alone);
+    EXPECT_EQ(ra.tokens, ref_a.tokens) << quant;
+    EXPECT_TRUE(at::equal(ra.logits, ref_a.logits)) << quant << ": a sequence alone is a CacheManager";
+
+    const GenerationResult rb = runner.generate(pb, greedy(8), b);
+    EXPECT_EQ(rb.prompt_tokens, 15);
+    EXPECT_EQ(rb.cached_prompt_tokens, 12) << quant << ": " << b.prefix().limited_by;
+    const GenerationResult ref_b = runner.generate(pb, greedy(8, 12), alone);
+    EXPECT_EQ(rb.tokens, ref_b.tokens) << quant;
+    EXPECT_TRUE(at::equal(rb.logits, ref_b.logits))
+        << quant << ": max diff " << max_abs_diff(rb.logits, ref_b.logits);
+    EXPECT_EQ(rb.tokens, runner.generate(pb, greedy(8), alone).tokens) << quant;
+
+    const GenerationResult ra2 = runner.generate(pa, greedy(8), a);  // its previous request ends
+    EXPECT_EQ(ra2.cached_prompt_tokens, 12) << quant;
+    EXPECT_EQ(ra2.tokens, ra.tokens) << quant;
+    EXPECT_TRUE(at::equal(ra2.logits, ra.logits)) << quant;
+    EXPECT_EQ(ra2.tokens, runner.generate(pa, greedy(8), alone).tokens) << quant;
+
+    EXPECT_EQ(pool.counters().prompt_tokens_queried, 13 + 15 + 13);
+    EXPECT_EQ(pool.counters().prompt_tokens_hit, 12 + 12);
+    pool.check_invariants();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, RunnerModels,

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "kvcache/error.h"
+#include "kvcache/eviction_policy.h"
 #include "kvcache/study/arm.h"
 
 using namespace kvcache;
@@ -77,4 +78,32 @@ TEST(StudyArm, BudgetOverrideAndDedupe) {
   auto d = dedupe({parse_arm("int4"), parse_arm("fp32+full"), parse_arm("int4+full")});
   ASSERT_EQ(d.size(), 2u);
   EXPECT_EQ(d[0].spec(), "int4+full");
+}
+
+TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
+  // Any registered policy head is a policy (pyramid was read as a quantizer when the list was
+  // kept by hand), wrappers included.
+  EXPECT_EQ(parse_arm("pyramid:b2"), (Arm{"fp32", "pyramid:b2"}));
+  EXPECT_EQ(parse_arm("knorm:stream"), (Arm{"fp32", "knorm:stream"}));
+  EXPECT_EQ(parse_arm("adakv:snapkv@50%"), (Arm{"fp32", "adakv:snapkv@50%"}));
+  EXPECT_EQ(parse_arm("int4+decode:i8:b4:expected@50%"), (Arm{"int4", "decode:i8:b4:expected@50%"}));
+  // Named sets: "default" is the default list; "evict2026" is documented, starts with the
+  // control, and every arm is a canonical, buildable spec at its own budget and at another.
+  const auto sets = arm_sets();
+  ASSERT_EQ(sets.size(), 2u);
+  EXPECT_EQ(sets[0].name, "default");
+  EXPECT_EQ(parse_arm_list("default").size(), default_arms().size());
+  EXPECT_EQ(sets[1].name, "evict2026");
+  const auto arms = parse_arm_list(" evict2026 ");
+  ASSERT_EQ(arms.size(), 17u);
+  EXPECT_EQ(arms[0], control_arm());
+  for (const auto& a : arms) {
+    EXPECT_EQ(make_eviction_policy(a.policy)->spec(), a.policy) << a.spec();
+  }
+  for (const auto& a : with_budget(arms, "25%")) EXPECT_NO_THROW(make_eviction_policy(a.policy)) << a.spec();
+  for (const std::string head : {"knorm", "keydiff", "expected", "adakv", "duo", "decode"}) {
+    bool found = false;
+    for (const auto& a : arms) found = found || a.policy.rfind(head, 0) == 0;
+    EXPECT_TRUE(found) << head << " is in no arm of evict2026";
+  }
 }

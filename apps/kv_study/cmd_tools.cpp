@@ -238,7 +238,7 @@ void add_quant_command(CLI::App& app) {
 }
 
 void add_list_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("list", "List registered quantizers, eviction policies, cache schemes and the default arms.");
+  auto* cmd = app.add_subcommand("list", "List registered quantizers, eviction policies, cache schemes, the default arms and the arm sets.");
   cmd->callback([] {
     // One registry (kvcache/registry.h), printed kind by kind in registration order.
     const auto specs = kvcache::registered_specs();
@@ -256,6 +256,15 @@ void add_list_command(CLI::App& app) {
           "# Eviction policies (spec: head(:field)*[@budget]; budget @N tokens or @P% of prompt + max new tokens)");
     std::cout << "# Default arms of kv_study run (scheme+policy)\n\n";
     for (const auto& a : default_arms()) std::cout << "  " << a.spec() << "\n";
+    std::cout << "\n# Arm sets (kv_study run --configs NAME)\n";
+    for (const auto& set : arm_sets()) {
+      std::cout << "\n" << set.name << " — " << set.description << "\n";
+      if (set.name == "default") {
+        std::cout << "  (the default arms above)\n";
+        continue;
+      }
+      for (const auto& a : set.arms) std::cout << "  " << a.spec() << "\n";
+    }
     std::cout << "\n# Task families\n\n";
     for (auto f : all_families()) std::cout << "  " << to_string(f) << "\n";
   });

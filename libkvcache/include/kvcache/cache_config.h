@@ -84,7 +84,10 @@ struct CacheConfig {
 /// excluded from both.
 struct CacheStats {
   int64_t tokens_written = 0;        ///< tokens ever appended
-  int64_t tokens_resident = 0;       ///< tokens stored now
+  /// Tokens stored now, per layer the longest KV head's count (heads hold equal counts unless a
+  /// head-wise policy, adakv or duo, makes them ragged: then bytes_resident is the measure of
+  /// what they hold; a total is the sum over layers).
+  int64_t tokens_resident = 0;
   int64_t tokens_resident_peak = 0;  ///< max of tokens_resident, sampled after every append/eviction
   int64_t bytes_resident = 0;        ///< live tokens' stored bytes now
   int64_t bytes_resident_peak = 0;   ///< max of bytes_resident, sampled likewise

@@ -12,10 +12,14 @@
 ///      rotates them through `CacheConfig::rope` when storing post-RoPE keys);
 ///   2. `attend(l, q, positions)` — attention over everything layer l holds, including the
 ///      tokens just appended; when the policy consumes attention (h2o, tova, snapkv,
-///      pyramid), attend() also hands it the step's attention mass;
+///      pyramid), attend() also hands it the step's attention mass, and when it consumes query
+///      rows (expected, duo), the step's queries (kvcache/layer_view.h);
 /// then once per step `end_step(kind)`, which runs the eviction plan on every layer.
 /// An engine with its own attention kernel calls `observe_attention(l, probs)` instead of
-/// attend() when the policy needs attention (policy().needs_attention()).
+/// attend() when the policy needs attention (policy().needs_attention()), and
+/// `observe_queries(l, q, positions)` when it needs query rows (policy().query_need()).
+/// Policies that read keys or values (knorm, keydiff, expected, duo) get a read-only view of
+/// the layer's blocks in end_step(), decoded on demand: no copy of the cache is kept for them.
 ///
 /// Storage per layer, stream (K, V) and KV head: quantized blocks followed by full-precision
 /// residual blocks, oldest first; heads may hold different numbers of tokens. Eviction
@@ -38,6 +42,9 @@ namespace kvcache {
 
 namespace cache {
 struct CacheManagerAccess;  // test/debug introspection (src/cache/cache_manager_access.h)
+struct SequenceSeam;        // a sequence of a MultiSequenceCache (src/cache/sequence_seam.h)
+class PoolSet;
+class StepHooks;
 }  // namespace cache
 
 /// What `get(layer)` materialises (debugging and tests).
@@ -108,6 +115,13 @@ class CacheManager final : public KVCache {
   ///         index), or a second observation of the layer in one step.
   void observe_attention(int64_t layer, const at::Tensor& probs);
 
+  /// For an engine that computes attention itself: hands the policy the step's post-RoPE
+  /// queries `q` `[1, H_q, T_q, D]` at int64 `q_positions` `[T_q]` (what attend() would have
+  /// received). Needed only when policy().query_need().any(); a no-op otherwise.
+  /// @throws InvalidArgument on a wrong shape/dtype, NaN/Inf, a query position outside the
+  ///         RoPE table (pre-RoPE rows), or a second observation of the layer's queries in one step.
+  void observe_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions);
+
   /// Ends a forward step: asks the policy for a plan on every layer and evicts. All-or-
   /// nothing: every layer's plan is made (EvictionPolicy::plan() is const) and validated
   /// before any token is evicted or the policy advances.
@@ -138,6 +152,10 @@ class CacheManager final : public KVCache {
 
  private:
   friend struct cache::CacheManagerAccess;
+  friend struct cache::SequenceSeam;
+  /// A manager whose blocks come from `pools`, shared with other holders, calling `hooks`
+  /// (may be null) before it allocates (MultiSequenceCache).
+  CacheManager(CacheConfig config, std::shared_ptr<cache::PoolSet> pools, cache::StepHooks* hooks);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -20,6 +20,9 @@
 ///   - Attention reaches a policy as AttentionMass (kvcache/attention.h): per KV head, the
 ///     MEAN over the G = H_q / H_kv query heads of each group (query head h → KV head h / G)
 ///     and the SUM over batch rows, for the query rows its attention_need() selects.
+///   - Keys and values reach a policy through EvictionContext::view (kvcache/layer_view.h), a
+///     read-only view that decodes the stored blocks on demand; query rows through
+///     query_need() / observe_queries(). Policies never change K/V.
 
 #include <ATen/ATen.h>
 
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "kvcache/attention.h"
+#include "kvcache/layer_view.h"
 #include "kvcache/spec.h"
 #include "kvcache/types.h"
 
@@ -49,6 +53,10 @@ struct EvictionContext {
   std::vector<int64_t> resident;
   int64_t new_tokens = 0;      ///< tokens appended in this step (the last `new_tokens` of each head)
   int64_t logical_length = 0;  ///< tokens ever written to this layer (incl. this step)
+  /// The layer's resident keys and values (decoded on demand), or null when the caller has no
+  /// cache behind the plan (tests driving a policy directly). Policies that read K/V throw
+  /// InvalidArgument without one.
+  const LayerView* view = nullptr;
 
   bool is_prefill_end() const { return step == StepKind::kPrefillEnd; }
   int64_t num_kv_heads() const { return static_cast<int64_t>(resident.size()); }
@@ -95,6 +103,15 @@ class EvictionPolicy {
   /// observe(layer, reduce_attention(probs, H_kv, attention_need())).
   void observe(int64_t layer, const at::Tensor& probs);
 
+  /// The query rows plan() will need after this step (Expected Attention's statistics,
+  /// DuoAttention's head scores). Default: none. Query it every step, like attention_need().
+  virtual QueryNeed query_need() const { return {}; }
+  /// The step's query rows of `layer` as query_need() selected, with the layer's view (which
+  /// already holds the step's tokens).
+  /// @throws InvalidArgument on a layer out of range, a query head count other than H_q,
+  ///         sizes that do not fit, or non-finite values.
+  void observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view);
+
   /// Tokens to evict from `ctx.layer` now. const: planning changes nothing, so that when the
   /// plan of a later layer throws, CacheManager::end_step() leaves the cache and the policy as
   /// they were; what advances with a step advances in on_evicted() / on_step_end().
@@ -125,9 +142,18 @@ class EvictionPolicy {
  protected:
   /// `spec`: the fields the policy was built from (its canonical form is spec()'s).
   EvictionPolicy(const ParsedSpec& spec, Budget budget) : fields_(spec.canonical()), budget_(budget) {}
+  /// A wrapper policy (adakv, decode): `spec` its own fields, `inner` the policy it wraps
+  /// (built with the same budget); spec() is `own:inner@budget`.
+  EvictionPolicy(const ParsedSpec& spec, Budget budget, const EvictionPolicy& inner)
+      : fields_(spec.canonical() + ":" + inner.fields_), budget_(budget) {}
   /// Per-request hook after the budget is resolved (validate protected sizes, clear state).
   virtual void on_reset() {}
   virtual void do_observe(int64_t layer, const AttentionMass& mass) { (void)layer; (void)mass; }
+  virtual void do_observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) {
+    (void)layer;
+    (void)rows;
+    (void)view;
+  }
   /// Resolved budget per KV head; for a spec without '@': the context length (0 if unknown).
   /// @throws InvalidArgument if the budget is fractional and the context length is unknown.
   int64_t resolved_budget() const;
@@ -141,11 +167,16 @@ class EvictionPolicy {
 };
 
 /// Builds a policy from `head(:field)*[@budget]`, e.g. "full", "window:w256", "sink:s4@50%",
-/// "h2o:r64@256", "random:seed7@50%", "snapkv:w32:k5@50%", "tova@512", "pyramid@50%"
+/// "h2o:r64@256", "random:seed7@50%", "snapkv:w32:k5@50%", "tova@512", "pyramid@50%",
+/// "knorm@50%", "keydiff:stream@50%", "expected@50%", "duo:s16:r48@50%". A wrapper takes the
+/// policy it wraps as the rest of its spec, after its own fields: `head(:field)*:inner[@budget]`,
+/// e.g. "adakv:snapkv@50%", "adakv:a0.1:expected@50%", "decode:i512:b256:knorm@2048",
+/// "decode:i64:adakv:expected@50%"; the budget, once at the end, applies to both
 /// (docs/policies.md lists fields and rules).
 /// @throws InvalidArgument for unknown heads (listing the registered ones), bad fields or a
-///         missing budget; CapacityError when an absolute budget cannot hold the protected
-///         tokens (e.g. sinks + window).
+///         missing budget, a wrapper without an inner policy or around one it cannot use (the
+///         message names the whole spec); CapacityError when an absolute budget cannot hold
+///         the protected tokens (e.g. sinks + window).
 std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec);
 
 /// Parameter tables of every registered policy, in registration order (for --list).

@@ -10,16 +10,30 @@
 ///   2. append(l, k_pre_rope, v, positions);
 ///   3. out = attend(l, q, positions)   — attention of the step's queries over what layer l
 ///      holds, including the tokens just appended;
-/// then once per step end_step(kind). reset(context_length) starts a new request.
+/// then once per step end_step(kind). reset(context_length) starts a new request;
+/// begin_request(prompt, context_length) starts one whose prompt the cache may already hold a
+/// prefix of (prefix caching: kvcache/multi_sequence_cache.h).
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kvcache/cache_config.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
+
+/// What begin_request() found: the prompt's first `cached_tokens` tokens are already in the
+/// cache (their keys and values, at positions 0 .. cached_tokens − 1), so the caller ingests
+/// only the rest, starting at next_position(layer) == cached_tokens.
+struct PrefixReuse {
+  int64_t cached_tokens = 0;  ///< prompt tokens the cache holds already (their prefill is skipped)
+  /// The first step after them must append at least this many tokens (a scheme with a
+  /// sliding full-precision residual of R tokens needs R, to hold exactly what computing the
+  /// prefix would hold; 0: any step).
+  int64_t min_first_step = 0;
+};
 
 class KVCache {
  public:
@@ -29,6 +43,16 @@ class KVCache {
   virtual const CacheConfig& config() const = 0;
   /// Starts a new request of `context_length` tokens (prompt + max new tokens).
   virtual void reset(int64_t context_length) = 0;
+  /// Starts a new request whose prompt is `prompt` (token ids) and which holds at most
+  /// `context_length` tokens. A cache that shares prefixes between requests may already hold
+  /// a prefix of the prompt; the caller then appends only prompt[cached_tokens:], in order, and
+  /// its first step carries at least min_first_step tokens. Default: reset(context_length),
+  /// nothing cached. @throws as reset().
+  virtual PrefixReuse begin_request(const std::vector<int64_t>& prompt, int64_t context_length) {
+    (void)prompt;
+    reset(context_length);
+    return {};
+  }
   /// Position to give the next token appended to `layer`.
   virtual int64_t next_position(int64_t layer) const = 0;
   /// Appends new tokens to `layer`: k `[B, H_kv, T_new, D]` PRE-RoPE keys, v values (float),

@@ -131,6 +131,19 @@ class Quantizer {
   /// @throws InvalidArgument if `q.format` differs from spec().
   at::Tensor dequantize(const QuantizedTensor& q) const;
 
+  /// quantize(x) into a caller-held `out`, for callers that quantize same-shaped tensors
+  /// again and again: every tensor of `out` whose shape and dtype already fit (and that does
+  /// not share storage with `x`) is overwritten in place, so a repeated call allocates
+  /// nothing and touches no fresh pages; the others are allocated as quantize() does. The
+  /// result is bit-identical to quantize(x). Same validation and errors as quantize(); when
+  /// it throws, `out` is left holding unspecified values (its tensors stay valid).
+  void quantize_into(const at::Tensor& x, QuantizedTensor& out) const;
+
+  /// dequantize(q) into a caller-held `out`: reused when it is already a contiguous CPU
+  /// tensor of q.shape and q.dtype that does not share storage with q's tensors, else
+  /// replaced by a new one. Bit-identical to dequantize(q); same errors.
+  void dequantize_into(const QuantizedTensor& q, at::Tensor& out) const;
+
   // ---- raw-memory codec of one KV head (what the cache's block store calls) ----------
 
   /// The stored layout for head_dim `head_dim` (see StoredLayout).
@@ -159,6 +172,11 @@ class Quantizer {
  protected:
   virtual QuantizedTensor do_quantize(const at::Tensor& x) const = 0;
   virtual at::Tensor do_dequantize(const QuantizedTensor& q) const = 0;
+  /// Buffer-reusing forms behind quantize_into()/dequantize_into(). Defaults: `out =
+  /// do_quantize(x)` / `out = do_dequantize(q)` (correct, but allocating); the built-in
+  /// quantizers override them to write into `out`'s tensors where they fit.
+  virtual void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const { out = do_quantize(x); }
+  virtual void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const { out = do_dequantize(q); }
   /// Extra validation of input beyond shape/dtype/finite (e.g. divisibility). Default: none.
   virtual void check_input(const at::Tensor& x) const { (void)x; }
   /// Layout / codec implementations behind the public methods above (layouts validated by
@@ -173,6 +191,10 @@ class Quantizer {
   /// kernel's single pass over the data. quantize() then skips its own finiteness scan, a
   /// whole extra read of the input. Default: false (quantize() scans).
   virtual bool checks_finite_itself() const { return false; }
+
+ private:
+  void validate_quantize_input(const at::Tensor& x, const std::string& where) const;
+  void validate_dequantize_input(const QuantizedTensor& q) const;
 };
 
 /// Builds a quantizer from its spec string (e.g. "int4:g32", "fp8:e4m3", "bf16").

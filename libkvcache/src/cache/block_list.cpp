@@ -59,9 +59,14 @@ ConstGroupBuffers BlockFormat::at(const uint8_t* block, int64_t group) const {
 
 // ---------------------------------------------------------------- BlockList
 BlockList::BlockList(BlockList&& o) noexcept
-    : fmts_(o.fmts_), blocks_(std::move(o.blocks_)), live_(o.live_), bytes_(o.bytes_), reserved_(o.reserved_) {
+    : fmts_(o.fmts_),
+      blocks_(std::move(o.blocks_)),
+      live_(o.live_),
+      bytes_(o.bytes_),
+      reserved_(o.reserved_),
+      cow_(o.cow_) {
   o.blocks_.clear();
-  o.live_ = o.bytes_ = o.reserved_ = 0;
+  o.live_ = o.bytes_ = o.reserved_ = o.cow_ = 0;
 }
 
 BlockList& BlockList::operator=(BlockList&& o) noexcept {
@@ -72,8 +77,9 @@ BlockList& BlockList::operator=(BlockList&& o) noexcept {
     live_ = o.live_;
     bytes_ = o.bytes_;
     reserved_ = o.reserved_;
+    cow_ = o.cow_;
     o.blocks_.clear();
-    o.live_ = o.bytes_ = o.reserved_ = 0;
+    o.live_ = o.bytes_ = o.reserved_ = o.cow_ = 0;
   }
   return *this;
 }
@@ -93,6 +99,94 @@ Block& BlockList::new_block(uint8_t f) {
   reserved_ += fmt(f).block_bytes;
   blocks_.push_back(std::move(b));
   return blocks_.back();
+}
+
+void BlockList::make_private(Block& b) {
+  const BlockFormat& F = fmt(b.format);
+  if (F.pool->refcount(b.id) <= 1) return;
+  const BlockId copy = F.pool->allocate();
+  std::memcpy(F.pool->data(copy), F.pool->data(b.id), static_cast<size_t>(F.block_bytes));
+  F.pool->release(b.id);
+  b.id = copy;
+  ++cow_;
+}
+
+void BlockList::adopt(const Block& b) {
+  KV_INTERNAL_ASSERT(b.format < StreamFormats::kCount && fmt(b.format).quantizer != nullptr, "adopt: format ",
+                     static_cast<int>(b.format));
+  const BlockFormat& F = fmt(b.format);
+  KV_INTERNAL_ASSERT(b.filled >= 1 && b.filled <= F.capacity && b.live == b.filled && b.dead.empty() && b.pos.empty(),
+                     "adopt: block ", b.id, " must be hole-free with implicit positions");
+  KV_INTERNAL_ASSERT(F.token_readable() || b.filled == F.layout.group_tokens, "adopt: partial per-channel group");
+  if (!blocks_.empty()) {
+    const Block& t = blocks_.back();
+    int64_t s = t.filled - 1;
+    while (s > 0 && !t.alive(s)) --s;
+    KV_INTERNAL_ASSERT(t.position(s) < b.pos0, "adopt: position ", b.pos0, " does not follow ", t.position(s));
+  }
+  F.pool->retain(b.id);
+  Block a;
+  a.id = b.id;
+  a.format = b.format;
+  a.filled = a.live = b.filled;
+  a.pos0 = b.pos0;
+  blocks_.push_back(std::move(a));
+  live_ += b.filled;
+  bytes_ += block_bytes_resident(blocks_.back());
+  reserved_ += F.block_bytes;
+}
+
+int64_t BlockList::append_bound(uint8_t f, int64_t n) const {
+  const BlockFormat& F = fmt(f);
+  if (n <= 0) return 0;
+  if (!F.token_readable()) return n / F.layout.group_tokens * F.block_bytes;
+  int64_t free = 0, copy = 0;
+  if (!blocks_.empty()) {
+    const Block& t = blocks_.back();
+    if (t.format == f && t.filled < F.capacity) {
+      free = F.capacity - t.filled;
+      if (refcount(t) > 1) copy = F.block_bytes;
+    }
+  }
+  const int64_t rest = std::max<int64_t>(0, n - free);
+  return copy + (rest + F.capacity - 1) / F.capacity * F.block_bytes;
+}
+
+int64_t BlockList::evict_bound(const int64_t* idx, int64_t n) const {
+  if (n == 0) return 0;
+  // Live tokens each block keeps after the eviction, and which blocks it touches.
+  std::vector<int64_t> after(blocks_.size());
+  std::vector<char> touched(blocks_.size(), 0);
+  int64_t k = 0, base = 0;
+  for (size_t bi = 0; bi < blocks_.size(); ++bi) {
+    const int64_t live = blocks_[bi].live;
+    int64_t gone = 0;
+    while (k < n && idx[k] < base + live) ++gone, ++k;
+    after[bi] = live - gone;
+    touched[bi] = gone > 0;
+    base += live;
+  }
+  int64_t bytes = 0;
+  std::vector<char> counted(blocks_.size(), 0);
+  auto count = [&](size_t i) {
+    if (counted[i] || refcount(blocks_[i]) <= 1) return;
+    counted[i] = 1;
+    bytes += fmt(blocks_[i].format).block_bytes;  // a copy, or a converted block no larger
+  };
+  for (size_t c = 0; c < blocks_.size(); ++c) {
+    if (!touched[c] || after[c] == 0) continue;
+    count(c);
+    const BlockFormat& F = fmt(blocks_[c].format);
+    if (!F.token_readable()) continue;
+    // Merges write into the earlier block of a pair: walk left while the survivors fit one block.
+    int64_t sum = after[c];
+    for (size_t j = c; j-- > 0;) {
+      if (blocks_[j].format != blocks_[c].format || sum + after[j] > F.capacity) break;
+      sum += after[j];
+      count(j);
+    }
+  }
+  return bytes;
 }
 
 void BlockList::release(Block& b) {
@@ -143,7 +237,11 @@ void BlockList::append(uint8_t f, const float* x, const int64_t* pos, int64_t n,
       continue;
     }
     Block* t = blocks_.empty() ? nullptr : &blocks_.back();
-    if (t == nullptr || t->format != f || t->filled >= F.capacity) t = &new_block(f);
+    if (t == nullptr || t->format != f || t->filled >= F.capacity) {
+      t = &new_block(f);
+    } else {
+      make_private(*t);  // writing its free slots: never into a shared block
+    }
     const int64_t m = std::min<int64_t>(n - i, F.capacity - t->filled);
     uint8_t* data = F.pool->data(t->id);
     EncodeStatus st = F.quantizer->encode(x + i * d, m, d, ts, F.at(data, t->filled));
@@ -278,6 +376,7 @@ bool BlockList::mergeable(size_t i) const {
 }
 
 void BlockList::merge_into(size_t i) {
+  make_private(blocks_[i]);  // the merge writes into the earlier block
   Block& a = blocks_[i];
   Block& b = blocks_[i + 1];
   const BlockFormat& F = fmt(a.format);
@@ -332,6 +431,7 @@ void BlockList::convert_group(size_t i, float tensor_scale) {
   const int64_t m = b.live;
   bytes_ -= block_bytes_resident(b);
   live_ -= m;
+  if (refcount(b) > 1) ++cow_;  // a private (converted) copy; the shared group stays with its holders
   release(b);
   b.format = StreamFormats::kConverted;
   b.id = C.pool->allocate();

@@ -20,6 +20,14 @@
 ///     survivors take no more bytes in the conversion format than the whole group, they are
 ///     dequantized once into a small block of that format (never requantized); otherwise the
 ///     group keeps its bytes with dead slots until that rule or full eviction frees it.
+///
+/// Sharing (prefix caching, docs/cache-manager.md "Many sequences, shared prefixes"): a block
+/// may be held by several lists (BlockPool reference count > 1) and is then read-only. Host
+/// metadata (slots filled, holes, positions) is per list, so evicting from a shared block only
+/// marks holes in this list's view; the one write into an existing block — merging a neighbour
+/// into it (and appending into a partly filled tail) — first copies a shared block into a
+/// private one (copy-on-write, counted by cow_copies()). A list therefore does exactly what it
+/// would do with private blocks, and no other holder ever sees a byte change.
 
 #include <cstdint>
 #include <string>
@@ -115,6 +123,22 @@ class BlockList {
   /// Decoded rows of the live tokens, in order, appended to `out` (`[live, D]` floats).
   void live_rows(std::vector<float>& out, float tensor_scale) const;
 
+  /// Appends a block another holder owns (prefix sharing), taking a reference to it: `b`'s
+  /// format, id, `filled` slots at positions pos0 + slot, no holes. Its positions must follow
+  /// every live position of the list.
+  void adopt(const Block& b);
+  /// Blocks copied because a write would have touched a shared block (cumulative).
+  int64_t cow_copies() const { return cow_; }
+  /// Upper bound of the bytes of new blocks append(fmt, x, pos, n) allocates when no value
+  /// overflows the format (no fp32 fallback), counting a copy-on-write of a shared tail.
+  int64_t append_bound(uint8_t fmt, int64_t n) const;
+  /// Upper bound of the bytes evict(idx, n) allocates: copies of shared blocks it may write
+  /// into (a touched block or the one before it, which a merge writes) and converted
+  /// per-channel survivors of shared groups. Blocks it frees are not subtracted.
+  int64_t evict_bound(const int64_t* idx, int64_t n) const;
+  /// Reference count of block `b` in its pool (1: held by this list only).
+  int32_t refcount(const Block& b) const { return fmt(b.format).pool->refcount(b.id); }
+
   /// Releases every block.
   void clear();
   /// Verifies the invariants above. @throws InternalError naming `where`.
@@ -134,10 +158,13 @@ class BlockList {
   /// Merges block i+1 into block i (same token-readable format, fits).
   void merge_into(size_t i);
   bool mergeable(size_t i) const;
+  /// Replaces block `b`'s memory by a private copy if another holder shares it.
+  void make_private(Block& b);
 
   const StreamFormats* fmts_;
   std::vector<Block> blocks_;
   int64_t live_ = 0, bytes_ = 0, reserved_ = 0;
+  int64_t cow_ = 0;
 };
 
 }  // namespace kvcache::cache

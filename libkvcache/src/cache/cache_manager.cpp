@@ -12,10 +12,13 @@
 #include <sstream>
 
 #include "cache/attend.h"
+#include "cache/block_layer_view.h"
 #include "cache/block_pool.h"
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
+#include "cache/pool_set.h"
 #include "cache/rope_table.h"
+#include "cache/sequence_seam.h"
 #include "common/log.h"
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
@@ -94,6 +97,16 @@ void check_probabilities(const at::Tensor& probs, const char* fn) {
   }
 }
 
+/// Why a config needs the RoPE table beyond pre-RoPE keys ("" if it does not): a policy that
+/// takes pre-RoPE queries (Expected Attention un-rotates them and averages future rotations).
+std::string rope_table_reason(const CacheConfig& c, const EvictionPolicy& policy) {
+  if (c.key_storage == KeyStorage::kPreRoPE) return "key_storage=kPreRoPE rotates keys on read and needs it";
+  if (policy.query_need().pre_rope) {
+    return "eviction policy '" + policy.spec() + "' reads pre-RoPE queries and the mean RoPE rotation and needs it";
+  }
+  return "";
+}
+
 /// Warns (once per policy spec) when the policy's budget holds the whole request: it evicts
 /// nothing, which a study arm rarely means.
 void warn_if_evicts_nothing(const EvictionPolicy& policy, int64_t context_length) {
@@ -142,7 +155,10 @@ void CacheConfig::validate() const {
       }
     }
   }
-  (void)make_eviction_policy(policy);
+  const auto p = make_eviction_policy(policy);
+  // The RoPE table probes the hook and checks its form: a config that validates builds.
+  const std::string why = rope_table_reason(*this, *p);
+  if (!why.empty()) (void)cache::RopeTable(rope, head_dim, why);
 }
 
 int64_t CacheConfig::resolved_block_tokens() const {
@@ -165,8 +181,14 @@ struct LayerState {
   int64_t step_new = 0;
   int64_t last_pos = -1;
   bool observed = false;  ///< the policy got this step's attention for the layer
+  int64_t min_step = 0;   ///< after an adopted prefix: tokens the next append must carry at least
+  bool queried = false;   ///< the policy got this step's query rows for the layer
   CacheStats stats;
 };
+
+/// Largest magnitude every stored format holds finitely (fp16's): below it, no group of any
+/// format falls back to fp32, so BlockList::append_bound is exact.
+constexpr float kFp16Max = 65504.0f;
 
 }  // namespace
 
@@ -175,21 +197,21 @@ struct CacheManager::Impl {
   std::unique_ptr<CacheScheme> scheme;
   int64_t block_tokens = 0;
   std::unique_ptr<Quantizer> f16, f32;  ///< residual / converted rows and the fp32 fallback
-  std::map<int64_t, std::unique_ptr<cache::BlockPool>> pools;  ///< by block bytes
+  std::shared_ptr<cache::PoolSet> pools = std::make_shared<cache::PoolSet>();  ///< by block bytes
+  bool shared_pools = false;          ///< pools shared with other holders (MultiSequenceCache)
+  cache::StepHooks* hooks = nullptr;  ///< called before allocating (shared pools only)
   std::vector<cache::StreamSetup> ksets, vsets;  ///< per layer (built once; the stores point into them)
   std::unique_ptr<EvictionPolicy> policy;
-  cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read
+  cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read; policies: pre-RoPE queries, mean rotation
   std::vector<LayerState> layers;
   CacheStats total;
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
-
-  cache::BlockPool* pool_for(int64_t bytes) {
-    const int64_t key = (bytes + 7) / 8 * 8;
-    auto& p = pools[key];
-    if (!p) p = std::make_unique<cache::BlockPool>(key);
-    return p.get();
+  static int64_t store_fallback_bytes(const cache::StreamSetup& st) {
+    return st.formats.f[cache::StreamFormats::kFallback].block_bytes;
   }
+
+  cache::BlockPool* pool_for(int64_t bytes) { return pools->get(bytes); }
 
   cache::BlockFormat format(const Quantizer& q, int64_t capacity) {
     return cache::BlockFormat(q, cfg.head_dim, capacity,
@@ -227,7 +249,8 @@ struct CacheManager::Impl {
     policy = make_eviction_policy(cfg.policy);
     policy->reset(cfg.context_length, CacheShape{cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads});
     warn_if_evicts_nothing(*policy, cfg.context_length);
-    if (pre_rope()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim);
+    const std::string why = rope_table_reason(cfg, *policy);
+    if (!why.empty()) rope_table = cache::RopeTable(cfg.rope, cfg.head_dim, why);
     layers.resize(static_cast<size_t>(cfg.num_layers));
     make_stores();
   }
@@ -295,8 +318,8 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
                      positions.scalar_type() == at::kLong && positions.device().is_cpu(),
                  fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
-    KV_CHECK_ARG(!l.observed || n == 0, fn, ": the attention of layer ", layer,
-                 " was already observed in this step (by attend() or observe_attention); append the step's "
+    KV_CHECK_ARG(!(l.observed || l.queried) || n == 0, fn, ": the attention of layer ", layer,
+                 " was already observed in this step (by attend(), observe_attention or observe_queries); append the step's "
                  "tokens first, then attend, then end_step()");
     const at::Tensor pos = positions.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
@@ -313,19 +336,37 @@ struct CacheManager::Impl {
       }
     }
     if (n == 0) return;
+    KV_CHECK_ARG(n >= l.min_step, fn, ": layer ", layer, " continues a reused prefix of ", l.written,
+                 " tokens; its first step must append at least ", l.min_step,
+                 " tokens (the scheme's sliding residual), got ", n,
+                 " (Sequence::prefix().min_first_step; Runner::generate does this)");
     KV_CHECK_ARG(pp[n - 1] < std::numeric_limits<int64_t>::max(), fn, ": position ", pp[n - 1],
                  " leaves no next position (positions must be < 2^63 - 1)");
-    KV_CHECK_ARG(!pre_rope() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
-                 " is beyond the ", kMaxPreRopePosition, " positions key_storage=kPreRoPE records RoPE tables for");
+    KV_CHECK_ARG(!rope_table.enabled() || pp[n - 1] < kMaxPreRopePosition, fn, ": position ", pp[n - 1],
+                 " is beyond the ", kMaxPreRopePosition, " positions the RoPE table records (",
+                 pre_rope() ? "key_storage=kPreRoPE" : "policy '" + policy->spec() + "'", ")");
     check_finite(k_in, fn, "k");
     check_finite(v_in, fn, "v");
     at::Tensor k = k_in.to(at::kFloat).contiguous();
     const at::Tensor v = v_in.to(at::kFloat).contiguous();
-    if (pre_rope()) {
-      rope_table.extend(pp, n);
-    } else {
+    rope_table.extend(pp, n);  // no-op unless the table is in use
+    if (!pre_rope()) {
       k = rope(k, pos);
       check_finite(k, fn, "rope(k)");
+    }
+    if (hooks != nullptr) {
+      // The pool's capacity: what this append allocates, checked before anything changes. A
+      // value beyond fp16's range may go to an fp32 fallback block: bound those steps loosely.
+      // (A Hadamard-rotated stream (`had`) stores H_D·x, whose entries reach up to √D·max|x|.)
+      const float limit = kFp16Max / std::sqrt(static_cast<float>(cfg.head_dim));
+      const bool wide = k.abs().max().item<float>() > limit || v.abs().max().item<float>() > limit;
+      int64_t bytes = l.store->write_bound(n);
+      // (at most two blocks per token and stream: a fallback block and the fresh block after it)
+      if (wide) {
+        bytes += 2 * hkv * (n + 1) *
+                 (store_fallback_bytes(l.store->key_setup()) + store_fallback_bytes(l.store->value_setup()));
+      }
+      hooks->before_append(bytes);
     }
     // --- nothing below throws for valid input ---
     auto& store = *l.store;
@@ -340,19 +381,76 @@ struct CacheManager::Impl {
     total.tokens_written += n;
     l.step_new += n;
     l.last_pos = pp[n - 1];
+    l.min_step = 0;
     sample(l);
   }
 
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
     auto& l = layer_at(layer, "CacheManager::attend");
     const AttentionNeed need = l.observed ? AttentionNeed{} : policy->attention_need();
+    const QueryNeed qneed = l.queried ? QueryNeed{} : policy->query_need();
     AttentionMass mass;
     at::Tensor out = attend_layer(layer, q, q_positions, need, &mass, cfg.fused_attention);
     if (need.any() && q.size(2) > 0) {
       policy->observe(layer, mass);
       l.observed = true;
     }
+    if (qneed.any() && q.size(2) > 0) hand_queries(layer, q, q_positions, qneed);
     return out;
+  }
+
+  /// The LayerView of `l` for the policy.
+  cache::BlockLayerView view_of(const LayerState& l) const {
+    return cache::BlockLayerView(l.store.get(), pre_rope() ? &rope_table : nullptr,
+                                 rope_table.enabled() ? &rope_table : nullptr, next_position(l));
+  }
+
+  /// Hands the policy the selected query rows of a checked q `[1, H_q, T_q, D]` (un-rotated
+  /// through the RoPE table when the need asks for pre-RoPE rows).
+  void hand_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions, const QueryNeed& need) {
+    auto& l = layers[static_cast<size_t>(layer)];
+    const int64_t hq = cfg.num_q_heads, d = cfg.head_dim, tq = q.size(2);
+    const int64_t n = need.selected(tq);
+    const at::Tensor qf = q.to(at::kFloat).narrow(2, tq - n, n).contiguous();
+    const at::Tensor qp = q_positions.narrow(0, tq - n, n).contiguous();
+    QueryRows rows;
+    rows.num_q_heads = hq;
+    rows.head_dim = d;
+    rows.positions.assign(qp.data_ptr<int64_t>(), qp.data_ptr<int64_t>() + n);
+    rows.post_rope.assign(qf.data_ptr<float>(), qf.data_ptr<float>() + hq * n * d);
+    if (need.pre_rope) {
+      KV_INTERNAL_ASSERT(rope_table.enabled(), "pre-RoPE queries without a RoPE table");
+      for (int64_t p : rows.positions) {
+        KV_CHECK_ARG(p >= 0 && p < kMaxPreRopePosition, "CacheManager::attend: query position ", p,
+                     " is outside [0, ", kMaxPreRopePosition, ") the RoPE table records");
+      }
+      rope_table.extend(rows.positions.data(), n);
+      rows.pre_rope = rows.post_rope;
+      for (int64_t h = 0; h < hq; ++h) {
+        for (int64_t t = 0; t < n; ++t) rope_table.unrotate(rows.pre_rope.data() + (h * n + t) * d, rows.positions[static_cast<size_t>(t)]);
+      }
+    }
+    const cache::BlockLayerView view = view_of(l);
+    policy->observe_queries(layer, rows, view);
+    l.queried = true;
+  }
+
+  void observe_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+    static constexpr const char* fn = "CacheManager::observe_queries";
+    auto& l = layer_at(layer, fn);
+    const int64_t hq = cfg.num_q_heads, d = cfg.head_dim;
+    KV_CHECK_ARG(q.defined() && q.dim() == 4 && q.size(0) == 1 && q.size(1) == hq && q.size(2) >= 1 &&
+                     q.size(3) == d && is_float_input(q) && q.device().is_cpu(),
+                 fn, ": q must be a CPU float32/float16/bfloat16 tensor [B=1, H_q=", hq, ", T_q >= 1, D=", d,
+                 "] (post-RoPE), got ", shape_str(q));
+    KV_CHECK_ARG(q_positions.defined() && q_positions.dim() == 1 && q_positions.size(0) == q.size(2) &&
+                     q_positions.scalar_type() == at::kLong && q_positions.device().is_cpu(),
+                 fn, ": q_positions must be a CPU int64 tensor [T_q=", q.size(2), "], got ", shape_str(q_positions));
+    KV_CHECK_ARG(!l.queried, fn, ": the queries of layer ", layer, " were already observed in this step");
+    check_finite(q, fn, "q");
+    const QueryNeed need = policy->query_need();
+    if (!need.any()) return;
+    hand_queries(layer, q, q_positions, need);
   }
 
   /// The read path of attend() (validation included), without touching the policy.
@@ -446,7 +544,9 @@ struct CacheManager::Impl {
     std::vector<EvictionContext> contexts(static_cast<size_t>(cfg.num_layers));
     for (int64_t i = 0; i < cfg.num_layers; ++i) {
       auto& l = layers[static_cast<size_t>(i)];
+      const cache::BlockLayerView view = view_of(l);
       EvictionContext& ctx = contexts[static_cast<size_t>(i)];
+      ctx.view = &view;
       ctx.layer = i;
       ctx.step = step;
       ctx.new_tokens = l.step_new;
@@ -455,6 +555,18 @@ struct CacheManager::Impl {
       for (int64_t h = 0; h < cfg.num_kv_heads; ++h) ctx.resident[static_cast<size_t>(h)] = l.store->resident(h);
       plans[static_cast<size_t>(i)] = policy->plan(ctx);
       check_plan(i, plans[static_cast<size_t>(i)]);
+      ctx.view = nullptr;  // on_step_end sees the context without a view (the layer changes first)
+    }
+    if (hooks != nullptr) {
+      int64_t bytes = 0;
+      for (int64_t i = 0; i < cfg.num_layers; ++i) {
+        const auto& plan = plans[static_cast<size_t>(i)];
+        if (plan.empty()) continue;
+        for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
+          bytes += layers[static_cast<size_t>(i)].store->evict_bound(h, plan.evict[static_cast<size_t>(h)]);
+        }
+      }
+      hooks->before_evict(bytes);
     }
     for (int64_t i = 0; i < cfg.num_layers; ++i) {
       auto& l = layers[static_cast<size_t>(i)];
@@ -468,6 +580,7 @@ struct CacheManager::Impl {
       policy->on_step_end(contexts[static_cast<size_t>(i)]);
       l.step_new = 0;
       l.observed = false;
+      l.queried = false;
     }
   }
 
@@ -519,8 +632,8 @@ struct CacheManager::Impl {
              InternalError, "CacheManager invariant violated: totals (bytes ", total.bytes_resident, " vs layers ",
              sum.bytes_resident, ", reserved ", total.bytes_reserved, " vs ", sum.bytes_reserved, ", tokens ",
              total.tokens_resident, " vs ", sum.tokens_resident, ")");
-    int64_t pool_bytes = 0;
-    for (const auto& [bytes, p] : pools) pool_bytes += p->blocks_in_use() * p->block_bytes();
+    if (shared_pools) return;  // other holders' blocks are in the pools too (MultiSequenceCache checks)
+    const int64_t pool_bytes = pools->bytes_in_use();
     KV_CHECK(pool_bytes == total.bytes_reserved, InternalError, "CacheManager invariant violated: pools hold ",
              pool_bytes, " B of blocks in use but the layers reserve ", total.bytes_reserved, " B");
   }
@@ -529,6 +642,16 @@ struct CacheManager::Impl {
 CacheManager::CacheManager(CacheConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
   impl_->cfg = std::move(config);
+  impl_->build();
+}
+
+CacheManager::CacheManager(CacheConfig config, std::shared_ptr<cache::PoolSet> pools, cache::StepHooks* hooks)
+    : impl_(std::make_unique<Impl>()) {
+  config.validate();
+  impl_->cfg = std::move(config);
+  impl_->pools = std::move(pools);
+  impl_->shared_pools = true;
+  impl_->hooks = hooks;
   impl_->build();
 }
 
@@ -553,9 +676,11 @@ void CacheManager::reset(int64_t context_length) {
     l.written = l.step_new = 0;
     l.last_pos = -1;
     l.observed = false;
+    l.min_step = 0;
+    l.queried = false;
     l.stats = CacheStats{};
   }
-  for (auto& [bytes, p] : im.pools) p->clear();  // give the memory back
+  if (!im.shared_pools) im.pools->clear();  // give the memory back
   im.total = CacheStats{};
   warn_if_evicts_nothing(*im.policy, context_length);
 }
@@ -569,6 +694,10 @@ at::Tensor CacheManager::attend(int64_t layer, const at::Tensor& q, const at::Te
 }
 
 void CacheManager::observe_attention(int64_t layer, const at::Tensor& probs) { impl_->observe_attention(layer, probs); }
+
+void CacheManager::observe_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+  impl_->observe_queries(layer, q, q_positions);
+}
 
 void CacheManager::end_step(StepKind step) { impl_->end_step(step); }
 
@@ -672,6 +801,10 @@ StreamDebug CacheManagerAccess::stream(const CacheManager& m, int64_t layer, boo
 
 std::string CacheManagerAccess::scheme(const CacheManager& m) { return m.impl_->scheme->spec(); }
 
+BlockLayerView CacheManagerAccess::view(const CacheManager& m, int64_t layer) {
+  return m.impl_->view_of(m.impl_->layer_at(layer, "CacheManagerAccess::view"));
+}
+
 const LayerStore& CacheManagerAccess::layer(const CacheManager& m, int64_t layer) {
   return *m.impl_->layer_at(layer, "CacheManagerAccess::layer").store;
 }
@@ -679,6 +812,101 @@ const LayerStore& CacheManagerAccess::layer(const CacheManager& m, int64_t layer
 at::Tensor CacheManagerAccess::attend(const CacheManager& m, int64_t layer, const at::Tensor& q,
                                       const at::Tensor& q_positions, bool fused) {
   return m.impl_->attend_layer(layer, q, q_positions, AttentionNeed{}, nullptr, fused);
+}
+
+// ---------------------------------------------------------------- sequences (sequence_seam.h)
+CacheManager SequenceSeam::make(CacheConfig config, std::shared_ptr<PoolSet> pools, StepHooks* hooks) {
+  return CacheManager(std::move(config), std::move(pools), hooks);
+}
+
+std::string SequenceSeam::replay_blocker(const CacheManager& m, int64_t tokens, bool allow_attention) {
+  const auto& im = *m.impl_;
+  const EvictionPolicy& policy = *im.policy;
+  if (policy.needs_attention() && !allow_attention) {
+    return detail::str_cat("policy '", policy.spec(),
+                           "' reads the prompt's attention during prefill, which a reused prefix skips");
+  }
+  for (int64_t i = 0; i < im.cfg.num_layers; ++i) {
+    if (policy.needs_attention()) {
+      // Its plan needs the skipped attention: test the budget alone.
+      const int64_t b = policy.layer_budget(i);
+      if (tokens > b) {
+        return detail::str_cat("policy '", policy.spec(), "' keeps ", b, " tokens in layer ", i,
+                               ", fewer than the prefix of ", tokens);
+      }
+      continue;
+    }
+    EvictionContext ctx;
+    ctx.layer = i;
+    ctx.step = StepKind::kPrefill;
+    ctx.new_tokens = tokens;
+    ctx.logical_length = tokens;
+    ctx.resident.assign(static_cast<size_t>(im.cfg.num_kv_heads), tokens);
+    try {
+      if (!policy.plan(ctx).empty()) {
+        return detail::str_cat("policy '", policy.spec(), "' would evict in layer ", i, " during a prefill of ", tokens,
+                               " tokens (budget ", policy.layer_budget(i), ")");
+      }
+    } catch (const Error& e) {
+      return e.what();
+    }
+  }
+  return "";
+}
+
+void SequenceSeam::adopt(CacheManager& m, const AdoptedPrefix& prefix) {
+  auto& im = *m.impl_;
+  const int64_t n = prefix.tokens;
+  const auto num_layers = static_cast<size_t>(im.cfg.num_layers);
+  KV_INTERNAL_ASSERT(n >= 1 && prefix.k.size() == num_layers && prefix.v.size() == num_layers, "adopt of ", n,
+                     " tokens over ", prefix.k.size(), " layers");
+  for (const auto& l : im.layers) KV_INTERNAL_ASSERT(l.written == 0 && l.step_new == 0, "adopt into a used manager");
+  for (size_t i = 0; i < num_layers; ++i) {
+    auto& l = im.layers[i];
+    for (int64_t h = 0; h < im.cfg.num_kv_heads; ++h) {
+      l.store->adopt(h, prefix.k[i][static_cast<size_t>(h)], prefix.v[i][static_cast<size_t>(h)]);
+      KV_INTERNAL_ASSERT(l.store->resident(h) == n, "adopted ", l.store->resident(h), " of ", n, " tokens");
+    }
+    l.written = n;
+    l.last_pos = n - 1;
+    l.min_step = prefix.min_next_step;
+    im.total.tokens_written += n;
+    im.sample(l);
+  }
+  if (im.pre_rope()) {
+    std::vector<int64_t> pos(static_cast<size_t>(n));
+    std::iota(pos.begin(), pos.end(), int64_t{0});
+    im.rope_table.extend(pos.data(), n);
+  }
+  // The policy sees the end of the step that would have appended the prefix (it planned nothing).
+  for (int64_t i = 0; i < im.cfg.num_layers; ++i) {
+    EvictionContext ctx;
+    ctx.layer = i;
+    ctx.step = StepKind::kPrefill;
+    ctx.new_tokens = n;
+    ctx.logical_length = n;
+    ctx.resident.assign(static_cast<size_t>(im.cfg.num_kv_heads), n);
+    im.policy->on_step_end(ctx);
+  }
+}
+
+const LayerStore& SequenceSeam::layer(const CacheManager& m, int64_t layer) {
+  return *m.impl_->layer_at(layer, "SequenceSeam::layer").store;
+}
+
+const CacheScheme& SequenceSeam::scheme(const CacheManager& m) { return *m.impl_->scheme; }
+const StreamSetup& SequenceSeam::key_setup(const CacheManager& m, int64_t layer) {
+  return m.impl_->layer_at(layer, "SequenceSeam::key_setup").store->key_setup();
+}
+const StreamSetup& SequenceSeam::value_setup(const CacheManager& m, int64_t layer) {
+  return m.impl_->layer_at(layer, "SequenceSeam::value_setup").store->value_setup();
+}
+int64_t SequenceSeam::block_tokens(const CacheManager& m) { return m.impl_->block_tokens; }
+
+int64_t SequenceSeam::cow_copies(const CacheManager& m) {
+  int64_t n = 0;
+  for (const auto& l : m.impl_->layers) n += l.store->cow_copies();
+  return n;
 }
 
 }  // namespace cache

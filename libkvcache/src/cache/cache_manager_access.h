@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/block_layer_view.h"
 #include "kvcache/cache_manager.h"
 
 namespace kvcache::cache {
@@ -40,6 +41,8 @@ struct CacheManagerAccess {
                            bool fused);
   /// The block store of `layer` (read-only).
   static const LayerStore& layer(const CacheManager& m, int64_t layer);
+  /// The LayerView the policy gets for `layer` in end_step().
+  static BlockLayerView view(const CacheManager& m, int64_t layer);
   /// Canonical cache scheme spec.
   static std::string scheme(const CacheManager& m);
 };

@@ -74,6 +74,48 @@ void LayerStore::evict(int64_t h, const std::vector<int64_t>& idx) {
   split(v_[static_cast<size_t>(h)], v_scale_);
 }
 
+void LayerStore::adopt(int64_t h, const std::vector<Block>& k, const std::vector<Block>& v) {
+  HeadStream& ks = k_[static_cast<size_t>(h)];
+  HeadStream& vs = v_[static_cast<size_t>(h)];
+  KV_INTERNAL_ASSERT(ks.live() == 0 && vs.live() == 0, "adopt into a non-empty head ", h);
+  for (const Block& b : k) ks.quant.adopt(b);
+  for (const Block& b : v) vs.quant.adopt(b);
+}
+
+int64_t LayerStore::write_bound(int64_t n) const {
+  if (n <= 0) return 0;
+  auto stream = [&](const HeadStream& s, const StreamSetup& st) {
+    if (st.direct()) return s.quant.append_bound(StreamFormats::kMain, n);
+    const int64_t r = s.resid.live() + n;
+    return s.resid.append_bound(StreamFormats::kResidual, n) +
+           s.quant.append_bound(StreamFormats::kMain, st.flush_count(r));
+  };
+  int64_t bytes = 0;
+  for (size_t h = 0; h < k_.size(); ++h) bytes += stream(k_[h], *ks_) + stream(v_[h], *vs_);
+  return bytes;
+}
+
+int64_t LayerStore::evict_bound(int64_t h, const std::vector<int64_t>& idx) const {
+  if (idx.empty()) return 0;
+  auto split = [&](const HeadStream& s) {
+    const int64_t q = s.quant.live();
+    const auto mid = std::lower_bound(idx.begin(), idx.end(), q);
+    std::vector<int64_t> r(mid, idx.end());
+    for (auto& i : r) i -= q;
+    return s.quant.evict_bound(idx.data(), mid - idx.begin()) +
+           s.resid.evict_bound(r.data(), static_cast<int64_t>(r.size()));
+  };
+  return split(k_[static_cast<size_t>(h)]) + split(v_[static_cast<size_t>(h)]);
+}
+
+int64_t LayerStore::cow_copies() const {
+  int64_t n = 0;
+  for (size_t h = 0; h < k_.size(); ++h) {
+    n += k_[h].quant.cow_copies() + k_[h].resid.cow_copies() + v_[h].quant.cow_copies() + v_[h].resid.cow_copies();
+  }
+  return n;
+}
+
 void LayerStore::renumber_positions() {
   for (size_t h = 0; h < k_.size(); ++h) {
     for (HeadStream* s : {&k_[h], &v_[h]}) {

@@ -57,6 +57,18 @@ class LayerStore {
   void evict(int64_t h, const std::vector<int64_t>& idx);
   /// Re-numbers every head's positions 0, 1, ... (PositionMode::kRerotate).
   void renumber_positions();
+  /// Takes shared blocks as head h's oldest tokens (prefix sharing): `k` and `v` in order,
+  /// appended to the quantized lists (settled blocks: in neither residual). The head must be
+  /// empty.
+  void adopt(int64_t h, const std::vector<Block>& k, const std::vector<Block>& v);
+
+  /// Upper bound of the bytes of new blocks write(h, ..., n) allocates for every head when no
+  /// value overflows its format (BlockList::append_bound; frees in the same call not subtracted).
+  int64_t write_bound(int64_t n) const;
+  /// Upper bound of the bytes evict(h, idx) allocates (BlockList::evict_bound, both streams).
+  int64_t evict_bound(int64_t h, const std::vector<int64_t>& idx) const;
+  /// Blocks copied on write, over every head and stream (cumulative).
+  int64_t cow_copies() const;
 
   int64_t resident(int64_t h) const { return k_[static_cast<size_t>(h)].live(); }
   int64_t max_resident() const;

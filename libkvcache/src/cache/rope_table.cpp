@@ -10,9 +10,9 @@
 
 namespace kvcache::cache {
 
-RopeTable::RopeTable(RopeFn rope, int64_t head_dim) : rope_(std::move(rope)), head_dim_(head_dim) {
-  KV_CHECK_ARG(head_dim % 2 == 0, "key_storage=kPreRoPE rotates keys on read and needs an even head_dim, got ",
-               head_dim);
+RopeTable::RopeTable(RopeFn rope, int64_t head_dim, const std::string& needed_by)
+    : rope_(std::move(rope)), head_dim_(head_dim) {
+  KV_CHECK_ARG(head_dim % 2 == 0, "the rotate-half RoPE needs an even head_dim, got ", head_dim, "; ", needed_by);
   // Check the form on a few positions: rope(e_first_half) = [cos | sin], rope(e_second_half)
   // = [−sin | cos], and rope of a random row equals the table's rotation of it.
   const int64_t half = head_dim / 2;
@@ -52,7 +52,7 @@ RopeTable::RopeTable(RopeFn rope, int64_t head_dim) : rope_(std::move(rope)), he
     }
   }
   KV_CHECK_ARG(ok, "CacheConfig.rope is not the rotate-half RoPE of HF Llama/Qwen (x·cos + rotate_half(x)·sin "
-               "with cos/sin repeated over both halves); key_storage=kPreRoPE rotates keys on read and needs it");
+               "with cos/sin repeated over both halves); ", needed_by);
 }
 
 void RopeTable::probe(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
@@ -87,6 +87,34 @@ void RopeTable::rotate(float* x, int64_t p) const {
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * c[i] + (-x2) * s[i];
     x[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+void RopeTable::unrotate(float* x, int64_t p) const {
+  KV_INTERNAL_ASSERT(p >= 0 && p < size_, "RopeTable: position ", p, " not recorded (", size_, ")");
+  const int64_t half = head_dim_ / 2;
+  const float* c = cs_.data() + p * head_dim_;
+  const float* s = c + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float y1 = x[i], y2 = x[i + half];
+    x[i] = y1 * c[i] + y2 * s[i];
+    x[i + half] = y2 * c[i] + (-y1) * s[i];
+  }
+}
+
+void RopeTable::mean_cos_sin(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
+  KV_INTERNAL_ASSERT(enabled() && first >= 0 && n >= 1, "RopeTable::mean_cos_sin(", first, ", ", n, ")");
+  const int64_t half = head_dim_ / 2;
+  std::vector<float> cs(static_cast<size_t>(n * head_dim_));
+  probe(first, n, cs.data(), cs.data() + half);
+  for (int64_t i = 0; i < half; ++i) {
+    double c = 0, s = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      c += cs[static_cast<size_t>(t * head_dim_ + i)];
+      s += cs[static_cast<size_t>(t * head_dim_ + half + i)];
+    }
+    cos_out[i] = static_cast<float>(c / static_cast<double>(n));
+    sin_out[i] = static_cast<float>(s / static_cast<double>(n));
   }
 }
 

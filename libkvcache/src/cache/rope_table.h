@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kvcache/cache_config.h"
@@ -21,13 +22,20 @@ namespace kvcache::cache {
 class RopeTable {
  public:
   RopeTable() = default;
-  /// @throws InvalidArgument if `rope` is not a rotate-half RoPE over head_dim (even D).
-  RopeTable(RopeFn rope, int64_t head_dim);
+  /// @throws InvalidArgument if `rope` is not a rotate-half RoPE over head_dim (even D); the
+  /// message ends with `needed_by` (who needs the table).
+  RopeTable(RopeFn rope, int64_t head_dim,
+            const std::string& needed_by = "key_storage=kPreRoPE rotates keys on read and needs it");
 
   /// Records positions `pos[0..n)` not seen yet (positions ≥ 0).
   void extend(const int64_t* pos, int64_t n);
   /// Rotates `x` `[D]` in place for position p (recorded before).
   void rotate(float* x, int64_t p) const;
+  /// Rotates `x` `[D]` back by position p (recorded before): the inverse of rotate().
+  void unrotate(float* x, int64_t p) const;
+  /// Mean over positions [first, first + n) of cos and sin per frequency (`[D/2]` each),
+  /// probing the hook once (nothing is recorded). first ≥ 0, n ≥ 1.
+  void mean_cos_sin(int64_t first, int64_t n, float* cos_out, float* sin_out) const;
   bool enabled() const { return head_dim_ > 0; }
 
  private:

@@ -57,6 +57,28 @@ void EvictionPolicy::observe(int64_t layer, const AttentionMass& mass) {
   do_observe(layer, mass);
 }
 
+void EvictionPolicy::observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) {
+  KV_CHECK_ARG(layer >= 0 && layer < shape_.num_layers, "observe_queries: layer ", layer, " out of range [0, ",
+               shape_.num_layers, ")");
+  KV_CHECK_ARG(rows.num_q_heads == shape_.num_q_heads, "observe_queries: ", rows.num_q_heads,
+               " query heads, expected H_q = ", shape_.num_q_heads);
+  KV_CHECK_ARG(view.num_kv_heads() == shape_.num_kv_heads, "observe_queries: a view of ", view.num_kv_heads(),
+               " KV heads, expected H_kv = ", shape_.num_kv_heads);
+  KV_CHECK_ARG(rows.head_dim == view.head_dim() && rows.rows() >= 1, "observe_queries: ", rows.rows(),
+               " rows of dim ", rows.head_dim, " for a view of head_dim ", view.head_dim(), " (expected >= 1 row)");
+  const size_t want = static_cast<size_t>(rows.num_q_heads * rows.rows() * rows.head_dim);
+  KV_CHECK_ARG(rows.post_rope.size() == want && (rows.pre_rope.empty() || rows.pre_rope.size() == want),
+               "observe_queries: ", rows.post_rope.size(), " post-RoPE and ", rows.pre_rope.size(),
+               " pre-RoPE values, expected ", want, " (H_q x rows x D)");
+  for (const auto* v : {&rows.post_rope, &rows.pre_rope}) {
+    for (size_t i = 0; i < v->size(); ++i) {
+      KV_CHECK_ARG(std::isfinite((*v)[i]), "observe_queries: layer ", layer, " query value ", i, " is ", (*v)[i],
+                   " (expected finite)");
+    }
+  }
+  do_observe_queries(layer, rows, view);
+}
+
 void EvictionPolicy::observe(int64_t layer, const at::Tensor& probs) {
   observe(layer, reduce_attention(probs, shape_.num_kv_heads, attention_need()));
 }
@@ -163,34 +185,80 @@ uint64_t SplitMix64::below(uint64_t n) {
 
 namespace {
 
+/// Deepest nesting of wrapper policies a spec may have (adakv:decode:h2o is 2).
+constexpr int kMaxWrapperDepth = 4;
+
 /// The eviction policies' registration list (order = `kv_study list` order): one line per
-/// policy, fed into the one registry of spec heads (common/registry.h).
+/// policy, fed into the one registry of spec heads (common/registry.h). A wrapper (adakv,
+/// decode) takes the policy it wraps as the rest of its spec, after its own fields.
 struct Registration {
   const ParamTable& (*table)();
-  std::function<std::unique_ptr<EvictionPolicy>(const ParsedSpec&, Budget)> make;
+  /// inner: the wrapped policy (wrappers only; null otherwise).
+  std::function<std::unique_ptr<EvictionPolicy>(const ParsedSpec&, Budget, std::unique_ptr<EvictionPolicy>)> make;
+  bool wraps = false;  ///< takes an inner policy spec after its own fields
 };
+
+template <class P>
+Registration plain() {
+  return {&P::table, [](const ParsedSpec& s, Budget b, std::unique_ptr<EvictionPolicy>) { return std::make_unique<P>(s, b); },
+          false};
+}
+
+template <class P>
+Registration wrapper() {
+  return {&P::table,
+          [](const ParsedSpec& s, Budget b, std::unique_ptr<EvictionPolicy> inner) {
+            return std::make_unique<P>(s, b, std::move(inner));
+          },
+          true};
+}
 
 const std::vector<Registration>& registrations() {
   using namespace evict;
   static const std::vector<Registration> regs = {
-      {&FullPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<FullPolicy>(s, b); }},
-      {&WindowPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<WindowPolicy>(s, b); }},
-      {&SinkPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<SinkPolicy>(s, b); }},
-      {&H2OPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<H2OPolicy>(s, b); }},
-      {&RandomPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<RandomPolicy>(s, b); }},
-      {&SnapKVPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<SnapKVPolicy>(s, b); }},
-      {&TovaPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<TovaPolicy>(s, b); }},
-      {&PyramidKVPolicy::table,
-       [](const ParsedSpec& s, Budget b) { return std::make_unique<PyramidKVPolicy>(s, b); }},
+      plain<FullPolicy>(),   plain<WindowPolicy>(),     plain<SinkPolicy>(),         plain<H2OPolicy>(),
+      plain<RandomPolicy>(), plain<SnapKVPolicy>(),     plain<TovaPolicy>(),         plain<PyramidKVPolicy>(),
+      plain<KnormPolicy>(),  plain<KeyDiffPolicy>(),    plain<ExpectedAttentionPolicy>(), plain<DuoAttentionPolicy>(),
+      wrapper<AdaKVPolicy>(), wrapper<DecodeCompressionPolicy>(),
   };
   return regs;
+}
+
+/// The registration of a registered policy head (an old spelling finds its new head), or null.
+const Registration* find_registration(const std::string& head) {
+  const registry::Entry* e = registry::find(head);
+  if (e == nullptr || e->kind != SpecKind::kPolicy) return nullptr;
+  for (const auto& reg : registrations()) {
+    if (&reg.table() == e->table) return &reg;
+  }
+  return nullptr;
+}
+
+std::string join(const std::vector<std::string>& parts, size_t from, size_t to) {
+  std::string out;
+  for (size_t i = from; i < to; ++i) out += (i > from ? ":" : "") + parts[i];
+  return out;
+}
+
+/// Builds `body` (no '@') with `budget`; wrappers build their inner policy from the rest of
+/// the body after their own fields.
+std::unique_ptr<EvictionPolicy> build(const std::string& body, Budget budget, const std::string& spec, int depth) {
+  KV_CHECK_ARG(!body.empty(), "eviction policy spec '", spec, "' has no head");
+  const std::vector<std::string> parts = split_spec(body);
+  const Registration* reg = find_registration(parts[0]);
+  if (reg == nullptr || !reg->wraps) {
+    // Unknown heads and heads of another kind: the registry's errors.
+    const registry::Parsed p = registry::parse(body, SpecKind::kPolicy, {SpecKind::kPolicy});
+    return p.entry->policy(p.fields, budget);
+  }
+  // A wrapper: its own fields, then the wrapped policy from the first field that names a policy.
+  size_t inner_at = 1;
+  while (inner_at < parts.size() && find_registration(parts[inner_at]) == nullptr) ++inner_at;
+  KV_CHECK_ARG(inner_at < parts.size(), "'", parts[0], "' wraps a policy: write it after ", parts[0],
+               "'s own fields, e.g. '", parts[0], ":snapkv@50%' (spec '", spec, "')");
+  KV_CHECK_ARG(depth < kMaxWrapperDepth, "spec '", spec, "' nests more than ", kMaxWrapperDepth, " wrapper policies");
+  auto inner = build(join(parts, inner_at, parts.size()), budget, spec, depth + 1);
+  return reg->make(ParsedSpec::parse(join(parts, 0, inner_at), reg->table()), budget, std::move(inner));
 }
 
 }  // namespace
@@ -203,7 +271,16 @@ std::vector<Entry> policy_entries() {
     Entry e;
     e.kind = SpecKind::kPolicy;
     e.table = &reg.table();
-    e.policy = reg.make;
+    if (!reg.wraps) {
+      auto make = reg.make;
+      e.policy = [make](const ParsedSpec& s, Budget b) { return make(s, b, nullptr); };
+    } else {
+      const std::string head = reg.table().head;
+      e.policy = [head](const ParsedSpec&, Budget) -> std::unique_ptr<EvictionPolicy> {
+        throw InvalidArgument(detail::str_cat("'", head, "' wraps a policy: write it after ", head,
+                                              "'s own fields, e.g. '", head, ":snapkv@50%'"));
+      };
+    }
     v.push_back(std::move(e));
   }
   return v;
@@ -214,11 +291,23 @@ std::vector<Entry> policy_entries() {
 std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec) {
   auto [body, budget] = split_budget(spec);
   KV_CHECK_ARG(!body.empty(), "eviction policy spec '", spec, "' has no head");
-  const registry::Parsed p = registry::parse(body, SpecKind::kPolicy, {SpecKind::kPolicy});
-  auto policy = p.entry->policy(p.fields, budget);
-  // Validates absolute budgets against protected tokens now; fractional ones at reset().
-  policy->reset(0, CacheShape{});
-  return policy;
+  const Registration* top = find_registration(split_spec(body)[0]);
+  if (top == nullptr || !top->wraps) {
+    auto policy = build(body, budget, spec, 0);
+    // Validates absolute budgets against protected tokens now; fractional ones at reset().
+    policy->reset(0, CacheShape{});
+    return policy;
+  }
+  // A wrapper: every error names the whole spec as the user wrote it.
+  try {
+    auto policy = build(body, budget, spec, 0);
+    policy->reset(0, CacheShape{});
+    return policy;
+  } catch (const CapacityError& e) {
+    throw CapacityError("eviction policy '" + spec + "': " + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument("eviction policy '" + spec + "': " + e.what());
+  }
 }
 
 std::vector<ParamTable> registered_policies() {

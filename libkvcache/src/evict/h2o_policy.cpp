@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // H2O — Heavy-Hitter Oracle (Zhang et al., arXiv 2306.14048; FMInference/H2O utils_real_drop).
 
+#include <algorithm>
+#include <limits>
+
 #include "evict/policies.h"
 #include "kvcache/error.h"
 
@@ -18,7 +21,7 @@ const ParamTable& H2OPolicy::table() {
 }
 
 H2OPolicy::H2OPolicy(const ParsedSpec& spec, Budget budget)
-    : EvictionPolicy(spec, budget), h_param_(spec.integer("h")), r_param_(spec.integer("r")) {
+    : ScorerPolicy(spec, budget), h_param_(spec.integer("h")), r_param_(spec.integer("r")) {
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone || (h_param_ >= 0 && r_param_ >= 0),
                "h2o needs a budget ('h2o@256', 'h2o@50%') or both h and r ('h2o:h128:r128')");
 }
@@ -63,23 +66,27 @@ void H2OPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
   }
 }
 
-EvictionPlan H2OPolicy::plan(const EvictionContext& ctx) const {
-  const int64_t budget_tokens = layer_budget(ctx.layer);
-  EvictionPlan p;
+std::optional<int64_t> H2OPolicy::compression_target(const EvictionContext& ctx) const {
+  return layer_budget(ctx.layer);
+}
+
+TokenScores H2OPolicy::score(const EvictionContext& ctx) const {
   const auto& s = scores_.at(static_cast<size_t>(ctx.layer));
+  TokenScores out(static_cast<size_t>(ctx.num_kv_heads()));
   for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
     const int64_t t = ctx.resident[static_cast<size_t>(h)];
-    if (t <= budget_tokens) continue;
     const int64_t scored = s.empty() ? 0 : static_cast<int64_t>(s[static_cast<size_t>(h)].size());
     KV_CHECK_ARG(scored == t, "h2o: layer ", ctx.layer, " head ", h, " has ", t,
                  " resident tokens but attention was observed for ", scored,
                  "; call attend() (or observe_attention) in every step");
-    if (p.evict.empty()) p.evict.resize(static_cast<size_t>(ctx.num_kv_heads()));
-    // Candidates: everything before the recent window; keep the `heavy` best of them.
-    const int64_t n = t - recent_;
-    p.evict[static_cast<size_t>(h)] = lowest_k(s[static_cast<size_t>(h)].data(), n, n - heavy_);
+    // Candidates: everything before the recent window, by accumulated score; the window is kept.
+    auto& row = out[static_cast<size_t>(h)];
+    row = s[static_cast<size_t>(h)];
+    for (int64_t i = std::max<int64_t>(0, t - recent_); i < t; ++i) {
+      row[static_cast<size_t>(i)] = std::numeric_limits<float>::infinity();
+    }
   }
-  return p;
+  return out;
 }
 
 void H2OPolicy::on_evicted(int64_t layer, const EvictionPlan& plan) {

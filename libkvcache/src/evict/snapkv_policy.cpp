@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // SnapKV (Li et al., arXiv 2404.14469; FasterDecoding/SnapKV, kvpress SnapKVPress).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -25,7 +26,7 @@ SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget)
 
 SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel,
                            bool use_max)
-    : EvictionPolicy(spec, budget),
+    : ScorerPolicy(spec, budget),
       window_(window),
       kernel_(kernel),
       use_max_(use_max) {
@@ -83,8 +84,8 @@ int64_t SnapKVPolicy::decode_reserve(const EvictionContext& ctx) const {
   return context_length() > ctx.logical_length ? context_length() - ctx.logical_length : 0;
 }
 
-EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) const {
-  if (prefill_done_ || !ctx.is_prefill_end()) return {};
+std::optional<int64_t> SnapKVPolicy::compression_target(const EvictionContext& ctx) const {
+  if (prefill_done_ || !ctx.is_prefill_end()) return std::nullopt;
   const int64_t t = uniform_resident(ctx, name());
   const int64_t reserve = decode_reserve(ctx);
   const int64_t uniform = layer_budget(ctx.layer) - reserve;
@@ -93,24 +94,28 @@ EvictionPlan SnapKVPolicy::plan(const EvictionContext& ctx) const {
            budget().to_string(), " of ", context_length(), ") minus ", reserve,
            " tokens reserved for decoding leaves ", uniform, " prompt tokens, fewer than the w=", w,
            " observation window that is always kept");
-  const int64_t keep_n = prompt_keep(ctx.layer, t, uniform);
-  if (keep_n >= t) return {};
+  return prompt_keep(ctx.layer, t, uniform);
+}
+
+TokenScores SnapKVPolicy::score(const EvictionContext& ctx) const {
+  const int64_t t = uniform_resident(ctx, name());
   const auto& rows = rows_.at(static_cast<size_t>(ctx.layer));
   KV_CHECK_ARG(rows.defined() && rows.size(2) == t, name(), ": layer ", ctx.layer, " has ", t,
                " prompt tokens but attention was observed over ", rows.defined() ? rows.size(2) : 0,
                "; call observe_attention(layer, probs) for the prompt chunks");
+  const int64_t w = std::min(window_, t);
   const int64_t prefix = t - w;
-  // Mean over the observation queries (kvpress; the sum ranks the same), prefix keys only.
-  auto scores = rows.narrow(2, 0, prefix).mean(1);  // [H_kv, prefix]
-  scores = pool(scores, kernel_, use_max_);
-  const int64_t hkv = shape().num_kv_heads;
-  EvictionPlan p;
-  p.evict.resize(static_cast<size_t>(hkv));
-  for (int64_t h = 0; h < hkv; ++h) {
-    // Keep the top keep_n − w of the prefix (ties: the more recent) and the whole window.
-    p.evict[static_cast<size_t>(h)] = lowest_k(scores.data_ptr<float>() + h * prefix, prefix, prefix - (keep_n - w));
+  // Mean over the observation queries (kvpress; the sum ranks the same), prefix keys only,
+  // pooled; the window is kept.
+  auto pooled = pool(rows.narrow(2, 0, prefix).mean(1), kernel_, use_max_);  // [H_kv, prefix]
+  const float* p = pooled.data_ptr<float>();
+  TokenScores out(static_cast<size_t>(ctx.num_kv_heads()));
+  for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
+    auto& row = out[static_cast<size_t>(h)];
+    row.assign(static_cast<size_t>(t), std::numeric_limits<float>::infinity());
+    std::copy_n(p + h * prefix, prefix, row.begin());
   }
-  return p;
+  return out;
 }
 
 void SnapKVPolicy::on_step_end(const EvictionContext& ctx) {

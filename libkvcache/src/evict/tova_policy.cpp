@@ -15,7 +15,7 @@ const ParamTable& TovaPolicy::table() {
   return t;
 }
 
-TovaPolicy::TovaPolicy(const ParsedSpec& spec, Budget budget) : EvictionPolicy(spec, budget) {
+TovaPolicy::TovaPolicy(const ParsedSpec& spec, Budget budget) : ScorerPolicy(spec, budget) {
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone, "tova needs a budget: 'tova@512' or 'tova@50%'");
 }
 
@@ -42,16 +42,18 @@ void TovaPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
   for (auto& x : row) x /= static_cast<float>(hkv);
 }
 
-EvictionPlan TovaPolicy::plan(const EvictionContext& ctx) const {
-  const int64_t b = layer_budget(ctx.layer);
+std::optional<int64_t> TovaPolicy::compression_target(const EvictionContext& ctx) const {
+  return layer_budget(ctx.layer);
+}
+
+TokenScores TovaPolicy::score(const EvictionContext& ctx) const {
   const int64_t t = uniform_resident(ctx, "tova");
-  if (t <= b) return {};
   auto& row = last_row_.at(static_cast<size_t>(ctx.layer));
   KV_CHECK_ARG(static_cast<int64_t>(row.size()) == t, "tova: layer ", ctx.layer, " has ", t,
                " resident tokens but the last observed query covers ", row.size(),
                " keys; call attend() (or observe_attention) in every step");
-  // Candidates: every token but the newest; keep the b − 1 most attended.
-  return uniform_plan(lowest_k(row.data(), t - 1, t - b), ctx.num_kv_heads());
+  // Candidates: every token but the newest (select() keeps it); one row for every KV head.
+  return TokenScores(static_cast<size_t>(ctx.num_kv_heads()), row);
 }
 
 void TovaPolicy::on_evicted(int64_t layer, const EvictionPlan& plan) {

@@ -100,13 +100,19 @@ at::Tensor Runner::prefill(const std::vector<int64_t>& ids, KVCache& cache, int6
   KV_CHECK_ARG(chunk_size >= 0, "Runner::prefill: chunk_size must be >= 0 (0 = whole prompt), got ", chunk_size);
   check_token_ids(ids, model_.config().vocab_size, "Runner::prefill");
   check_cache_fits(cache.config(), model_.config(), "Runner::prefill");
+  return prefill_from(ids, 0, cache, chunk_size, 0);
+}
+
+at::Tensor Runner::prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
+                                int64_t first_min) const {
   const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t c = chunk_size == 0 ? n : chunk_size;
   at::Tensor logits;
-  for (int64_t s = 0; s < n; s += c) {
-    const int64_t t = std::min(c, n - s);
+  for (int64_t s = start; s < n;) {
+    const int64_t t = std::min(s == start ? std::max(c, first_min) : c, n - s);
     logits = forward_step(model_, ids_tensor(ids.data() + s, t), cache,
                           s + t == n ? StepKind::kPrefillEnd : StepKind::kPrefill, LogitsFor::kLastToken);
+    s += t;
   }
   return logits.view({-1});
 }
@@ -137,11 +143,16 @@ GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const Gene
   r.prompt_tokens = static_cast<int64_t>(prompt.size());
   r.tokens.reserve(static_cast<size_t>(std::min<int64_t>(opt.max_new_tokens, 4096)));
   std::vector<at::Tensor> kept;
-  cache.reset(r.prompt_tokens + opt.max_new_tokens);
+  const PrefixReuse reuse = cache.begin_request(prompt, r.prompt_tokens + opt.max_new_tokens);
+  KV_CHECK_ARG(reuse.cached_tokens >= 0 && reuse.cached_tokens < r.prompt_tokens && reuse.min_first_step >= 0,
+               "Runner::generate: the cache's begin_request() reports ", reuse.cached_tokens, " of the ",
+               r.prompt_tokens, " prompt tokens cached (min_first_step ", reuse.min_first_step,
+               "); at least the last prompt token must be computed");
+  r.cached_prompt_tokens = reuse.cached_tokens;
   warn_past_positions(model_.config(), "generate", r.prompt_tokens, opt.max_new_tokens);
 
   const auto t0 = clock::now();
-  at::Tensor logits = prefill(prompt, cache, opt.prefill_chunk);
+  at::Tensor logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
   const auto t1 = clock::now();
   while (true) {
     const int64_t next = logits.argmax().item<int64_t>();  // the one host read per token

@@ -59,6 +59,14 @@ void check_no_overflow(const at::Tensor& original, const at::Tensor& converted, 
                                         "; use a wider format (bf16 or fp32) or rescale the input"));
 }
 
+at::Tensor& reuse_or_empty(at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype, at::TensorList avoid) {
+  bool fits = t.defined() && t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == shape &&
+              t.is_contiguous();
+  for (const at::Tensor& a : avoid) fits = fits && !(a.defined() && t.is_alias_of(a));
+  if (!fits) t = at::empty(shape, at::TensorOptions().dtype(dtype));
+  return t;
+}
+
 at::Tensor to_input_dtype(const at::Tensor& x_f32, at::ScalarType dtype) {
   if (dtype == at::kFloat) return x_f32;
   KV_INTERNAL_ASSERT(x_f32.scalar_type() == at::kFloat && x_f32.is_contiguous() &&

@@ -34,4 +34,10 @@ void check_no_overflow(const at::Tensor& original, const at::Tensor& converted,
 /// `x_f32` itself for float32.
 at::Tensor to_input_dtype(const at::Tensor& x_f32, at::ScalarType dtype);
 
+/// `t` itself when it is a contiguous CPU tensor of `shape` and `dtype` that shares no storage
+/// with any of `avoid` (entries may be undefined), else `t` replaced by at::empty(shape, dtype). For the
+/// *_into() forms of the quantizers: a buffer that fits is overwritten, not reallocated.
+at::Tensor& reuse_or_empty(at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype,
+                           at::TensorList avoid = {});
+
 }  // namespace kvcache::quant

@@ -27,14 +27,23 @@ double FloatCastQuantizer::bits_per_value(int64_t /*head_dim*/) const {
 }
 
 QuantizedTensor FloatCastQuantizer::do_quantize(const at::Tensor& x) const {
+  QuantizedTensor q;
+  do_quantize_into(x, q);
+  return q;
+}
+
+void FloatCastQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) const {
   const std::string where = "quantize(x) [" + name_ + "]";
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  QuantizedTensor q;
   q.format = name_;
   q.shape = x.sizes().vec();
   q.dtype = x.scalar_type();
-  // Always a fresh tensor: a cache must not alias the caller's buffer.
-  q.codes = at::empty(x.sizes(), x.options().dtype(storage_));
+  q.scales = at::Tensor();
+  q.zeros = at::Tensor();
+  q.side.clear();
+  // Never x's own memory: a cache must not alias the caller's buffer (a fresh tensor, or
+  // the caller's earlier output when it fits).
+  reuse_or_empty(q.codes, x.sizes(), storage_, {x, xf});
   const float* src = xf.data_ptr<float>();
   const int64_t n = xf.numel();
   CastStatus st;
@@ -48,7 +57,6 @@ QuantizedTensor FloatCastQuantizer::do_quantize(const at::Tensor& x) const {
   if (st.nonfinite) throw_first_nonfinite(x, where);
   // fp16 rejects what would round to ±Inf; bf16 saturates (cast_to_bf16) and never overflows.
   if (st.overflow) check_no_overflow(x, q.codes, where, "fp16", "±65504");
-  return q;
 }
 
 at::Tensor FloatCastQuantizer::do_dequantize(const QuantizedTensor& q) const {
@@ -58,6 +66,21 @@ at::Tensor FloatCastQuantizer::do_dequantize(const QuantizedTensor& q) const {
   if (q.dtype == storage_ || q.dtype == at::kFloat) return q.codes.to(q.dtype, /*non_blocking=*/false, /*copy=*/true);
   // bf16 values past ±65504 (from fp16 input rounded up to 65536) saturate back to ±65504.
   return to_input_dtype(q.codes.to(at::kFloat).contiguous(), q.dtype);
+}
+
+void FloatCastQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
+  if (q.dtype != at::kFloat) {
+    out = do_dequantize(q);
+    return;
+  }
+  KV_CHECK_ARG(q.codes.scalar_type() == storage_ && q.codes.sizes().vec() == q.shape && q.codes.is_contiguous(),
+               "dequantize(q) [", name_, "]: q.codes must be contiguous ", c10::toString(storage_), " of shape ",
+               shape_str(q.shape), ", got ", q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
+  reuse_or_empty(out, q.shape, at::kFloat, {q.codes});
+  // The widening conversions are exact: the same values as do_dequantize()'s at:: conversion.
+  ConstGroupBuffers in;
+  in.codes = static_cast<const uint8_t*>(q.codes.data_ptr());
+  do_decode(in, out.numel(), 1, 1.0f, out.data_ptr<float>());
 }
 
 StoredLayout FloatCastQuantizer::do_stored_layout(int64_t head_dim) const {

@@ -29,6 +29,9 @@ float fp8_decode(uint8_t code, Fp8Format f);
 /// out[i] = fp8_encode(x[i] / scale). Returns true if some x[i] was NaN/±Inf (the output
 /// is then garbage). Vectorized, runs at::parallel_for.
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out);
+/// max_i |x[i]| (0 for n = 0), or +Inf if some x[i] is NaN/±Inf: one pass, no temporary (the
+/// per-tensor scale of fp8:*:scaled). Vectorized, runs at::parallel_for.
+float fp8_amax(const float* x, int64_t n);
 /// out[i] = fp8_decode(codes[i]) * scale.
 void fp8_decode_array(const uint8_t* codes, int64_t n, float scale, Fp8Format f, float* out);
 

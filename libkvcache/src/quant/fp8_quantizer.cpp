@@ -54,27 +54,42 @@ std::string Fp8Quantizer::spec() const {
 }
 
 QuantizedTensor Fp8Quantizer::do_quantize(const at::Tensor& x) const {
+  QuantizedTensor q;
+  do_quantize_into(x, q);
+  return q;
+}
+
+void Fp8Quantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) const {
   const std::string where = "quantize(x) [" + spec() + "]";
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  QuantizedTensor q;
   q.format = spec();
   q.shape = x.sizes().vec();
   q.dtype = x.scalar_type();
-  q.codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  q.side.clear();
+  q.zeros = at::Tensor();
+  reuse_or_empty(q.codes, x.sizes(), at::kByte, {x});
   float scale = 1.0f;
   if (scaled_) {
-    const float amax = xf.numel() > 0 ? xf.abs().max().item<float>() : 0.0f;
+    // One pass, no temporary (abs().max() would allocate a tensor the size of x).
+    const float amax = fp8_amax(xf.data_ptr<float>(), xf.numel());
     if (!std::isfinite(amax)) throw_first_nonfinite(x, where);
     scale = scale_for_amax(amax, fp8_max(format_));
-    q.scales = at::full({1}, scale, x.options().dtype(at::kFloat));
+    reuse_or_empty(q.scales, {1}, at::kFloat, {x}).fill_(scale);
+  } else {
+    q.scales = at::Tensor();
   }
   if (fp8_encode_array(xf.data_ptr<float>(), xf.numel(), scale, format_, q.codes.data_ptr<uint8_t>())) {
     throw_first_nonfinite(x, where);
   }
-  return q;
 }
 
 at::Tensor Fp8Quantizer::do_dequantize(const QuantizedTensor& q) const {
+  at::Tensor out;
+  do_dequantize_into(q, out);
+  return out;
+}
+
+void Fp8Quantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& result) const {
   const std::string where = "dequantize(q) [" + spec() + "]";
   KV_CHECK_ARG(q.codes.scalar_type() == at::kByte && q.codes.sizes().vec() == q.shape && q.codes.is_contiguous(),
                where, ": q.codes must be contiguous uint8 of shape ", shape_str(q.shape), ", got ",
@@ -85,15 +100,17 @@ at::Tensor Fp8Quantizer::do_dequantize(const QuantizedTensor& q) const {
                  ": q.scales must hold one fp32 per-tensor scale");
     scale = q.scales.item<float>();
   }
-  at::Tensor out = at::empty(q.shape, q.codes.options().dtype(at::kFloat));
+  at::Tensor fresh;
+  at::Tensor& out = q.dtype == at::kFloat ? reuse_or_empty(result, q.shape, at::kFloat, {q.codes, q.scales}) : fresh;
+  if (!out.defined()) out = at::empty(q.shape, at::TensorOptions().dtype(at::kFloat));
   fp8_decode_array(q.codes.data_ptr<uint8_t>(), out.numel(), scale, format_, out.data_ptr<float>());
-  return to_input_dtype(out, q.dtype);
+  if (q.dtype != at::kFloat) result = to_input_dtype(out, q.dtype);
 }
 
 float Fp8Quantizer::fit_tensor_scale(const at::Tensor& x) const {
   if (!scaled_) return 1.0f;
-  const float amax = x.numel() > 0 ? x.abs().max().item<float>() : 0.0f;
-  return scale_for_amax(amax, fp8_max(format_));
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  return scale_for_amax(fp8_amax(xf.data_ptr<float>(), xf.numel()), fp8_max(format_));
 }
 
 StoredLayout Fp8Quantizer::do_stored_layout(int64_t head_dim) const {

@@ -84,25 +84,30 @@ void IntQuantizer::check_input(const at::Tensor& x) const {
 }
 
 QuantizedTensor IntQuantizer::do_quantize(const at::Tensor& x) const {
+  QuantizedTensor q;
+  do_quantize_into(x, q);
+  return q;
+}
+
+void IntQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) const {
   const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
   const int64_t g = group_for(d);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  QuantizedTensor q;
   q.format = spec();
+  q.side.clear();
   q.shape = x.sizes().vec();
   q.dtype = x.scalar_type();
-  const auto u8 = x.options().dtype(at::kByte);
   const bool per_token = axis_ == GroupAxis::kPerToken;
   const std::vector<int64_t> code_shape =
       per_token ? std::vector<int64_t>{b, h, t, d * bits_ / 8} : std::vector<int64_t>{b, h, t * bits_ / 8, d};
   const std::vector<int64_t> meta_shape =
       per_token ? std::vector<int64_t>{b, h, t, d / g} : std::vector<int64_t>{b, h, t / g, d};
-  q.codes = at::empty(code_shape, u8);
+  reuse_or_empty(q.codes, code_shape, at::kByte, x);
 
   auto run = [&](MetaType mt) {
-    const auto meta_opts = x.options().dtype(mt == MetaType::kHalf ? at::kHalf : at::kFloat);
-    q.scales = at::empty(meta_shape, meta_opts);
-    q.zeros = at::empty(meta_shape, meta_opts);
+    const at::ScalarType meta_dtype = mt == MetaType::kHalf ? at::kHalf : at::kFloat;
+    reuse_or_empty(q.scales, meta_shape, meta_dtype, x);
+    reuse_or_empty(q.zeros, meta_shape, meta_dtype, x);
     if (x.numel() == 0) return KernelStatus{};
     if (per_token) {
       return quantize_per_token(bits_, xf.data_ptr<float>(), xf.numel() / g, g, q.codes.data_ptr<uint8_t>(),
@@ -115,10 +120,15 @@ QuantizedTensor IntQuantizer::do_quantize(const at::Tensor& x) const {
   const std::string where = "quantize(x) [" + spec() + "]";
   if (st.nonfinite) throw_first_nonfinite(x, where);
   if (st.meta_overflow) st = run(MetaType::kFloat);  // rare: keep metadata in fp32 (never overflows)
-  return q;
 }
 
 at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
+  at::Tensor out;
+  do_dequantize_into(q, out);
+  return out;
+}
+
+void IntQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& result) const {
   const int64_t b = q.shape[0], h = q.shape[1], t = q.shape[2], d = q.shape[3];
   const int64_t g = group_for(d);
   const bool per_token = axis_ == GroupAxis::kPerToken;
@@ -137,7 +147,11 @@ at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
                    q.scales.is_contiguous() && q.zeros.is_contiguous(),
                where, ": q.scales and q.zeros must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape));
   const MetaType mt = q.scales.scalar_type() == at::kHalf ? MetaType::kHalf : MetaType::kFloat;
-  at::Tensor out = at::empty(q.shape, q.codes.options().dtype(at::kFloat));
+  // float32 results are written straight into `result` when it fits; other dtypes go through
+  // a float32 reconstruction (converted, saturating, below).
+  at::Tensor fresh;
+  at::Tensor& out = q.dtype == at::kFloat ? reuse_or_empty(result, q.shape, at::kFloat, {q.codes, q.scales, q.zeros}) : fresh;
+  if (!out.defined()) out = at::empty(q.shape, at::TensorOptions().dtype(at::kFloat));
   if (out.numel() > 0) {
     if (per_token) {
       dequantize_per_token(bits_, q.codes.data_ptr<uint8_t>(), q.scales.data_ptr(), q.zeros.data_ptr(), mt,
@@ -147,7 +161,7 @@ at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
                              b * h * (t / g), g, d, out.data_ptr<float>());
     }
   }
-  return to_input_dtype(out, q.dtype);  // saturating: a finite input never comes back ±Inf
+  if (q.dtype != at::kFloat) result = to_input_dtype(out, q.dtype);  // saturating: finite stays finite
 }
 
 StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {

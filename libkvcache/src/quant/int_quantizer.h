@@ -45,6 +45,8 @@ class IntQuantizer final : public Quantizer {
   bool checks_finite_itself() const override { return true; }
   QuantizedTensor do_quantize(const at::Tensor& x) const override;
   at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+  void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const override;
+  void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;

@@ -36,6 +36,19 @@ int64_t QuantizedTensor::numel() const {
 
 QuantizedTensor Quantizer::quantize(const at::Tensor& x) const {
   const std::string where = "quantize(x) [" + spec() + "]";
+  validate_quantize_input(x, where);
+  QuantizedTensor q = do_quantize(x);
+  KV_INTERNAL_ASSERT(q.format == spec(), "quantizer ", spec(), " produced format ", q.format);
+  return q;
+}
+
+void Quantizer::quantize_into(const at::Tensor& x, QuantizedTensor& out) const {
+  validate_quantize_input(x, "quantize_into(x, out) [" + spec() + "]");
+  do_quantize_into(x, out);
+  KV_INTERNAL_ASSERT(out.format == spec(), "quantizer ", spec(), " produced format ", out.format);
+}
+
+void Quantizer::validate_quantize_input(const at::Tensor& x, const std::string& where) const {
   KV_CHECK_ARG(x.defined(), where, ": x is an undefined tensor (expected [B, H_kv, T, D])");
   KV_CHECK_ARG(x.dim() == 4, where, ": x must be 4-D [B, H_kv, T, D], got ", x.dim(), "-D shape ",
                quant::shape_str(x.sizes()));
@@ -44,19 +57,25 @@ QuantizedTensor Quantizer::quantize(const at::Tensor& x) const {
   KV_CHECK_ARG(x.device().is_cpu(), where, ": x is on ", x.device(), ", expected a CPU tensor");
   check_input(x);
   if (!checks_finite_itself()) quant::check_finite(x, where);
-  QuantizedTensor q = do_quantize(x);
-  KV_INTERNAL_ASSERT(q.format == spec(), "quantizer ", spec(), " produced format ", q.format);
-  return q;
 }
 
-at::Tensor Quantizer::dequantize(const QuantizedTensor& q) const {
+void Quantizer::validate_dequantize_input(const QuantizedTensor& q) const {
   const std::string me = spec();
   KV_CHECK_ARG(q.format == me, "dequantize(q) [", me, "]: q.format is '", q.format,
                "', expected '", me, "' (decode a tensor with the quantizer that produced it)");
   KV_CHECK_ARG(q.shape.size() == 4, "dequantize(q) [", me, "]: q.shape must have 4 entries, got ",
                q.shape.size());
   KV_CHECK_ARG(q.codes.defined(), "dequantize(q) [", me, "]: q.codes is undefined");
+}
+
+at::Tensor Quantizer::dequantize(const QuantizedTensor& q) const {
+  validate_dequantize_input(q);
   return do_dequantize(q);
+}
+
+void Quantizer::dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
+  validate_dequantize_input(q);
+  do_dequantize_into(q, out);
 }
 
 int64_t StoredLayout::meta_bytes() const {

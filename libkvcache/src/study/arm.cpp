@@ -57,8 +57,42 @@ std::vector<Arm> default_arms() {
   };
 }
 
+std::vector<ArmSet> arm_sets() {
+  return {
+      {"default", "the 18 default arms of the study (README's table)", default_arms()},
+      {"evict2026",
+       "the 2024-2026 eviction methods at a 50% budget beside the control and SnapKV/H2O/TOVA: Knorm, KeyDiff and "
+       "Expected Attention once at the prompt's end and streaming, AdaKV head-wise budgets over Expected Attention / "
+       "SnapKV / H2O / Knorm, DuoAttention (heads identified on the fly), decode-time compression (docs/policies.md)",
+       {
+           {"fp32", "full"},
+           {"fp32", "snapkv@50%"},
+           {"fp32", "h2o@50%"},
+           {"fp32", "tova@50%"},
+           {"fp32", "knorm@50%"},
+           {"fp32", "knorm:stream@50%"},
+           {"fp32", "keydiff@50%"},
+           {"fp32", "keydiff:stream@50%"},
+           {"fp32", "expected@50%"},
+           {"fp32", "expected:stream@50%"},
+           {"fp32", "adakv:expected@50%"},
+           {"fp32", "adakv:snapkv@50%"},
+           {"fp32", "adakv:h2o@50%"},
+           {"fp32", "adakv:knorm@50%"},
+           {"fp32", "duo:s16:r48@50%"},
+           {"fp32", "decode:i8:b4:expected@50%"},
+           {"fp32", "decode:i8:b4:prefill:expected@50%"},
+       }},
+  };
+}
+
 std::vector<Arm> parse_arm_list(const std::string& text) {
   std::vector<Arm> arms;
+  if (!is_regular_file(text)) {
+    for (const auto& set : arm_sets()) {
+      if (set.name == trim(text)) return set.arms;
+    }
+  }
   if (is_regular_file(text)) {
     std::ifstream in(text);
     KV_CHECK_ARG(in.good(), "cannot read configs file '", text, "'");

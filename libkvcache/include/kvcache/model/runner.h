@@ -48,7 +48,10 @@ struct GenerationResult {
   at::Tensor logits;
   /// True if generation ended on an EOS id.
   bool stopped_at_eos = false;
-  int64_t prompt_tokens = 0;  ///< tokens ingested by prefill
+  int64_t prompt_tokens = 0;  ///< tokens of the prompt
+  /// Prompt tokens the cache already held (KVCache::begin_request, prefix caching): their
+  /// prefill was skipped; prefill computed prompt_tokens − cached_prompt_tokens tokens.
+  int64_t cached_prompt_tokens = 0;
   int64_t decode_steps = 0;   ///< single-token forwards after prefill (= N - 1)
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;  ///< wall time of the decode_steps forwards (incl. argmax)
@@ -86,12 +89,16 @@ class Runner {
   /// @throws InvalidArgument as prefill().
   at::Tensor decode_step(int64_t token, KVCache& cache) const;
 
-  /// Greedy generation: cache.reset(prompt + max_new_tokens), prefill, then one token per
-  /// step until max_new_tokens or an EOS id. The last new token is not fed back. Logs a
-  /// warning (kvcache/log.h) when prompt + max_new_tokens may pass the model's
-  /// max_position_embeddings.
+  /// Greedy generation: cache.begin_request(prompt, prompt + max_new_tokens) (reset() for a
+  /// cache without prefix caching), prefill of the prompt tokens the cache does not hold yet —
+  /// the first step at least PrefixReuse::min_first_step tokens, then steps of prefill_chunk —
+  /// then one token per step until max_new_tokens or an EOS id. The last new token is not fed
+  /// back. A reused prefix gives the same tokens as computing it (docs/model-runner.md,
+  /// "Prefix caching"). Logs a warning (kvcache/log.h) when prompt + max_new_tokens may pass
+  /// the model's max_position_embeddings.
   /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens outside
-  ///         [1, kMaxTokens], prefill_chunk < 0, or a cache that does not fit the model.
+  ///         [1, kMaxTokens], prefill_chunk < 0, a cache that does not fit the model, or one
+  ///         whose begin_request() claims the whole prompt (no logits would be computed).
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
                             KVCache& cache) const;
 
@@ -103,6 +110,11 @@ class Runner {
                     int64_t chunk_size = 0) const;
 
  private:
+  /// Ingests ids[start:] at positions cache.next_position(layer) onward: the first step at
+  /// least `first_min` tokens, then steps of `chunk_size` (0 = the rest in one step).
+  at::Tensor prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
+                          int64_t first_min) const;
+
   CausalLM model_;
 };
 

@@ -38,8 +38,24 @@ Arm parse_arm(const std::string& text);
 /// fp32+snapkv@50%, fp32+tova@50%.
 std::vector<Arm> default_arms();
 
+/// A named, documented list of arms: `kv_study run --configs NAME`.
+struct ArmSet {
+  std::string name;
+  std::string description;
+  std::vector<Arm> arms;
+};
+
+/// The named arm sets, in `kv_study list` order:
+///   - "default": default_arms();
+///   - "evict2026": fp32+full, snapkv/h2o/tova@50% (the baselines), then at 50%: knorm, knorm:stream,
+///     keydiff, keydiff:stream, expected, expected:stream, adakv:expected (kvpress's default
+///     press), adakv:snapkv, adakv:h2o, adakv:knorm, duo:s16:r48, decode:i8:b4:expected and
+///     decode:i8:b4:prefill:expected (docs/study.md says why these fields).
+std::vector<ArmSet> arm_sets();
+
 /// `--configs`: if `text` names a readable file, one arm per line ('#' starts a comment, blank
-/// lines ignored); otherwise a comma-separated list.
+/// lines ignored); else the arms of the arm set it names (arm_sets()); otherwise a
+/// comma-separated list.
 /// @throws InvalidArgument naming the entry (and file line) that does not parse, or if empty.
 std::vector<Arm> parse_arm_list(const std::string& text);
 

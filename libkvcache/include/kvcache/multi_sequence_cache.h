@@ -1,0 +1,259 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file multi_sequence_cache.h
+/// MultiSequenceCache: many independent sequences over one block pool with a capacity in
+/// bytes, and prefix caching between them (docs/cache-manager.md, "Many sequences, shared
+/// prefixes").
+///
+/// Every sequence is a CacheManager of its own (kvcache/cache_manager.h) — its own positions,
+/// eviction policy, residual and quantization groups (a per-channel group never spans two
+/// sequences, so a sequence holds and computes the same alone or beside others) — whose blocks
+/// come from the cache's shared pools. A prefix index, a radix tree over token ids at block
+/// granularity (RadixAttention: Zheng et al., "SGLang: Efficient Execution of Structured
+/// Language Model Programs", arXiv 2312.07104; methods.md b.8), maps a new request's prompt to the
+/// longest cached prefix; the request takes over those blocks by reference count and its
+/// caller skips their prefill (Runner::generate does, through KVCache::begin_request()).
+///
+/// Why a radix tree rather than vLLM's chained block hashes (automatic prefix caching over
+/// PagedAttention blocks: Kwon et al., "Efficient Memory Management for Large Language Model
+/// Serving with PagedAttention", arXiv 2309.06180; b.7): a match compares the token
+/// ids themselves, so two prompts can never share a block by a hash collision and nothing has
+/// to be verified after a lookup; the tree's leaves are exactly what may be reclaimed (LRU,
+/// leaves first); and a sequence pins its whole prefix with one lock on its deepest node.
+///
+/// Keys: one namespace (SGLang's extra_key) per storage key of a sequence's configuration —
+/// the K and V quantizers, their residual windows and flush rules, key storage (pre/post-RoPE),
+/// position mode and block size — everything that changes the stored bytes, so the same tokens
+/// under int4 and fp16 never alias. Positions are the depth in the tree (a prompt starts at 0).
+///
+/// Shared blocks are read-only. A sequence's eviction only marks holes in its own view of a
+/// shared block; the one write into an existing block (a merge of survivors) copies a shared
+/// block first (copy-on-write), as does converting a shared per-channel group's survivors.
+/// So a sequence that reuses a prefix holds exactly the blocks — bytes, layout, positions —
+/// it holds when it computes the prefix itself, and attend() returns the same bits.
+///
+/// Exactness conditions (a prefix is reused only where they hold; PrefixMatch::limited_by
+/// says which one cut a match): whole blocks only; at least one prompt token is left to
+/// compute (its logits start generation); a scheme that flushes its residual in blocks of R
+/// tokens (KIVI keys, per-channel plain quantizers) reuses multiples of R; a sliding residual
+/// of R tokens (KIVI values, `residual_length` R) leaves at least R prompt tokens and needs
+/// a first step of at least R tokens (PrefixReuse::min_first_step); the policy must need no
+/// attention during prefill (h2o, tova, snapkv, pyramid do; see allow_inexact_reuse) and plan
+/// no eviction during the skipped prefix (its budget holds it); `fp8:*:scaled` streams (a
+/// scale fixed by the request's own first write) are never shared.
+///
+/// When the pool is full: an append or an eviction that needs more bytes than are free first
+/// reclaims cached prefix blocks that no sequence uses (least recently used leaf first, its
+/// tail first); if that is not enough, PoolFullRule decides. Nothing is dropped silently.
+/// Not thread-safe: one thread drives the cache and all its sequences.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvcache/cache_config.h"
+#include "kvcache/cache_manager.h"
+#include "kvcache/eviction_policy.h"
+#include "kvcache/kv_cache.h"
+
+namespace kvcache {
+
+/// What a call that does not fit does, after the cache reclaimed what no sequence uses.
+enum class PoolFullRule {
+  /// The call throws CapacityError and changes nothing; the caller ends a request
+  /// (Sequence::finish) or waits, and retries.
+  kRefuse,
+  /// Preempt running requests that began after the caller's, newest first (vLLM's recompute
+  /// preemption order: the latest arrival yields), until the call fits: each preempted
+  /// sequence gives back its blocks, and every later call on it throws CapacityError saying so
+  /// until it begins a new request. When the caller is the newest request, it is refused.
+  kPreemptNewest,
+};
+
+/// Configuration of a MultiSequenceCache. validate() (the constructor calls it).
+struct MultiSequenceConfig {
+  /// Geometry (num_layers, num_q_heads, num_kv_heads, head_dim) and `rope` of every sequence
+  /// (CausalLM::cache_config() gives them); its other fields are the configuration
+  /// add_sequence() gives a sequence.
+  CacheConfig model;
+  /// Bytes of blocks the pool may hold, sequences and cached prefixes together, ≥ 1 (a block
+  /// counts whole; host bookkeeping is not counted).
+  int64_t capacity_bytes = 0;
+  /// Keep the prompts' blocks in the prefix index and let new requests reuse them. false: every
+  /// request computes its whole prompt (the baseline a study compares against).
+  bool prefix_sharing = true;
+  PoolFullRule when_full = PoolFullRule::kRefuse;
+  /// Also reuse prefixes for sequences whose policy reads attention during prefill (h2o, tova,
+  /// snapkv, pyramid). Their policy then never sees the skipped prefix's attention, so they do
+  /// NOT compute what computing it alone computes (H2O starts the prefix's scores at 0). For
+  /// studies of sharing × eviction; off by default.
+  bool allow_inexact_reuse = false;
+
+  /// @throws InvalidArgument naming the bad field (model validated as CacheConfig::validate).
+  void validate() const;
+};
+
+/// How a request's prompt met the prefix index (Sequence::prefix()).
+struct PrefixMatch {
+  int64_t prompt_tokens = 0;   ///< tokens of the prompt given to begin_request()
+  int64_t cached_tokens = 0;   ///< reused from the index: their prefill is skipped
+  int64_t min_first_step = 0;  ///< the next step must append at least this many tokens
+  int64_t indexed_tokens = 0;  ///< the longest prefix the index held (whole blocks, before the caps)
+  /// Why cached_tokens < indexed_tokens (every rule that cut the match, in the order applied,
+  /// "; "-separated), or why nothing is shared; "" if neither.
+  std::string limited_by;
+  /// Prompt tokens the request computes itself.
+  int64_t computed_tokens() const { return prompt_tokens - cached_tokens; }
+};
+
+/// The prefix cache's counters, cumulative since construction. Token counters as vLLM's
+/// prefix_cache_queries/hits and SGLang's cache_hit_rate expose them; block counters count
+/// physical blocks (one layer, one KV head, one stream).
+struct PrefixCounters {
+  int64_t requests = 0;               ///< begin_request() calls that queried the index
+  int64_t prompt_tokens_queried = 0;  ///< Σ prompt tokens of those requests
+  int64_t prompt_tokens_hit = 0;      ///< Σ prompt tokens reused (PrefixMatch::cached_tokens)
+  int64_t blocks_shared = 0;          ///< block references requests took over from the index
+  int64_t blocks_published = 0;       ///< blocks the index took from requests' prompts
+  int64_t blocks_copied = 0;          ///< copies on write: a write into a shared block copied it first
+  int64_t blocks_reclaimed = 0;       ///< cached blocks freed to make room (or by reclaim())
+  int64_t preemptions = 0;            ///< requests preempted (PoolFullRule::kPreemptNewest)
+  int64_t refusals = 0;               ///< calls refused with CapacityError for want of room
+
+  /// prompt_tokens_hit / prompt_tokens_queried (0 when nothing was queried).
+  double hit_rate() const;
+  /// The counts since `earlier` (take hit rates over a window from deltas, not the totals).
+  PrefixCounters operator-(const PrefixCounters& earlier) const;
+};
+
+/// The pool now (MultiSequenceCache::stats()). O(blocks).
+struct PoolStats {
+  int64_t capacity_bytes = 0;
+  int64_t bytes_in_use = 0;       ///< bytes of distinct blocks held by sequences or the index
+  int64_t bytes_in_use_peak = 0;  ///< max of bytes_in_use, sampled after every call that changes it
+  int64_t bytes_cached = 0;       ///< of which held by the index alone (reclaimable)
+  int64_t running_sequences = 0;  ///< sequences holding at least one block
+  int64_t cached_blocks = 0;      ///< blocks the index holds (shared with sequences or not)
+  /// Σ over sequences of their resident tokens, and the tokens distinct blocks store (a
+  /// shared block counts once, with the most live slots any holder sees), both as token-
+  /// layers: slots of every (layer, KV head, stream) / (2 · H_kv).
+  double logical_tokens = 0, unique_tokens = 0;
+  /// logical_tokens / unique_tokens (1 without sharing; 0 when empty).
+  double sharing_ratio = 0;
+};
+
+class MultiSequenceCache;
+
+namespace cache {
+struct MultiSequenceAccess;  // test/debug introspection (src/cache/multi_sequence_access.h)
+}  // namespace cache
+
+/// One sequence of a MultiSequenceCache: a KVCache for the runner, with the verbs of a
+/// CacheManager. Made by MultiSequenceCache::add_sequence(); lives until remove_sequence().
+class Sequence final : public KVCache {
+ public:
+  ~Sequence() override;
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
+  /// Its id in the cache (0, 1, ... in order of add_sequence()).
+  int64_t id() const;
+  const CacheConfig& config() const override;
+  const EvictionPolicy& policy() const;
+
+  /// Starts a request for `prompt` (token ids; opaque to the cache) of at most
+  /// `context_length` tokens: ends the sequence's previous request, then reuses the longest
+  /// cached prefix the exactness conditions allow (kvcache/multi_sequence_cache.h). The
+  /// caller then appends the K/V of prompt[cached_tokens:], in order, in steps, the first at
+  /// least min_first_step tokens, then decodes. The prompt's whole blocks enter the index as
+  /// they settle (at the start of each end_step). All-or-nothing.
+  /// @throws InvalidArgument if context_length < 0 or < the prompt's length; CapacityError as
+  ///         CacheManager::reset (a budget that does not fit the context).
+  PrefixReuse begin_request(const std::vector<int64_t>& prompt, int64_t context_length) override;
+  /// Starts a request without a prompt: nothing reused, nothing published (CacheManager::reset).
+  void reset(int64_t context_length) override;
+  /// Ends the request: its blocks go back to the pool (what it published stays cached).
+  void finish();
+  /// True after preemption, until begin_request()/reset()/finish().
+  bool preempted() const;
+  /// The current request's prefix match (all zero without begin_request()).
+  const PrefixMatch& prefix() const;
+
+  /// As CacheManager (the same checks and guarantees), plus: CapacityError when the pool has
+  /// no room (PoolFullRule) or this sequence was preempted; InvalidArgument when the first step
+  /// after a reused prefix appends fewer than min_first_step tokens.
+  int64_t next_position(int64_t layer) const override;
+  void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override;
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) override;
+  void observe_attention(int64_t layer, const at::Tensor& probs);
+  void end_step(StepKind step) override;
+
+  LayerTokens tokens(int64_t layer) const;
+  /// This sequence's counters as CacheManager::stats(): its logical view (shared blocks count
+  /// whole, in every sequence that holds them); MultiSequenceCache::stats() has the pool's.
+  /// An adopted prefix counts as written and resident from begin_request() on.
+  CacheStats stats() const;
+  LayerKV get(int64_t layer) const;
+  /// Blocks this sequence copied on write (cumulative).
+  int64_t blocks_copied() const;
+  /// The sequence's manager's invariants (MultiSequenceCache::check_invariants checks the pool).
+  void check_invariants() const;
+
+ private:
+  friend class MultiSequenceCache;
+  friend struct cache::MultiSequenceAccess;
+  struct State;
+  explicit Sequence(std::unique_ptr<State> state);
+  std::unique_ptr<State> s_;
+};
+
+class MultiSequenceCache {
+ public:
+  /// @throws InvalidArgument if config.validate() fails.
+  explicit MultiSequenceCache(MultiSequenceConfig config);
+  ~MultiSequenceCache();
+  MultiSequenceCache(const MultiSequenceCache&) = delete;
+  MultiSequenceCache& operator=(const MultiSequenceCache&) = delete;
+
+  const MultiSequenceConfig& config() const;
+
+  /// A new, idle sequence configured as config().model.
+  Sequence& add_sequence();
+  /// A new, idle sequence with its own storage and eviction configuration; `config`'s geometry
+  /// must be the cache's and its rope is replaced by the cache's (keys post-RoPE depend on it).
+  /// @throws InvalidArgument on another geometry (naming the field) or a config that does not
+  ///         validate.
+  Sequence& add_sequence(CacheConfig config);
+  /// Ends `seq`'s request and removes it; the reference dangles afterwards.
+  /// @throws InvalidArgument if `seq` is not a sequence of this cache.
+  void remove_sequence(Sequence& seq);
+  int64_t num_sequences() const;
+  /// The sequence with `id`. @throws InvalidArgument if there is none.
+  Sequence& sequence(int64_t id);
+
+  PoolStats stats() const;
+  PrefixCounters counters() const;
+  /// Frees up to `bytes` of cached prefix blocks that no sequence uses (LRU leaf first, its
+  /// tail first), whole pages; `reclaim(INT64_MAX)` empties the index of unused prefixes.
+  /// @return bytes freed.
+  int64_t reclaim(int64_t bytes);
+  /// Sets bytes_in_use_peak to bytes_in_use (per-phase peaks).
+  void reset_peak();
+
+  /// Every sequence's invariants, the index's structure and locks, and the pool: every block's
+  /// reference count equals its holders (sequences' block lists and the index), the blocks in
+  /// use are exactly those, unused cached pages are held by the index alone, bytes in use ≤
+  /// capacity. O(blocks). @throws InternalError describing the first violation.
+  void check_invariants() const;
+
+ private:
+  friend class Sequence;
+  friend struct cache::MultiSequenceAccess;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvcache

@@ -1,0 +1,198 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CacheManager's read-only view for eviction policies (block_layer_view.h) and the
+// plain-tensor view (kvcache/layer_view.h).
+#include "cache/block_layer_view.h"
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvcache/error.h"
+
+namespace kvcache {
+namespace cache {
+namespace {
+
+/// Reads one stream's live tokens in order, decoding each block once.
+class StreamReader {
+ public:
+  StreamReader(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d, bool decode)
+      : s_(s), scale_(tensor_scale), rope_(rope), d_(d), decode_(decode) {}
+
+  /// Copies the next min(n, left) live tokens: rows to `rows` `[n, D]` (when decoding) and
+  /// positions to `pos`. Returns the count.
+  int64_t read(int64_t n, float* rows, int64_t* pos) {
+    int64_t got = 0;
+    while (got < n) {
+      if (block_ == nullptr || slot_ >= block_->filled) {
+        if (!next_block()) break;
+      }
+      const int32_t sl = slot_++;
+      if (!block_->alive(sl)) continue;
+      pos[got] = block_->position(sl);
+      if (decode_) {
+        float* out = rows + got * d_;
+        std::copy_n(scratch_.data() + static_cast<int64_t>(sl) * d_, d_, out);
+        if (rope_ != nullptr) rope_->rotate(out, pos[got]);
+      }
+      ++got;
+    }
+    return got;
+  }
+
+ private:
+  bool next_block() {
+    while (true) {
+      const BlockList& list = list_ == 0 ? s_.quant : s_.resid;
+      if (bi_ < list.blocks().size()) {
+        block_ = &list.blocks()[bi_++];
+        slot_ = 0;
+        if (decode_) {
+          scratch_.resize(static_cast<size_t>(list.format(*block_).capacity * d_));
+          list.decode(*block_, scratch_.data(), scale_);
+        }
+        return true;
+      }
+      if (list_ == 1) return false;
+      list_ = 1;
+      bi_ = 0;
+    }
+  }
+
+  const HeadStream& s_;
+  float scale_;
+  const RopeTable* rope_;
+  int64_t d_;
+  bool decode_;
+  int list_ = 0;
+  size_t bi_ = 0;
+  const Block* block_ = nullptr;
+  int32_t slot_ = 0;
+  std::vector<float> scratch_;
+};
+
+}  // namespace
+
+int64_t BlockLayerView::resident(int64_t h) const {
+  KV_CHECK_ARG(h >= 0 && h < num_kv_heads(), "LayerView: KV head ", h, " out of range [0, ", num_kv_heads(), ")");
+  return store_->resident(h);
+}
+
+void BlockLayerView::visit(int64_t h, ViewStreams streams, const std::function<void(const TokenRun&)>& fn) const {
+  const int64_t t = resident(h);
+  const int64_t d = store_->head_dim();
+  const bool want_k = (static_cast<uint8_t>(streams) & 1u) != 0;
+  const bool want_v = (static_cast<uint8_t>(streams) & 2u) != 0;
+  // Positions come with the K stream (both streams hold the same tokens in the same order).
+  StreamReader kr(store_->k(h), store_->k_scale(), key_rope_, d, want_k);
+  StreamReader vr(store_->v(h), store_->v_scale(), nullptr, d, want_v);
+  std::vector<float> krows(want_k ? static_cast<size_t>(kRunTokens * d) : 0);
+  std::vector<float> vrows(want_v ? static_cast<size_t>(kRunTokens * d) : 0);
+  std::vector<int64_t> pos(static_cast<size_t>(kRunTokens)), vpos(static_cast<size_t>(kRunTokens));
+  for (int64_t first = 0; first < t;) {
+    const int64_t n = kr.read(std::min(kRunTokens, t - first), krows.data(), pos.data());
+    KV_INTERNAL_ASSERT(n > 0, "LayerView: K stream of head ", h, " ended at ", first, " of ", t);
+    if (want_v) {
+      const int64_t nv = vr.read(n, vrows.data(), vpos.data());
+      KV_INTERNAL_ASSERT(nv == n, "LayerView: V stream of head ", h, " shorter than K at ", first);
+    }
+    TokenRun run;
+    run.first = first;
+    run.n = n;
+    run.keys = want_k ? krows.data() : nullptr;
+    run.values = want_v ? vrows.data() : nullptr;
+    run.positions = pos.data();
+    fn(run);
+    first += n;
+  }
+}
+
+void BlockLayerView::mean_rotation(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
+  KV_CHECK(rope_ != nullptr && rope_->enabled(), UnsupportedError,
+           "LayerView::mean_rotation: this cache holds no RoPE table (the policy did not ask for pre-RoPE queries)");
+  KV_CHECK_ARG(first >= 0 && n >= 1, "LayerView::mean_rotation: positions [", first, ", ", first, " + ", n,
+               ") (expected first >= 0, n >= 1)");
+  rope_->mean_cos_sin(first, n, cos_out, sin_out);
+}
+
+}  // namespace cache
+
+namespace {
+std::string sizes_of(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::ostringstream os;
+  os << t.sizes() << " " << at::toString(t.scalar_type());
+  return os.str();
+}
+}  // namespace
+
+TensorLayerView::TensorLayerView(const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                                 int64_t next_position, RopeFn rope)
+    : next_(next_position), rope_(std::move(rope)) {
+  KV_CHECK_ARG(k.defined() && k.dim() == 4 && k.size(0) == 1 && k.scalar_type() == at::kFloat,
+               "TensorLayerView: k must be float32 [1, H_kv, T, D], got ", sizes_of(k));
+  KV_CHECK_ARG(v.defined() && v.sizes() == k.sizes() && v.scalar_type() == at::kFloat,
+               "TensorLayerView: v must be float32 ", k.sizes(), ", got ", sizes_of(v));
+  KV_CHECK_ARG(positions.defined() && positions.dim() == 2 && positions.size(0) == k.size(1) &&
+                   positions.size(1) == k.size(2) && positions.scalar_type() == at::kLong,
+               "TensorLayerView: positions must be int64 [H_kv=", k.size(1), ", T=", k.size(2), "], got ",
+               sizes_of(positions));
+  d_ = k.size(3);
+  for (int64_t h = 0; h < k.size(1); ++h) {
+    k_.push_back(k[0][h].contiguous());
+    v_.push_back(v[0][h].contiguous());
+    pos_.push_back(positions[h].contiguous());
+  }
+}
+
+TensorLayerView::TensorLayerView(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+                                 std::vector<at::Tensor> positions, int64_t next_position, RopeFn rope)
+    : next_(next_position), rope_(std::move(rope)) {
+  KV_CHECK_ARG(!k.empty() && k.size() == v.size() && k.size() == positions.size(),
+               "TensorLayerView: ", k.size(), " key, ", v.size(), " value and ", positions.size(),
+               " position tensors (expected one of each per KV head, at least one head)");
+  KV_CHECK_ARG(k[0].defined() && k[0].dim() == 2, "TensorLayerView: k[0] must be float32 [T_0, D], got ",
+               sizes_of(k[0]));
+  d_ = k[0].size(1);
+  for (size_t h = 0; h < k.size(); ++h) {
+    KV_CHECK_ARG(k[h].defined() && k[h].dim() == 2 && k[h].size(1) == d_ && k[h].scalar_type() == at::kFloat,
+                 "TensorLayerView: k[", h, "] must be float32 [T_h, D=", d_, "], got ", sizes_of(k[h]));
+    KV_CHECK_ARG(v[h].defined() && v[h].sizes() == k[h].sizes() && v[h].scalar_type() == at::kFloat,
+                 "TensorLayerView: v[", h, "] must be float32 ", k[h].sizes(), ", got ", sizes_of(v[h]));
+    KV_CHECK_ARG(positions[h].defined() && positions[h].dim() == 1 && positions[h].size(0) == k[h].size(0) &&
+                     positions[h].scalar_type() == at::kLong,
+                 "TensorLayerView: positions[", h, "] must be int64 [T_h=", k[h].size(0), "], got ",
+                 sizes_of(positions[h]));
+    k_.push_back(k[h].contiguous());
+    v_.push_back(v[h].contiguous());
+    pos_.push_back(positions[h].contiguous());
+  }
+}
+
+int64_t TensorLayerView::resident(int64_t h) const {
+  KV_CHECK_ARG(h >= 0 && h < num_kv_heads(), "LayerView: KV head ", h, " out of range [0, ", num_kv_heads(), ")");
+  return k_[static_cast<size_t>(h)].size(0);
+}
+
+void TensorLayerView::visit(int64_t h, ViewStreams streams, const std::function<void(const TokenRun&)>& fn) const {
+  const int64_t t = resident(h);
+  if (t == 0) return;
+  TokenRun run;
+  run.first = 0;
+  run.n = t;
+  if ((static_cast<uint8_t>(streams) & 1u) != 0) run.keys = k_[static_cast<size_t>(h)].data_ptr<float>();
+  if ((static_cast<uint8_t>(streams) & 2u) != 0) run.values = v_[static_cast<size_t>(h)].data_ptr<float>();
+  run.positions = pos_[static_cast<size_t>(h)].data_ptr<int64_t>();
+  fn(run);
+}
+
+void TensorLayerView::mean_rotation(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
+  KV_CHECK(static_cast<bool>(rope_), UnsupportedError,
+           "TensorLayerView::mean_rotation: the view was built without a RoPE hook");
+  KV_CHECK_ARG(first >= 0 && n >= 1, "LayerView::mean_rotation: positions [", first, ", ", first, " + ", n,
+               ") (expected first >= 0, n >= 1)");
+  cache::RopeTable(rope_, head_dim(), "TensorLayerView::mean_rotation needs it").mean_cos_sin(first, n, cos_out, sin_out);
+}
+
+}  // namespace kvcache

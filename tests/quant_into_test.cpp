@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: Apache-2.0
+// Quantizer::quantize_into / dequantize_into: bit-identical to quantize()/dequantize() for
+// every contract spec and input dtype, writing into the caller's tensors when they fit
+// (same data pointers on a repeated call), never into memory shared with the input, and
+// reallocating what does not fit.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "kvcache/error.h"
+#include "kvcache/quantizer.h"
+#include "quant_test_util.h"
+
+namespace {
+
+using kvcache::make_quantizer;
+using kvcache::QuantizedTensor;
+
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::Tensor ca = a.contiguous(), cb = b.contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), static_cast<size_t>(ca.numel() * ca.element_size())) == 0;
+}
+
+void expect_same(const QuantizedTensor& a, const QuantizedTensor& b, const std::string& what) {
+  EXPECT_EQ(a.format, b.format) << what;
+  EXPECT_EQ(a.shape, b.shape) << what;
+  EXPECT_EQ(a.dtype, b.dtype) << what;
+  EXPECT_TRUE(same_bytes(a.codes, b.codes)) << what << ": codes";
+  EXPECT_TRUE(same_bytes(a.scales, b.scales)) << what << ": scales";
+  EXPECT_TRUE(same_bytes(a.zeros, b.zeros)) << what << ": zeros";
+  EXPECT_EQ(a.side.size(), b.side.size()) << what;
+}
+
+TEST(QuantizeInto, BitIdenticalAndReusesTheCallersTensors) {
+  for (const std::string& spec : kvcache::testing::contract_specs()) {
+    auto q = make_quantizer(spec);
+    for (const at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      const at::Tensor x1 = kvcache::testing::outlier_kv({1, 2, 64, 64}, 1).to(dt);
+      const at::Tensor x2 = kvcache::testing::outlier_kv({1, 2, 64, 64}, 2).to(dt);
+      const std::string what = spec + " " + std::string(c10::toString(dt));
+      QuantizedTensor out;
+      q->quantize_into(x1, out);
+      expect_same(out, q->quantize(x1), what + " first call");
+      const void* codes = out.codes.data_ptr();
+      const void* scales = out.scales.defined() ? out.scales.data_ptr() : nullptr;
+      q->quantize_into(x2, out);
+      expect_same(out, q->quantize(x2), what + " second call");
+      EXPECT_EQ(out.codes.data_ptr(), codes) << what << ": codes reallocated";
+      if (scales != nullptr) {
+        EXPECT_EQ(out.scales.data_ptr(), scales) << what << ": scales reallocated";
+      }
+
+      at::Tensor y;
+      q->dequantize_into(out, y);
+      const at::Tensor want = q->dequantize(out);
+      EXPECT_TRUE(same_bytes(y, want)) << what << ": dequantize_into";
+      const void* yp = y.data_ptr();
+      q->dequantize_into(out, y);
+      EXPECT_TRUE(same_bytes(y, want)) << what << ": dequantize_into again";
+      if (dt == at::kFloat) {
+        EXPECT_EQ(y.data_ptr(), yp) << what << ": output reallocated";
+      }
+    }
+  }
+}
+
+TEST(QuantizeInto, ShapeChangeReallocatesAndStaysCorrect) {
+  for (const std::string spec : {"int4:g32", "int2:g32:chan", "fp8:e4m3:scaled", "fp16"}) {
+    auto q = make_quantizer(spec);
+    QuantizedTensor out;
+    q->quantize_into(kvcache::testing::randn_kv({1, 2, 64, 64}, 3), out);
+    const at::Tensor bigger = kvcache::testing::randn_kv({1, 2, 128, 64}, 4);
+    q->quantize_into(bigger, out);
+    expect_same(out, q->quantize(bigger), spec);
+    at::Tensor y = at::zeros({3});  // wrong shape: replaced
+    q->dequantize_into(out, y);
+    EXPECT_TRUE(same_bytes(y, q->dequantize(out))) << spec;
+  }
+}
+
+TEST(QuantizeInto, FallsBackToFp32MetadataAndBackToFp16) {
+  // A group past fp16's range keeps its metadata in fp32 (as quantize() does); the next call
+  // with ordinary values is fp16 again, both identical to quantize().
+  auto q = make_quantizer("int4:g32");
+  at::Tensor big = kvcache::testing::randn_kv({1, 1, 4, 64}, 5);
+  big[0][0][1][7] = 1e6f;
+  QuantizedTensor out;
+  q->quantize_into(big, out);
+  EXPECT_EQ(out.scales.scalar_type(), at::kFloat);
+  expect_same(out, q->quantize(big), "fp32 metadata");
+  const at::Tensor small = kvcache::testing::randn_kv({1, 1, 4, 64}, 6);
+  q->quantize_into(small, out);
+  EXPECT_EQ(out.scales.scalar_type(), at::kHalf);
+  expect_same(out, q->quantize(small), "fp16 metadata");
+}
+
+TEST(QuantizeInto, NeverWritesIntoTheInput) {
+  // fp32 codes of the same shape as x: handing x itself (or a view of it) as out.codes must
+  // not make the cache alias the caller's buffer.
+  auto q = make_quantizer("fp32");
+  const at::Tensor x = kvcache::testing::randn_kv({1, 2, 8, 64}, 7);
+  const at::Tensor keep = x.clone();
+  QuantizedTensor out;
+  out.codes = x;
+  q->quantize_into(x, out);
+  EXPECT_NE(out.codes.data_ptr(), x.data_ptr());
+  EXPECT_TRUE(same_bytes(x, keep));
+  EXPECT_TRUE(same_bytes(out.codes, keep));
+  at::Tensor y = out.codes;  // the output may not be the codes it decodes either
+  q->dequantize_into(out, y);
+  EXPECT_NE(y.data_ptr(), out.codes.data_ptr());
+  EXPECT_TRUE(same_bytes(y, keep));
+}
+
+TEST(QuantizeInto, SameErrorsAsQuantize) {
+  auto q = make_quantizer("int8:g32");
+  QuantizedTensor out;
+  at::Tensor x = kvcache::testing::randn_kv({1, 1, 2, 64}, 8);
+  x[0][0][1][5] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    q->quantize_into(x, out);
+    FAIL() << "NaN accepted";
+  } catch (const kvcache::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("[int8:g32]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[0, 0, 1, 5]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(q->quantize_into(at::zeros({2, 64}), out), kvcache::InvalidArgument);
+  QuantizedTensor other = make_quantizer("int4")->quantize(kvcache::testing::randn_kv({1, 1, 2, 64}, 9));
+  at::Tensor y;
+  EXPECT_THROW(q->dequantize_into(other, y), kvcache::InvalidArgument);
+}
+
+}  // namespace
