@@ -141,7 +141,7 @@ void expect_same_state(const CacheManager& a, const CacheManager& b, const std::
 
 struct ReuseCase {
   const char* name;
-  const char* quant;
+  const char* scheme;  ///< CacheConfig::scheme
   int64_t residual;   ///< CacheConfig::residual_length
   const char* policy;
   int64_t chunk;      ///< prefill chunk after the prefix
@@ -156,7 +156,7 @@ class PrefixReuse : public ::testing::TestWithParam<ReuseCase> {};
 
 TEST_P(PrefixReuse, IsBitIdenticalToComputingThePrefix) {
   const ReuseCase& rc = GetParam();
-  CacheConfig model = make_config(kL, kHq, kHkv, kD, rc.quant, rc.policy, 0);
+  CacheConfig model = make_config(kL, kHq, kHkv, kD, rc.scheme, rc.policy, 0);
   model.residual_length = rc.residual;
   model.block_tokens = 8;
   MultiSequenceCache cache(pool_config(model));
@@ -213,6 +213,10 @@ INSTANTIATE_TEST_SUITE_P(
         ReuseCase{"int4_residual", "int4:g8", 8, "full", 3, 40, 8, false},
         // KIVI: keys flushed in blocks of r = 16 (reuse in multiples of 16: 32 of 40), values sliding 16.
         ReuseCase{"kivi", "kivi:k2:v2:g8:r16", 0, "full", 5, 32, 16, false},
+        // Hadamard-rotated streams (the index key holds the scheme's spec): plain, and keys only
+        // around KIVI (its block-flushed keys still set the granularity).
+        ReuseCase{"had_int4", "had(int4:g8)", 0, "full", 7, 40, 0, false},
+        ReuseCase{"had_k_kivi", "had:k(kivi:k2:v2:g8:r16)", 0, "full", 5, 32, 16, false},
         // Eviction inside the shared prefix: window frees whole blocks (no copy), random leaves
         // holes that merge (copy-on-write), KIVI's per-channel groups convert (copy-on-write).
         ReuseCase{"fp16_window", "fp16", 0, "window@44", 6, 40, 0, false},
@@ -247,6 +251,12 @@ TEST(MultiSequenceCache, ExactnessRulesLimitTheMatch) {
     Sequence& q = c.add_sequence(int4);
     EXPECT_EQ(q.begin_request(prompt, 64).cached_tokens, 0);
     EXPECT_EQ(q.prefix().indexed_tokens, 0);
+    // Nor do Hadamard-rotated ones (had(fp16) stores H·x): the key holds the scheme's spec.
+    CacheConfig had = model;
+    had.scheme = "had(fp16)";
+    Sequence& r = c.add_sequence(had);
+    EXPECT_EQ(r.begin_request(prompt, 64).cached_tokens, 0);
+    EXPECT_EQ(r.prefix().indexed_tokens, 0);
     // An attention-reading policy reuses nothing unless allowed; a budget caps the prefix.
     CacheConfig h2o = model;
     h2o.policy = "h2o@32";

@@ -88,6 +88,38 @@ at::Tensor RotatedQuantizer::do_dequantize(const QuantizedTensor& q) const {
   return to_input_dtype(y, q.dtype);  // saturating, as the other quantizers
 }
 
+void RotatedQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const {
+  const std::string where = "quantize_into(x, out) [" + spec() + "]";
+  const at::Tensor y = rotate(x);
+  KV_CHECK_ARG(at::isfinite(y).all().item<bool>(), where, ": the rotated x exceeds float32 (|x| up to ",
+               x.to(at::kFloat).abs().max().item<float>(), "); such input cannot be rotated");
+  try {
+    inner_->quantize_into(y, out);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(where + ": " + e.what());
+  }
+  out.format = spec();
+  out.dtype = x.scalar_type();
+}
+
+void RotatedQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
+  if (q.dtype != at::kFloat) {
+    out = do_dequantize(q);  // rounded to q.dtype from a float32 reconstruction
+    return;
+  }
+  QuantizedTensor inner_q = q;
+  inner_q.format = inner_->spec();
+  inner_q.dtype = at::kFloat;
+  try {
+    inner_->dequantize_into(inner_q, out);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument("dequantize_into(q, out) [" + spec() + "]: " + e.what());
+  }
+  if (!out.is_contiguous()) out = out.contiguous();
+  check_head_dim(out.size(3), "dequantize_into(q, out) [" + spec() + "]");
+  hadamard_rows(out.data_ptr<float>(), out.numel() / out.size(3), out.size(3));
+}
+
 StoredLayout RotatedQuantizer::do_stored_layout(int64_t head_dim) const {
   check_head_dim(head_dim, "stored_layout(head_dim) [" + spec() + "]");
   return inner_->stored_layout(head_dim);

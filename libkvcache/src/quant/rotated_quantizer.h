@@ -40,6 +40,10 @@ class RotatedQuantizer final : public Quantizer {
   void check_input(const at::Tensor& x) const override;
   QuantizedTensor do_quantize(const at::Tensor& x) const override;
   at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+  /// The inner quantizer's buffer-reusing forms around the rotation (the rotated copy of x is
+  /// a temporary; float32 output is rotated back in place).
+  void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const override;
+  void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;
