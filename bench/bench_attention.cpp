@@ -73,7 +73,7 @@ kvcache::CacheConfig config(const std::string& spec) {
   c.num_q_heads = kHq;
   c.num_kv_heads = kHkv;
   c.head_dim = kD;
-  c.quant = spec;
+  c.scheme = spec;
   c.policy = "full";
   c.rope = rope;
   c.block_tokens = g_block_tokens;

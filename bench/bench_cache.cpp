@@ -71,7 +71,7 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
   c.num_q_heads = kHq;
   c.num_kv_heads = kHkv;
   c.head_dim = kD;
-  c.quant = quant;
+  c.scheme = quant;
   c.policy = policy_spec(policy, t);
   c.rope = rope;
   c.context_length = 4 * t;

@@ -70,7 +70,7 @@ enum class Kind { kManaged, kBare };
 std::unique_ptr<KVCache> make_cache(Kind kind) {
   kvcache::CacheConfig c = g_model->cache_config();
   if (kind == Kind::kBare) return std::make_unique<ConcatKVCache>(std::move(c));
-  c.quant = g_settings.quant;
+  c.scheme = g_settings.quant;
   c.policy = "full";
   return std::make_unique<CacheManager>(std::move(c));
 }

@@ -73,7 +73,7 @@ void BM_SharedPrefix(benchmark::State& state, const std::string& quant, bool sha
   cfg.model.num_q_heads = kHq;
   cfg.model.num_kv_heads = kHkv;
   cfg.model.head_dim = kD;
-  cfg.model.quant = quant;
+  cfg.model.scheme = quant;
   cfg.model.policy = "full";
   cfg.model.rope = rope;
   cfg.capacity_bytes = int64_t{16} << 30;

@@ -210,13 +210,16 @@ void register_all() {
   const std::vector<std::string> specs = {"fp32",     "fp16",          "bf16",          "fp8:e4m3",
                                           "fp8:e5m2", "fp8:e4m3:scaled", "int8",        "int4",
                                           "int2",     "int4:g32",      "int2:g32",      "int8:g32:chan",
-                                          "int4:g32:chan", "int2:g32:chan"};
+                                          "int4:g32:chan", "int2:g32:chan", "int3",          "int3:g32",
+                                          "int3:g32:chan", "had(int4)",    "had(int3:g32)"};
   const std::vector<RefCase> refs = {{8, 0, GroupAxis::kPerToken},
                                      {4, 0, GroupAxis::kPerToken},
+                                     {3, 0, GroupAxis::kPerToken},
                                      {2, 0, GroupAxis::kPerToken},
                                      {4, 32, GroupAxis::kPerToken},
                                      {4, 32, GroupAxis::kPerChannel},
-                                     {2, 32, GroupAxis::kPerChannel}};
+                                     {2, 32, GroupAxis::kPerChannel},
+                                     {3, 32, GroupAxis::kPerChannel}};
   for (const auto& shape : shapes) {
     for (const auto& s : specs) {
       benchmark::RegisterBenchmark(("quantize/" + s + "/" + shape_name(shape)).c_str(), bench_quantize, s, shape)
@@ -251,7 +254,7 @@ void register_all() {
                                    s, shape)
           ->Unit(benchmark::kMillisecond);
     }
-    for (int bits : {8, 4}) {
+    for (int bits : {8, 4, 3}) {
       const std::string s = "int" + std::to_string(bits) + ":g32";
       benchmark::RegisterBenchmark(("kernel_quantize/" + s + "/" + shape_name(shape)).c_str(), bench_kernel, bits,
                                    int64_t{32}, false, shape)

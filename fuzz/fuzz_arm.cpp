@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Study arms ("quant+policy", `--configs`, `--budget`): parse_arm_list, with_budget, dedupe,
-// parse_arm round trip; then every arm whose quant and policy specs are accepted is run for one
+// Study arms ("scheme+policy", `--configs`, `--budget`): parse_arm_list, with_budget, dedupe,
+// parse_arm round trip; then every arm whose scheme and policy specs are accepted is run for one
 // short request through a CacheManager (2 layers, H_q 4, H_kv 2, D 32; a 40-token prompt in
 // chunks of 16, then 8 decode steps, attend() every step) with check_invariants() at the end:
 // a configuration that validates must work, and may refuse a call only with a user error.
@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "cache/cache_scheme.h"
 #include "cache_test_util.h"
 #include "fuzz_util.h"
 #include "known_issues.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/study/arm.h"
@@ -30,7 +30,7 @@ constexpr int64_t kPrompt = 40, kChunk = 16, kDecode = 8;
 
 /// One request of an accepted arm; returns when the cache refuses a call with a user error.
 void run_request(const Arm& arm) {
-  CacheConfig c = kvcache::testing::make_config(kLayers, kQHeads, kKvHeads, kHeadDim, arm.quant, arm.policy);
+  CacheConfig c = kvcache::testing::make_config(kLayers, kQHeads, kKvHeads, kHeadDim, arm.scheme, arm.policy);
   std::unique_ptr<CacheManager> m;
   if (!fuzz::accepts("CacheManager", [&] { m = std::make_unique<CacheManager>(c); })) return;
   if (!fuzz::accepts("reset", [&] { m->reset(kPrompt + kDecode); })) return;
@@ -86,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     KV_FUZZ_CHECK(fuzz::accepts("parse_arm(spec)", [&] { again = study::parse_arm(a.spec()); }) && again == a,
                   "parse_arm round trip", "'", a.spec(), "' -> '", again.spec(), "'");
     std::string quant, policy;
-    if (!fuzz::accepts("canonical_cache_spec", [&] { quant = cache::canonical_cache_spec(a.quant); })) continue;
+    if (!fuzz::accepts("make_cache_scheme", [&] { quant = make_cache_scheme(a.scheme)->spec(); })) continue;
     if (!fuzz::accepts("make_eviction_policy", [&] { policy = make_eviction_policy(a.policy)->spec(); })) continue;
     run_request(Arm{quant, policy});
   }

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// Quantizer and cache-scheme spec strings (CacheConfig::quant): make_quantizer,
-// canonical_cache_spec, parse_cache_scheme. An accepted spec's canonical form must be accepted
-// and canonical again; its layout and bits per value must be computable (or rejected) for any
-// head_dim.
+// Quantizer and cache-scheme spec strings (CacheConfig::scheme): make_quantizer,
+// make_cache_scheme and CacheScheme::streams. An accepted spec's canonical form must be
+// accepted and canonical again; its layout and bits per value must be computable (or
+// rejected) for any head_dim.
 #include <memory>
 #include <string>
 
-#include "cache/cache_scheme.h"
 #include "fuzz_util.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/quantizer.h"
 
 using namespace kvcache;
@@ -34,15 +34,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
 
-  std::string canon_cache;
-  if (fuzz::accepts("canonical_cache_spec", [&] { canon_cache = cache::canonical_cache_spec(spec); })) {
+  std::unique_ptr<CacheScheme> scheme;
+  if (fuzz::accepts("make_cache_scheme", [&] { scheme = make_cache_scheme(spec); })) {
+    const std::string canon_cache = scheme->spec();
     std::string again;
-    KV_FUZZ_CHECK(fuzz::accepts("canonical_cache_spec(canonical)", [&] { again = cache::canonical_cache_spec(canon_cache); }),
-                  "canonical_cache_spec", "canonical '", canon_cache, "' of '", spec, "' rejected");
-    KV_FUZZ_CHECK(again == canon_cache, "canonical_cache_spec", "'", canon_cache, "' -> '", again, "'");
-    for (int64_t d : {int64_t{1}, int64_t{16}, int64_t{64}, int64_t{128}}) {
+    KV_FUZZ_CHECK(fuzz::accepts("make_cache_scheme(canonical)", [&] { again = make_cache_scheme(canon_cache)->spec(); }),
+                  "make_cache_scheme", "canonical '", canon_cache, "' of '", spec, "' rejected");
+    KV_FUZZ_CHECK(again == canon_cache, "make_cache_scheme", "'", canon_cache, "' -> '", again, "'");
+    for (int64_t d : {int64_t{1}, int64_t{16}, int64_t{64}, int64_t{96}, int64_t{128}}) {
       for (int64_t residual : {int64_t{0}, int64_t{1}, int64_t{128}}) {
-        fuzz::accepts("parse_cache_scheme", [&] { (void)cache::parse_cache_scheme(spec, residual, d); });
+        fuzz::accepts("streams", [&] { (void)scheme->streams(CacheGeometry{2, 2, d}, 1, residual); });
       }
     }
   }

@@ -21,6 +21,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -277,6 +278,24 @@ TEST(AttendFused, SkipsHolesLikeTheGenericPath) {
 
 // CacheConfig::fused_attention selects the path of the public attend(): false is exactly the
 // generic per-block path, true exactly the fused one (here int4, where the two differ).
+// int3 (two-plane codes) and rotated had(...) formats are not read by the fused kernels:
+// classify() returns kNone, so the generic path (which decodes and rotates back) runs. No CPU
+// feature is needed to classify.
+TEST(AttendFused, Int3AndRotatedFormatsTakeTheGenericPath) {
+  using Kind = cache::fused::KernelFormat::Kind;
+  const auto kind = [](const std::string& spec) {
+    const auto q = make_quantizer(spec);
+    const int64_t cap = std::max<int64_t>(32, q->stored_layout(64).group_tokens);
+    return cache::fused::classify(cache::BlockFormat(*q, 64, cap, nullptr)).kind;
+  };
+  for (const char* spec : {"int3", "int3:g32", "int3:g32:chan", "had(int4)", "had(fp32)", "had(int2:g32:chan)"}) {
+    EXPECT_EQ(kind(spec), Kind::kNone) << spec;
+  }
+  EXPECT_EQ(kind("int4"), Kind::kIntToken);
+  EXPECT_EQ(kind("int2:g32:chan"), Kind::kIntChannel);
+  EXPECT_EQ(kind("fp32"), Kind::kF32);
+}
+
 TEST(AttendFused, ConfigSelectsThePath) {
   REQUIRE_FUSED();
   for (const bool fused : {false, true}) {

@@ -19,11 +19,11 @@
 
 #include "cache/attend.h"
 #include "cache/block_pool.h"
-#include "cache/cache_scheme.h"
 #include "cache/layer_store.h"
 #include "cache_test_util.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 
@@ -63,7 +63,8 @@ TEST(Attend, MatchesReferenceForEveryFormatAndBlockSize) {
       {"fp32", 1},       {"fp32", 3},         {"fp32", 0},        {"fp16", 3},          {"bf16", 0},
       {"fp8:e4m3", 3},   {"fp8:e5m2", 0},     {"fp8:e4m3:scaled", 1}, {"int8", 3},      {"int4", 0},
       {"int2:g4", 1},    {"int4:g8:chan", 8}, {"int2:g4:chan", 0}, {"kivi:k2:v2:g4:r8", 4},
-      {"kivi:k4:v4:g4:r8", 12}};
+      {"kivi:k4:v4:g4:r8", 12}, {"int3", 3},        {"int3:g8:chan", 8}, {"kivi:k3:v3:g8:r8", 8},
+      {"had(fp32)", 1},         {"had(int4)", 3},   {"had(int3:g8:chan)", 0}, {"had:k(kivi:k2:v2:g4:r8)", 4}};
   uint64_t seed = 40;
   for (const auto& fc : cases) {
     auto c = make_config(2, 21, 3, 8, fc.quant, "full");
@@ -175,14 +176,14 @@ TEST(Attend, PolicyFedByAttendPlansLikeReferenceProbabilities) {
 // (what head-wise budgets produce): each head against the reference over its own tokens, and
 // the per-head mass against reduce_attention().
 TEST(Attend, RaggedHeads) {
-  auto q4 = make_quantizer("int4");
+  std::shared_ptr<const Quantizer> q4 = make_quantizer("int4");
   auto f16 = make_quantizer("fp16");
   auto f32 = make_quantizer("fp32");
   cache::BlockPool pool_main(cache::BlockFormat::bytes_for(*q4, 8, 4));
   cache::BlockPool pool_res(cache::BlockFormat::bytes_for(*f16, 8, 4));
   cache::BlockPool pool_fb(cache::BlockFormat::bytes_for(*f32, 8, 4));
   cache::StreamSetup st;
-  st.spec = cache::StreamSpec{"int4", 3, cache::ResidualFlush::kSliding, at::kHalf};
+  st.spec = StreamSpec{q4, 3, ResidualFlush::kSliding, at::kHalf};
   st.formats.f[cache::StreamFormats::kMain] = cache::BlockFormat(*q4, 8, 4, &pool_main);
   st.formats.f[cache::StreamFormats::kResidual] = cache::BlockFormat(*f16, 8, 4, &pool_res);
   st.formats.f[cache::StreamFormats::kFallback] = cache::BlockFormat(*f32, 8, 4, &pool_fb);

@@ -58,7 +58,9 @@ TEST(BlockPool, FreeListReferenceCountsAndSlabs) {
 TEST(StoredLayout, EncodeDecodeAreQuantizeDequantizeByteForByte) {
   const std::vector<std::string> specs = {"fp32",  "fp16",    "bf16",   "fp8:e4m3", "fp8:e5m2", "fp8:e4m3:scaled",
                                           "int8",  "int4",    "int2",   "int8:g16", "int4:g8",  "int2:g4",
-                                          "int8:g8:chan", "int4:g16:chan", "int2:g4:chan"};
+                                          "int8:g8:chan", "int4:g16:chan", "int2:g4:chan", "int3", "int3:g8",
+                                          "int3:g16:chan", "had(fp32)", "had(int4:g8)", "had(int3:g8:chan)",
+                                          "had(fp8:e4m3:scaled)"};
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
   const int64_t d = 32, t = 48;
   const at::Tensor x = at::randn({1, 1, t, d}, gen) * 3.0 + 0.5;
@@ -101,6 +103,11 @@ TEST(StoredLayout, EncodeDecodeAreQuantizeDequantizeByteForByte) {
   EXPECT_EQ(make_quantizer("int4:g32:chan")->stored_layout(64).group_tokens, 32);
   EXPECT_FALSE(make_quantizer("int4:g32:chan")->stored_layout(64).token_readable());
   EXPECT_THROW(make_quantizer("int4:g24")->stored_layout(64), InvalidArgument);  // 64 % 24
+  EXPECT_THROW(make_quantizer("had(int4)")->stored_layout(48), InvalidArgument);  // not a power of two
+  // int3: 8 codes in 3 bytes, + fp16 scale and zero per group.
+  EXPECT_EQ(make_quantizer("int3:g32")->stored_layout(64).code_bytes, 24);
+  EXPECT_EQ(make_quantizer("int3:g32:chan")->stored_layout(64).code_bytes, 12 * 64);
+  EXPECT_EQ(make_quantizer("had(int3:g32)")->stored_layout(64).code_bytes, 24);
 }
 
 TEST(StoredLayout, Fp16OverflowIsReportedNotWritten) {

@@ -454,7 +454,7 @@ TEST(CacheHostile, AbsurdConfigsAreRejected) {
             "CacheConfig.residual_length must be in [0, 1000000000], got 4611686018427387904");
   EXPECT_EQ(message([](CacheConfig& c) { c.block_tokens = 5000; }),
             "CacheConfig.block_tokens must be in [0, 4096] (0 = default 64), got 5000");
-  EXPECT_EQ(message([](CacheConfig& c) { c.quant = "kivi:k2:v2:g4:r0"; }),
+  EXPECT_EQ(message([](CacheConfig& c) { c.scheme = "kivi:k2:v2:g4:r0"; }),
             "spec 'kivi:k2:v2:g4:r0': field 'r0': r=0 out of range [1, 1000000000] (full-precision residual tokens "
             "(a positive multiple of g))");
   EXPECT_EQ(message([](CacheConfig& c) { c.num_layers = 0; }), "CacheConfig.num_layers must be >= 1, got 0");

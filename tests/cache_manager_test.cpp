@@ -42,16 +42,16 @@ TEST(CacheConfig, ValidateNamesTheBadField) {
   c.key_storage = KeyStorage::kPreRoPE;
   EXPECT_NO_THROW(c.validate());
   c = ok;
-  c.quant = "int5";
+  c.scheme = "int5";
   EXPECT_THROW(CacheManager{c}, InvalidArgument);
   c = ok;
   c.policy = "lru@3";
   EXPECT_THROW(c.validate(), InvalidArgument);
   c = ok;
-  c.quant = "kivi:k2:v2:g32:r100";  // r not a multiple of g
+  c.scheme = "kivi:k2:v2:g32:r100";  // r not a multiple of g
   EXPECT_THROW(c.validate(), InvalidArgument);
   c = ok;
-  c.quant = "kivi:k2:v2:g16:r32";  // head_dim 8 not divisible by 16
+  c.scheme = "kivi:k2:v2:g16:r32";  // head_dim 8 not divisible by 16
   EXPECT_THROW(c.validate(), InvalidArgument);
   c = ok;
   c.policy = "sink:s4:w8@10";

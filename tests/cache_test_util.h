@@ -36,7 +36,7 @@ inline CacheConfig make_config(int64_t layers, int64_t hq, int64_t hkv, int64_t 
   c.num_q_heads = hq;
   c.num_kv_heads = hkv;
   c.head_dim = d;
-  c.quant = quant;
+  c.scheme = quant;
   c.policy = policy;
   c.context_length = context;
   c.rope = test_rope;

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cache/cache_manager_access.h"
-#include "cache/cache_scheme.h"
+#include "kvcache/cache_scheme.h"
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
@@ -112,14 +112,14 @@ TEST(Kivi, ResidualFlushingPrefillAndDecode) {
 TEST(Kivi, SchemeSpecValidation) {
   auto c = make_config(1, 2, 2, 64, "kivi:k4:v4:g32:r128", "full");
   EXPECT_NO_THROW(CacheManager{c});
-  c.quant = "kivi:k2:v2:g32:r100";
+  c.scheme = "kivi:k2:v2:g32:r100";
   EXPECT_THROW(c.validate(), InvalidArgument);
-  c.quant = "kivi:k2:v2:g32:r128:x1";
+  c.scheme = "kivi:k2:v2:g32:r128:x1";
   EXPECT_THROW(c.validate(), InvalidArgument);
-  c.quant = "kivi:k2:v2:g32:r128";
+  c.scheme = "kivi:k2:v2:g32:r128";
   c.residual_length = 64;  // conflicts with r128
   EXPECT_THROW(c.validate(), InvalidArgument);
-  c.quant = "kivi";  // defaults k2 v2 g32 r128
+  c.scheme = "kivi";  // defaults k2 v2 g32 r128
   c.residual_length = 0;
   CacheManager m(c);
   EXPECT_EQ(CacheManagerAccess::scheme(m), "kivi:k2:v2:g32:r128");
@@ -141,14 +141,17 @@ TEST(Kivi, SchemesThatCannotRunAreRejected) {
                                          "(full-precision residual tokens (a positive multiple of g))");
   EXPECT_EQ(message("kivi:g4:r2"), "cache scheme 'kivi:g4:r2': residual r=2 must be a positive multiple of the group "
                                    "size g=4 (keys are quantized in whole groups of g tokens, which wait in the residual)");
-  EXPECT_EQ(message("kivi:k3:g4:r4"),
-            "cache scheme 'kivi:k3:g4:r4': k=3 bits is not a registered integer width (expected 2, 4 or 8)");
-  EXPECT_EQ(message("kivi:v5:g4:r4"),
-            "cache scheme 'kivi:v5:g4:r4': v=5 bits is not a registered integer width (expected 2, 4 or 8)");
+  // Bit widths: those of the registered int<b> quantizers, as the table says ({2, 3, 4, 8}).
+  EXPECT_EQ(message("kivi:k3:g4:r4"), "cache scheme 'kivi:k3:g4:r4': its keys are stored as 'int3:g4:chan', which "
+                                      "fails: int3:g4: group size must be a multiple of 8 (8 codes are packed in 3 bytes "
+                                      "within a group)");
+  EXPECT_EQ(message("kivi:k3:v3:g8:r8"), "valid");
+  EXPECT_EQ(message("kivi:v5:g4:r4"), "spec 'kivi:v5:g4:r4': field 'v5': v=5 is not one of {2, 3, 4, 8} (value bits "
+                                      "(the registered int<b> widths))");
   EXPECT_EQ(message("kivi:g2:r2"), "cache scheme 'kivi:g2:r2': its keys are stored as 'int2:g2:chan', which fails: "
                                    "int2:g2: group size must be a multiple of 4 (4 codes are packed per byte within a "
                                    "group)");
-  EXPECT_THROW((void)cache::canonical_cache_spec("kivi:g2:r2"), InvalidArgument);  // needs no head_dim to know
+  EXPECT_THROW((void)make_cache_scheme("kivi:g2:r2"), InvalidArgument);  // needs no head_dim to know
   EXPECT_EQ(message("kivi:k8:v8:g4:r4"), "valid");
   // The smallest residual that validates runs: prefill, a flush, decode.
   CacheManager m(make_config(1, 2, 2, 8, "kivi:k2:v2:g4:r4", "full"));

@@ -147,7 +147,7 @@ void expect_same_state(const CacheManager& a, const CacheManager& b, const std::
 
 struct ReuseCase {
   const char* name;
-  const char* quant;
+  const char* scheme;  ///< CacheConfig::scheme
   int64_t residual;   ///< CacheConfig::residual_length
   const char* policy;
   int64_t chunk;      ///< prefill chunk after the prefix
@@ -162,7 +162,7 @@ class PrefixReuse : public ::testing::TestWithParam<ReuseCase> {};
 
 TEST_P(PrefixReuse, IsBitIdenticalToComputingThePrefix) {
   const ReuseCase& rc = GetParam();
-  CacheConfig model = make_config(kL, kHq, kHkv, kD, rc.quant, rc.policy, 0);
+  CacheConfig model = make_config(kL, kHq, kHkv, kD, rc.scheme, rc.policy, 0);
   model.residual_length = rc.residual;
   model.block_tokens = 8;
   MultiSequenceCache cache(pool_config(model));
@@ -219,6 +219,10 @@ INSTANTIATE_TEST_SUITE_P(
         ReuseCase{"int4_residual", "int4:g8", 8, "full", 3, 40, 8, false},
         // KIVI: keys flushed in blocks of r = 16 (reuse in multiples of 16: 32 of 40), values sliding 16.
         ReuseCase{"kivi", "kivi:k2:v2:g8:r16", 0, "full", 5, 32, 16, false},
+        // Hadamard-rotated streams (the index key holds the scheme's spec): plain, and keys only
+        // around KIVI (its block-flushed keys still set the granularity).
+        ReuseCase{"had_int4", "had(int4:g8)", 0, "full", 7, 40, 0, false},
+        ReuseCase{"had_k_kivi", "had:k(kivi:k2:v2:g8:r16)", 0, "full", 5, 32, 16, false},
         // Eviction inside the shared prefix: window frees whole blocks (no copy), random leaves
         // holes that merge (copy-on-write), KIVI's per-channel groups convert (copy-on-write).
         ReuseCase{"fp16_window", "fp16", 0, "window@44", 6, 40, 0, false},
@@ -249,10 +253,16 @@ TEST(MultiSequenceCache, ExactnessRulesLimitTheMatch) {
     EXPECT_NE(s.prefix().limited_by.find("at least one prompt token"), std::string::npos) << s.prefix().limited_by;
     // int4 sequences never see fp16 blocks: another namespace.
     CacheConfig int4 = model;
-    int4.quant = "int4";
+    int4.scheme = "int4";
     Sequence& q = c.add_sequence(int4);
     EXPECT_EQ(q.begin_request(prompt, 64).cached_tokens, 0);
     EXPECT_EQ(q.prefix().indexed_tokens, 0);
+    // Nor do Hadamard-rotated ones (had(fp16) stores H·x): the key holds the scheme's spec.
+    CacheConfig had = model;
+    had.scheme = "had(fp16)";
+    Sequence& r = c.add_sequence(had);
+    EXPECT_EQ(r.begin_request(prompt, 64).cached_tokens, 0);
+    EXPECT_EQ(r.prefix().indexed_tokens, 0);
     // An attention-reading policy reuses nothing unless allowed; a budget caps the prefix.
     CacheConfig h2o = model;
     h2o.policy = "h2o@32";
@@ -265,7 +275,7 @@ TEST(MultiSequenceCache, ExactnessRulesLimitTheMatch) {
     EXPECT_EQ(w.begin_request(prompt, 64).cached_tokens, 16);
     EXPECT_NE(w.prefix().limited_by.find("would evict"), std::string::npos) << w.prefix().limited_by;
     CacheConfig scaled = model;
-    scaled.quant = "fp8:e4m3:scaled";
+    scaled.scheme = "fp8:e4m3:scaled";
     Sequence& f = c.add_sequence(scaled);
     EXPECT_EQ(f.begin_request(prompt, 64).cached_tokens, 0);
     EXPECT_NE(f.prefix().limited_by.find("first write"), std::string::npos) << f.prefix().limited_by;
@@ -286,7 +296,7 @@ TEST(MultiSequenceCache, ExactnessRulesLimitTheMatch) {
   {
     // A sliding residual: at least R prompt tokens computed, and a first step of at least R.
     CacheConfig resid = model;
-    resid.quant = "int8";
+    resid.scheme = "int8";
     resid.residual_length = 12;
     MultiSequenceCache c(pool_config(resid));
     const Ids longer = cat(prompt, tokens(90, 8));
@@ -387,7 +397,7 @@ TEST(MultiSequenceCache, ReferenceCountsReturnToZeroWhenEverySequenceEnds) {
   std::vector<Sequence*> seqs;
   for (int i = 0; i < 4; ++i) {
     CacheConfig cfg = model;
-    cfg.quant = i % 2 == 0 ? "int4:g8" : "kivi:k2:v4:g8:r16";
+    cfg.scheme = i % 2 == 0 ? "int4:g8" : "kivi:k2:v4:g8:r16";
     cfg.policy = i == 3 ? "random:seed1@30" : "full";
     Sequence& s = c.add_sequence(cfg);
     const Ids ids = cat(cat(shared, tokens(100 + 10 * i, 11)), tokens(500, 20));
@@ -448,7 +458,7 @@ TEST(MultiSequenceCache, PerChannelGroupsAreBatchInvariant) {
     std::vector<Sequence*> others;
     for (int i = 0; i < 3; ++i) {
       CacheConfig cfg = model;
-      if (i == 2) cfg.quant = "int4:g8:chan";
+      if (i == 2) cfg.scheme = "int4:g8:chan";
       others.push_back(&crowd.add_sequence(cfg));
       others.back()->reset(90);
     }
@@ -569,7 +579,7 @@ TEST(MultiSequenceCache, RandomizedInvariants) {
   std::vector<Sequence*> seqs;
   for (const auto& [q, p] : kinds) {
     CacheConfig s = model;
-    s.quant = q;
+    s.scheme = q;
     s.policy = p;
     seqs.push_back(&c.add_sequence(s));
   }

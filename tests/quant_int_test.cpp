@@ -71,6 +71,38 @@ TEST(IntQuantizerExact, Int2WorkedExample) {
   for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-3) << i;
 }
 
+// int3, g = 8: z = −0.5, s = fp16 round-up(1.7 / 7) = 0.242919921875; codes rint((x − z) / s).
+TEST(IntQuantizerExact, Int3WorkedExampleCodesAndTwoPlanePacking) {
+  auto q = make_quantizer("int3:g8");
+  QuantizedTensor qt = q->quantize(row(kWorked));
+  const auto codes = quant::ref::unpack_codes(qt.codes, 3, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
+  EXPECT_EQ(bytes_of(codes), (std::vector<int>{2, 0, 3, 7, 2, 5, 1, 4}));
+  // Golden packing (8 codes in 3 bytes): low plane byte 0 = c0 | c2 << 2 | c4 << 4 | c6 << 6
+  // (the low two bits), byte 1 = c1 | c3 << 2 | c5 << 4 | c7 << 6, high plane bit m = c[m] >> 2.
+  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x6E, 0x1C, 0xA8}));
+  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{0.242919921875f}));
+  EXPECT_EQ(floats_of(qt.zeros), (std::vector<float>{-0.5f}));
+  const std::vector<float> expect = {-0.01416015625f, -0.5f,          0.228759765625f, 1.200439453125f,
+                                     -0.01416015625f, 0.714599609375f, -0.257080078125f, 0.4716796875f};
+  EXPECT_EQ(floats_of(q->dequantize(qt)), expect);
+  EXPECT_EQ(qt.nbytes(), 3 + 2 + 2);
+  EXPECT_EQ(q->bits_per_value(8), 3.0 + 32.0 / 8);
+}
+
+TEST(IntQuantizerExact, Int3GroupsAreMultiplesOfEight) {
+  for (const char* bad : {"int3:g4", "int3:g12", "int3:g4:chan"}) {
+    try {
+      make_quantizer(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("multiple of 8")) << bad;
+    }
+  }
+  // g = 0 (head_dim) needs head_dim a multiple of 8 too.
+  EXPECT_THROW(make_quantizer("int3")->quantize(at::zeros({1, 1, 2, 12})), InvalidArgument);
+  EXPECT_EQ(make_quantizer("int3")->quantize(at::zeros({1, 1, 2, 16})).codes.numel(), 2 * 6);
+}
+
 TEST(IntQuantizerExact, Int8WorkedExampleIsWithinHalfAStep) {
   // s = fp16(1.7 / 255) = 0.00666809082; (x + 0.5) / s = [89.98, 0, 122.97, 254.95, 67.49, ...].
   auto q = make_quantizer("int8:g8");
@@ -113,7 +145,7 @@ TEST(IntQuantizerExact, PerChannelLayoutPairsTokenJWithJPlusHalfGroup) {
 }
 
 TEST(IntQuantizerDegenerate, ConstantGroupIsExactOrWithinHalfItsStep) {
-  for (const char* spec : {"int8", "int4", "int2", "int4:g4:chan"}) {
+  for (const char* spec : {"int8", "int4", "int3", "int2", "int4:g4:chan", "int3:g8:chan"}) {
     auto q = make_quantizer(spec);
     // An fp16 value: z = x, s = 0, every code 0, x̂ = x exactly.
     at::Tensor x = at::full({1, 2, 8, 64}, 0.75f);
@@ -135,7 +167,7 @@ TEST(IntQuantizerDegenerate, ConstantGroupIsExactOrWithinHalfItsStep) {
 }
 
 TEST(IntQuantizerDegenerate, TinyRangeGivesNoNaN) {
-  for (const char* spec : {"int8:g8", "int4:g8", "int2:g8"}) {
+  for (const char* spec : {"int8:g8", "int4:g8", "int3:g8", "int2:g8"}) {
     auto q = make_quantizer(spec);
     at::Tensor x = row({0.0f, 1e-30f, 5e-31f, 0.0f, 1e-30f, 0.0f, 2e-31f, 1e-30f});
     at::Tensor y = q->dequantize(q->quantize(x));
@@ -199,7 +231,7 @@ TEST(IntQuantizerDegenerate, BeyondFp16RangeKeepsMetadataInFp32) {
 TEST(IntQuantizerDegenerate, RangeBeyondFloat32IsQuantizedFinitely) {
   const float big = std::numeric_limits<float>::max();
   at::Tensor x = at::tensor({big, -big, 3e38f, -3e38f, 1.0f, 0.0f, 1e37f, -1e-45f}).reshape({1, 1, 1, 8});
-  for (const char* spec : {"int8:g8", "int4:g8", "int2:g8"}) {
+  for (const char* spec : {"int8:g8", "int4:g8", "int3:g8", "int2:g8"}) {
     auto q = make_quantizer(spec);
     QuantizedTensor qt = q->quantize(x);
     ASSERT_EQ(qt.scales.scalar_type(), at::kFloat) << spec;
@@ -369,8 +401,9 @@ TEST_P(IntParity, FastPathMatchesReferenceBitExactly) {
 
 std::vector<ParityCase> parity_cases() {
   std::vector<ParityCase> v;
-  for (int bits : {8, 4, 2}) {
-    for (int64_t g : {4, 16, 32, 64}) {
+  for (int bits : {8, 4, 3, 2}) {
+    for (int64_t g : {4, 8, 16, 32, 64}) {
+      if (g % (bits == 3 ? 8 : 8 / bits) != 0) continue;  // int3 packs 8 codes in 3 bytes
       v.push_back({bits, g, GroupAxis::kPerToken});
       v.push_back({bits, g, GroupAxis::kPerChannel});
     }
@@ -386,7 +419,7 @@ INSTANTIATE_TEST_SUITE_P(AllWidths, IntParity, ::testing::ValuesIn(parity_cases(
 
 TEST(IntPacking, PackUnpackRoundTrip) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
-  for (int bits : {8, 4, 2}) {
+  for (int bits : {8, 4, 3, 2}) {
     for (auto axis : {GroupAxis::kPerToken, GroupAxis::kPerChannel}) {
       at::Tensor codes = at::randint(0, 1 << bits, {2, 2, 32, 16}, gen, at::TensorOptions().dtype(at::kByte));
       at::Tensor packed = quant::ref::pack_codes(codes, bits, 8, axis);

@@ -40,7 +40,7 @@ constexpr int64_t kB = 1, kH = 2, kD = 64;
 /// What a spec is, as far as its bound is concerned.
 struct SpecInfo {
   enum Kind { kFp32, kFp16, kBf16, kFp8, kInt } kind = kFp32;
-  int bits = 0;            // int: 2, 4, 8
+  int bits = 0;            // int: 2, 3, 4, 8
   int fp8_man = 0;         // fp8: mantissa bits (3 for e4m3, 2 for e5m2)
   int fp8_bias = 0;        // fp8: exponent bias
   float fp8_max = 0;       // fp8: largest finite
@@ -441,7 +441,7 @@ TEST_P(QuantizerProperty, EmptyAndSingleTokenTensors) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllSpecs, QuantizerProperty, ::testing::ValuesIn(testing::contract_specs()),
+INSTANTIATE_TEST_SUITE_P(AllSpecs, QuantizerProperty, ::testing::ValuesIn(testing::property_specs()),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            std::string n;
                            for (char c : p.param) n += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';

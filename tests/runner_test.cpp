@@ -162,7 +162,7 @@ at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
 
 CacheManager fp32_full_cache(const CausalLM& lm) {
   CacheConfig c = lm.cache_config();
-  c.quant = "fp32";
+  c.scheme = "fp32";
   c.policy = "full";
   return CacheManager(std::move(c));
 }
@@ -423,7 +423,7 @@ TEST_P(RunnerModels, PrefixCachingSkipsTheSharedPrefillAndGeneratesTheSame) {
   for (size_t i : {3, 5, 2}) pb.push_back(m.prompt[i]);  // 15 tokens, another tail
   for (const char* quant : {"fp32", "int8", "int4"}) {
     CacheConfig c = m.lm->cache_config();
-    c.quant = quant;
+    c.scheme = quant;
     c.policy = "full";
     c.block_tokens = 4;
     MultiSequenceConfig mc;
@@ -561,7 +561,7 @@ TEST(RunnerEviction, EveryPolicyRunsWithinBudget) {
     for (int64_t chunk : {0, 4}) {
       CacheConfig c = m.lm->cache_config();
       c.policy = policy;
-      c.quant = "int8";
+      c.scheme = "int8";
       CacheManager cache(std::move(c));
       o.prefill_chunk = chunk;
       const GenerationResult a = runner.generate(m.prompt, o, cache);
@@ -595,6 +595,25 @@ TEST(RunnerEviction, PreRopeStorageWithoutEvictionEqualsPostRope) {
   const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), pre);
   EXPECT_EQ(a.tokens, b.tokens);
   EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
+}
+
+TEST(RunnerSchemes, HadamardFp32GeneratesWhatFp32Generates) {
+  // had(fp32): K and V rotated by H_D before storage and rotated back on read. Greedy tokens
+  // and logits of the control arm, with keys stored post- and pre-RoPE.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  for (const KeyStorage ks : {KeyStorage::kPostRoPE, KeyStorage::kPreRoPE}) {
+    CacheConfig base = m.lm->cache_config();
+    base.key_storage = ks;
+    CacheConfig rotated = base;
+    rotated.scheme = "had(fp32)";
+    CacheManager a_cache(std::move(base)), b_cache(std::move(rotated));
+    const GenerationResult a = runner.generate(m.prompt, greedy(16, 5), a_cache);
+    const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), b_cache);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
+  }
 }
 
 TEST(RunnerEviction, RerotatedSinkCacheKeepsPositionsContiguous) {

@@ -87,7 +87,7 @@ void report_to(const std::string& results, const std::string& dir, const std::st
 void add_run_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "run",
-      "Run the sweep: every arm (quant+policy) x every task, plus per-arm perplexity (single-pass and streaming),\n"
+      "Run the sweep: every arm (scheme+policy) x every task, plus per-arm perplexity (single-pass and streaming),\n"
       "KLD and top-1 agreement vs the control, per-quantizer reconstruction error and the attention-error table.\n"
       "Each finished item is appended and fsync'd to OUT/results.jsonl; rerunning the same command resumes.\n"
       "Writes OUT/summary.md/json/csv and prints the tables (unsharded runs; after --shard use merge + report).\n"
@@ -114,7 +114,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--tasks", *tasks_file, "read tasks from this JSONL file instead of --suite/--seed");
   cmd->add_option("--configs", *configs,
                   "arms: comma list, a file with one per line, or an arm set's name (default, evict2026), "
-                  "'quant+policy' (e.g. int4+h2o@50%); default: the 18 default arms (kv_study list)");
+                  "'scheme+policy' (e.g. int4+h2o@50%); default: the 18 default arms (kv_study list)");
   cmd->add_option("--budget", *budget, "override the budget of every evicting arm: tokens (256) or percent (25%)");
   cmd->add_option("--shard", *shard, "run slice i of n (0-based): items with plan index % n == i")->capture_default_str();
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
@@ -213,7 +213,7 @@ void add_generate_command(CLI::App& app) {
   auto max_new = std::make_shared<int64_t>(64);
   auto threads = std::make_shared<int>(2);
   cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
-  cmd->add_option("--arm", *arm, "quant+policy")->capture_default_str();
+  cmd->add_option("--arm", *arm, "scheme+policy")->capture_default_str();
   cmd->add_option("--prompt", *prompt, "user message")->required();
   cmd->add_option("--system", *system, "system message ('' for none)")->capture_default_str();
   cmd->add_option("--max-new-tokens", *max_new, "generation limit")

@@ -9,6 +9,7 @@
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/registry.h"
 #include "kvcache/spec.h"
 #include "kvcache/study/arm.h"
 #include "kvcache/study/memory.h"
@@ -96,7 +97,8 @@ void add_memory_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--context", *contexts, "context length(s) in tokens, comma-separated")->capture_default_str();
   cmd->add_option("--quant", *quants,
-                  "quantizer or cache-scheme spec(s), comma-separated (any make_quantizer spec, or kivi:k<b>:v<b>:g<G>:r<R>)")
+                  "cache scheme spec(s), comma-separated: any quantizer spec, or a scheme (kivi:k<b>:v<b>:g<G>:r<R>, "
+                  "had(<spec>); kv_study list)")
       ->capture_default_str();
   cmd->add_option("--batch", *batch, "sequences in the batch")->capture_default_str()->check(IntRange(1, kMaxBatch));
   cmd->callback([=] {
@@ -238,13 +240,21 @@ void add_quant_command(CLI::App& app) {
 void add_list_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("list", "List registered quantizers, eviction policies, cache schemes, the default arms and the arm sets.");
   cmd->callback([] {
-    std::cout << "# Quantizers (spec: head(:field)*)\n\n";
-    for (const auto& t : kvcache::registered_quantizers()) std::cout << kvcache::describe(t) << "\n";
-    std::cout << "# Cache schemes (CacheConfig::quant besides a plain quantizer spec)\n\n";
-    for (const auto& t : cache_scheme_tables()) std::cout << kvcache::describe(t) << "\n";
-    std::cout << "# Eviction policies (spec: head(:field)*[@budget]; budget @N tokens or @P% of prompt + max new tokens)\n\n";
-    for (const auto& t : kvcache::registered_policies()) std::cout << kvcache::describe(t) << "\n";
-    std::cout << "# Default arms of kv_study run (quant+policy)\n\n";
+    // One registry (kvcache/registry.h), printed kind by kind in registration order.
+    const auto specs = kvcache::registered_specs();
+    auto print = [&](kvcache::SpecKind kind, const char* title) {
+      std::cout << title << "\n\n";
+      for (const auto& s : specs) {
+        if (s.kind == kind) std::cout << kvcache::describe(s.table) << "\n";
+      }
+    };
+    print(kvcache::SpecKind::kQuantizer,
+          "# Quantizers (spec: head(:field)*; each is also a cache scheme: the same quantizer for K and V)");
+    print(kvcache::SpecKind::kCacheScheme,
+          "# Cache schemes (CacheConfig::scheme, the part of an arm before '+'; a wrapper is head(:field)*(spec))");
+    print(kvcache::SpecKind::kPolicy,
+          "# Eviction policies (spec: head(:field)*[@budget]; budget @N tokens or @P% of prompt + max new tokens)");
+    std::cout << "# Default arms of kv_study run (scheme+policy)\n\n";
     for (const auto& a : default_arms()) std::cout << "  " << a.spec() << "\n";
     std::cout << "\n# Arm sets (kv_study run --configs NAME)\n";
     for (const auto& set : arm_sets()) {

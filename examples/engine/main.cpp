@@ -60,7 +60,7 @@ Result run(const std::string& quant, const std::vector<Layer>& layers, const at:
   c.num_q_heads = kHq;
   c.num_kv_heads = kHkv;
   c.head_dim = kD;
-  c.quant = quant;
+  c.scheme = quant;
   c.policy = "full";
   c.rope = rope;
   kvcache::study::PeakRssProbe rss;

@@ -132,7 +132,7 @@ class KvStudyCliTest(unittest.TestCase):
 
     def test_quant_with_a_bad_spec_exits_non_zero(self):
         """`quant --specs int5` was exit 0 with the error inside a table cell."""
-        for spec, needle in [("int5", "unknown quantizer 'int5'"),
+        for spec, needle in [("int5", "unknown cache scheme 'int5'"),
                              ("int4:g48", "head_dim D = 64 is not divisible by the group size g = 48"),
                              ("fp32,int4:g32:chan", "groups 32 tokens per channel but the sample has only 8 tokens")]:
             r = run("quant", "--tokens", "8", "--specs", spec)
@@ -206,7 +206,7 @@ class DefaultModelTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             empty = os.path.join(d, "empty.jsonl")
             open(empty, "w").close()
-            for args, needle in [(("--configs", "int5+full"), "unknown quantizer 'int5'"),
+            for args, needle in [(("--configs", "int5+full"), "unknown cache scheme 'int5'"),
                                  (("--configs", "fp32+window@0.5"), "token budget must be an integer"),
                                  (("--tasks", empty), "the sweep has no task"),
                                  (("--tasks", d), f"cannot open task file '{d}': it is a directory")]:

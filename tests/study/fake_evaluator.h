@@ -35,16 +35,16 @@ class FakeEvaluator : public ArmEvaluator {
   std::string model_id() const override { return "fake-model@0001"; }
 
   Arm canonicalize(const Arm& arm) const override {
-    KV_CHECK_ARG(arm.quant != "bogus", "unknown quantizer 'bogus'");
-    KV_CHECK(arm.quant != "kivi:k2:v2:g64:r128", UnsupportedError, "g64 does not divide head_dim 32");
+    KV_CHECK_ARG(arm.scheme != "bogus", "unknown quantizer 'bogus'");
+    KV_CHECK(arm.scheme != "kivi:k2:v2:g64:r128", UnsupportedError, "g64 does not divide head_dim 32");
     Arm a = arm;
-    if (a.quant == "fp8:e4m3") a.quant = "fp8";
+    if (a.scheme == "fp8:e4m3") a.scheme = "fp8";
     return a;
   }
 
   Generation run_task(const Arm& arm, const Task& task) override {
     tick();
-    if (!capacity_error_quant.empty() && arm.quant == capacity_error_quant) {
+    if (!capacity_error_quant.empty() && arm.scheme == capacity_error_quant) {
       throw CapacityError("budget too small for " + task.id);
     }
     const uint64_t h = fnv(arm.spec() + "|" + task.id);
@@ -53,7 +53,7 @@ class FakeEvaluator : public ArmEvaluator {
     g.output = pass ? task.answer : "I do not know.";
     g.prompt_tokens = task.approx_tokens;
     g.generated_tokens = 5;
-    const int64_t bytes_per_token = arm.quant == "int4" ? 64 : 256;
+    const int64_t bytes_per_token = arm.scheme == "int4" ? 64 : 256;
     const bool evicting = arm.policy != "full";
     g.cache.tokens_written = g.prompt_tokens + 5;
     g.cache.tokens_resident = evicting ? g.cache.tokens_written / 2 : g.cache.tokens_written;

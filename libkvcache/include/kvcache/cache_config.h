@@ -28,15 +28,18 @@ struct CacheConfig {
   int64_t num_q_heads = 0;   ///< H_q; must be a multiple of num_kv_heads
   int64_t num_kv_heads = 0;  ///< H_kv
   int64_t head_dim = 0;      ///< D
-  /// Cache quantization: a quantizer spec used for both K and V ("fp32", "int4:g64",
-  /// "fp8:e4m3"), or a cache scheme spec ("kivi:k2:v2:g32:r128") that sets per-K/V
-  /// quantizers and the residual window.
-  std::string quant = "fp32";
-  /// Eviction policy spec with optional budget: "full", "window:w256", "sink:s4@50%",
-  /// "h2o@50%", "random:seed7@50%", "snapkv@50%", "tova@50%".
+  /// How K and V are stored: a cache scheme spec (kvcache/cache_scheme.h, make_cache_scheme).
+  /// A quantizer spec ("fp32", "int4:g64", "fp8:e4m3", "had(int4)") is the trivial scheme:
+  /// the same quantizer for K and V; registered schemes ("kivi:k2:v2:g32:r128",
+  /// "had:k(kivi:k2:v2:g32:r128)") set per-K/V quantizers, rotations and residual windows.
+  std::string scheme = "fp32";
+  /// Which tokens are kept: an eviction policy spec with optional budget
+  /// (kvcache/eviction_policy.h): "full", "window:w256", "sink:s4@50%", "h2o@50%",
+  /// "random:seed7@50%", "snapkv@50%", "tova@50%", "pyramid@50%".
   std::string policy = "full";
   /// Full-precision residual window of the most recent tokens (0 = none), in [0, kMaxTokens]
-  /// (spec.h). Schemes such as KIVI set it themselves.
+  /// (spec.h), for schemes that take one (a plain quantizer spec); schemes with their own
+  /// residual (KIVI) accept 0 or theirs.
   int64_t residual_length = 0;
   /// Tokens per storage block (per layer, stream and KV head), in [1, 4096]; 0 = the default:
   /// kDefaultBlockTokens raised to a multiple of the scheme's per-channel group size. An
@@ -59,7 +62,9 @@ struct CacheConfig {
   /// KeyStorage::kPreRoPE it must be the rotate-half RoPE of HF Llama/Qwen (checked).
   RopeFn rope;
 
-  /// @throws InvalidArgument naming the bad field.
+  /// Builds the scheme (for every layer) and the policy and checks their layouts against
+  /// head_dim and block_tokens: a config that validates runs.
+  /// @throws InvalidArgument naming the bad field (and spec, in the words written).
   void validate() const;
   /// block_tokens resolved (0 → the default for this config's scheme).
   int64_t resolved_block_tokens() const;

@@ -77,9 +77,10 @@ class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
 
-  /// Canonical spec incl. budget suffix, e.g. "sink:s4@50%"; make_eviction_policy(spec())
+  /// Canonical spec incl. budget suffix, e.g. "sink:s4@50%" (the rule of spec.h applied to the
+  /// fields the policy was built from, then Budget::to_string()); make_eviction_policy(spec())
   /// builds an equivalent policy.
-  virtual std::string spec() const = 0;
+  std::string spec() const { return fields_ + budget_.to_string(); }
 
   /// Resolved token budget per KV head for the current request (after reset()); for `full`
   /// (or no budget) the request's context length. Layer-aware policies: the budget of
@@ -139,7 +140,12 @@ class EvictionPolicy {
   const CacheShape& shape() const { return shape_; }
 
  protected:
-  explicit EvictionPolicy(Budget budget) : budget_(budget) {}
+  /// `spec`: the fields the policy was built from (its canonical form is spec()'s).
+  EvictionPolicy(const ParsedSpec& spec, Budget budget) : fields_(spec.canonical()), budget_(budget) {}
+  /// A wrapper policy (adakv, decode): `spec` its own fields, `inner` the policy it wraps
+  /// (built with the same budget); spec() is `own:inner@budget`.
+  EvictionPolicy(const ParsedSpec& spec, Budget budget, const EvictionPolicy& inner)
+      : fields_(spec.canonical() + ":" + inner.fields_), budget_(budget) {}
   /// Per-request hook after the budget is resolved (validate protected sizes, clear state).
   virtual void on_reset() {}
   virtual void do_observe(int64_t layer, const AttentionMass& mass) { (void)layer; (void)mass; }
@@ -153,6 +159,7 @@ class EvictionPolicy {
   int64_t resolved_budget() const;
 
  private:
+  std::string fields_;  ///< canonical head and fields, without the budget
   Budget budget_;
   int64_t context_length_ = 0;
   CacheShape shape_;

@@ -47,6 +47,8 @@ KernelFormat classify(const BlockFormat& f) {
     k.scaled = f8->scaled();
   } else if (const auto* iq = dynamic_cast<const quant::IntQuantizer*>(f.quantizer)) {
     k.bits = iq->bits();
+    // The kernels unpack power-of-two widths only; int3's two-plane codes take the generic path.
+    if (k.bits != 8 && k.bits != 4 && k.bits != 2) return KernelFormat{};
     if (iq->group_axis() == GroupAxis::kPerToken) {
       k.group = iq->group_for(d);
       if (!int_chunks_fit(k.bits, k.group)) return KernelFormat{};

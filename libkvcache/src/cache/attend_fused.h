@@ -37,8 +37,9 @@
 
 namespace kvcache::cache::fused {
 
-/// The kernel format of `f` (Kind::kNone if the fused kernels cannot read it: then the
-/// generic path runs).
+/// The kernel format of `f` (Kind::kNone if the fused kernels cannot read it — int3, rotated
+/// `had(...)` formats, head dims that are not a multiple of 32 or above 256: then the generic
+/// path runs for the whole layer).
 KernelFormat classify(const BlockFormat& f);
 
 /// True if this CPU runs the fused kernels (checked once).

@@ -15,12 +15,12 @@
 #include "cache/block_layer_view.h"
 #include "cache/block_pool.h"
 #include "cache/cache_manager_access.h"
-#include "cache/cache_scheme.h"
 #include "cache/layer_store.h"
 #include "cache/pool_set.h"
 #include "cache/rope_table.h"
 #include "cache/sequence_seam.h"
 #include "common/log.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
@@ -44,8 +44,24 @@ bool is_float_input(const at::Tensor& t) {
   return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
 }
 
-/// Tokens a quantizer encodes together for head_dim d (1: per token).
-int64_t group_tokens(const std::string& quant, int64_t d) { return make_quantizer(quant)->stored_layout(d).group_tokens; }
+/// The scheme of `cfg` resolved for every layer (validating it on the config's geometry).
+std::vector<LayerStreams> resolve_streams(const CacheScheme& scheme, const CacheConfig& cfg) {
+  const CacheGeometry g{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim};
+  std::vector<LayerStreams> out;
+  out.reserve(static_cast<size_t>(cfg.num_layers));
+  for (int64_t l = 0; l < cfg.num_layers; ++l) out.push_back(scheme.streams(g, l, cfg.residual_length));
+  return out;
+}
+
+/// Tokens the stream's quantizer encodes together for head_dim d (1: per token).
+int64_t group_tokens(const StreamSpec& s, int64_t d) { return s.quantizer->stored_layout(d).group_tokens; }
+
+/// The lcm of every stream's group size (block_tokens must be a multiple of it).
+int64_t group_lcm(const std::vector<LayerStreams>& streams, int64_t d) {
+  int64_t g = 1;
+  for (const auto& l : streams) g = std::lcm(g, std::lcm(group_tokens(l.key, d), group_tokens(l.value, d)));
+  return g;
+}
 
 /// Throws naming the first NaN/Inf of `x` `[1, H, T, D]` as `name`[0, h, t, d].
 void check_finite(const at::Tensor& x, const char* fn, const char* name) {
@@ -123,17 +139,20 @@ void CacheConfig::validate() const {
                "and needs key_storage=kPreRoPE (got kPostRoPE)");
   KV_CHECK_ARG(key_storage == KeyStorage::kPostRoPE || head_dim % 2 == 0,
                "CacheConfig: key_storage=kPreRoPE rotates keys on read and needs an even head_dim, got ", head_dim);
-  auto scheme = cache::parse_cache_scheme(quant, residual_length, head_dim);
-  KV_CHECK_ARG(!scheme.required_key_storage || *scheme.required_key_storage == key_storage,
-               "CacheConfig: cache scheme '", quant, "' requires key_storage=",
-               *scheme.required_key_storage == KeyStorage::kPreRoPE ? "kPreRoPE" : "kPostRoPE");
+  const auto sch = make_cache_scheme(scheme);
+  const auto streams = resolve_streams(*sch, *this);
+  const auto needs = sch->required_key_storage();
+  KV_CHECK_ARG(!needs || *needs == key_storage, "CacheConfig: cache scheme '", scheme, "' requires key_storage=",
+               needs && *needs == KeyStorage::kPreRoPE ? "kPreRoPE" : "kPostRoPE");
   KV_CHECK_ARG(block_tokens >= 0 && block_tokens <= kMaxBlockTokens, "CacheConfig.block_tokens must be in [0, ",
                kMaxBlockTokens, "] (0 = default ", kDefaultBlockTokens, "), got ", block_tokens);
-  const int64_t gk = group_tokens(scheme.key.quantizer, head_dim), gv = group_tokens(scheme.value.quantizer, head_dim);
   if (block_tokens > 0) {
-    for (const auto& [g, which] : {std::pair<int64_t, const char*>{gk, "key"}, {gv, "value"}}) {
-      KV_CHECK_ARG(block_tokens % g == 0, "CacheConfig.block_tokens = ", block_tokens, " must be a multiple of the ",
-                   which, " quantizer's group of ", g, " tokens ('", quant, "'; or 0 for the default)");
+    for (const auto& l : streams) {
+      for (const auto& [st, which] : {std::pair<const StreamSpec*, const char*>{&l.key, "key"}, {&l.value, "value"}}) {
+        const int64_t g = group_tokens(*st, head_dim);
+        KV_CHECK_ARG(block_tokens % g == 0, "CacheConfig.block_tokens = ", block_tokens, " must be a multiple of the ",
+                     which, " quantizer's group of ", g, " tokens ('", scheme, "'; or 0 for the default)");
+      }
     }
   }
   const auto p = make_eviction_policy(policy);
@@ -144,8 +163,7 @@ void CacheConfig::validate() const {
 
 int64_t CacheConfig::resolved_block_tokens() const {
   if (block_tokens > 0) return block_tokens;
-  const auto scheme = cache::parse_cache_scheme(quant, residual_length, head_dim);
-  const int64_t g = std::lcm(group_tokens(scheme.key.quantizer, head_dim), group_tokens(scheme.value.quantizer, head_dim));
+  const int64_t g = group_lcm(resolve_streams(*make_cache_scheme(scheme), *this), head_dim);
   return (kDefaultBlockTokens + g - 1) / g * g;
 }
 
@@ -176,19 +194,22 @@ constexpr float kFp16Max = 65504.0f;
 
 struct CacheManager::Impl {
   CacheConfig cfg;
-  cache::CacheScheme scheme;
+  std::unique_ptr<CacheScheme> scheme;
   int64_t block_tokens = 0;
-  std::unique_ptr<Quantizer> kq, vq, kres, vres, fp32;
+  std::unique_ptr<Quantizer> f16, f32;  ///< residual / converted rows and the fp32 fallback
   std::shared_ptr<cache::PoolSet> pools = std::make_shared<cache::PoolSet>();  ///< by block bytes
   bool shared_pools = false;          ///< pools shared with other holders (MultiSequenceCache)
   cache::StepHooks* hooks = nullptr;  ///< called before allocating (shared pools only)
-  cache::StreamSetup kset, vset;
+  std::vector<cache::StreamSetup> ksets, vsets;  ///< per layer (built once; the stores point into them)
   std::unique_ptr<EvictionPolicy> policy;
   cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read; policies: pre-RoPE queries, mean rotation
   std::vector<LayerState> layers;
   CacheStats total;
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
+  static int64_t store_fallback_bytes(const cache::StreamSetup& st) {
+    return st.formats.f[cache::StreamFormats::kFallback].block_bytes;
+  }
 
   cache::BlockPool* pool_for(int64_t bytes) { return pools->get(bytes); }
 
@@ -197,14 +218,15 @@ struct CacheManager::Impl {
                               pool_for(cache::BlockFormat::bytes_for(q, cfg.head_dim, capacity)));
   }
 
-  void setup_stream(cache::StreamSetup& st, const cache::StreamSpec& spec, const Quantizer& main,
-                    const Quantizer& residual) {
+  void setup_stream(cache::StreamSetup& st, const StreamSpec& spec) {
     using F = cache::StreamFormats;
     st.spec = spec;
+    const Quantizer& main = *spec.quantizer;
+    const Quantizer& residual = spec.residual_dtype == at::kFloat ? *f32 : *f16;
     const StoredLayout ml = main.stored_layout(cfg.head_dim);
     st.formats.f[F::kMain] = format(main, ml.token_readable() ? block_tokens : ml.group_tokens);
     st.formats.f[F::kResidual] = format(residual, block_tokens);
-    st.formats.f[F::kFallback] = format(*fp32, block_tokens);
+    st.formats.f[F::kFallback] = format(*f32, block_tokens);
     if (!ml.token_readable()) {
       // Survivors of a per-channel group move to small blocks no larger than the group.
       const int64_t cap = ml.group_bytes() / residual.stored_layout(cfg.head_dim).group_bytes();
@@ -213,15 +235,17 @@ struct CacheManager::Impl {
   }
 
   void build() {
-    scheme = cache::parse_cache_scheme(cfg.quant, cfg.residual_length, cfg.head_dim);
+    scheme = make_cache_scheme(cfg.scheme);
     block_tokens = cfg.resolved_block_tokens();
-    kq = make_quantizer(scheme.key.quantizer);
-    vq = make_quantizer(scheme.value.quantizer);
-    kres = make_quantizer(scheme.key.residual_dtype == at::kFloat ? "fp32" : "fp16");
-    vres = make_quantizer(scheme.value.residual_dtype == at::kFloat ? "fp32" : "fp16");
-    fp32 = make_quantizer("fp32");
-    setup_stream(kset, scheme.key, *kq, *kres);
-    setup_stream(vset, scheme.value, *vq, *vres);
+    f16 = make_quantizer("fp16");
+    f32 = make_quantizer("fp32");
+    const auto streams = resolve_streams(*scheme, cfg);
+    ksets.resize(streams.size());
+    vsets.resize(streams.size());
+    for (size_t l = 0; l < streams.size(); ++l) {
+      setup_stream(ksets[l], streams[l].key);
+      setup_stream(vsets[l], streams[l].value);
+    }
     policy = make_eviction_policy(cfg.policy);
     policy->reset(cfg.context_length, CacheShape{cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads});
     warn_if_evicts_nothing(*policy, cfg.context_length);
@@ -232,7 +256,9 @@ struct CacheManager::Impl {
   }
 
   void make_stores() {
-    for (auto& l : layers) l.store = std::make_unique<cache::LayerStore>(&kset, &vset, cfg.num_kv_heads, cfg.head_dim);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      layers[i].store = std::make_unique<cache::LayerStore>(&ksets[i], &vsets[i], cfg.num_kv_heads, cfg.head_dim);
+    }
   }
 
   LayerState& layer_at(int64_t layer, const char* fn) {
@@ -331,15 +357,23 @@ struct CacheManager::Impl {
     if (hooks != nullptr) {
       // The pool's capacity: what this append allocates, checked before anything changes. A
       // value beyond fp16's range may go to an fp32 fallback block: bound those steps loosely.
-      const bool wide = k.abs().max().item<float>() > kFp16Max || v.abs().max().item<float>() > kFp16Max;
+      // (A Hadamard-rotated stream (`had`) stores H_D·x, whose entries reach up to √D·max|x|.)
+      const float limit = kFp16Max / std::sqrt(static_cast<float>(cfg.head_dim));
+      const bool wide = k.abs().max().item<float>() > limit || v.abs().max().item<float>() > limit;
       int64_t bytes = l.store->write_bound(n);
       // (at most two blocks per token and stream: a fallback block and the fresh block after it)
-      if (wide) bytes += 4 * hkv * (n + 1) * kset.formats.f[cache::StreamFormats::kFallback].block_bytes;
+      if (wide) {
+        bytes += 2 * hkv * (n + 1) *
+                 (store_fallback_bytes(l.store->key_setup()) + store_fallback_bytes(l.store->value_setup()));
+      }
       hooks->before_append(bytes);
     }
     // --- nothing below throws for valid input ---
     auto& store = *l.store;
-    if (!store.scales_set()) store.set_scales(kq->fit_tensor_scale(k), vq->fit_tensor_scale(v));
+    if (!store.scales_set()) {
+      store.set_scales(store.key_setup().spec.quantizer->fit_tensor_scale(k),
+                       store.value_setup().spec.quantizer->fit_tensor_scale(v));
+    }
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
     for (int64_t h = 0; h < hkv; ++h) store.write(h, kp + h * n * d, vp + h * n * d, pp, n);
@@ -726,7 +760,7 @@ StreamDebug CacheManagerAccess::stream(const CacheManager& m, int64_t layer, boo
   const auto& im = *m.impl_;
   const auto& l = im.layer_at(layer, "CacheManagerAccess::stream");
   StreamDebug d;
-  const StreamSetup& st = key ? im.kset : im.vset;
+  const StreamSetup& st = key ? l.store->key_setup() : l.store->value_setup();
   for (int64_t h = 0; h < im.cfg.num_kv_heads; ++h) {
     const HeadStream& s = key ? l.store->k(h) : l.store->v(h);
     const float scale = key ? l.store->k_scale() : l.store->v_scale();
@@ -760,12 +794,12 @@ StreamDebug CacheManagerAccess::stream(const CacheManager& m, int64_t layer, boo
   }
   d.token_readable = st.formats.f[StreamFormats::kMain].token_readable();
   d.residual_length = st.spec.residual;
-  d.quantizer = st.spec.quantizer;
+  d.quantizer = st.spec.quantizer->spec();
   d.block_tokens = im.block_tokens;
   return d;
 }
 
-std::string CacheManagerAccess::scheme(const CacheManager& m) { return m.impl_->scheme.canonical; }
+std::string CacheManagerAccess::scheme(const CacheManager& m) { return m.impl_->scheme->spec(); }
 
 BlockLayerView CacheManagerAccess::view(const CacheManager& m, int64_t layer) {
   return m.impl_->view_of(m.impl_->layer_at(layer, "CacheManagerAccess::view"));
@@ -860,9 +894,13 @@ const LayerStore& SequenceSeam::layer(const CacheManager& m, int64_t layer) {
   return *m.impl_->layer_at(layer, "SequenceSeam::layer").store;
 }
 
-const CacheScheme& SequenceSeam::scheme(const CacheManager& m) { return m.impl_->scheme; }
-const StreamSetup& SequenceSeam::key_setup(const CacheManager& m) { return m.impl_->kset; }
-const StreamSetup& SequenceSeam::value_setup(const CacheManager& m) { return m.impl_->vset; }
+const CacheScheme& SequenceSeam::scheme(const CacheManager& m) { return *m.impl_->scheme; }
+const StreamSetup& SequenceSeam::key_setup(const CacheManager& m, int64_t layer) {
+  return m.impl_->layer_at(layer, "SequenceSeam::key_setup").store->key_setup();
+}
+const StreamSetup& SequenceSeam::value_setup(const CacheManager& m, int64_t layer) {
+  return m.impl_->layer_at(layer, "SequenceSeam::value_setup").store->value_setup();
+}
 int64_t SequenceSeam::block_tokens(const CacheManager& m) { return m.impl_->block_tokens; }
 
 int64_t SequenceSeam::cow_copies(const CacheManager& m) {

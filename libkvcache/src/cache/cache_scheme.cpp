@@ -1,119 +1,236 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "cache/cache_scheme.h"
+// The cache schemes (kvcache/cache_scheme.h): the trivial scheme of a quantizer spec, KIVI and
+// the Hadamard rotation wrapper; their registration list and make_cache_scheme.
+#include "kvcache/cache_scheme.h"
 
 #include <algorithm>
 
+#include "common/registry.h"
 #include "kvcache/error.h"
-#include "kvcache/quantizer.h"
+#include "quant/hadamard.h"
+#include "quant/int_kernels.h"
+#include "quant/rotated_quantizer.h"
 
-namespace kvcache::cache {
+namespace kvcache {
 namespace {
 
-const ParamTable& kivi_table() {
-  static const ParamTable t{
-      "kivi",
-      "KIVI (arXiv 2402.02750): keys per-channel in groups of g tokens, values per-token in "
-      "groups of g channels, fp16 residual of the r most recent tokens",
-      {{"k", "key bits: 2, 4 or 8", ParamDef::Kind::kInt, 2, 2, 8, {}},
-       {"v", "value bits: 2, 4 or 8", ParamDef::Kind::kInt, 2, 2, 8, {}},
-       {"g", "group size (tokens for keys, channels for values)", ParamDef::Kind::kInt, 32, 1,
-        4096, {}},
-       {"r", "full-precision residual tokens (a positive multiple of g)", ParamDef::Kind::kInt, 128, 1,
-        static_cast<double>(kMaxTokens), {}}}};
-  return t;
+void check_geometry(const std::string& spec, const CacheGeometry& g, int64_t layer, int64_t residual_length) {
+  KV_CHECK_ARG(g.num_layers >= 1 && g.num_kv_heads >= 1 && g.head_dim >= 1, "cache scheme '", spec,
+               "': geometry needs layers, KV heads and head_dim >= 1, got ", g.num_layers, ", ", g.num_kv_heads, ", ",
+               g.head_dim);
+  KV_CHECK_ARG(layer >= 0 && layer < g.num_layers, "cache scheme '", spec, "': layer ", layer, " out of range [0, ",
+               g.num_layers, ")");
+  KV_CHECK_ARG(residual_length >= 0 && residual_length <= kMaxTokens, "CacheConfig::residual_length must be in [0, ",
+               kMaxTokens, "], got ", residual_length);
 }
 
-struct KiviParams {
-  int64_t k, v, g, r;
-  std::string canonical() const {
-    // Canonical form keeps every field (the KIVI configs in papers name all four).
-    return "kivi:k" + std::to_string(k) + ":v" + std::to_string(v) + ":g" + std::to_string(g) + ":r" +
-           std::to_string(r);
-  }
-  std::string key_quantizer() const { return "int" + std::to_string(k) + ":g" + std::to_string(g) + ":chan"; }
-  std::string value_quantizer() const { return "int" + std::to_string(v) + ":g" + std::to_string(g); }
-};
-
-/// Builds a stream's quantizer (and, with head_dim > 0, its layout), reporting a failure in the
-/// words of the scheme spec the user wrote.
-void check_stream_quantizer(const std::string& text, const char* stream, const std::string& spec, int64_t head_dim) {
+/// The stored layout of `q` for head_dim `d`, a failure reported in the words of scheme `spec`.
+StoredLayout layout_in(const std::string& spec, const char* stream, const Quantizer& q, int64_t d) {
   try {
-    const auto q = make_quantizer(spec);
-    if (head_dim > 0) (void)q->stored_layout(head_dim);
+    return q.stored_layout(d);
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(detail::str_cat("cache scheme '", text, "': its ", stream, " are stored as '", spec,
+    if (spec == q.spec()) throw;
+    throw InvalidArgument(detail::str_cat("cache scheme '", spec, "': its ", stream, " are stored as '", q.spec(),
                                           "', which fails: ", e.what()));
   }
 }
 
-KiviParams parse_kivi(const std::string& text) {
-  auto p = ParsedSpec::parse(text, kivi_table());
-  const KiviParams kp{p.integer("k"), p.integer("v"), p.integer("g"), p.integer("r")};
-  for (const auto& [bits, which] : {std::pair<int64_t, const char*>{kp.k, "k"}, {kp.v, "v"}}) {
-    KV_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, "cache scheme '", text, "': ", which, "=", bits,
-                 " bits is not a registered integer width (expected 2, 4 or 8)");
+// ---------------------------------------------------------------- trivial
+/// A quantizer spec as a scheme: the same quantizer for K and V.
+class TrivialScheme final : public CacheScheme {
+ public:
+  explicit TrivialScheme(std::shared_ptr<const Quantizer> q) : q_(std::move(q)) {}
+  std::string spec() const override { return q_->spec(); }
+
+  LayerStreams streams(const CacheGeometry& g, int64_t layer, int64_t residual_length) const override {
+    check_geometry(spec(), g, layer, residual_length);
+    const StoredLayout l = q_->stored_layout(g.head_dim);
+    StreamSpec s;
+    s.quantizer = q_;
+    // A quantizer that stores float32 rows (fp32, had(fp32)) keeps a float32 residual: a
+    // float16 one would be lossier than the format itself.
+    const bool f32_rows = l.meta_count == 0 && !l.tensor_scale && l.code_bytes == 4 * g.head_dim * l.group_tokens;
+    s.residual_dtype = f32_rows ? at::kFloat : at::kHalf;
+    const int64_t gt = l.group_tokens;
+    if (gt > 1) {
+      // Groups span gt tokens: tokens wait in the residual until whole groups can be quantized.
+      s.residual = std::max<int64_t>(gt, (residual_length + gt - 1) / gt * gt);
+      s.flush = ResidualFlush::kBlock;
+    } else {
+      s.residual = residual_length;
+      s.flush = ResidualFlush::kSliding;
+    }
+    return {s, s};
   }
-  // Keys are quantized per channel in whole groups of g tokens, which wait in the residual
-  // until a group is complete: the residual holds at least g tokens.
-  KV_CHECK_ARG(kp.r >= kp.g && kp.r % kp.g == 0, "cache scheme '", text, "': residual r=", kp.r,
-               " must be a positive multiple of the group size g=", kp.g,
-               " (keys are quantized in whole groups of g tokens, which wait in the residual)");
-  check_stream_quantizer(text, "keys", kp.key_quantizer(), 0);
-  check_stream_quantizer(text, "values", kp.value_quantizer(), 0);
-  return kp;
+
+ private:
+  std::shared_ptr<const Quantizer> q_;
+};
+
+// ---------------------------------------------------------------- KIVI
+const ParamTable& kivi_table() {
+  static const ParamTable t = [] {
+    std::vector<double> widths;
+    for (int b : quant::kIntBits) widths.push_back(b);
+    std::sort(widths.begin(), widths.end());
+    ParamTable tt{"kivi",
+                  "KIVI (arXiv 2402.02750): keys per-channel in groups of g tokens, values per-token in "
+                  "groups of g channels, fp16 residual of the r most recent tokens",
+                  {{"k", "key bits (the registered int<b> widths)", ParamDef::Kind::kInt, 2, widths.front(), widths.back(), {}},
+                   {"v", "value bits (the registered int<b> widths)", ParamDef::Kind::kInt, 2, widths.front(), widths.back(),
+                    {}},
+                   {"g", "group size (tokens for keys, channels for values)", ParamDef::Kind::kInt, 32, 1, 4096, {}},
+                   {"r", "full-precision residual tokens (a positive multiple of g)", ParamDef::Kind::kInt, 128, 1,
+                    static_cast<double>(kMaxTokens), {}}}};
+    // The canonical form keeps every field: the KIVI configs in papers name all four.
+    for (auto& p : tt.params) p.shown = true;
+    tt.params[0].allowed = widths;
+    tt.params[1].allowed = widths;
+    return tt;
+  }();
+  return t;
 }
 
-CacheScheme make_kivi(const std::string& text, int64_t residual_length, int64_t head_dim) {
-  const KiviParams kp = parse_kivi(text);
-  const int64_t g = kp.g, r = kp.r;
-  KV_CHECK_ARG(head_dim % g == 0, "cache scheme '", text,
-               "': values are grouped along head_dim, which must be divisible by g=", g,
-               ", got head_dim=", head_dim);
-  KV_CHECK_ARG(residual_length == 0 || residual_length == r, "cache scheme '", text,
-               "' sets its own residual (r=", r, "); CacheConfig::residual_length must be 0 or ", r,
-               ", got ", residual_length);
-  check_stream_quantizer(text, "keys", kp.key_quantizer(), head_dim);
-  check_stream_quantizer(text, "values", kp.value_quantizer(), head_dim);
-  CacheScheme s;
-  s.canonical = kp.canonical();
-  s.key = {kp.key_quantizer(), r, ResidualFlush::kBlock, at::kHalf};
-  s.value = {kp.value_quantizer(), r, ResidualFlush::kSliding, at::kHalf};
-  return s;
-}
+class KiviScheme final : public CacheScheme {
+ public:
+  explicit KiviScheme(const ParsedSpec& p)
+      : k_(p.integer("k")), v_(p.integer("v")), g_(p.integer("g")), r_(p.integer("r")), spec_(p.canonical()),
+        text_(p.text()) {
+    // Keys are quantized per channel in whole groups of g tokens, which wait in the residual
+    // until a group is complete: the residual holds at least g tokens.
+    KV_CHECK_ARG(r_ >= g_ && r_ % g_ == 0, "cache scheme '", text_, "': residual r=", r_,
+                 " must be a positive multiple of the group size g=", g_,
+                 " (keys are quantized in whole groups of g tokens, which wait in the residual)");
+    key_ = stream_quantizer("keys", "int" + std::to_string(k_) + ":g" + std::to_string(g_) + ":chan");
+    value_ = stream_quantizer("values", "int" + std::to_string(v_) + ":g" + std::to_string(g_));
+  }
+
+  std::string spec() const override { return spec_; }
+
+  LayerStreams streams(const CacheGeometry& g, int64_t layer, int64_t residual_length) const override {
+    check_geometry(spec_, g, layer, residual_length);
+    KV_CHECK_ARG(g.head_dim % g_ == 0, "cache scheme '", spec_,
+                 "': values are grouped along head_dim, which must be divisible by g=", g_, ", got head_dim=", g.head_dim);
+    KV_CHECK_ARG(residual_length == 0 || residual_length == r_, "cache scheme '", spec_, "' sets its own residual (r=", r_,
+                 "); CacheConfig::residual_length must be 0 or ", r_, ", got ", residual_length);
+    (void)layout_in(spec_, "keys", *key_, g.head_dim);
+    (void)layout_in(spec_, "values", *value_, g.head_dim);
+    LayerStreams s;
+    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf};
+    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf};
+    return s;
+  }
+
+ private:
+  /// A stream's quantizer, a failure reported in the words of the scheme spec the user wrote.
+  std::shared_ptr<const Quantizer> stream_quantizer(const char* stream, const std::string& q) const {
+    try {
+      return make_quantizer(q);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat("cache scheme '", text_, "': its ", stream, " are stored as '", q,
+                                            "', which fails: ", e.what()));
+    }
+  }
+
+  int64_t k_, v_, g_, r_;
+  std::string spec_;
+  std::string text_;  ///< as written (construction errors)
+  std::shared_ptr<const Quantizer> key_, value_;
+};
+
+// ---------------------------------------------------------------- Hadamard rotation
+class RotationScheme final : public CacheScheme {
+ public:
+  RotationScheme(bool values, std::unique_ptr<CacheScheme> inner) : values_(values), inner_(std::move(inner)) {}
+
+  std::string spec() const override {
+    return canonical_spec(quant::RotatedQuantizer::table(), {}, {{"streams", values_ ? "kv" : "k"}}) + "(" +
+           inner_->spec() + ")";
+  }
+
+  LayerStreams streams(const CacheGeometry& g, int64_t layer, int64_t residual_length) const override {
+    KV_CHECK_ARG(quant::is_power_of_two(g.head_dim), "cache scheme '", spec(),
+                 "': the Hadamard rotation needs head_dim a power of two, got head_dim=", g.head_dim,
+                 " (H_D is built by Sylvester's doubling)");
+    LayerStreams s = inner_->streams(g, layer, residual_length);
+    s.key.quantizer = rotated(s.key.quantizer);
+    if (values_) s.value.quantizer = rotated(s.value.quantizer);
+    return s;
+  }
+
+  std::optional<KeyStorage> required_key_storage() const override { return inner_->required_key_storage(); }
+
+ private:
+  std::shared_ptr<const Quantizer> rotated(std::shared_ptr<const Quantizer> q) const {
+    try {
+      return std::make_shared<quant::RotatedQuantizer>(std::move(q));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat("cache scheme '", spec(), "': ", e.what()));
+    }
+  }
+
+  bool values_;
+  std::unique_ptr<CacheScheme> inner_;
+};
 
 }  // namespace
 
-CacheScheme parse_cache_scheme(const std::string& quant, int64_t residual_length, int64_t head_dim) {
-  KV_CHECK_ARG(!quant.empty(), "CacheConfig::quant is empty (expected e.g. 'fp32', 'int4:g64', "
-               "'kivi:k2:v2:g32:r128')");
-  KV_CHECK_ARG(residual_length >= 0 && residual_length <= kMaxTokens, "CacheConfig::residual_length must be in [0, ",
-               kMaxTokens, "], got ", residual_length);
-  KV_CHECK_ARG(head_dim >= 1, "parse_cache_scheme: head_dim must be >= 1, got ", head_dim);
-  const std::string head = split_spec(quant)[0];
-  if (head == "kivi") return make_kivi(quant, residual_length, head_dim);
-  const auto q = make_quantizer(quant);
-  CacheScheme s;
-  s.canonical = q->spec();
-  const at::ScalarType rdt = head == "fp32" ? at::kFloat : at::kHalf;
-  const int64_t g = q->stored_layout(head_dim).group_tokens;
-  if (g > 1) {
-    // Groups span g tokens: tokens wait in the residual until whole groups can be quantized.
-    const int64_t r = std::max<int64_t>(g, (residual_length + g - 1) / g * g);
-    s.key = {s.canonical, r, ResidualFlush::kBlock, rdt};
-  } else {
-    s.key = {s.canonical, residual_length, ResidualFlush::kSliding, rdt};
+namespace registry {
+
+std::vector<Entry> scheme_entries() {
+  std::vector<Entry> v;
+  Entry kivi;
+  kivi.kind = SpecKind::kCacheScheme;
+  kivi.table = &kivi_table();
+  kivi.scheme = [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<CacheScheme> {
+    return std::make_unique<KiviScheme>(p);
+  };
+  v.push_back(std::move(kivi));
+
+  Entry had;
+  had.kind = SpecKind::kCacheScheme;
+  had.table = &quant::RotatedQuantizer::table();
+  had.wrapper = true;
+  had.scheme = [](const ParsedSpec& p, const std::string& inner) -> std::unique_ptr<CacheScheme> {
+    KV_CHECK_ARG(spec_head(inner) != "had", "cache scheme '", p.canonical(), "(", inner, ")': '", inner,
+                 "' is already rotated (H_D · H_D = I: a second rotation undoes the first)");
+    return std::make_unique<RotationScheme>(p.choice("streams") == "kv", make_cache_scheme(inner));
+  };
+  // had(<quantizer>) is a quantizer too (kv_study quant, bench_quant); had:k needs a scheme.
+  had.quantizer = [](const ParsedSpec& p, const std::string& inner) -> std::unique_ptr<Quantizer> {
+    KV_CHECK_ARG(p.choice("streams") == "kv", "spec '", p.canonical(), "(", inner, ")': '", p.canonical(),
+                 "' rotates only the keys of a cache scheme; a quantizer has no keys and values (as a quantizer "
+                 "write 'had(", inner, ")')");
+    std::shared_ptr<const Quantizer> q;
+    try {
+      q = make_quantizer(inner);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat("spec 'had(", inner, ")': ", e.what()));
+    }
+    return std::make_unique<quant::RotatedQuantizer>(std::move(q));
+  };
+  v.push_back(std::move(had));
+  return v;
+}
+
+}  // namespace registry
+
+std::unique_ptr<CacheScheme> make_cache_scheme(const std::string& spec) {
+  KV_CHECK_ARG(!spec.empty(), "cache scheme spec is empty (expected e.g. 'fp32', 'int4:g64', 'kivi:k2:v2:g32:r128')");
+  const registry::Parsed p =
+      registry::parse(spec, SpecKind::kCacheScheme, {SpecKind::kQuantizer, SpecKind::kCacheScheme});
+  if (p.entry->kind == SpecKind::kQuantizer) {
+    return std::make_unique<TrivialScheme>(p.entry->quantizer(p.fields, p.inner));
   }
-  s.value = s.key;
-  return s;
+  return p.entry->scheme(p.fields, p.inner);
 }
 
-std::string canonical_cache_spec(const std::string& quant) {
-  KV_CHECK_ARG(!quant.empty(), "CacheConfig::quant is empty (expected e.g. 'fp32', 'int4:g64', "
-               "'kivi:k2:v2:g32:r128')");
-  if (split_spec(quant)[0] == "kivi") return parse_kivi(quant).canonical();
-  return make_quantizer(quant)->spec();
+std::vector<ParamTable> registered_cache_schemes() {
+  std::vector<ParamTable> out;
+  for (const auto& e : registry::entries()) {
+    if (e.kind == SpecKind::kCacheScheme) out.push_back(*e.table);
+  }
+  return out;
 }
 
-std::vector<ParamTable> registered_cache_schemes() { return {kivi_table()}; }
-
-}  // namespace kvcache::cache
+}  // namespace kvcache

@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "cache/block_list.h"
-#include "cache/cache_scheme.h"
+#include "kvcache/cache_scheme.h"
 
 namespace kvcache::cache {
 
-/// How one stream (K or V) is stored, shared by every layer.
+/// How one stream (K or V) of a layer is stored (StreamSpec from the layer's cache scheme).
 struct StreamSetup {
   StreamSpec spec;
   StreamFormats formats;

@@ -28,10 +28,8 @@ using cache::BlockList;
 using cache::BlockPool;
 using cache::LayerStore;
 using cache::RadixTree;
-using cache::ResidualFlush;
 using cache::SequenceSeam;
 using cache::StreamFormats;
-using cache::StreamSpec;
 
 /// The blocks one page (P prompt tokens) holds in every block list: list i = (layer · H_kv +
 /// head) · 2 + stream (0 = K, 1 = V) has blocks[start[i] .. start[i + 1]).
@@ -45,12 +43,21 @@ struct CachedPage {
 /// namespace. (A CacheConfig field added later that changes stored bytes belongs here.)
 std::string storage_key(const CacheManager& m) {
   auto stream = [](const StreamSpec& s) {
-    return s.quantizer + ",r" + std::to_string(s.residual) + (s.flush == ResidualFlush::kBlock ? ",block," : ",sliding,") +
-           at::toString(s.residual_dtype);
+    return s.quantizer->spec() + ",r" + std::to_string(s.residual) +
+           (s.flush == ResidualFlush::kBlock ? ",block," : ",sliding,") + at::toString(s.residual_dtype);
   };
   const CacheConfig& c = m.config();
-  return "K[" + stream(SequenceSeam::key_setup(m).spec) + "] V[" + stream(SequenceSeam::value_setup(m).spec) +
-         "] keys=" + (c.key_storage == KeyStorage::kPreRoPE ? "pre-rope" : "post-rope") +
+  // The scheme's canonical spec, then how it resolved every layer's streams (a scheme may
+  // store each layer differently; runs of equal layers are written once).
+  std::string key = "scheme=" + SequenceSeam::scheme(m).spec();
+  std::string last;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    std::string streams = "K[" + stream(SequenceSeam::key_setup(m, l).spec) + "] V[" +
+                          stream(SequenceSeam::value_setup(m, l).spec) + "]";
+    if (streams != last) key += " L" + std::to_string(l) + ":" + streams;
+    last = std::move(streams);
+  }
+  return key + " keys=" + (c.key_storage == KeyStorage::kPreRoPE ? "pre-rope" : "post-rope") +
          " positions=" + (c.position_mode == PositionMode::kRerotate ? "rerotate" : "original") +
          " block=" + std::to_string(SequenceSeam::block_tokens(m));
 }
@@ -256,21 +263,25 @@ struct MultiSequenceCache::Impl {
   /// Sets s's namespace, granularity and first-step rule from its configuration.
   void classify(Sequence::State& s) {
     const CacheManager& m = *s.m;
-    const auto& ks = SequenceSeam::key_setup(m);
-    const auto& vs = SequenceSeam::value_setup(m);
     s.granularity = SequenceSeam::block_tokens(m);
     s.min_step = 0;
-    for (const StreamSpec* sp : {&ks.spec, &vs.spec}) {
-      if (sp->residual <= 0) continue;
-      if (sp->flush == ResidualFlush::kBlock) s.granularity = std::lcm(s.granularity, sp->residual);
-      if (sp->flush == ResidualFlush::kSliding) s.min_step = std::max(s.min_step, sp->residual);
+    bool tensor_scale = false;
+    for (int64_t l = 0; l < m.config().num_layers; ++l) {
+      const auto& ks = SequenceSeam::key_setup(m, l);
+      const auto& vs = SequenceSeam::value_setup(m, l);
+      tensor_scale = tensor_scale || ks.formats.tensor_scale() || vs.formats.tensor_scale();
+      for (const StreamSpec* sp : {&ks.spec, &vs.spec}) {
+        if (sp->residual <= 0) continue;
+        if (sp->flush == ResidualFlush::kBlock) s.granularity = std::lcm(s.granularity, sp->residual);
+        if (sp->flush == ResidualFlush::kSliding) s.min_step = std::max(s.min_step, sp->residual);
+      }
     }
     s.ns = RadixTree::Namespace{storage_key(m), SequenceSeam::block_tokens(m)};
     s.not_shared.clear();
     if (!cfg.prefix_sharing) {
       s.not_shared = "prefix sharing is off (MultiSequenceConfig::prefix_sharing)";
-    } else if (ks.formats.tensor_scale() || vs.formats.tensor_scale()) {
-      s.not_shared = "'" + m.config().quant +
+    } else if (tensor_scale) {
+      s.not_shared = "'" + m.config().scheme +
                      "' scales each stream by the request's own first write, so its blocks depend on more "
                      "than the tokens";
     }

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "cache/block_list.h"
-#include "cache/cache_scheme.h"
 #include "kvcache/cache_manager.h"
+#include "kvcache/cache_scheme.h"
 
 namespace kvcache::cache {
 
@@ -59,8 +59,9 @@ struct SequenceSeam {
 
   static const LayerStore& layer(const CacheManager& m, int64_t layer);
   static const CacheScheme& scheme(const CacheManager& m);
-  static const StreamSetup& key_setup(const CacheManager& m);
-  static const StreamSetup& value_setup(const CacheManager& m);
+  /// The stream setups of `layer` (a scheme may store each layer differently).
+  static const StreamSetup& key_setup(const CacheManager& m, int64_t layer);
+  static const StreamSetup& value_setup(const CacheManager& m, int64_t layer);
   static int64_t block_tokens(const CacheManager& m);
   /// Blocks this manager copied on write, over every layer (cumulative, since construction).
   static int64_t cow_copies(const CacheManager& m);

@@ -30,6 +30,14 @@ std::string format_number(double v) {
   return os.str();
 }
 
+/// "{2, 3, 4, 8}" for a param with allowed values, else "[min, max]".
+std::string value_set(const ParamDef& p) {
+  std::string out;
+  if (p.allowed.empty()) return "[" + format_number(p.min_value) + ", " + format_number(p.max_value) + "]";
+  for (double v : p.allowed) out += (out.empty() ? "{" : ", ") + format_number(v);
+  return out + "}";
+}
+
 std::string allowed_fields(const ParamTable& table) {
   if (table.params.empty()) return "'" + table.head + "' takes no fields";
   std::ostringstream os;
@@ -42,9 +50,8 @@ std::string allowed_fields(const ParamTable& table) {
       for (size_t i = 0; i < p.choices.size(); ++i) os << (i ? "|" : "") << p.choices[i];
       os << " (" << p.help << ")";
     } else {
-      os << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << " in ["
-         << format_number(p.min_value) << ", " << format_number(p.max_value) << "]> ("
-         << p.help << ", default " << format_number(p.default_value) << ")";
+      os << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << " in " << value_set(p)
+         << "> (" << p.help << ", default " << format_number(p.default_value) << ")";
     }
   }
   return os.str();
@@ -97,6 +104,7 @@ std::vector<std::string> split_spec(const std::string& text) {
 ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
   ParsedSpec out;
   out.table_ = &table;
+  out.text_ = text;
   auto parts = split_spec(text);
   KV_CHECK_ARG(parts[0] == table.head, "spec '", text, "': head '", parts[0],
                "' does not match '", table.head, "'");
@@ -157,6 +165,10 @@ ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
                  "': ", match->key, "=", value_text, " out of range [",
                  format_number(match->min_value), ", ", format_number(match->max_value), "] (",
                  match->help, ")");
+    KV_CHECK_ARG(match->allowed.empty() ||
+                     std::find(match->allowed.begin(), match->allowed.end(), v) != match->allowed.end(),
+                 "spec '", text, "': field '", f, "': ", match->key, "=", value_text, " is not one of ",
+                 value_set(*match), " (", match->help, ")");
     KV_CHECK_ARG(!out.set_[match->key], "spec '", text, "': '", match->key, "' given twice");
     out.nums_[match->key] = v;
     out.set_[match->key] = true;
@@ -182,18 +194,61 @@ bool ParsedSpec::is_set(const std::string& key) const {
 }
 
 std::string ParsedSpec::canonical() const {
-  std::string out = head_;
-  if (table_ == nullptr) return out;
-  for (const auto& p : table_->params) {
+  if (table_ == nullptr) return head_;
+  return canonical_spec(*table_, nums_, choices_);
+}
+
+std::string canonical_spec(const ParamTable& table, const std::map<std::string, double>& nums,
+                           const std::map<std::string, std::string>& choices) {
+  for (const auto& [key, v] : nums) {
+    (void)v;
+    KV_INTERNAL_ASSERT(std::any_of(table.params.begin(), table.params.end(),
+                                   [&](const ParamDef& p) { return p.key == key && p.kind != ParamDef::Kind::kChoice; }),
+                       "canonical_spec(", table.head, "): no numeric param '", key, "'");
+  }
+  for (const auto& [key, v] : choices) {
+    (void)v;
+    KV_INTERNAL_ASSERT(std::any_of(table.params.begin(), table.params.end(),
+                                   [&](const ParamDef& p) { return p.key == key && p.kind == ParamDef::Kind::kChoice; }),
+                       "canonical_spec(", table.head, "): no choice param '", key, "'");
+  }
+  std::string out = table.head;
+  for (const auto& p : table.params) {
     if (p.kind == ParamDef::Kind::kChoice) {
-      const auto& c = choices_.at(p.key);
-      if (c != p.choices[0]) out += ":" + c;
+      const auto it = choices.find(p.key);
+      const std::string& c = it == choices.end() ? p.choices[0] : it->second;
+      if (c != p.choices[0] || p.shown) out += ":" + c;
     } else {
-      double v = nums_.at(p.key);
-      if (v != p.default_value) out += ":" + p.key + format_number(v);
+      const auto it = nums.find(p.key);
+      const double v = it == nums.end() ? p.default_value : it->second;
+      if (v != p.default_value || p.shown) out += ":" + p.key + format_number(v);
     }
   }
   return out;
+}
+
+std::string spec_head(const std::string& text) { return text.substr(0, text.find_first_of(":(@+")); }
+
+std::optional<WrappedSpec> split_wrapper(const std::string& text) {
+  const auto open = text.find('(');
+  if (open == std::string::npos) return std::nullopt;
+  int depth = 0;
+  size_t close = std::string::npos;
+  for (size_t i = open; i < text.size(); ++i) {
+    if (text[i] == '(') ++depth;
+    if (text[i] == ')' && --depth == 0) {
+      close = i;
+      break;
+    }
+  }
+  KV_CHECK_ARG(close != std::string::npos, "spec '", text, "': '(' at position ", open,
+               " is never closed (grammar: head(:field)*(spec), e.g. 'had(int4)')");
+  KV_CHECK_ARG(close + 1 == text.size(), "spec '", text, "': unexpected '", text.substr(close + 1),
+               "' after the wrapped spec's ')' (grammar: head(:field)*(spec), e.g. 'had(int4)')");
+  WrappedSpec w{text.substr(0, open), text.substr(open + 1, close - open - 1)};
+  KV_CHECK_ARG(!w.outer.empty(), "spec '", text, "': no head before '(' (grammar: head(:field)*(spec), e.g. 'had(int4)')");
+  KV_CHECK_ARG(!w.inner.empty(), "spec '", text, "': empty wrapped spec '()' (expected e.g. 'had(int4)')");
+  return w;
 }
 
 Budget Budget::parse(const std::string& text) {
@@ -297,9 +352,9 @@ std::string describe(const ParamTable& table) {
       for (size_t i = 0; i < p.choices.size(); ++i) os << (i ? "|" : "") << p.choices[i];
       os << "  " << p.help << " (default " << p.choices[0] << ")\n";
     } else {
-      os << "    " << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << ">  "
-         << p.help << " (default " << format_number(p.default_value) << ", range ["
-         << format_number(p.min_value) << ", " << format_number(p.max_value) << "])\n";
+      os << "    " << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << ">  " << p.help
+         << " (default " << format_number(p.default_value) << ", " << (p.allowed.empty() ? "range " : "one of ")
+         << value_set(p) << ")\n";
     }
   }
   return os.str();

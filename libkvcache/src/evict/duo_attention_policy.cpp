@@ -28,8 +28,7 @@ const ParamTable& DuoAttentionPolicy::table() {
 }
 
 DuoAttentionPolicy::DuoAttentionPolicy(const ParsedSpec& spec, Budget budget)
-    : EvictionPolicy(budget),
-      spec_text_(spec.canonical()),
+    : EvictionPolicy(spec, budget),
       sinks_(spec.integer("s")),
       recent_(spec.integer("r")),
       window_(spec.integer("w")),
@@ -39,8 +38,6 @@ DuoAttentionPolicy::DuoAttentionPolicy(const ParsedSpec& spec, Budget budget)
                spec.canonical(), ":f0.5') or a budget ('", spec.canonical(), "@50%': as many streaming heads as it "
                "needs), not ", has_f ? "both" : "neither");
 }
-
-std::string DuoAttentionPolicy::spec() const { return spec_text_ + budget().to_string(); }
 
 int64_t DuoAttentionPolicy::layer_budget(int64_t layer) const {
   (void)layer;

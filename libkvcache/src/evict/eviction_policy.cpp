@@ -9,6 +9,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "common/registry.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 
@@ -187,6 +188,9 @@ namespace {
 /// Deepest nesting of wrapper policies a spec may have (adakv:decode:h2o is 2).
 constexpr int kMaxWrapperDepth = 4;
 
+/// The eviction policies' registration list (order = `kv_study list` order): one line per
+/// policy, fed into the one registry of spec heads (common/registry.h). A wrapper (adakv,
+/// decode) takes the policy it wraps as the rest of its spec, after its own fields.
 struct Registration {
   const ParamTable& (*table)();
   /// inner: the wrapped policy (wrappers only; null otherwise).
@@ -209,7 +213,7 @@ Registration wrapper() {
           true};
 }
 
-const std::vector<Registration>& registry() {
+const std::vector<Registration>& registrations() {
   using namespace evict;
   static const std::vector<Registration> regs = {
       plain<FullPolicy>(),   plain<WindowPolicy>(),     plain<SinkPolicy>(),         plain<H2OPolicy>(),
@@ -220,17 +224,14 @@ const std::vector<Registration>& registry() {
   return regs;
 }
 
+/// The registration of a registered policy head (an old spelling finds its new head), or null.
 const Registration* find_registration(const std::string& head) {
-  for (const auto& reg : registry()) {
-    if (reg.table().head == head) return &reg;
+  const registry::Entry* e = registry::find(head);
+  if (e == nullptr || e->kind != SpecKind::kPolicy) return nullptr;
+  for (const auto& reg : registrations()) {
+    if (&reg.table() == e->table) return &reg;
   }
   return nullptr;
-}
-
-std::string registered_heads() {
-  std::ostringstream heads;
-  for (const auto& reg : registry()) heads << (heads.tellp() > 0 ? ", " : "") << reg.table().head;
-  return heads.str();
 }
 
 std::string join(const std::vector<std::string>& parts, size_t from, size_t to) {
@@ -245,9 +246,11 @@ std::unique_ptr<EvictionPolicy> build(const std::string& body, Budget budget, co
   KV_CHECK_ARG(!body.empty(), "eviction policy spec '", spec, "' has no head");
   const std::vector<std::string> parts = split_spec(body);
   const Registration* reg = find_registration(parts[0]);
-  KV_CHECK_ARG(reg != nullptr, "unknown eviction policy '", parts[0], "' in spec '", spec,
-               "'; registered: ", registered_heads());
-  if (!reg->wraps) return reg->make(ParsedSpec::parse(body, reg->table()), budget, nullptr);
+  if (reg == nullptr || !reg->wraps) {
+    // Unknown heads and heads of another kind: the registry's errors.
+    const registry::Parsed p = registry::parse(body, SpecKind::kPolicy, {SpecKind::kPolicy});
+    return p.entry->policy(p.fields, budget);
+  }
   // A wrapper: its own fields, then the wrapped policy from the first field that names a policy.
   size_t inner_at = 1;
   while (inner_at < parts.size() && find_registration(parts[inner_at]) == nullptr) ++inner_at;
@@ -259,6 +262,31 @@ std::unique_ptr<EvictionPolicy> build(const std::string& body, Budget budget, co
 }
 
 }  // namespace
+
+namespace registry {
+
+std::vector<Entry> policy_entries() {
+  std::vector<Entry> v;
+  for (const auto& reg : registrations()) {
+    Entry e;
+    e.kind = SpecKind::kPolicy;
+    e.table = &reg.table();
+    if (!reg.wraps) {
+      auto make = reg.make;
+      e.policy = [make](const ParsedSpec& s, Budget b) { return make(s, b, nullptr); };
+    } else {
+      const std::string head = reg.table().head;
+      e.policy = [head](const ParsedSpec&, Budget) -> std::unique_ptr<EvictionPolicy> {
+        throw InvalidArgument(detail::str_cat("'", head, "' wraps a policy: write it after ", head,
+                                              "'s own fields, e.g. '", head, ":snapkv@50%'"));
+      };
+    }
+    v.push_back(std::move(e));
+  }
+  return v;
+}
+
+}  // namespace registry
 
 std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec) {
   auto [body, budget] = split_budget(spec);
@@ -284,7 +312,9 @@ std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec) {
 
 std::vector<ParamTable> registered_policies() {
   std::vector<ParamTable> out;
-  for (const auto& reg : registry()) out.push_back(reg.table());
+  for (const auto& e : registry::entries()) {
+    if (e.kind == SpecKind::kPolicy) out.push_back(*e.table);
+  }
   return out;
 }
 

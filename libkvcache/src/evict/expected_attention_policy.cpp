@@ -43,15 +43,12 @@ const ParamTable& ExpectedAttentionPolicy::table() {
 }
 
 ExpectedAttentionPolicy::ExpectedAttentionPolicy(const ParsedSpec& spec, Budget budget)
-    : ScheduledScorer(budget, spec.choice("schedule") == "stream", "expected"),
-      spec_text_(spec.canonical()),
+    : ScheduledScorer(spec, budget, spec.choice("schedule") == "stream", "expected"),
       future_(spec.integer("n")),
       sinks_(spec.integer("s")),
       epsilon_(spec.num("e")),
       covariance_(spec.choice("cov") == "cov"),
       vnorm_(spec.choice("vnorm") == "vnorm") {}
-
-std::string ExpectedAttentionPolicy::spec() const { return spec_text_ + budget().to_string(); }
 
 void ExpectedAttentionPolicy::on_reset() {
   ScheduledScorer::on_reset();

@@ -21,16 +21,9 @@ const ParamTable& H2OPolicy::table() {
 }
 
 H2OPolicy::H2OPolicy(const ParsedSpec& spec, Budget budget)
-    : ScorerPolicy(budget), h_param_(spec.integer("h")), r_param_(spec.integer("r")) {
+    : ScorerPolicy(spec, budget), h_param_(spec.integer("h")), r_param_(spec.integer("r")) {
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone || (h_param_ >= 0 && r_param_ >= 0),
                "h2o needs a budget ('h2o@256', 'h2o@50%') or both h and r ('h2o:h128:r128')");
-}
-
-std::string H2OPolicy::spec() const {
-  std::string s = "h2o";
-  if (h_param_ >= 0) s += ":h" + std::to_string(h_param_);
-  if (r_param_ >= 0) s += ":r" + std::to_string(r_param_);
-  return s + budget().to_string();
 }
 
 void H2OPolicy::on_reset() {

@@ -38,9 +38,7 @@ const ParamTable& KnormPolicy::table() {
 }
 
 KnormPolicy::KnormPolicy(const ParsedSpec& spec, Budget budget)
-    : ScheduledScorer(budget, spec.choice("schedule") == "stream", "knorm") {}
-
-std::string KnormPolicy::spec() const { return std::string("knorm") + (streaming() ? ":stream" : "") + budget().to_string(); }
+    : ScheduledScorer(spec, budget, spec.choice("schedule") == "stream", "knorm") {}
 
 TokenScores KnormPolicy::score(const EvictionContext& ctx) const {
   const LayerView& view = require_view(ctx, "knorm");
@@ -71,11 +69,7 @@ const ParamTable& KeyDiffPolicy::table() {
 }
 
 KeyDiffPolicy::KeyDiffPolicy(const ParsedSpec& spec, Budget budget)
-    : ScheduledScorer(budget, spec.choice("schedule") == "stream", "keydiff") {}
-
-std::string KeyDiffPolicy::spec() const {
-  return std::string("keydiff") + (streaming() ? ":stream" : "") + budget().to_string();
-}
+    : ScheduledScorer(spec, budget, spec.choice("schedule") == "stream", "keydiff") {}
 
 TokenScores KeyDiffPolicy::score(const EvictionContext& ctx) const {
   // torch's F.normalize / F.cosine_similarity guards: norms below these count as these.

@@ -57,6 +57,8 @@ class ScorerPolicy : public EvictionPolicy {
 
  protected:
   using EvictionPolicy::EvictionPolicy;
+  /// `*inner` (a wrapper's inner policy, checked not null) for the wrapper's base constructor.
+  static const EvictionPolicy& wrapped(const std::unique_ptr<EvictionPolicy>& inner, const char* wrapper);
 };
 
 /// The compression schedule of the scorers that come in two modes (knorm, keydiff, expected):
@@ -73,7 +75,7 @@ class ScheduledScorer : public ScorerPolicy {
   bool streaming() const { return stream_; }
 
  protected:
-  ScheduledScorer(Budget budget, bool stream, const std::string& name);
+  ScheduledScorer(const ParsedSpec& spec, Budget budget, bool stream, const std::string& name);
   void on_reset() override;
   /// Tokens always kept at the start of the cache (Expected Attention's sinks).
   virtual int64_t protected_prefix() const { return 0; }
@@ -101,7 +103,6 @@ class FullPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   explicit FullPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override { return "full"; }
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
 };
@@ -111,7 +112,6 @@ class WindowPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   WindowPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
 
@@ -129,7 +129,6 @@ class SinkPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   SinkPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
   int64_t sinks() const { return sinks_; }
@@ -151,7 +150,6 @@ class H2OPolicy final : public ScorerPolicy {
  public:
   static const ParamTable& table();
   H2OPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return {AttentionNeed::kAllRows, false}; }
   /// Every step: heavy + recent per head.
@@ -180,7 +178,6 @@ class RandomPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   RandomPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   EvictionPlan plan(const EvictionContext& ctx) const override;
   /// Advances the layer's stream: the next plan draws anew.
@@ -201,7 +198,6 @@ class TovaPolicy final : public ScorerPolicy {
  public:
   static const ParamTable& table();
   TovaPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return {1, true}; }
   std::optional<int64_t> compression_target(const EvictionContext& ctx) const override;
@@ -229,7 +225,6 @@ class SnapKVPolicy : public ScorerPolicy {
  public:
   static const ParamTable& table();
   SnapKVPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override {
     return prefill_done_ ? AttentionNeed{} : AttentionNeed{window_, true};
@@ -259,12 +254,11 @@ class SnapKVPolicy : public ScorerPolicy {
     (void)prompt;
     return uniform_keep;
   }
-  const char* name() const { return spec_text_.rfind("pyramid", 0) == 0 ? "pyramid" : "snapkv"; }
+  const char* name() const { return spec_head(spec()) == "pyramid" ? "pyramid" : "snapkv"; }
   int64_t window() const { return window_; }
   bool prefill_done() const { return prefill_done_; }
 
  private:
-  std::string spec_text_;
   int64_t window_, kernel_;
   bool use_max_;
   bool prefill_done_ = false;
@@ -308,7 +302,6 @@ class KnormPolicy final : public ScheduledScorer {
  public:
   static const ParamTable& table();
   KnormPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   TokenScores score(const EvictionContext& ctx) const override;
 };
 
@@ -319,7 +312,6 @@ class KeyDiffPolicy final : public ScheduledScorer {
  public:
   static const ParamTable& table();
   KeyDiffPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   TokenScores score(const EvictionContext& ctx) const override;
 };
 
@@ -334,7 +326,6 @@ class ExpectedAttentionPolicy final : public ScheduledScorer {
  public:
   static const ParamTable& table();
   ExpectedAttentionPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   QueryNeed query_need() const override { return {QueryNeed::kAllRows, true}; }
   TokenScores score(const EvictionContext& ctx) const override;
   /// Query statistics of `layer`: the queries fitted so far (positions ≥ s).
@@ -353,7 +344,6 @@ class ExpectedAttentionPolicy final : public ScheduledScorer {
     std::vector<double> sum;    ///< [H_q, D]
     std::vector<double> outer;  ///< [H_q, D, D] Σ q qᵀ (only with covariance)
   };
-  std::string spec_text_;
   int64_t future_, sinks_;
   double epsilon_;
   bool covariance_, vnorm_;
@@ -370,7 +360,6 @@ class AdaKVPolicy final : public ScorerPolicy {
  public:
   static const ParamTable& table();
   AdaKVPolicy(const ParsedSpec& spec, Budget budget, std::unique_ptr<EvictionPolicy> inner);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override { return inner_->layer_budget(layer); }
   AttentionNeed attention_need() const override { return inner_->attention_need(); }
   QueryNeed query_need() const override { return inner_->query_need(); }
@@ -395,7 +384,6 @@ class AdaKVPolicy final : public ScorerPolicy {
   }
 
  private:
-  std::string head_text_;  ///< canonical "adakv[:a<α>]"
   double alpha_;
   std::unique_ptr<ScorerPolicy> inner_;
 };
@@ -410,7 +398,6 @@ class DecodeCompressionPolicy final : public ScorerPolicy {
  public:
   static const ParamTable& table();
   DecodeCompressionPolicy(const ParsedSpec& spec, Budget budget, std::unique_ptr<EvictionPolicy> inner);
-  std::string spec() const override;
   int64_t layer_budget(int64_t layer) const override;
   AttentionNeed attention_need() const override { return inner_->attention_need(); }
   QueryNeed query_need() const override { return inner_->query_need(); }
@@ -438,7 +425,6 @@ class DecodeCompressionPolicy final : public ScorerPolicy {
 
  private:
   bool due(const EvictionContext& ctx) const;
-  std::string head_text_;
   int64_t interval_, buffer_;
   bool prefill_;
   std::unique_ptr<ScorerPolicy> inner_;
@@ -456,7 +442,6 @@ class DuoAttentionPolicy final : public EvictionPolicy {
  public:
   static const ParamTable& table();
   DuoAttentionPolicy(const ParsedSpec& spec, Budget budget);
-  std::string spec() const override;
   /// The budget (average tokens per KV head at the end of the request), or, with f, the
   /// context length.
   int64_t layer_budget(int64_t layer) const override;
@@ -479,7 +464,6 @@ class DuoAttentionPolicy final : public EvictionPolicy {
  private:
   /// Streaming mask over all layers × heads from the stored scores (lowest first).
   std::vector<bool> classify() const;
-  std::string spec_text_;
   int64_t sinks_, recent_, window_;
   double fraction_;
   int64_t streaming_count_ = 0;

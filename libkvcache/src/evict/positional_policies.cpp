@@ -15,8 +15,7 @@ const ParamTable& FullPolicy::table() {
   return t;
 }
 
-FullPolicy::FullPolicy(const ParsedSpec& spec, Budget budget) : EvictionPolicy(budget) {
-  (void)spec;
+FullPolicy::FullPolicy(const ParsedSpec& spec, Budget budget) : EvictionPolicy(spec, budget) {
   KV_CHECK_ARG(budget.kind == Budget::Kind::kNone, "policy 'full' takes no budget, got '",
                budget.to_string(), "' (use e.g. 'window", budget.to_string(), "')");
 }
@@ -41,15 +40,10 @@ const ParamTable& WindowPolicy::table() {
 }
 
 WindowPolicy::WindowPolicy(const ParsedSpec& spec, Budget budget)
-    : EvictionPolicy(budget), w_param_(spec.integer("w")) {
+    : EvictionPolicy(spec, budget), w_param_(spec.integer("w")) {
   KV_CHECK_ARG(w_param_ != 0, "window: w0 keeps nothing; the newest token is always kept (w >= 1)");
   KV_CHECK_ARG(w_param_ > 0 || budget.kind != Budget::Kind::kNone,
                "window needs a size: 'window:w<N>' or a budget 'window@<N>' / 'window@<P>%'");
-}
-
-std::string WindowPolicy::spec() const {
-  return w_param_ > 0 ? "window:w" + std::to_string(w_param_) + budget().to_string()
-                      : "window" + budget().to_string();
 }
 
 void WindowPolicy::on_reset() {
@@ -86,17 +80,10 @@ const ParamTable& SinkPolicy::table() {
 }
 
 SinkPolicy::SinkPolicy(const ParsedSpec& spec, Budget budget)
-    : EvictionPolicy(budget), sinks_(spec.integer("s")), w_param_(spec.integer("w")) {
+    : EvictionPolicy(spec, budget), sinks_(spec.integer("s")), w_param_(spec.integer("w")) {
   KV_CHECK_ARG(w_param_ != 0, "sink: w0 would evict the newest token; the window must be >= 1");
   KV_CHECK_ARG(w_param_ > 0 || budget.kind != Budget::Kind::kNone,
                "sink needs a window or a budget: 'sink:s4:w508' or 'sink:s4@512' / 'sink@50%'");
-}
-
-std::string SinkPolicy::spec() const {
-  std::string s = "sink";
-  if (sinks_ != 4) s += ":s" + std::to_string(sinks_);
-  if (w_param_ > 0) s += ":w" + std::to_string(w_param_);
-  return s + budget().to_string();
 }
 
 void SinkPolicy::on_reset() {

@@ -18,14 +18,9 @@ const ParamTable& RandomPolicy::table() {
 }
 
 RandomPolicy::RandomPolicy(const ParsedSpec& spec, Budget budget)
-    : EvictionPolicy(budget), seed_(static_cast<uint64_t>(spec.integer("seed"))) {
+    : EvictionPolicy(spec, budget), seed_(static_cast<uint64_t>(spec.integer("seed"))) {
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone,
                "random needs a budget: 'random:seed7@256' or 'random@50%'");
-}
-
-std::string RandomPolicy::spec() const {
-  return (seed_ != 0 ? "random:seed" + std::to_string(seed_) : std::string("random")) +
-         budget().to_string();
 }
 
 void RandomPolicy::on_reset() { calls_.assign(static_cast<size_t>(shape().num_layers), 0); }

@@ -73,6 +73,11 @@ EvictionPlan ScorerPolicy::select(const EvictionContext& ctx, int64_t target, To
   return p;
 }
 
+const EvictionPolicy& ScorerPolicy::wrapped(const std::unique_ptr<EvictionPolicy>& inner, const char* wrapper) {
+  KV_INTERNAL_ASSERT(inner != nullptr, wrapper, " without an inner policy");
+  return *inner;
+}
+
 EvictionPlan ScorerPolicy::plan(const EvictionContext& ctx) const {
   const std::optional<int64_t> target = compression_target(ctx);
   if (!target || !over_target(ctx, *target)) return {};
@@ -80,8 +85,8 @@ EvictionPlan ScorerPolicy::plan(const EvictionContext& ctx) const {
 }
 
 // ---------------------------------------------------------------- ScheduledScorer
-ScheduledScorer::ScheduledScorer(Budget budget, bool stream, const std::string& name)
-    : ScorerPolicy(budget), stream_(stream), name_(name) {
+ScheduledScorer::ScheduledScorer(const ParsedSpec& spec, Budget budget, bool stream, const std::string& name)
+    : ScorerPolicy(spec, budget), stream_(stream), name_(name) {
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone, name, " needs a budget: '", name, "@1024' or '", name, "@50%'");
 }
 
@@ -130,18 +135,13 @@ const ParamTable& AdaKVPolicy::table() {
 }
 
 AdaKVPolicy::AdaKVPolicy(const ParsedSpec& spec, Budget budget, std::unique_ptr<EvictionPolicy> inner)
-    : ScorerPolicy(budget), head_text_(spec.canonical()), alpha_(spec.num("a")) {
-  KV_INTERNAL_ASSERT(inner != nullptr, "adakv without an inner policy");
+    : ScorerPolicy(spec, budget, wrapped(inner, "adakv")), alpha_(spec.num("a")) {
   auto* scorer = dynamic_cast<ScorerPolicy*>(inner.get());
   KV_CHECK_ARG(scorer != nullptr, "adakv wraps a scorer (h2o, snapkv, pyramid, tova, knorm, keydiff, expected, or "
                "decode:...:<scorer>); '", inner->spec(), "' keeps tokens by position and has no per-token scores");
   KV_CHECK_ARG(!scorer->head_wise(), "adakv around '", inner->spec(), "', which is already head-wise");
   (void)inner.release();
   inner_.reset(scorer);
-}
-
-std::string AdaKVPolicy::spec() const {
-  return head_text_ + ":" + split_budget(inner_->spec()).first + budget().to_string();
 }
 
 void AdaKVPolicy::on_reset() { reset_inner(*inner_, *this); }
@@ -221,12 +221,10 @@ const ParamTable& DecodeCompressionPolicy::table() {
 
 DecodeCompressionPolicy::DecodeCompressionPolicy(const ParsedSpec& spec, Budget budget,
                                                  std::unique_ptr<EvictionPolicy> inner)
-    : ScorerPolicy(budget),
-      head_text_(spec.canonical()),
+    : ScorerPolicy(spec, budget, wrapped(inner, "decode")),
       interval_(spec.integer("i")),
       buffer_(spec.integer("b")),
       prefill_(spec.choice("when") == "prefill") {
-  KV_INTERNAL_ASSERT(inner != nullptr, "decode without an inner policy");
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone, "decode needs a budget, the target it compresses back to: "
                "'decode:i512:b256:knorm@2048' or '...@50%'");
   auto* scorer = dynamic_cast<ScorerPolicy*>(inner.get());
@@ -239,10 +237,6 @@ DecodeCompressionPolicy::DecodeCompressionPolicy(const ParsedSpec& spec, Budget 
                "expected");
   (void)inner.release();
   inner_.reset(scorer);
-}
-
-std::string DecodeCompressionPolicy::spec() const {
-  return head_text_ + ":" + split_budget(inner_->spec()).first + budget().to_string();
 }
 
 void DecodeCompressionPolicy::on_reset() {

@@ -26,8 +26,7 @@ SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget)
 
 SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel,
                            bool use_max)
-    : ScorerPolicy(budget),
-      spec_text_(spec.canonical()),
+    : ScorerPolicy(spec, budget),
       window_(window),
       kernel_(kernel),
       use_max_(use_max) {
@@ -36,8 +35,6 @@ SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone, spec.head(), " needs a budget: '", spec.head(),
                "@1024' or '", spec.head(), "@50%'");
 }
-
-std::string SnapKVPolicy::spec() const { return spec_text_ + budget().to_string(); }
 
 void SnapKVPolicy::on_reset() {
   rows_.assign(static_cast<size_t>(shape().num_layers), at::Tensor());

@@ -15,12 +15,9 @@ const ParamTable& TovaPolicy::table() {
   return t;
 }
 
-TovaPolicy::TovaPolicy(const ParsedSpec& spec, Budget budget) : ScorerPolicy(budget) {
-  (void)spec;
+TovaPolicy::TovaPolicy(const ParsedSpec& spec, Budget budget) : ScorerPolicy(spec, budget) {
   KV_CHECK_ARG(budget.kind != Budget::Kind::kNone, "tova needs a budget: 'tova@512' or 'tova@50%'");
 }
-
-std::string TovaPolicy::spec() const { return "tova" + budget().to_string(); }
 
 void TovaPolicy::on_reset() { last_row_.assign(static_cast<size_t>(shape().num_layers), {}); }
 

@@ -9,9 +9,17 @@
 
 namespace kvcache::quant {
 
+const ParamTable& FloatCastQuantizer::table(at::ScalarType storage) {
+  static const ParamTable f32{"fp32", "float32, stored as is (identity; the unquantized baseline)", {}};
+  static const ParamTable f16{"fp16", "float16 cast (round-to-nearest-even); rejects |x| > 65504", {}};
+  static const ParamTable b16{"bf16", "bfloat16 cast (round-to-nearest-even)", {}};
+  KV_INTERNAL_ASSERT(storage == at::kFloat || storage == at::kHalf || storage == at::kBFloat16, "bad storage dtype");
+  return storage == at::kFloat ? f32 : storage == at::kHalf ? f16 : b16;
+}
+
 FloatCastQuantizer::FloatCastQuantizer(at::ScalarType storage, std::string name)
     : storage_(storage), name_(std::move(name)) {
-  KV_INTERNAL_ASSERT(storage == at::kFloat || storage == at::kHalf || storage == at::kBFloat16, "bad storage dtype");
+  KV_INTERNAL_ASSERT(name_ == table(storage).head, "FloatCastQuantizer '", name_, "' stores ", storage);
 }
 
 double FloatCastQuantizer::bits_per_value(int64_t /*head_dim*/) const {

@@ -13,10 +13,13 @@ namespace kvcache::quant {
 
 class FloatCastQuantizer final : public Quantizer {
  public:
+  /// The spec table of `fp32`, `fp16` or `bf16` (no fields), by storage dtype.
+  static const ParamTable& table(at::ScalarType storage);
+
   /// `storage` ∈ {kFloat, kHalf, kBFloat16}; `name` is the spec head ("fp32", "fp16", "bf16").
   FloatCastQuantizer(at::ScalarType storage, std::string name);
 
-  std::string spec() const override { return name_; }
+  std::string spec() const override { return canonical_spec(table(storage_), {}, {}); }
   double bits_per_value(int64_t head_dim) const override;
   /// The storage dtype (kFloat, kHalf, kBFloat16).
   at::ScalarType storage() const { return storage_; }

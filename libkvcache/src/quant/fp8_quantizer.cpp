@@ -25,8 +25,32 @@ float scale_for_amax(float amax, float max_finite) {
 
 }  // namespace
 
+const ParamTable& Fp8Quantizer::table() {
+  static const ParamTable t = [] {
+    ParamTable tt;
+    tt.head = "fp8";
+    tt.help =
+        "8-bit float (OCP FP8: e4m3 max ±448, e5m2 max ±57344), round-to-nearest-even, saturating; "
+        "as vLLM's fp8 KV cache";
+    ParamDef fmt;
+    fmt.key = "format";
+    fmt.help = "e4m3: 4 exponent + 3 mantissa bits; e5m2: 5 + 2";
+    fmt.kind = ParamDef::Kind::kChoice;
+    fmt.choices = {"e4m3", "e5m2"};
+    fmt.shown = true;  // fp8 always names its format
+    ParamDef scale;
+    scale.key = "scale";
+    scale.help = "unscaled: encode x as is; scaled: one fp32 per-tensor scale amax/max_finite, encode x/scale";
+    scale.kind = ParamDef::Kind::kChoice;
+    scale.choices = {"unscaled", "scaled"};
+    tt.params = {fmt, scale};
+    return tt;
+  }();
+  return t;
+}
+
 std::string Fp8Quantizer::spec() const {
-  return std::string("fp8:") + fp8_name(format_) + (scaled_ ? ":scaled" : "");
+  return canonical_spec(table(), {}, {{"format", fp8_name(format_)}, {"scale", scaled_ ? "scaled" : "unscaled"}});
 }
 
 QuantizedTensor Fp8Quantizer::do_quantize(const at::Tensor& x) const {

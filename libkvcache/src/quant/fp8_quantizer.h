@@ -14,9 +14,12 @@ namespace kvcache::quant {
 
 class Fp8Quantizer final : public Quantizer {
  public:
+  /// The spec table of `fp8` (format e4m3|e5m2, shown in the canonical form; unscaled|scaled).
+  static const ParamTable& table();
+
   Fp8Quantizer(Fp8Format format, bool scaled) : format_(format), scaled_(scaled) {}
 
-  /// Always names the format: "fp8:e4m3", "fp8:e5m2:scaled".
+  /// Always names the format (the table marks it shown): "fp8:e4m3", "fp8:e5m2:scaled".
   std::string spec() const override;
   double bits_per_value(int64_t /*head_dim*/) const override { return 8.0; }
 

@@ -134,6 +134,145 @@ KV_ALWAYS_INLINE float recon32_apply(float c, float sk, float zk, float lo, floa
   return v * back;
 }
 
+// ---------------------------------------------------------------- packing
+// Each kernel computes a group's codes with a function of the value (the metadata path: fp16
+// or fp32), then packs them (int_kernels.h):
+//   b ∈ {8, 4, 2}: k = 8/b codes per byte, byte j = Σ_{m<k} c[j + m·g/k] << m·b;
+//   int3 (g = 8e codes in 3e bytes, the split of llama.cpp's q3_K into the two low bits and
+//   the high bit): low plane bytes [0, 2e) pack c & 3 as int2 packs its codes (byte j holds
+//   codes j + m·2e, m < 4), high plane bytes [2e, 3e) hold c >> 2, byte j bit m = code j + m·e.
+//   Both planes are one plain loop over j < e reading codes j + m·e (m < 8): low byte j
+//   takes the codes of even m, low byte j + e those of odd m.
+// Per-channel blocks pack down each column, code rows in place of bytes.
+
+/// The low-plane byte of codes c[0], c[2], c[4], c[6] (odd = 0) or c[1], c[3], c[5], c[7].
+KV_ALWAYS_INLINE uint32_t low3(const uint32_t* c, int odd) {
+  return (c[odd] & 3u) | (c[odd + 2] & 3u) << 2 | (c[odd + 4] & 3u) << 4 | (c[odd + 6] & 3u) << 6;
+}
+KV_ALWAYS_INLINE uint32_t high3(const uint32_t* c) {
+  uint32_t hi = 0;
+  for (int m = 0; m < 8; ++m) hi |= (c[m] >> 2) << m;
+  return hi;
+}
+/// Code m (< 8) of a run from its two low-plane bytes and its high-plane byte.
+KV_ALWAYS_INLINE uint32_t code3(uint32_t l0, uint32_t l1, uint32_t hi, int m) {
+  return (((m & 1) ? l1 : l0) >> (2 * (m >> 1)) & 3u) | ((hi >> m) & 1u) << 2;
+}
+
+/// Packs the g codes code(p[i]) of one per-token group into o (g·b/8 bytes).
+template <int BITS, typename CodeFn>
+KV_ALWAYS_INLINE void pack_tok(const float* __restrict p, int64_t g, uint8_t* __restrict o, CodeFn code) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+#pragma omp simd
+    for (int64_t j = 0; j < e; ++j) {
+      uint32_t c[8];
+      for (int m = 0; m < 8; ++m) c[m] = code(p[j + m * e]);
+      o[j] = static_cast<uint8_t>(low3(c, 0));
+      o[j + e] = static_cast<uint8_t>(low3(c, 1));
+      o[j + 2 * e] = static_cast<uint8_t>(high3(c));
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    const int64_t q = g / K;
+#pragma omp simd
+    for (int64_t j = 0; j < q; ++j) {
+      uint32_t byte = 0;
+      for (int64_t m = 0; m < K; ++m) byte |= code(p[j + m * q]) << (m * BITS);
+      o[j] = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
+/// Unpacks one per-token group: o[i] = value(code i) for i < g.
+template <int BITS, typename ValueFn>
+KV_ALWAYS_INLINE void unpack_tok(const uint8_t* __restrict in, int64_t g, float* __restrict o, ValueFn value) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+#pragma omp simd
+    for (int64_t j = 0; j < e; ++j) {
+      const uint32_t l0 = in[j], l1 = in[j + e], hi = in[j + 2 * e];
+      for (int m = 0; m < 8; ++m) o[j + m * e] = value(static_cast<float>(code3(l0, l1, hi, m)));
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    const int64_t q = g / K;
+#pragma omp simd
+    for (int64_t j = 0; j < q; ++j) {
+      const uint32_t byte = in[j];
+      for (int64_t m = 0; m < K; ++m) o[j + m * q] = value(static_cast<float>((byte >> (m * BITS)) & kMask));
+    }
+  }
+}
+
+/// Packs one per-channel block (g rows × d columns at p) into o (g·b/8 rows of d bytes):
+/// code(v, c) is the code of value v of column c.
+template <int BITS, typename CodeFn>
+KV_ALWAYS_INLINE void pack_chan(const float* __restrict p, int64_t g, int64_t d, uint8_t* __restrict o, CodeFn code) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+    for (int64_t j = 0; j < e; ++j) {
+      uint8_t* __restrict lo0 = o + j * d;
+      uint8_t* __restrict lo1 = o + (j + e) * d;
+      uint8_t* __restrict hrow = o + (j + 2 * e) * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) {
+        uint32_t cm[8];
+        for (int m = 0; m < 8; ++m) cm[m] = code(p[(j + m * e) * d + c], c);
+        lo0[c] = static_cast<uint8_t>(low3(cm, 0));
+        lo1[c] = static_cast<uint8_t>(low3(cm, 1));
+        hrow[c] = static_cast<uint8_t>(high3(cm));
+      }
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    const int64_t q = g / K;
+    for (int64_t j = 0; j < q; ++j) {
+      uint8_t* __restrict orow = o + j * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) {
+        uint32_t byte = 0;
+        for (int64_t m = 0; m < K; ++m) byte |= code(p[(j + m * q) * d + c], c) << (m * BITS);
+        orow[c] = static_cast<uint8_t>(byte);
+      }
+    }
+  }
+}
+
+/// Unpacks one per-channel block: row r, column c of o = value(code, c).
+template <int BITS, typename ValueFn>
+KV_ALWAYS_INLINE void unpack_chan(const uint8_t* __restrict in, int64_t g, int64_t d, float* __restrict o,
+                                  ValueFn value) {
+  if constexpr (BITS == 3) {
+    const int64_t e = g / 8;
+    for (int64_t j = 0; j < e; ++j) {
+      const uint8_t* lo0 = in + j * d;
+      const uint8_t* lo1 = in + (j + e) * d;
+      const uint8_t* hrow = in + (j + 2 * e) * d;
+      for (int m = 0; m < 8; ++m) {
+        float* __restrict orow = o + (j + m * e) * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) orow[c] = value(static_cast<float>(code3(lo0[c], lo1[c], hrow[c], m)), c);
+      }
+    }
+  } else {
+    constexpr int64_t K = 8 / BITS;
+    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    const int64_t q = g / K;
+    for (int64_t j = 0; j < q; ++j) {
+      const uint8_t* irow = in + j * d;
+      for (int64_t m = 0; m < K; ++m) {
+        float* __restrict orow = o + (j + m * q) * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) {
+          orow[c] = value(static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask), c);
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- per-token
 // Groups are processed in chunks of kChunk: (1) min/max of each group, (2) the metadata of
 // the whole chunk as one vector loop (the scalar divide/convert chain per group would
@@ -144,9 +283,8 @@ constexpr int64_t kChunk = 16;
 template <int BITS, typename MetaT, int64_t G>
 KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g1, int64_t g_rt,
                                 uint8_t* __restrict codes, MetaT* __restrict sc, MetaT* __restrict ze, Flags* f) {
-  constexpr int64_t K = 8 / BITS;
   const int64_t g = G > 0 ? G : g_rt;
-  const int64_t q = g / K;  // bytes per group
+  const int64_t q = g * BITS / 8;  // bytes per group
   // NaN/Inf flags are OR-ed lane-wise across all groups and reduced once at the end (a
   // per-group horizontal reduction would cost as much as the min/max ones).
   constexpr int64_t kLanes = 16;
@@ -182,7 +320,16 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
       uint8_t* __restrict o = codes + (k0 + i) * q;
       const float z = mn[i];
       const float iv = inv[i];
-      if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      if constexpr (BITS == 3) {
+        if constexpr (std::is_same_v<MetaT, c10::Half>) {
+          pack_tok<3>(p, g, o, [z, iv](float v) { return code_of<3>(v, z, iv); });
+        } else {
+          const float k = kv[i];
+          pack_tok<3>(p, g, o, [k, z, iv](float v) { return code_of_k<3>(v, k, z, iv); });
+        }
+      } else if constexpr (std::is_same_v<MetaT, c10::Half>) {
+        // The power-of-two widths keep main's loops as written (the helpers serve int3).
+        constexpr int64_t K = 8 / BITS;
 #pragma omp simd
         for (int64_t j = 0; j < q; ++j) {
           uint32_t byte = 0;
@@ -190,6 +337,7 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
           o[j] = static_cast<uint8_t>(byte);
         }
       } else {
+        constexpr int64_t K = 8 / BITS;
         const float k = kv[i];
 #pragma omp simd
         for (int64_t j = 0; j < q; ++j) {
@@ -208,10 +356,8 @@ template <int BITS, typename MetaT, int64_t G>
 KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* __restrict sc,
                                   const MetaT* __restrict ze, int64_t g0, int64_t g1, int64_t g_rt,
                                   float* __restrict out) {
-  constexpr int64_t K = 8 / BITS;
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
   const int64_t g = G > 0 ? G : g_rt;
-  const int64_t q = g / K;
+  const int64_t q = g * BITS / 8;
   for (int64_t k = g0; k < g1; ++k) {
     const float s = load_meta_scalar(sc[k]);
     const float z = load_meta_scalar(ze[k]);
@@ -219,22 +365,20 @@ KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* 
     float* __restrict o = out + k * g;
     if constexpr (std::is_same_v<MetaT, c10::Half>) {
       // |code·s + z| ≤ 255·65504 + 65504: finite, no clamp needed.
+      if constexpr (BITS == 3) {
+        unpack_tok<3>(in, g, o, [s, z](float c) { return c * s + z; });
+      } else {
+        constexpr int64_t K = 8 / BITS;
+        constexpr uint32_t kMask = (1u << BITS) - 1u;
 #pragma omp simd
-      for (int64_t j = 0; j < q; ++j) {
-        const uint32_t byte = in[j];
-        for (int64_t m = 0; m < K; ++m) {
-          o[j + m * q] = static_cast<float>((byte >> (m * BITS)) & kMask) * s + z;
+        for (int64_t j = 0; j < q; ++j) {
+          const uint32_t byte = in[j];
+          for (int64_t m = 0; m < K; ++m) o[j + m * q] = static_cast<float>((byte >> (m * BITS)) & kMask) * s + z;
         }
       }
     } else {
       const Recon32 r = recon32(s, z);
-#pragma omp simd
-      for (int64_t j = 0; j < q; ++j) {
-        const uint32_t byte = in[j];
-        for (int64_t m = 0; m < K; ++m) {
-          o[j + m * q] = recon32_apply(static_cast<float>((byte >> (m * BITS)) & kMask), r.sk, r.zk, r.lo, r.hi, r.back);
-        }
-      }
+      unpack_tok<BITS>(in, g, o, [r](float c) { return recon32_apply(c, r.sk, r.zk, r.lo, r.hi, r.back); });
     }
   }
 }
@@ -244,8 +388,7 @@ template <int BITS, typename MetaT>
 KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t b1, int64_t g, int64_t d,
                                  uint8_t* __restrict codes, MetaT* __restrict sc, MetaT* __restrict ze,
                                  Flags* f) {
-  constexpr int64_t K = 8 / BITS;
-  const int64_t q = g / K;  // code rows per block
+  const int64_t q = g * BITS / 8;  // code rows per block
   std::vector<float> buf(static_cast<size_t>(4 * d));
   float* mn = buf.data();
   float* __restrict mx = mn + d;
@@ -272,27 +415,22 @@ KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t 
     }
     make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, mn, inv, kv, f);  // mn now holds the codes' zero
     uint8_t* o = codes + b * q * d;
-    for (int64_t j = 0; j < q; ++j) {
-      uint8_t* __restrict orow = o + j * d;
-      if constexpr (std::is_same_v<MetaT, c10::Half>) {
+    if constexpr (std::is_same_v<MetaT, c10::Half> && BITS != 3) {
+      constexpr int64_t K = 8 / BITS;
+      for (int64_t j = 0; j < q; ++j) {
+        uint8_t* __restrict orow = o + j * d;
 #pragma omp simd
         for (int64_t c = 0; c < d; ++c) {
           uint32_t byte = 0;
-          for (int64_t m = 0; m < K; ++m) {
-            byte |= code_of<BITS>(p[(j + m * q) * d + c], mn[c], inv[c]) << (m * BITS);
-          }
-          orow[c] = static_cast<uint8_t>(byte);
-        }
-      } else {
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) {
-          uint32_t byte = 0;
-          for (int64_t m = 0; m < K; ++m) {
-            byte |= code_of_k<BITS>(p[(j + m * q) * d + c], kv[c], mn[c], inv[c]) << (m * BITS);
-          }
+          for (int64_t m = 0; m < K; ++m) byte |= code_of<BITS>(p[(j + m * q) * d + c], mn[c], inv[c]) << (m * BITS);
           orow[c] = static_cast<uint8_t>(byte);
         }
       }
+    } else if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      pack_chan<BITS>(p, g, d, o, [mn, inv](float v, int64_t c) { return code_of<BITS>(v, mn[c], inv[c]); });
+    } else {
+      pack_chan<BITS>(p, g, d, o,
+                      [mn, inv, kv](float v, int64_t c) { return code_of_k<BITS>(v, kv[c], mn[c], inv[c]); });
     }
   }
   f->bad |= bad;
@@ -302,9 +440,7 @@ template <int BITS, typename MetaT>
 KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT* __restrict sc,
                                    const MetaT* __restrict ze, int64_t b0, int64_t b1, int64_t g, int64_t d,
                                    float* __restrict out) {
-  constexpr int64_t K = 8 / BITS;
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
-  const int64_t q = g / K;
+  const int64_t q = g * BITS / 8;
   constexpr bool kHalf = std::is_same_v<MetaT, c10::Half>;
   std::vector<float> buf(static_cast<size_t>((kHalf ? 2 : 5) * d));
   float* __restrict sv = buf.data();
@@ -316,7 +452,9 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
     }
     const uint8_t* in = codes + b * q * d;
     float* o = out + b * g * d;
-    if constexpr (kHalf) {
+    if constexpr (kHalf && BITS != 3) {
+      constexpr int64_t K = 8 / BITS;
+      constexpr uint32_t kMask = (1u << BITS) - 1u;
       for (int64_t j = 0; j < q; ++j) {
         const uint8_t* irow = in + j * d;
         for (int64_t m = 0; m < K; ++m) {
@@ -327,6 +465,8 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
           }
         }
       }
+    } else if constexpr (kHalf) {
+      unpack_chan<BITS>(in, g, d, o, [sv, zv](float code, int64_t c) { return code * sv[c] + zv[c]; });
     } else {
       float* __restrict lo = zv + d;
       float* __restrict hi = lo + d;
@@ -339,17 +479,9 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
         hi[c] = r.hi;
         back[c] = r.back;
       }
-      for (int64_t j = 0; j < q; ++j) {
-        const uint8_t* irow = in + j * d;
-        for (int64_t m = 0; m < K; ++m) {
-          float* __restrict orow = o + (j + m * q) * d;
-#pragma omp simd
-          for (int64_t c = 0; c < d; ++c) {
-            orow[c] = recon32_apply(static_cast<float>((static_cast<uint32_t>(irow[c]) >> (m * BITS)) & kMask),
-                                    sv[c], zv[c], lo[c], hi[c], back[c]);
-          }
-        }
-      }
+      unpack_chan<BITS>(in, g, d, o, [sv, zv, lo, hi, back](float code, int64_t c) {
+        return recon32_apply(code, sv[c], zv[c], lo[c], hi[c], back[c]);
+      });
     }
   }
 }
@@ -410,9 +542,11 @@ KV_ALWAYS_INLINE void dequant_tok_any(const uint8_t* codes, const MetaT* sc, con
 
 KV_DEFINE_KERNELS(8, c10::Half, 8h)
 KV_DEFINE_KERNELS(4, c10::Half, 4h)
+KV_DEFINE_KERNELS(3, c10::Half, 3h)
 KV_DEFINE_KERNELS(2, c10::Half, 2h)
 KV_DEFINE_KERNELS(8, float, 8f)
 KV_DEFINE_KERNELS(4, float, 4f)
+KV_DEFINE_KERNELS(3, float, 3f)
 KV_DEFINE_KERNELS(2, float, 2f)
 #undef KV_DEFINE_KERNELS
 
@@ -423,20 +557,21 @@ using QuantChanFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, u
 using DequantChanFn = void (*)(const uint8_t*, const void*, const void*, int64_t, int64_t, int64_t,
                                int64_t, float*);
 
+/// Index of (bits, meta) in the kernel tables below (order of kIntBits).
 int variant(int bits, MetaType meta) {
-  const int b = bits == 8 ? 0 : bits == 4 ? 1 : bits == 2 ? 2 : -1;
+  const int b = bits == 8 ? 0 : bits == 4 ? 1 : bits == 3 ? 2 : bits == 2 ? 3 : -1;
   KV_INTERNAL_ASSERT(b >= 0, "unsupported bit width ", bits);
-  return b + (meta == MetaType::kFloat ? 3 : 0);
+  return b + (meta == MetaType::kFloat ? 4 : 0);
 }
 
-constexpr QuantTokFn kQuantTok[] = {quant_tok_8h, quant_tok_4h, quant_tok_2h,
-                                    quant_tok_8f, quant_tok_4f, quant_tok_2f};
-constexpr DequantTokFn kDequantTok[] = {dequant_tok_8h, dequant_tok_4h, dequant_tok_2h,
-                                        dequant_tok_8f, dequant_tok_4f, dequant_tok_2f};
-constexpr QuantChanFn kQuantChan[] = {quant_chan_8h, quant_chan_4h, quant_chan_2h,
-                                      quant_chan_8f, quant_chan_4f, quant_chan_2f};
-constexpr DequantChanFn kDequantChan[] = {dequant_chan_8h, dequant_chan_4h, dequant_chan_2h,
-                                          dequant_chan_8f, dequant_chan_4f, dequant_chan_2f};
+constexpr QuantTokFn kQuantTok[] = {quant_tok_8h, quant_tok_4h, quant_tok_3h, quant_tok_2h,
+                                    quant_tok_8f, quant_tok_4f, quant_tok_3f, quant_tok_2f};
+constexpr DequantTokFn kDequantTok[] = {dequant_tok_8h, dequant_tok_4h, dequant_tok_3h, dequant_tok_2h,
+                                        dequant_tok_8f, dequant_tok_4f, dequant_tok_3f, dequant_tok_2f};
+constexpr QuantChanFn kQuantChan[] = {quant_chan_8h, quant_chan_4h, quant_chan_3h, quant_chan_2h,
+                                      quant_chan_8f, quant_chan_4f, quant_chan_3f, quant_chan_2f};
+constexpr DequantChanFn kDequantChan[] = {dequant_chan_8h, dequant_chan_4h, dequant_chan_3h, dequant_chan_2h,
+                                          dequant_chan_8f, dequant_chan_4f, dequant_chan_3f, dequant_chan_2f};
 
 /// Work items per parallel chunk: about 64 Ki values.
 int64_t grain(int64_t values_per_item) { return std::max<int64_t>(1, (int64_t{1} << 16) / values_per_item); }
@@ -460,7 +595,7 @@ class StatusAccumulator {
 };
 
 void check_group(int bits, int64_t g) {
-  KV_INTERNAL_ASSERT(g > 0 && g % (8 / bits) == 0, "group ", g, " not a multiple of ", 8 / bits);
+  KV_INTERNAL_ASSERT(g > 0 && g % codes_per_unit(bits) == 0, "group ", g, " not a multiple of ", codes_per_unit(bits));
 }
 
 }  // namespace

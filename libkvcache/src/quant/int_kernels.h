@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file int_kernels.h (internal)
-/// Fast kernels of the asymmetric min–max integer quantizers (int8/int4/int2): plain C++
-/// loops over contiguous float32 data, written to auto-vectorize (see int_kernels.cpp).
+/// Fast kernels of the asymmetric min–max integer quantizers (int8/int4/int3/int2): plain
+/// C++ loops over contiguous float32 data, written to auto-vectorize (see int_kernels.cpp).
 /// The LibTorch-ops reference in reference.h defines the same results; tests compare both
 /// bit-exactly.
 ///
@@ -27,21 +27,28 @@
 /// x̂ = clamp(code·(s·r) + z·r, ±FLT_MAX·r) / r; with r = 1 (s < 2^96) these are the plain
 /// formulas (the clamp cannot bind). Error bound: docs/quantizers.md.
 ///
-/// Packing (b bits, k = 8 / b codes per byte, group of g codes c[0..g)):
+/// Packing, b ∈ {8, 4, 2} (k = 8 / b codes per byte, group of g codes c[0..g)):
 ///   byte j (0 ≤ j < g/k) = Σ_{m<k} c[j + m·g/k] << (m·b)
 /// i.e. int4: byte j = c[j] | c[j + g/2] << 4; int2: byte j = c[j] | c[j+g/4] << 2 |
 /// c[j+g/2] << 4 | c[j+3g/4] << 6; int8: byte j = c[j]. Pairing element j with j + g/k
 /// (instead of adjacent elements) lets both quantize and dequantize vectorize as plain
 /// loops: each of the k code streams is a contiguous run of g/k values.
+/// int3 (8 codes in 3 bytes; g a multiple of 8): two planes, the two low bits of every code
+/// packed as int2 packs its codes, then the high bit of every code, 8 to a byte:
+///   bytes [0, g/4):      byte j = Σ_{m<4} (c[j + m·g/4] & 3) << 2m
+///   bytes [g/4, 3g/8):   byte g/4 + j = Σ_{m<8} (c[j + m·g/8] >> 2) << m
+/// (the split of llama.cpp's q3_K, whose `qs` holds the low 2 bits and `hmask` the high bit).
 ///
-/// Layouts (N = B·H_kv):
+/// Layouts (N = B·H_kv), `units` = g·b/8 bytes per group:
 ///   per-token  (GroupAxis::kPerToken):  x [N, T, D], groups of g along D.
 ///     codes [N, T, D·b/8], group k of a token occupies bytes [k·g·b/8, (k+1)·g·b/8);
 ///     scales/zeros [N, T, D/g].
 ///   per-channel (GroupAxis::kPerChannel): x [N, T, D], groups of g consecutive tokens of
 ///     one channel. A block is g tokens × D channels; codes [N, T·b/8, D]: block r
-///     occupies code rows [r·g·b/8, (r+1)·g·b/8), and within it row j, column d holds
-///     tokens r·g + j + m·g/k (m < k) of channel d; scales/zeros [N, T/g, D].
+///     occupies code rows [r·g·b/8, (r+1)·g·b/8), each row D bytes, one per channel, packed
+///     down the column as a per-token group packs along its bytes (row j, column d holds
+///     tokens r·g + j + m·g/k of channel d; int3: rows [0, g/4) the low planes, rows
+///     [g/4, 3g/8) the high bits); scales/zeros [N, T/g, D].
 
 #include <cstdint>
 
@@ -49,6 +56,13 @@ namespace kvcache::quant {
 
 /// Element type of stored scales and zeros.
 enum class MetaType { kHalf, kFloat };
+
+/// The integer widths the kernels implement (the registered int<b> heads), widest first.
+inline constexpr int kIntBits[] = {8, 4, 3, 2};
+
+/// Codes per packing unit: a group's size must be a multiple of it (8 / b bytes-worth of
+/// codes per byte for b ∈ {8, 4, 2}; 8 codes per 3 bytes for int3).
+constexpr int codes_per_unit(int bits) { return bits == 3 ? 8 : 8 / bits; }
 
 /// What a quantize kernel found while reading its input.
 struct KernelStatus {
@@ -60,7 +74,7 @@ struct KernelStatus {
 
 /// Per-token: `ngroups` groups of `g` contiguous floats at `x`. Writes ngroups·g·bits/8
 /// bytes to `codes` and `ngroups` scales/zeros of type `meta` (c10::Half or float).
-/// Requires g % (8 / bits) == 0. Runs at::parallel_for over groups.
+/// Requires g % codes_per_unit(bits) == 0. Runs at::parallel_for over groups.
 KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64_t g,
                                 uint8_t* codes, void* scales, void* zeros, MetaType meta);
 void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, const void* zeros,
@@ -68,7 +82,7 @@ void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, co
 
 /// Per-channel: `nblocks` blocks of `g` rows × `d` columns (row-major, contiguous) at
 /// `x`; groups run down each column of a block. Writes nblocks·g·bits/8·d code bytes
-/// and nblocks·d scales/zeros. Requires g % (8 / bits) == 0.
+/// and nblocks·d scales/zeros. Requires g % codes_per_unit(bits) == 0.
 KernelStatus quantize_per_channel(int bits, const float* x, int64_t nblocks, int64_t g, int64_t d,
                                   uint8_t* codes, void* scales, void* zeros, MetaType meta);
 void dequantize_per_channel(int bits, const uint8_t* codes, const void* scales, const void* zeros,

@@ -7,21 +7,56 @@
 
 namespace kvcache::quant {
 
+const ParamTable& IntQuantizer::table(int bits) {
+  auto make = [](int b, const char* help) {
+    ParamDef g;
+    g.key = "g";
+    g.help = "group size: values sharing one fp16 scale and zero; 0 = head_dim (per-token only); a multiple of " +
+             std::to_string(codes_per_unit(b));
+    g.kind = ParamDef::Kind::kInt;
+    g.default_value = 0;
+    g.min_value = 0;
+    g.max_value = 65536;
+    ParamDef a;
+    a.key = "axis";
+    a.help = "tok: groups along head_dim of one token; chan: groups of g tokens of one channel (KIVI keys)";
+    a.kind = ParamDef::Kind::kChoice;
+    a.choices = {"tok", "chan"};
+    return ParamTable{"int" + std::to_string(b), help, {g, a}};
+  };
+  static const ParamTable t8 = make(8, "8-bit asymmetric min-max group quantization, fp16 scale+zero per group");
+  static const ParamTable t4 = make(4,
+                                    "4-bit asymmetric min-max group quantization, fp16 scale+zero per group, 2 codes/byte"
+                                    " (KIVI arXiv 2402.02750, HF quantized cache)");
+  static const ParamTable t3 = make(3,
+                                    "3-bit asymmetric min-max group quantization, fp16 scale+zero per group, 8 codes in 3"
+                                    " bytes (KIVI and KVQuant ablations, arXiv 2402.02750 / 2401.18079)");
+  static const ParamTable t2 = make(2,
+                                    "2-bit asymmetric min-max group quantization, fp16 scale+zero per group, 4 codes/byte"
+                                    " (KIVI arXiv 2402.02750)");
+  switch (bits) {
+    case 8: return t8;
+    case 4: return t4;
+    case 3: return t3;
+    case 2: return t2;
+    default: break;
+  }
+  throw InvalidArgument(detail::str_cat("int quantizer: bits must be one of 2, 3, 4, 8, got ", bits));
+}
+
 IntQuantizer::IntQuantizer(int bits, int64_t group, GroupAxis axis) : bits_(bits), group_(group), axis_(axis) {
-  KV_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, "int quantizer: bits must be 2, 4 or 8, got ", bits);
+  (void)table(bits);  // validates bits
   KV_CHECK_ARG(group >= 0, "int", bits, ": group size g must be >= 0, got ", group);
-  const int per_byte = 8 / bits;
-  KV_CHECK_ARG(group % per_byte == 0, "int", bits, ":g", group, ": group size must be a multiple of ",
-               per_byte, " (", per_byte, " codes are packed per byte within a group)");
+  const int unit = codes_per_unit(bits);
+  KV_CHECK_ARG(group % unit == 0, "int", bits, ":g", group, ": group size must be a multiple of ", unit, " (", unit,
+               bits == 3 ? " codes are packed in 3 bytes within a group)" : " codes are packed per byte within a group)");
   KV_CHECK_ARG(axis == GroupAxis::kPerToken || group > 0, "int", bits,
                ":chan needs an explicit group size of tokens, e.g. 'int", bits, ":g32:chan'");
 }
 
 std::string IntQuantizer::spec() const {
-  std::string s = "int" + std::to_string(bits_);
-  if (group_ != 0) s += ":g" + std::to_string(group_);
-  if (axis_ == GroupAxis::kPerChannel) s += ":chan";
-  return s;
+  return canonical_spec(table(bits_), {{"g", static_cast<double>(group_)}},
+                        {{"axis", axis_ == GroupAxis::kPerChannel ? "chan" : "tok"}});
 }
 
 int64_t IntQuantizer::group_for(int64_t head_dim) const { return group_ == 0 ? head_dim : group_; }
@@ -40,8 +75,8 @@ void IntQuantizer::check_input(const at::Tensor& x) const {
   if (axis_ == GroupAxis::kPerToken) {
     KV_CHECK_ARG(g > 0 && d % g == 0, where, ": head_dim D = ", d, " of x ", shape_str(x.sizes()),
                  " is not divisible by the group size g = ", g);
-    KV_CHECK_ARG(g % (8 / bits_) == 0, where, ": group size g = head_dim = ", g, " must be a multiple of ",
-                 8 / bits_, " for ", bits_, "-bit packing");
+    KV_CHECK_ARG(g % codes_per_unit(bits_) == 0, where, ": group size g = head_dim = ", g, " must be a multiple of ",
+                 codes_per_unit(bits_), " for ", bits_, "-bit packing");
   } else {
     KV_CHECK_ARG(t % g == 0, where, ": seq_len T = ", t, " of x ", shape_str(x.sizes()),
                  " is not divisible by the per-channel group size g = ", g, " tokens");
@@ -138,8 +173,8 @@ StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {
   if (axis_ == GroupAxis::kPerToken) {
     const int64_t g = group_for(head_dim);
     KV_CHECK_ARG(head_dim % g == 0, where, ": head_dim D = ", head_dim, " is not divisible by the group size g = ", g);
-    KV_CHECK_ARG(g % (8 / bits_) == 0, where, ": group size g = head_dim = ", g, " must be a multiple of ",
-                 8 / bits_, " for ", bits_, "-bit packing");
+    KV_CHECK_ARG(g % codes_per_unit(bits_) == 0, where, ": group size g = head_dim = ", g, " must be a multiple of ",
+                 codes_per_unit(bits_), " for ", bits_, "-bit packing");
     l.group_tokens = 1;
     l.code_bytes = head_dim * bits_ / 8;
     l.meta_count = head_dim / g;

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file int_quantizer.h (internal)
-/// int8 / int4 / int2: asymmetric min–max group quantization (methods.md b.1; the KIVI
+/// int8 / int4 / int3 / int2: asymmetric min–max group quantization (methods.md b.1; the KIVI
 /// arXiv 2402.02750, HF quantized-cache and GEAR arXiv 2403.05527 core), with fp16 scale
 /// and zero (= group minimum) per group, codes round-half-to-even then clamp, bit-packed.
 /// Semantics, packing and layouts: int_kernels.h and docs/quantizers.md.
@@ -23,8 +23,11 @@ namespace kvcache::quant {
 
 class IntQuantizer final : public Quantizer {
  public:
-  /// @throws InvalidArgument if `bits` ∉ {2, 4, 8}, g < 0, g is not a multiple of 8/bits,
-  ///         or axis is per-channel with g == 0.
+  /// The spec table of `int<bits>` (fields g, tok|chan). @throws InvalidArgument if bits ∉ {2, 3, 4, 8}.
+  static const ParamTable& table(int bits);
+
+  /// @throws InvalidArgument if `bits` ∉ {2, 3, 4, 8}, g < 0, g is not a multiple of
+  ///         codes_per_unit(bits) (8/bits; 8 for int3), or axis is per-channel with g == 0.
   IntQuantizer(int bits, int64_t group, GroupAxis axis);
 
   std::string spec() const override;

@@ -3,6 +3,8 @@
 // clarity: each step is one tensor op, in the order int_kernels.h specifies.
 #include "quant/reference.h"
 
+#include <cmath>
+
 #include "kvcache/error.h"
 
 namespace kvcache::quant::ref {
@@ -87,38 +89,75 @@ IntRefResult quantize_int(const at::Tensor& x, int bits, int64_t g, GroupAxis ax
   return r;
 }
 
-at::Tensor pack_codes(const at::Tensor& codes, int bits, int64_t g, GroupAxis axis) {
-  const int64_t k = 8 / bits;  // codes per byte
-  const int64_t b = codes.size(0), h = codes.size(1), t = codes.size(2), d = codes.size(3);
-  at::Tensor c = codes.to(at::kInt);
+namespace {
+
+/// One plane of `w`-bit fields (w ∈ {1, 2, 4, 8}, k = 8/w per byte) of per-value fields
+/// `f` [B, H, T, D] (int32), packed like the power-of-two formats: byte j of a group holds
+/// fields j + m·g/k, m < k. Returns the grouped bytes: per-token [B, H, T, D/g, g/k],
+/// per-channel [B, H, T/g, g/k, D] (int32).
+at::Tensor pack_plane(const at::Tensor& f, int64_t w, int64_t g, GroupAxis axis) {
+  const int64_t k = 8 / w;
+  const int64_t b = f.size(0), h = f.size(1), t = f.size(2), d = f.size(3);
   at::Tensor streams;  // [..., k, g/k, ...]: stream m holds group elements [m·g/k, (m+1)·g/k)
   int64_t mdim = 0;
   if (axis == GroupAxis::kPerToken) {
-    streams = c.reshape({b, h, t, d / g, k, g / k});
+    streams = f.reshape({b, h, t, d / g, k, g / k});
     mdim = 4;
   } else {
-    streams = c.reshape({b, h, t / g, k, g / k, d});
+    streams = f.reshape({b, h, t / g, k, g / k, d});
     mdim = 3;
   }
   at::Tensor packed = at::zeros_like(streams.select(mdim, 0));
-  for (int64_t m = 0; m < k; ++m) packed = packed.bitwise_or(streams.select(mdim, m).bitwise_left_shift(m * bits));
+  for (int64_t m = 0; m < k; ++m) packed = packed.bitwise_or(streams.select(mdim, m).bitwise_left_shift(m * w));
+  return packed;
+}
+
+/// Inverse of pack_plane: grouped bytes → per-value fields [B, H, T, D] (int32).
+at::Tensor unpack_plane(const at::Tensor& p, int64_t w, int64_t g, GroupAxis axis, at::IntArrayRef shape) {
+  const int64_t k = 8 / w;
+  const int64_t b = shape[0], h = shape[1], t = shape[2], d = shape[3];
+  std::vector<at::Tensor> streams;
+  for (int64_t m = 0; m < k; ++m) streams.push_back(p.bitwise_right_shift(m * w).bitwise_and((1 << w) - 1));
+  if (axis == GroupAxis::kPerToken) {
+    // per stream [B, H, T, D/g, g/k]; stack at dim 4.
+    for (auto& s : streams) s = s.reshape({b, h, t, d / g, g / k});
+    return at::stack(streams, 4).reshape(shape);
+  }
+  for (auto& s : streams) s = s.reshape({b, h, t / g, g / k, d});
+  return at::stack(streams, 3).reshape(shape);
+}
+
+/// The dim of the grouped bytes that runs along a group's bytes (code rows, per-channel).
+int64_t byte_dim(GroupAxis axis) { return axis == GroupAxis::kPerToken ? 4 : 3; }
+
+}  // namespace
+
+at::Tensor pack_codes(const at::Tensor& codes, int bits, int64_t g, GroupAxis axis) {
+  const int64_t b = codes.size(0), h = codes.size(1), t = codes.size(2), d = codes.size(3);
+  const at::Tensor c = codes.to(at::kInt);
+  at::Tensor packed;
+  if (bits == 3) {
+    // Two planes per group: the low two bits as int2 packs them, then the high bit.
+    packed = at::cat({pack_plane(c.bitwise_and(3), 2, g, axis), pack_plane(c.bitwise_right_shift(2), 1, g, axis)},
+                     byte_dim(axis));
+  } else {
+    packed = pack_plane(c, bits, g, axis);
+  }
   packed = packed.to(at::kByte);
   return axis == GroupAxis::kPerToken ? packed.reshape({b, h, t, d * bits / 8}) : packed.reshape({b, h, t * bits / 8, d});
 }
 
 at::Tensor unpack_codes(const at::Tensor& packed, int bits, int64_t g, GroupAxis axis, at::IntArrayRef shape) {
-  const int64_t k = 8 / bits;
   const int64_t b = shape[0], h = shape[1], t = shape[2], d = shape[3];
-  const at::Tensor p = packed.to(at::kInt);
-  std::vector<at::Tensor> streams;
-  for (int64_t m = 0; m < k; ++m) streams.push_back(p.bitwise_right_shift(m * bits).bitwise_and((1 << bits) - 1));
-  if (axis == GroupAxis::kPerToken) {
-    // packed [B, H, T, D/g · g/k] → per stream [B, H, T, D/g, g/k]; stack at dim 4.
-    for (auto& s : streams) s = s.reshape({b, h, t, d / g, g / k});
-    return at::stack(streams, 4).reshape(shape).to(at::kByte);
+  const int64_t gb = g * bits / 8;  // bytes (code rows) per group
+  const at::Tensor p = axis == GroupAxis::kPerToken ? packed.to(at::kInt).reshape({b, h, t, d / g, gb})
+                                                    : packed.to(at::kInt).reshape({b, h, t / g, gb, d});
+  if (bits == 3) {
+    const at::Tensor lo = unpack_plane(p.narrow(byte_dim(axis), 0, g / 4), 2, g, axis, shape);
+    const at::Tensor hi = unpack_plane(p.narrow(byte_dim(axis), g / 4, g / 8), 1, g, axis, shape);
+    return lo.bitwise_or(hi.bitwise_left_shift(2)).to(at::kByte);
   }
-  for (auto& s : streams) s = s.reshape({b, h, t / g, g / k, d});
-  return at::stack(streams, 3).reshape(shape).to(at::kByte);
+  return unpack_plane(p, bits, g, axis, shape).to(at::kByte);
 }
 
 at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t g,
@@ -134,6 +173,17 @@ at::Tensor dequantize_int(const at::Tensor& codes, const at::Tensor& scales, con
   const at::Tensor back = at::where(quarter, at::full_like(s, 4.0), at::ones_like(s));
   const at::Tensor v = at::minimum(at::maximum(cg * (s * k) + z * k, -kFltMax * k), kFltMax * k);
   return (v * back).reshape(codes.sizes());
+}
+
+at::Tensor hadamard_matrix(int64_t d) {
+  KV_INTERNAL_ASSERT(d >= 1 && (d & (d - 1)) == 0, "hadamard_matrix: d = ", d, " is not a power of two");
+  at::Tensor h = at::empty({d, d}, at::kDouble);
+  const double s = 1.0 / std::sqrt(static_cast<double>(d));
+  auto a = h.accessor<double, 2>();
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t j = 0; j < d; ++j) a[i][j] = (__builtin_popcountll(static_cast<uint64_t>(i & j)) % 2 ? -s : s);
+  }
+  return h;
 }
 
 }  // namespace kvcache::quant::ref

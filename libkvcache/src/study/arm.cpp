@@ -5,9 +5,8 @@
 #include <set>
 #include <sys/stat.h>
 
-#include "cache/cache_scheme.h"
 #include "kvcache/error.h"
-#include "kvcache/eviction_policy.h"
+#include "kvcache/registry.h"
 #include "kvcache/spec.h"
 
 namespace kvcache::study {
@@ -20,14 +19,7 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
-bool is_policy_head(const std::string& spec) {
-  const auto colon = spec.find_first_of(":@");
-  const std::string head = spec.substr(0, colon);
-  for (const auto& t : registered_policies()) {
-    if (t.head == head) return true;
-  }
-  return false;
-}
+bool is_policy_head(const std::string& spec) { return spec_kind(spec) == SpecKind::kPolicy; }
 
 bool is_regular_file(const std::string& p) {
   struct stat st {};
@@ -40,17 +32,17 @@ Arm control_arm() { return Arm{"fp32", "full"}; }
 
 Arm parse_arm(const std::string& text) {
   const std::string t = trim(text);
-  KV_CHECK_ARG(!t.empty(), "empty arm spec (expected quant+policy, e.g. 'int4+h2o@50%')");
+  KV_CHECK_ARG(!t.empty(), "empty arm spec (expected scheme+policy, e.g. 'int4+h2o@50%')");
   const auto plus = t.find('+');
   if (plus == std::string::npos) {
     if (t.find('@') != std::string::npos || is_policy_head(t)) return Arm{"fp32", t};
     return Arm{t, "full"};
   }
   KV_CHECK_ARG(t.find('+', plus + 1) == std::string::npos, "arm '", t,
-               "' has more than one '+' (expected quant+policy, e.g. 'int4+h2o@50%')");
+               "' has more than one '+' (expected scheme+policy, e.g. 'int4+h2o@50%')");
   Arm a{trim(t.substr(0, plus)), trim(t.substr(plus + 1))};
-  KV_CHECK_ARG(!a.quant.empty() && !a.policy.empty(), "arm '", t,
-               "' has an empty side (expected quant+policy, e.g. 'int4+h2o@50%')");
+  KV_CHECK_ARG(!a.scheme.empty() && !a.policy.empty(), "arm '", t,
+               "' has an empty side (expected scheme+policy, e.g. 'int4+h2o@50%')");
   return a;
 }
 
@@ -143,8 +135,6 @@ std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget) {
   }
   return arms;
 }
-
-std::vector<ParamTable> cache_scheme_tables() { return cache::registered_cache_schemes(); }
 
 std::vector<Arm> dedupe(const std::vector<Arm>& arms) {
   std::vector<Arm> out;

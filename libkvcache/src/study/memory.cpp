@@ -10,10 +10,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
-#include "cache/cache_scheme.h"
 
 namespace kvcache::study {
 namespace {
@@ -98,8 +98,7 @@ struct StreamBits {
 };
 
 /// Measures one stream's quantizer on a sample of 256 tokens (a multiple of g per channel).
-StreamBits measure_stream(const std::string& spec, int64_t head_dim) {
-  const auto q = make_quantizer(spec);
+StreamBits measure_stream(const Quantizer* q, int64_t head_dim) {
   int64_t tokens = 256;
   const int64_t g = q->stored_layout(head_dim).group_tokens;  // tokens encoded together
   tokens = g * ((tokens + g - 1) / g);
@@ -119,18 +118,23 @@ StreamBits measure_stream(const std::string& spec, int64_t head_dim) {
 
 KvFormat kv_format(const std::string& spec, int64_t head_dim) {
   KV_CHECK_ARG(head_dim > 0, "kv_format: head_dim must be > 0, got ", head_dim);
-  const cache::CacheScheme scheme = cache::parse_cache_scheme(spec, 0, head_dim);
-  const StreamBits k = measure_stream(scheme.key.quantizer, head_dim);
-  const StreamBits v = measure_stream(scheme.value.quantizer, head_dim);
+  const auto scheme = make_cache_scheme(spec);
+  // One layer of one KV head: the streams of a scheme whose quantizers differ per layer
+  // (calibrated ones) are those of layer 0.
+  const LayerStreams streams = scheme->streams(CacheGeometry{1, 1, head_dim}, 0, 0);
+  const StreamBits k = measure_stream(streams.key.quantizer.get(), head_dim);
+  const StreamBits v = measure_stream(streams.value.quantizer.get(), head_dim);
+  const StreamSpec& key = streams.key;
+  const StreamSpec& value = streams.value;
   KvFormat f;
-  f.spec = split_spec(spec)[0] == "kivi" ? scheme.canonical : make_quantizer(spec)->spec();
+  f.spec = scheme->spec();
   f.key_raw_bits = k.raw;
   f.value_raw_bits = v.raw;
   f.key_bits = k.effective;
   f.value_bits = v.effective;
-  f.key_residual_tokens = scheme.key.residual;
-  f.value_residual_tokens = scheme.value.residual;
-  f.residual_bits = 8.0 * static_cast<double>(c10::elementSize(scheme.key.residual_dtype));
+  f.key_residual_tokens = key.residual;
+  f.value_residual_tokens = value.residual;
+  f.residual_bits = 8.0 * static_cast<double>(c10::elementSize(key.residual_dtype));
   f.per_tensor_bytes = std::max(k.per_tensor_bytes, v.per_tensor_bytes);
   return f;
 }

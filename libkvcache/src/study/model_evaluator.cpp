@@ -9,10 +9,10 @@
 #include <fstream>
 #include <map>
 
-#include "cache/cache_scheme.h"
 #include "common/log.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/model/causal_lm.h"
@@ -96,7 +96,7 @@ class ModelArmEvaluator : public ArmEvaluator {
   Arm canonicalize(const Arm& arm) const override {
     Arm a;
     // Well-formed at all? (InvalidArgument stops the sweep.)
-    a.quant = cache::canonical_cache_spec(arm.quant);
+    a.scheme = make_cache_scheme(arm.scheme)->spec();
     a.policy = make_eviction_policy(arm.policy)->spec();
     // Runnable on this model? (UnsupportedError: the arm's rows record why.)
     try {
@@ -192,7 +192,7 @@ class ModelArmEvaluator : public ArmEvaluator {
 
   CacheConfig config_for(const Arm& arm) const {
     CacheConfig cfg = model_.cache_config();
-    cfg.quant = arm.quant;
+    cfg.scheme = arm.scheme;
     cfg.policy = arm.policy;
     return cfg;
   }

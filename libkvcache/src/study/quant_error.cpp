@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "cache/cache_scheme.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 
@@ -45,22 +45,24 @@ std::string f(double v, const char* fmt) {
 
 ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples) {
   KV_CHECK_ARG(!samples.empty(), "measure_reconstruction('", quant, "'): no K/V samples");
-  // Resolved as the CacheManager resolves CacheConfig::quant (KIVI: int<k>:g<G>:chan keys,
-  // int<v>:g<G> values).
+  // Resolved as the CacheManager resolves CacheConfig::scheme, per sample layer (KIVI:
+  // int<k>:g<G>:chan keys, int<v>:g<G> values; had(...): the rotated quantizers).
   const int64_t d = samples[0].k.size(3);
-  const cache::CacheScheme scheme = cache::parse_cache_scheme(quant, 0, d);
-  const auto qk = make_quantizer(scheme.key.quantizer);
-  const auto qv = make_quantizer(scheme.value.quantizer);
-  const Quantizer& key_q = *qk;
-  const Quantizer& value_q = *qv;
+  const auto scheme = make_cache_scheme(quant);
+  int64_t layers = 1;
+  for (const auto& s : samples) layers = std::max(layers, s.layer + 1);
+  const CacheGeometry geometry{layers, samples[0].k.size(1), d};
   Pooled k;
   Pooled v;
+  double bits = 0;
   for (const auto& s : samples) {
-    k.add(key_q, s.k);
-    v.add(value_q, s.v);
+    const LayerStreams st = scheme->streams(geometry, s.layer, 0);
+    k.add(*st.key.quantizer, s.k);
+    v.add(*st.value.quantizer, s.v);
+    bits += 0.5 * (st.key.quantizer->bits_per_value(d) + st.value.quantizer->bits_per_value(d));
   }
   ReconstructionResult r;
-  r.bits_per_value = 0.5 * (key_q.bits_per_value(d) + value_q.bits_per_value(d));
+  r.bits_per_value = bits / static_cast<double>(samples.size());
   r.key_rel_err = k.rel();
   r.value_rel_err = v.rel();
   r.key_max_abs = k.max_abs;
@@ -71,7 +73,8 @@ ReconstructionResult measure_reconstruction(const std::string& quant, const std:
 std::vector<std::string> default_quant_error_specs() {
   std::vector<std::string> specs;
   for (const auto& t : registered_quantizers()) specs.push_back(t.head);
-  for (const char* s : {"fp8:e5m2", "int4:g32", "int2:g32", "int4:g32:chan", "int2:g32:chan", "kivi:k4:v4:g32:r128",
+  for (const char* s : {"fp8:e5m2", "int4:g32", "int3:g32", "int2:g32", "int4:g32:chan", "int3:g32:chan",
+                        "int2:g32:chan", "had(int4)", "had(int2)", "kivi:k4:v4:g32:r128", "kivi:k3:v3:g32:r128",
                         "kivi:k2:v2:g32:r128"}) {
     specs.push_back(s);
   }

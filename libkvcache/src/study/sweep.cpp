@@ -121,11 +121,11 @@ std::vector<WorkItem> plan_sweep(const std::vector<Arm>& arms, const std::vector
   if (options.reconstruction) {
     std::set<std::string> seen;
     for (const auto& a : arms) {
-      if (!seen.insert(a.quant).second) continue;
+      if (!seen.insert(a.scheme).second) continue;
       WorkItem w;
       w.kind = ItemKind::kReconstruction;
-      w.quant = a.quant;
-      w.row_arm = a.quant;
+      w.quant = a.scheme;
+      w.row_arm = a.scheme;
       w.row_task = "recon";
       add(w);
     }

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file arm.h
-/// An arm of the study: a cache quantizer/scheme spec × an eviction policy spec, written
-/// "quant+policy" (e.g. "int4+h2o@50%", "kivi:k2:v2:g32:r128+full").
+/// An arm of the study: a cache scheme spec (kvcache/cache_scheme.h; a quantizer spec is the
+/// trivial scheme) × an eviction policy spec, written "scheme+policy" (e.g. "int4+h2o@50%",
+/// "kivi:k2:v2:g32:r128+full", "had(int4)+full").
 
 #include <string>
 #include <vector>
@@ -12,21 +13,21 @@
 namespace kvcache::study {
 
 struct Arm {
-  std::string quant = "fp32";   ///< quantizer or cache-scheme spec (CacheConfig::quant)
+  std::string scheme = "fp32";  ///< cache scheme or quantizer spec (CacheConfig::scheme)
   std::string policy = "full";  ///< eviction policy spec with optional @budget (CacheConfig::policy)
 
-  /// "quant+policy".
-  std::string spec() const { return quant + "+" + policy; }
-  bool operator==(const Arm& o) const { return quant == o.quant && policy == o.policy; }
+  /// "scheme+policy".
+  std::string spec() const { return scheme + "+" + policy; }
+  bool operator==(const Arm& o) const { return scheme == o.scheme && policy == o.policy; }
   bool operator!=(const Arm& o) const { return !(*this == o); }
 };
 
 /// The control arm, "fp32+full": every Δ, KLD and memory ratio is relative to it.
 Arm control_arm();
 
-/// Parses "quant+policy". A text without '+' is a policy if it has an '@budget' or its head is
-/// a registered eviction policy's (registered_policies(); then quant = "fp32"), otherwise a
-/// quantizer (then policy = "full"). Surrounding whitespace is ignored.
+/// Parses "scheme+policy". A text without '+' is a policy if it has an '@budget' or its head is
+/// a registered eviction policy (spec_kind(), kvcache/registry.h; then scheme = "fp32"),
+/// otherwise a scheme (then policy = "full"). Surrounding whitespace is ignored.
 /// Specs are not validated here (the evaluator canonicalizes them through the factories).
 /// @throws InvalidArgument on an empty part or more than one '+'.
 Arm parse_arm(const std::string& text);
@@ -61,10 +62,6 @@ std::vector<Arm> parse_arm_list(const std::string& text);
 /// `--budget B` ("256" tokens or "25%"): replaces the budget of every arm whose policy is not
 /// "full" (adding one where the policy had none). @throws InvalidArgument for a bad budget.
 std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget);
-
-/// Parameter tables of the cache schemes an arm's quant may name besides a quantizer spec
-/// (kivi), for `kv_study list`.
-std::vector<ParamTable> cache_scheme_tables();
 
 /// Removes later duplicates (same spec), keeping the first occurrence's position.
 std::vector<Arm> dedupe(const std::vector<Arm>& arms);

@@ -56,10 +56,11 @@ struct KvFormat {
   int64_t per_tensor_bytes = 0;  ///< per layer, for K and for V each (fp8: 4, one fp32 scale)
 };
 
-/// The storage format of `spec` (a CacheConfig::quant value) for heads of `head_dim` values.
-/// The spec is resolved as the CacheManager does (cache::parse_cache_scheme: a quantizer spec
-/// for both K and V, or a scheme such as kivi:k2:v2:g32:r128 with per-stream quantizers and
-/// fp16 residual windows; per-channel quantizers keep up to g recent tokens in the residual),
+/// The storage format of `spec` (a CacheConfig::scheme value) for heads of `head_dim` values.
+/// The spec is resolved as the CacheManager does (make_cache_scheme, kvcache/cache_scheme.h: a
+/// quantizer spec for both K and V, or a scheme such as kivi:k2:v2:g32:r128 with per-stream
+/// quantizers and fp16 residual windows; per-channel quantizers keep up to g recent tokens in
+/// the residual; layer 0's streams for a scheme whose layers differ),
 /// then each stream's quantizer is measured: a sample tensor is quantized, raw bits = code
 /// bytes x 8 / values, effective bits = Quantizer::bits_per_value(head_dim), per-tensor bytes =
 /// whatever nbytes() holds beyond that (fp8:scaled's fp32 scale). The residual counts R tokens

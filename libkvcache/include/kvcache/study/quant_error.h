@@ -22,7 +22,7 @@ struct ReconstructionResult {
 };
 
 /// Quantize-dequantize every sample's K and V with `quant` and measure the error (through
-/// quantizer.h's reconstruction_error). `quant` is any CacheConfig::quant value, resolved as the
+/// quantizer.h's reconstruction_error). `quant` is any CacheConfig::scheme value, resolved as the
 /// CacheManager does: a quantizer spec for K and V, or a scheme such as kivi:k2:v2:g32:r128
 /// (keys int<k>:g<G>:chan, values int<v>:g<G>; the residual window is not part of the
 /// reconstruction error). Per-channel

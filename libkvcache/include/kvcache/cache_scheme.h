@@ -1,0 +1,112 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file cache_scheme.h
+/// Cache schemes: how a KV cache stores keys and values (CacheConfig::scheme). A scheme
+/// names, per layer and per stream (K, V), the quantizer of the stored tokens, the
+/// full-precision residual window of the most recent tokens and how that residual is
+/// flushed into quantized storage (docs/cache-manager.md, "Cache schemes").
+///
+/// Registered schemes (make_cache_scheme, spec grammar in spec.h):
+///   - every quantizer spec (`fp32`, `int4:g32`, `int2:g32:chan`, `had(int4)`, ...): the
+///     trivial scheme, the same quantizer for K and V; residual = CacheConfig::residual_length
+///     tokens flushed sliding, or in whole groups (block flush, R raised to a multiple of g,
+///     at least g) when the quantizer's groups span g tokens (`:chan`); residual dtype
+///     float32 when the quantizer stores float32 rows (`fp32`, `had(fp32)`), float16 otherwise.
+///   - `kivi:k<b>:v<b>:g<G>:r<R>` (KIVI, arXiv 2402.02750): keys `int<k>:g<G>:chan` with an
+///     R-token residual flushed in blocks of R, values `int<v>:g<G>` with a sliding R-token
+///     residual; b ∈ {2, 3, 4, 8}, R a positive multiple of G, head_dim divisible by G.
+///   - `had(<scheme>)` / `had:k(<scheme>)` (Hadamard rotation: QuaRot, arXiv 2404.00456;
+///     llama.cpp's rotated KV cache): the wrapped scheme with the quantized K and V (or K
+///     only) stored as `had(<quantizer>)`: each token's row of D values multiplied by the
+///     orthonormal Hadamard matrix H_D before quantization and by H_D again on read
+///     (H_D · H_D = I, so q·k and p·v are those of the unrotated values up to quantization).
+///     head_dim must be a power of two; the residual stays unrotated.
+///
+/// What a scheme can express (and KVQuant / GEAR will use): per-layer quantizers that the
+/// scheme builds itself (e.g. with calibrated codebooks and thresholds), different quantizers
+/// for K and V, side data stored with each token or group inside the quantizer's StoredLayout
+/// (outliers, low-rank factors: bytes the cache counts because it stores them), a required key
+/// storage (pre-RoPE keys), and the residual rules above.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvcache/quantizer.h"
+#include "kvcache/spec.h"
+#include "kvcache/types.h"
+
+namespace kvcache {
+
+/// How a stream's full-precision residual moves into quantized storage.
+enum class ResidualFlush {
+  /// Keep exactly the last R tokens in full precision; older ones are quantized as soon as
+  /// they leave the window (KIVI values: one token at a time in decode). R = 0: no residual,
+  /// tokens are quantized as they are written.
+  kSliding,
+  /// Accumulate; whenever the residual holds >= R tokens, quantize the oldest floor(n/R)·R
+  /// (KIVI keys: whole R-token blocks; the residual oscillates in [0, R−1]).
+  kBlock,
+};
+
+/// How one stream (K or V) of one layer is stored.
+struct StreamSpec {
+  /// The stored form of the stream's quantized tokens: its StoredLayout(head_dim) is what the
+  /// cache's blocks hold, encode()/decode() what they are written and read with.
+  std::shared_ptr<const Quantizer> quantizer;
+  int64_t residual = 0;  ///< R: full-precision recent tokens, in [0, kMaxTokens]
+  ResidualFlush flush = ResidualFlush::kSliding;
+  at::ScalarType residual_dtype = at::kHalf;  ///< float16 or float32: residual (and converted) rows
+};
+
+/// Both streams of one layer.
+struct LayerStreams {
+  StreamSpec key, value;
+};
+
+/// The model dimensions a scheme is resolved for.
+struct CacheGeometry {
+  int64_t num_layers = 1;    ///< L
+  int64_t num_kv_heads = 1;  ///< H_kv
+  int64_t head_dim = 0;      ///< D
+};
+
+/// A cache scheme, built from its spec by make_cache_scheme(). Immutable; one instance may
+/// serve any number of caches.
+class CacheScheme {
+ public:
+  virtual ~CacheScheme() = default;
+
+  /// Canonical spec (the rule of spec.h): make_cache_scheme(spec()) builds an equivalent
+  /// scheme. A plain quantizer spec's scheme prints the quantizer's spec.
+  virtual std::string spec() const = 0;
+
+  /// How layer `layer` (in [0, L)) of a cache of `geometry` stores K and V, with
+  /// CacheConfig::residual_length = `residual_length` tokens (schemes with their own residual
+  /// accept 0 or theirs).
+  /// @throws InvalidArgument naming the spec when the scheme cannot run on this geometry
+  ///         (head_dim not divisible by a group size, not a power of two for `had`, a
+  ///         residual_length it does not take).
+  virtual LayerStreams streams(const CacheGeometry& geometry, int64_t layer, int64_t residual_length) const = 0;
+
+  /// The key storage the scheme needs (KVQuant quantizes pre-RoPE keys), or std::nullopt
+  /// when either works. CacheConfig::validate() checks it.
+  virtual std::optional<KeyStorage> required_key_storage() const { return std::nullopt; }
+};
+
+/// Builds a scheme from its spec: any quantizer spec (the trivial scheme) or a registered
+/// scheme (`kivi:k2:v2:g32:r128`, `had(int4)`, `had:k(kivi:k4:v4:g32:r128)`).
+/// @throws InvalidArgument for unknown heads (listing the registered quantizers and
+///         schemes), bad fields (listing the allowed ones), a policy spec (naming it), or
+///         numbers that do not fit together (KIVI's r not a multiple of g).
+std::unique_ptr<CacheScheme> make_cache_scheme(const std::string& spec);
+
+/// Parameter tables of the registered cache schemes (besides the quantizers), in
+/// registration order (for --list).
+std::vector<ParamTable> registered_cache_schemes();
+
+}  // namespace kvcache
