@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "eviction_test_util.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
@@ -14,7 +15,8 @@
 namespace kvcache {
 namespace {
 
-using Rows = std::vector<std::vector<int64_t>>;
+using testing::kept_rows;
+using testing::Rows;
 
 EvictionContext ctx_for(int64_t layer, int64_t resident, int64_t new_tokens = 1, bool prefill_end = false,
                         int64_t logical = -1, int64_t heads = 2) {
@@ -27,27 +29,6 @@ EvictionContext ctx_for(int64_t layer, int64_t resident, int64_t new_tokens = 1,
   return c;
 }
 
-/// What a plan keeps, per head (the complement of its evictions); empty = keeps all.
-Rows kept_rows(const EvictionPlan& plan, const EvictionContext& c) {
-  Rows out;
-  if (plan.empty()) return out;
-  for (size_t h = 0; h < c.resident.size(); ++h) {
-    std::vector<int64_t> row;
-    const auto& e = plan.evict.at(h);
-    for (size_t i = 1; i < e.size(); ++i) EXPECT_LT(e[i - 1], e[i]) << "evictions not increasing";
-    size_t di = 0;
-    for (int64_t i = 0; i < c.resident[h]; ++i) {
-      if (di < e.size() && e[di] == i) {
-        ++di;
-      } else {
-        row.push_back(i);
-      }
-    }
-    EXPECT_EQ(di, e.size()) << "eviction index out of range";
-    out.push_back(row);
-  }
-  return out;
-}
 
 Rows plan_rows(EvictionPolicy& p, const EvictionContext& c) { return kept_rows(p.plan(c), c); }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cache_test_util.h"
+#include "eviction_test_util.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
@@ -21,7 +22,8 @@
 namespace kvcache {
 namespace {
 
-using Rows = std::vector<std::vector<int64_t>>;
+using testing::kept_rows;
+using testing::Rows;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 EvictionContext ctx_of(int64_t layer, std::vector<int64_t> resident, StepKind step = StepKind::kDecode,
@@ -38,27 +40,6 @@ EvictionContext ctx_of(int64_t layer, std::vector<int64_t> resident, StepKind st
   return c;
 }
 
-/// What a plan keeps, per head (the complement of its evictions); empty = keeps all.
-Rows kept_rows(const EvictionPlan& plan, const EvictionContext& c) {
-  Rows out;
-  if (plan.empty()) return out;
-  for (size_t h = 0; h < c.resident.size(); ++h) {
-    std::vector<int64_t> row;
-    const auto& e = plan.evict.at(h);
-    for (size_t i = 1; i < e.size(); ++i) EXPECT_LT(e[i - 1], e[i]) << "evictions not increasing";
-    size_t di = 0;
-    for (int64_t i = 0; i < c.resident[h]; ++i) {
-      if (di < e.size() && e[di] == i) {
-        ++di;
-      } else {
-        row.push_back(i);
-      }
-    }
-    EXPECT_EQ(di, e.size()) << "eviction index out of range";
-    out.push_back(row);
-  }
-  return out;
-}
 
 Rows plan_rows(const EvictionPolicy& p, const EvictionContext& c) { return kept_rows(p.plan(c), c); }
 

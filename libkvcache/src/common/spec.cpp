@@ -200,14 +200,15 @@ std::string ParsedSpec::canonical() const {
 
 std::string canonical_spec(const ParamTable& table, const std::map<std::string, double>& nums,
                            const std::map<std::string, std::string>& choices) {
-  for (const auto& [key, v] : nums) {
-    (void)v;
+  // (Plain iteration, not structured bindings: C++17 lambdas cannot capture those; clang rejects it.)
+  for (const auto& entry : nums) {
+    const std::string& key = entry.first;
     KV_INTERNAL_ASSERT(std::any_of(table.params.begin(), table.params.end(),
                                    [&](const ParamDef& p) { return p.key == key && p.kind != ParamDef::Kind::kChoice; }),
                        "canonical_spec(", table.head, "): no numeric param '", key, "'");
   }
-  for (const auto& [key, v] : choices) {
-    (void)v;
+  for (const auto& entry : choices) {
+    const std::string& key = entry.first;
     KV_INTERNAL_ASSERT(std::any_of(table.params.begin(), table.params.end(),
                                    [&](const ParamDef& p) { return p.key == key && p.kind == ParamDef::Kind::kChoice; }),
                        "canonical_spec(", table.head, "): no choice param '", key, "'");
