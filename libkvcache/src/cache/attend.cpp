@@ -245,7 +245,7 @@ KV_TARGET_CLONES void tile_mass(const float* __restrict s, int64_t ld, int64_t n
 class Cursor {
  public:
   Cursor(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d, bool raw)
-      : s_(s), scale_(tensor_scale), rope_(rope), d_(d), raw_(raw) {}
+      : scale_(tensor_scale), rope_(rope), d_(d), raw_(raw), walk_(s) {}
 
   /// Starts a tile: the buffers of blocks loaded before it, except the current one, may be reused.
   void begin_tile() {
@@ -301,18 +301,13 @@ class Cursor {
 
   bool load() {
     const BlockList* list = nullptr;
-    while (true) {
-      list = list_ == 0 ? &s_.quant : &s_.resid;
-      if (bi_ < list->blocks().size()) break;
-      if (list_ == 1) return false;
-      list_ = 1;
-      bi_ = 0;
-    }
+    const Block* block = nullptr;
+    if (!walk_.next(&list, &block)) return false;
     if (free_ >= pool_.size()) pool_.emplace_back();
     cur_ = free_++;
     have_ = true;
     Loaded& b = pool_[cur_];
-    b.block = &list->blocks()[bi_++];
+    b.block = block;
     b.format = &list->format(*b.block);
     b.rows = nullptr;
     if (b.format->raw_fp32 && rope_ == nullptr) {
@@ -336,13 +331,11 @@ class Cursor {
     return true;
   }
 
-  const HeadStream& s_;
   float scale_;
   const RopeTable* rope_;
   int64_t d_;
   bool raw_;
-  int list_ = 0;
-  size_t bi_ = 0;
+  StreamBlockWalk walk_;
   std::vector<Loaded> pool_;  ///< blocks loaded for the current tile (the current one last)
   size_t cur_ = 0, free_ = 0;
   bool have_ = false;

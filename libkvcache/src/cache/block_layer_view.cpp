@@ -18,7 +18,7 @@ namespace {
 class StreamReader {
  public:
   StreamReader(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d, bool decode)
-      : s_(s), scale_(tensor_scale), rope_(rope), d_(d), decode_(decode) {}
+      : scale_(tensor_scale), rope_(rope), d_(d), decode_(decode), walk_(s) {}
 
   /// Copies the next min(n, left) live tokens: rows to `rows` `[n, D]` (when decoding) and
   /// positions to `pos`. Returns the count.
@@ -43,30 +43,21 @@ class StreamReader {
 
  private:
   bool next_block() {
-    while (true) {
-      const BlockList& list = list_ == 0 ? s_.quant : s_.resid;
-      if (bi_ < list.blocks().size()) {
-        block_ = &list.blocks()[bi_++];
-        slot_ = 0;
-        if (decode_) {
-          scratch_.resize(static_cast<size_t>(list.format(*block_).capacity * d_));
-          list.decode(*block_, scratch_.data(), scale_);
-        }
-        return true;
-      }
-      if (list_ == 1) return false;
-      list_ = 1;
-      bi_ = 0;
+    const BlockList* list = nullptr;
+    if (!walk_.next(&list, &block_)) return false;
+    slot_ = 0;
+    if (decode_) {
+      scratch_.resize(static_cast<size_t>(list->format(*block_).capacity * d_));
+      list->decode(*block_, scratch_.data(), scale_);
     }
+    return true;
   }
 
-  const HeadStream& s_;
   float scale_;
   const RopeTable* rope_;
   int64_t d_;
   bool decode_;
-  int list_ = 0;
-  size_t bi_ = 0;
+  StreamBlockWalk walk_;
   const Block* block_ = nullptr;
   int32_t slot_ = 0;
   std::vector<float> scratch_;

@@ -35,6 +35,32 @@ struct HeadStream {
   std::vector<int64_t> positions() const;
 };
 
+/// A stream's blocks in cache order — the quantized list, then the full-precision residual —
+/// for the readers that visit them one at a time (attend()'s tiles, the policies' view).
+class StreamBlockWalk {
+ public:
+  explicit StreamBlockWalk(const HeadStream& s) : s_(&s) {}
+  /// The next block and the list holding it (for its format and decode); false after the last.
+  bool next(const BlockList** list, const Block** block) {
+    while (true) {
+      const BlockList& l = list_ == 0 ? s_->quant : s_->resid;
+      if (bi_ < l.blocks().size()) {
+        *list = &l;
+        *block = &l.blocks()[bi_++];
+        return true;
+      }
+      if (list_ == 1) return false;
+      list_ = 1;
+      bi_ = 0;
+    }
+  }
+
+ private:
+  const HeadStream* s_;
+  int list_ = 0;
+  size_t bi_ = 0;
+};
+
 class LayerStore {
  public:
   LayerStore(const StreamSetup* key, const StreamSetup* value, int64_t num_heads, int64_t head_dim);

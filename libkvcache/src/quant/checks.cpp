@@ -67,6 +67,13 @@ at::Tensor& reuse_or_empty(at::Tensor& t, at::IntArrayRef shape, at::ScalarType 
   return t;
 }
 
+at::Tensor& float32_target(at::Tensor& result, at::Tensor& scratch, at::IntArrayRef shape, at::ScalarType dtype,
+                           at::TensorList avoid) {
+  if (dtype == at::kFloat) return reuse_or_empty(result, shape, at::kFloat, avoid);
+  scratch = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+  return scratch;
+}
+
 at::Tensor to_input_dtype(const at::Tensor& x_f32, at::ScalarType dtype) {
   if (dtype == at::kFloat) return x_f32;
   KV_INTERNAL_ASSERT(x_f32.scalar_type() == at::kFloat && x_f32.is_contiguous() &&

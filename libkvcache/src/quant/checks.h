@@ -40,4 +40,10 @@ at::Tensor to_input_dtype(const at::Tensor& x_f32, at::ScalarType dtype);
 at::Tensor& reuse_or_empty(at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype,
                            at::TensorList avoid = {});
 
+/// Where a dequantize_into() writes its float32 reconstruction: `result` itself (reused by
+/// reuse_or_empty) when the output dtype `dtype` is float32, else `scratch`, set to a fresh
+/// float32 tensor that the caller then converts into `result` (to_input_dtype).
+at::Tensor& float32_target(at::Tensor& result, at::Tensor& scratch, at::IntArrayRef shape, at::ScalarType dtype,
+                           at::TensorList avoid);
+
 }  // namespace kvcache::quant

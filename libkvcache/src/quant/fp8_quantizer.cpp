@@ -100,9 +100,8 @@ void Fp8Quantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& resu
                  ": q.scales must hold one fp32 per-tensor scale");
     scale = q.scales.item<float>();
   }
-  at::Tensor fresh;
-  at::Tensor& out = q.dtype == at::kFloat ? reuse_or_empty(result, q.shape, at::kFloat, {q.codes, q.scales}) : fresh;
-  if (!out.defined()) out = at::empty(q.shape, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor scratch;
+  at::Tensor& out = float32_target(result, scratch, q.shape, q.dtype, {q.codes, q.scales});
   fp8_decode_array(q.codes.data_ptr<uint8_t>(), out.numel(), scale, format_, out.data_ptr<float>());
   if (q.dtype != at::kFloat) result = to_input_dtype(out, q.dtype);
 }

@@ -630,12 +630,21 @@ bool enabled() { return g_enabled; }
 
 }  // namespace avx512
 
+#if defined(KVCACHE_QUANT_AVX512)
+namespace {
+/// The AVX-512 kernels take this call (fp16 metadata, a shape they handle, the CPU can).
+bool use_avx512(int bits, int64_t g, MetaType meta) {
+  return meta == MetaType::kHalf && avx512::enabled() && avx512::available() && avx512::handles(bits, g);
+}
+}  // namespace
+#endif
+
 KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64_t g, uint8_t* codes,
                                 void* scales, void* zeros, MetaType meta) {
   check_group(bits, g);
   StatusAccumulator acc;
 #if defined(KVCACHE_QUANT_AVX512)
-  if (meta == MetaType::kHalf && avx512::enabled() && avx512::available() && avx512::handles(bits, g)) {
+  if (use_avx512(bits, g, meta)) {
     at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
       uint32_t bad = 0, meta_bad = 0;
       avx512::quantize_per_token_fp16(bits, x, b, e, g, codes, static_cast<uint16_t*>(scales),
@@ -661,11 +670,11 @@ void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, co
                           MetaType meta, int64_t ngroups, int64_t g, float* out) {
   check_group(bits, g);
 #if defined(KVCACHE_QUANT_AVX512)
-  if (meta == MetaType::kHalf && avx512::enabled() && avx512::available() && avx512::handles(bits, g)) {
+  if (use_avx512(bits, g, meta)) {
     // Non-temporal stores for an output well past the last-level cache (and 64-byte aligned):
     // nothing will read it back from cache soon, and they save reading each line first.
     constexpr int64_t kStreamBytes = int64_t{64} << 20;
-    const bool stream = ngroups * g * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0 && g % 16 == 0;
+    const bool stream = ngroups * g * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0;
     at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
       avx512::dequantize_per_token_fp16(bits, codes, static_cast<const uint16_t*>(scales),
                                         static_cast<const uint16_t*>(zeros), b, e, g, out, stream);

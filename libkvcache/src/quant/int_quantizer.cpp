@@ -149,9 +149,8 @@ void IntQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& resu
   const MetaType mt = q.scales.scalar_type() == at::kHalf ? MetaType::kHalf : MetaType::kFloat;
   // float32 results are written straight into `result` when it fits; other dtypes go through
   // a float32 reconstruction (converted, saturating, below).
-  at::Tensor fresh;
-  at::Tensor& out = q.dtype == at::kFloat ? reuse_or_empty(result, q.shape, at::kFloat, {q.codes, q.scales, q.zeros}) : fresh;
-  if (!out.defined()) out = at::empty(q.shape, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor scratch;
+  at::Tensor& out = float32_target(result, scratch, q.shape, q.dtype, {q.codes, q.scales, q.zeros});
   if (out.numel() > 0) {
     if (per_token) {
       dequantize_per_token(bits_, q.codes.data_ptr<uint8_t>(), q.scales.data_ptr(), q.zeros.data_ptr(), mt,
