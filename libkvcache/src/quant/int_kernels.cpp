@@ -630,6 +630,21 @@ bool enabled() { return g_enabled; }
 
 }  // namespace avx512
 
+#if !defined(KVCACHE_QUANT_AVX512)
+// Built without the AVX-512 kernels (KVCACHE_FUSED=OFF, or not x86-64): available() is false,
+// so nothing reaches these; they exist so that callers link in every build.
+namespace avx512 {
+void quantize_per_token_fp16(int, const float*, int64_t, int64_t, int64_t, uint8_t*, uint16_t*, uint16_t*,
+                             uint32_t*, uint32_t*) {
+  KV_INTERNAL_ASSERT(false, "the AVX-512 quantize kernel is not built (KVCACHE_FUSED=OFF)");
+}
+void dequantize_per_token_fp16(int, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
+                               float*, bool) {
+  KV_INTERNAL_ASSERT(false, "the AVX-512 dequantize kernel is not built (KVCACHE_FUSED=OFF)");
+}
+}  // namespace avx512
+#endif
+
 #if defined(KVCACHE_QUANT_AVX512)
 namespace {
 /// The AVX-512 kernels take this call (fp16 metadata, a shape they handle, the CPU can).
