@@ -63,6 +63,16 @@ TEST(StudyArm, ConfigsCommaListAndFile) {
   }
   std::remove(path.c_str());
   EXPECT_THROW(parse_arm_list(" , "), InvalidArgument);
+  // A bare word that is no arm set nor scheme names the sets (a mistyped --configs evict2026).
+  try {
+    parse_arm_list("evict2025");
+    FAIL() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026), a file, nor"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(parse_arm_list("int4").size(), 1u);  // a bare scheme is still an arm
 }
 
 TEST(StudyArm, BudgetOverrideAndDedupe) {

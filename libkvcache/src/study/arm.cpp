@@ -5,6 +5,7 @@
 #include <set>
 #include <sys/stat.h>
 
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/registry.h"
 #include "kvcache/spec.h"
@@ -120,6 +121,18 @@ std::vector<Arm> parse_arm_list(const std::string& text) {
     }
   }
   KV_CHECK_ARG(!arms.empty(), "--configs '", text, "' lists no arm (expected e.g. 'fp32+full,int4+h2o@50%' or a file)");
+  // One bare word that is no known scheme is more likely a mistyped arm set or file name than
+  // an arm: say so now, naming the sets (the sweep would later reject it as a scheme only).
+  if (arms.size() == 1 && text.find_first_of(",+") == std::string::npos && arms[0].scheme == trim(text)) {
+    try {
+      (void)make_cache_scheme(arms[0].scheme);
+    } catch (const InvalidArgument& e) {
+      std::string sets;
+      for (const auto& set : arm_sets()) sets += (sets.empty() ? "" : ", ") + set.name;
+      throw InvalidArgument(detail::str_cat("--configs '", text, "' is not an arm set (", sets,
+                                            "), a file, nor an arm 'scheme+policy': ", e.what()));
+    }
+  }
   return arms;
 }
 
