@@ -138,6 +138,80 @@ inline __m256i token_codes32(const RawTokens& t, int32_t slot, int64_t c) {
   return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(static_cast<int>(2 * field))), m2);
 }
 
+/// How dims [32c, 32c + 32) of a per-token row are extracted: the same for every key of a
+/// block, so worked out once per call (token_codes32 divides by the group size per key).
+struct TokenChunk {
+  int64_t offset = 0;  ///< byte offset in the row of the bytes loaded
+  __m128i shift;       ///< right shift of the codes' bit field (epi16 lanes)
+  int mode = 0;        ///< 0: 32 bytes, shift, mask; 1: int4 g32 (16 bytes, low | high nibbles);
+                       ///< 2: int2 g32 (8 bytes, four fields); 3: int2 g64 (16 bytes, two fields)
+};
+
+inline TokenChunk token_chunk(const KernelFormat& kf, int64_t c) {
+  const int bits = kf.bits;
+  const int64_t g = kf.group, o = 32 * c, gi = o / g, off = o % g;
+  const int64_t base = gi * (g * bits / 8);
+  TokenChunk t;
+  t.shift = _mm_cvtsi32_si128(0);
+  if (bits == 8) {
+    t.offset = base + off;
+  } else if (bits == 4) {
+    if (g == 32) {
+      t.offset = base;
+      t.mode = 1;
+    } else {
+      const int64_t half = g / 2;
+      t.offset = base + (off < half ? off : off - half);
+      t.shift = _mm_cvtsi32_si128(off < half ? 0 : 4);
+    }
+  } else if (g == 32) {
+    t.offset = base;
+    t.mode = 2;
+  } else if (g == 64) {
+    t.offset = base;
+    t.mode = 3;
+    t.shift = _mm_cvtsi32_si128(off == 0 ? 0 : 4);
+  } else {
+    const int64_t q = g / 4;
+    t.offset = base + off % q;
+    t.shift = _mm_cvtsi32_si128(static_cast<int>(2 * (off / q)));
+  }
+  return t;
+}
+
+/// The 32 codes of a per-token row's chunk described by `t` (token_codes32 without the
+/// per-key arithmetic).
+inline __m256i chunk_codes32(const uint8_t* row, const TokenChunk& t, int bits) {
+  const uint8_t* p = row + t.offset;
+  switch (t.mode) {
+    case 1: {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m4)),
+                                     _mm_and_si128(_mm_srli_epi16(b, 4), m4), 1);
+    }
+    case 2: {
+      uint64_t w;
+      std::memcpy(&w, p, sizeof w);
+      const __m128i b = _mm_set1_epi64x(static_cast<long long>(w));
+      const __m128i f01 = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2));
+      const __m128i f23 = _mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6));
+      return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(f01), f23, 1), _mm256_set1_epi8(0x03));
+    }
+    case 3: {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m128i lo = _mm_srl_epi16(b, t.shift);
+      const __m128i hi = _mm_srli_epi16(lo, 2);
+      return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), _mm256_set1_epi8(0x03));
+    }
+    default: {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      if (bits == 8) return b;
+      return _mm256_and_si256(_mm256_srl_epi16(b, t.shift), _mm256_set1_epi8(static_cast<char>((1 << bits) - 1)));
+    }
+  }
+}
+
 /// Where token `slot` of a per-channel block (one group) lies: its code row's byte offset and
 /// the shift of its bit field.
 struct ChanPos {
@@ -309,6 +383,29 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
       qsum[r] = q.qsum + (r0 + r) * chunks;
     }
   }
+  // The query terms interleaved per chunk as the key loop reads them: qq[c][e][r] = {hi, lo},
+  // the 4 int8 of dims 32c + 4e .. + 3 (one dword each), so that every VNNI product takes its
+  // broadcast from a constant offset.
+  const int64_t chunks_n = chunks;
+  alignas(64) int32_t qq[8][8][NR][2];
+  for (int64_t c = 0; c < chunks_n; ++c) {
+    for (int e = 0; e < 8; ++e) {
+      for (int r = 0; r < NR; ++r) {
+        std::memcpy(&qq[c][e][r][0], qh[r] + 32 * c + 4 * e, 4);
+        std::memcpy(&qq[c][e][r][1], ql[r] + 32 * c + 4 * e, 4);
+      }
+    }
+  }
+  TokenChunk tc[8];
+  int64_t gic[8];
+  for (int64_t c = 0; c < chunks_n; ++c) {
+    if constexpr (!kChannel) {
+      tc[c] = token_chunk(k.kf, c);
+      gic[c] = 32 * c / k.kf.group;
+    }
+  }
+  const int bits = k.kf.bits;
+  const int64_t row_bytes = k.kf.code_bytes;
   const __m512 low = _mm512_set1_ps(1.0f / kLowSteps);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int m = static_cast<int>(min64(16, n - j0));
@@ -319,23 +416,28 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
     if constexpr (kChannel) {
       for (int j = 0; j < m; ++j) pos[j] = chan_pos(k, slots[j]);
     }
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c < chunks_n; ++c) {
       __m256i rows[16];
-      for (int j = 0; j < 16; ++j) {
-        rows[j] = j < m ? (kChannel ? channel_codes32(k, pos[j], c) : token_codes32(k, slots[j], c))
-                        : _mm256_setzero_si256();
+      if constexpr (kChannel) {
+        for (int j = 0; j < 16; ++j) rows[j] = j < m ? channel_codes32(k, pos[j], c) : _mm256_setzero_si256();
+      } else if (m == 16) {
+        for (int j = 0; j < 16; ++j) rows[j] = chunk_codes32(k.block + static_cast<int64_t>(slots[j]) * row_bytes, tc[c], bits);
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          rows[j] = j < m ? chunk_codes32(k.block + static_cast<int64_t>(slots[j]) * row_bytes, tc[c], bits)
+                          : _mm256_setzero_si256();
+        }
       }
       __m512i kt[8];
       transpose_16x8(rows, kt);
       __m512i ah[NR], al[NR];
       for (int r = 0; r < NR; ++r) ah[r] = al[r] = _mm512_setzero_si512();
+      const int32_t(*qc)[NR][2] = qq[c];
+#pragma GCC unroll 8
       for (int e = 0; e < 8; ++e) {
         for (int r = 0; r < NR; ++r) {
-          int32_t h4, l4;
-          std::memcpy(&h4, qh[r] + 32 * c + 4 * e, sizeof h4);
-          std::memcpy(&l4, ql[r] + 32 * c + 4 * e, sizeof l4);
-          ah[r] = _mm512_dpbusd_epi32(ah[r], kt[e], _mm512_set1_epi32(h4));
-          al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(l4));
+          ah[r] = _mm512_dpbusd_epi32(ah[r], kt[e], _mm512_set1_epi32(qc[e][r][0]));
+          al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(qc[e][r][1]));
         }
       }
       // Σ q'·c / qs = ah + al / kLowSteps (int32 sums, exact in float up to 2^24).
@@ -345,9 +447,8 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
         for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(dots[r], _mm512_set1_ps(qs[r][c]), out[r]);
       } else {
         // The 16 keys' scale and zero of the group holding this chunk.
-        const int64_t gi = 32 * c / k.kf.group;
-        const __m512 sv = meta16(sc, slots, m, mc, gi);
-        const __m512 zv = meta16(ze, slots, m, mc, gi);
+        const __m512 sv = meta16(sc, slots, m, mc, gic[c]);
+        const __m512 zv = meta16(ze, slots, m, mc, gic[c]);
         for (int r = 0; r < NR; ++r) {
           out[r] = _mm512_fmadd_ps(_mm512_mul_ps(dots[r], sv), _mm512_set1_ps(qs[r][c]), out[r]);
           out[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qsum[r][c]), out[r]);
@@ -494,8 +595,11 @@ void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int
   for (int r = 0; r < NR; ++r) {
     for (int64_t gi = 0; gi < mc; ++gi) zsum[r][gi] = _mm512_reduce_add_ps(_mm512_load_ps(zacc[r][gi]));
   }
+  const int bits = v.kf.bits;
+  const int64_t row_bytes = v.kf.code_bytes;
   for (int64_t h = 0; h < d / 32; ++h) {
     const int64_t gi = 32 * h / v.kf.group;
+    const TokenChunk tc = token_chunk(v.kf, h);
     __m512 a[NR][2];
     for (int r = 0; r < NR; ++r) {
       const __m512 z = _mm512_set1_ps(zsum[r][gi]);
@@ -503,7 +607,7 @@ void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int
       a[r][1] = _mm512_add_ps(_mm512_loadu_ps(acc + r * d + 32 * h + 16), z);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const __m256i codes = token_codes32(v, v.slots[j], h);
+      const __m256i codes = chunk_codes32(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits);
       const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
       const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
       for (int r = 0; r < NR; ++r) {
