@@ -28,38 +28,16 @@ inline float maxf(float a, float b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------- conversions
 
-/// fp16 bits of |e4m3| for the 7-bit magnitude code (normal: exponent + 8, mantissa << 7;
-/// subnormal m·2^-9 normalised; 0x7F, the NaN code, is never produced by the encoder).
-struct E4M3Table {
-  alignas(64) uint16_t w[128];
-};
-constexpr E4M3Table make_e4m3_table() {
-  E4M3Table t{};
-  constexpr uint16_t sub[8] = {0x0000, 0x1800, 0x1C00, 0x1E00, 0x2000, 0x2100, 0x2200, 0x2300};
-  for (int c = 0; c < 128; ++c) {
-    const int e = c >> 3, m = c & 7;
-    t.w[c] = e == 0 ? sub[m] : static_cast<uint16_t>(((e + 8) << 10) | (m << 7));
-  }
-  return t;
-}
-constexpr E4M3Table kE4M3 = make_e4m3_table();
-
-/// 16 fp8 e4m3 codes → 16 floats.
+/// 16 fp8 e4m3 codes → 16 floats. The code's magnitude bits shifted left by 7 are an fp16
+/// whose exponent field is e4m3's exponent field: read with fp16's bias (15, against e4m3's 7)
+/// it is the e4m3 value times 2^-8 exactly, normal (2^(e-15)·(1 + m/8)) and subnormal
+/// (m·2^-17 for m·2^-9) alike; the sign moves to bit 15 and ×256 is exact. (0x7F, the NaN
+/// code, is never produced by the encoder.)
 inline __m512 e4m3_to_ps(__m128i codes) {
-  const __m512i w = _mm512_cvtepu8_epi32(codes);  // one code per dword
-  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
-  // Two 64-entry word lookups (entries 0..63 and 64..127), on the low word of each dword.
-  const __m512i t0 = _mm512_load_si512(kE4M3.w), t1 = _mm512_load_si512(kE4M3.w + 32);
-  const __m512i t2 = _mm512_load_si512(kE4M3.w + 64), t3 = _mm512_load_si512(kE4M3.w + 96);
-  // Each dword's low word indexes 64 words (mag mod 64) of a table pair; its high word
-  // indexes entry 0 and is masked off below.
-  const __m512i lo = _mm512_permutex2var_epi16(t0, mag, t1);
-  const __m512i hi = _mm512_permutex2var_epi16(t2, mag, t3);
-  const __mmask16 upper = _mm512_test_epi32_mask(mag, _mm512_set1_epi32(64));
-  __m512i h = _mm512_mask_blend_epi32(upper, lo, hi);
-  h = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
-  h = _mm512_or_si512(h, _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 8));
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+  const __m256i w = _mm256_cvtepu8_epi16(codes);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.0f));
 }
 
 /// 16 stored values of a float format at `p` → 16 floats.
