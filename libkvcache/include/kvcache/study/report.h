@@ -4,6 +4,9 @@
 /// Summaries of a results file: the study seed's tables as Markdown (summary.md), JSON
 /// (summary.json, read by tools/plot_results.py) and CSV (summary.csv, one row per arm), and a
 /// recommendations table generated from the measured numbers by fixed rules (docs/study.md).
+/// The per-arm columns, their units and aggregation are one table (report_columns.h); the code
+/// is split into report_aggregate.cpp (summarize), report_curves.cpp (budget_curves),
+/// report_rules.cpp (recommend) and report_writers.cpp (the three writers).
 ///
 /// Definitions (per arm, over its "task" rows):
 ///   accuracy       passed / tasks (a row with an error counts as not passed);
