@@ -82,8 +82,10 @@ std::vector<ResultRow> rows() {
     a.kind = "attn";
     a.arm = "";
     a.task = "attn:kivi:b" + std::to_string(bits);
+    a.granularity = "kivi";
     a.model = "m1";
-    a.values = {{"out_rel_err", bits == 2 ? 0.3 : 0.05}, {"prob_rel_err", bits == 2 ? 0.2 : 0.03}, {"group", 32}};
+    a.values = {{"out_rel_err", bits == 2 ? 0.3 : 0.05}, {"prob_rel_err", bits == 2 ? 0.2 : 0.03}, {"group", 32},
+                {"bits", bits}};
     out.push_back(a);
   }
   return out;

@@ -6,6 +6,10 @@ Figures (PNG, matplotlib Agg backend):
   pareto.png         accuracy vs peak KV memory (ratio to the control), Pareto front highlighted
   depth_heatmap.png  needle accuracy, arms x depth
   ppl_accuracy.png   perplexity (streaming, else single-pass) vs accuracy
+and, when the run swept budgets (`kv_study run --budgets`, summary.json "curves"):
+  budget_accuracy.png  accuracy vs budget, one line per method, the control's accuracy dashed
+  budget_family.png    the same per task family (one panel each)
+  budget_depth.png     needle accuracy vs budget per needle depth (one panel each)
 
 Usage: /usr/bin/python3 tools/plot_results.py runs/x/summary.json [--out runs/x/plots]
 """
@@ -125,8 +129,90 @@ def plot_ppl_accuracy(summary, out_path):
     plt.close(fig)
 
 
+def curve_points(curve, values):
+    """(budget in %, accuracy in %) of a curve's points that have a value.
+
+    Percentage budgets are plotted as percentages, token budgets as tokens."""
+    pts = []
+    for label, b, v in zip(curve["budgets"], curve["budget_values"], values):
+        v = _num(v)
+        if v is None:
+            continue
+        pts.append((100.0 * b if label.endswith("%") else float(b), 100.0 * v))
+    return pts
+
+
+def _control_accuracy(summary):
+    for a in summary["arms"]:
+        if a.get("is_control") and _num(a.get("accuracy")) is not None:
+            return 100.0 * _num(a["accuracy"]), a.get("family_accuracy") or {}, a.get("depth_accuracy") or {}
+    return None, {}, {}
+
+
+def _curve_axes(ax, curves, values_of, control, title):
+    for c in curves:
+        pts = curve_points(c, values_of(c))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=c["method"])
+    if control is not None:
+        ax.axhline(100.0 * control, color="k", ls="--", lw=0.8, label="control")
+    ax.set_title(title, fontsize=8)
+    ax.set_ylim(-3, 103)
+    ax.grid(True, alpha=0.3)
+
+
+def plot_budget_curves(summary, out_path):
+    curves = summary.get("curves") or []
+    ctrl, _, _ = _control_accuracy(summary)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    _curve_axes(ax, curves, lambda c: c["accuracy"], None if ctrl is None else ctrl / 100.0,
+                f"Accuracy vs KV budget — {summary.get('model', '')}")
+    ax.set_xlabel("budget (% of the request's context kept; tokens for token budgets)")
+    ax.set_ylabel("task accuracy (%)")
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def _panels(summary, out_path, keys, values_of, control_of, title_of, xlabel):
+    curves = summary.get("curves") or []
+    n = max(1, len(keys))
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for i, k in enumerate(keys):
+        ax = axes[i // cols][i % cols]
+        _curve_axes(ax, curves, lambda c, k=k: values_of(c, k), control_of(k), title_of(k))
+        ax.set_xlabel(xlabel, fontsize=7)
+        ax.set_ylabel("accuracy (%)", fontsize=7)
+    for j in range(len(keys), rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, fontsize=6, loc="lower center", ncol=min(4, len(labels)))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def plot_budget_family(summary, out_path):
+    _, fam, _ = _control_accuracy(summary)
+    _panels(summary, out_path, summary.get("families") or [],
+            lambda c, f: (c.get("family_accuracy") or {}).get(f, []), lambda f: _num(fam.get(f)),
+            lambda f: f"family {f}", "budget (%)")
+
+
+def plot_budget_depth(summary, out_path):
+    _, _, dep = _control_accuracy(summary)
+    _panels(summary, out_path, [str(d) for d in summary.get("depths") or []],
+            lambda c, d: (c.get("depth_accuracy") or {}).get(d, []), lambda d: _num(dep.get(d)),
+            lambda d: f"needle at depth {d}%", "budget (%)")
+
+
 def make_plots(summary_path, out_dir=None):
-    """Writes the three PNGs; returns their paths."""
+    """Writes the PNGs (three, plus three budget-curve plots when the summary has curves);
+    returns their paths."""
     summary = load_summary(summary_path)
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(summary_path)), "plots")
     os.makedirs(out_dir, exist_ok=True)
@@ -134,6 +220,12 @@ def make_plots(summary_path, out_dir=None):
     plot_pareto(summary, paths[0])
     plot_depth_heatmap(summary, paths[1])
     plot_ppl_accuracy(summary, paths[2])
+    if summary.get("curves"):
+        more = [os.path.join(out_dir, n) for n in ("budget_accuracy.png", "budget_family.png", "budget_depth.png")]
+        plot_budget_curves(summary, more[0])
+        plot_budget_family(summary, more[1])
+        plot_budget_depth(summary, more[2])
+        paths += more
     return paths
 
 

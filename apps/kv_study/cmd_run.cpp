@@ -99,6 +99,7 @@ void add_run_command(CLI::App& app) {
   auto seed = std::make_shared<uint64_t>(kDefaultSuiteSeed);
   auto configs = std::make_shared<std::string>();
   auto budget = std::make_shared<std::string>();
+  auto budgets = std::make_shared<std::string>();
   auto shard = std::make_shared<std::string>("0/1");
   auto threads = std::make_shared<int>(2);
   auto no_text = std::make_shared<bool>(false);
@@ -116,6 +117,9 @@ void add_run_command(CLI::App& app) {
                   "arms: comma list, a file with one per line, or an arm set's name (default, evict2026), "
                   "'scheme+policy' (e.g. int4+h2o@50%); default: the 18 default arms (kv_study list)");
   cmd->add_option("--budget", *budget, "override the budget of every evicting arm: tokens (256) or percent (25%)");
+  cmd->add_option("--budgets", *budgets,
+                  "ratio sweep: run every evicting arm at each of these budgets (e.g. 25%,50%,75%,87.5%; arms "
+                  "with policy full run once); the report adds accuracy-vs-budget curves");
   cmd->add_option("--shard", *shard, "run slice i of n (0-based): items with plan index % n == i")->capture_default_str();
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
       ->capture_default_str()
@@ -127,7 +131,12 @@ void add_run_command(CLI::App& app) {
   cmd->callback([=] {
     SweepOptions opt;
     opt.arms = configs->empty() ? default_arms() : parse_arm_list(*configs);
+    if (!budget->empty() && !budgets->empty()) {
+      throw kvcache::InvalidArgument("--budget '" + *budget + "' and --budgets '" + *budgets +
+                                     "' exclude each other (one budget for every arm, or a sweep over several)");
+    }
     if (!budget->empty()) opt.arms = with_budget(opt.arms, *budget);
+    if (!budgets->empty()) opt.arms = with_budgets(opt.arms, *budgets);
     opt.tasks = tasks_file->empty() ? generate_suite(*suite, *seed) : read_tasks_jsonl(*tasks_file);
     opt.shard = Shard::parse(*shard);
     opt.text = !*no_text;

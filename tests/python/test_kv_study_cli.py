@@ -109,6 +109,10 @@ class KvStudyCliTest(unittest.TestCase):
                 (("run", "--seed", "-1"), "--seed: -1 is out of range [0, 9223372036854775807]"),
                 (("run", "--threads", "100000"), "--threads: 100000 is out of range [1, 256]"),
                 (("run", "--budget", "1e300"), "budget '@1e300': token budget must be an integer in [1, 1000000000]"),
+                (("run", "--budgets", "25%,150%"),
+                 "--budgets '25%,150%': item '150%' is not a budget: budget '@150%': percentage must be in (0, 100]"),
+                (("run", "--budgets", "50%,50.0%"), "--budgets '50%,50.0%': budget '50.0%' appears twice"),
+                (("run", "--budget", "50%", "--budgets", "25%,75%"), "--budget '50%' and --budgets '25%,75%' exclude"),
                 (("generate", "--prompt", "hi", "--max-new-tokens", "999999999999999"),
                  "--max-new-tokens: 999999999999999 is out of range [1, 1000000000]"),
                 (("suite", "--count", "-5", "--out", "-"), "--count: -5 is out of range [0, 10000000]"),
@@ -247,6 +251,40 @@ class DefaultModelTest(unittest.TestCase):
         self.assertIn(b"r=0 out of range [1, 1000000000]", r.stderr)
         r = generate("--prompt", "hi", "--arm", "kivi:k2:v2:g4:r4")
         self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_ratio_sweep_runs_each_budget_resumes_and_draws_curves(self):
+        """`--budgets` runs the evicting arm once per budget and the control once; the summary holds
+        the method's curve, a rerun runs nothing, and plot_results draws the three budget plots."""
+        with tempfile.TemporaryDirectory() as d:
+            cmd = [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "fp32+full,fp32+h2o@50%",
+                   "--budgets", "25%,75%", "--out", d, "--threads", "1", "--no-text", "--no-recon", "--no-attn",
+                   "--quiet"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("3 arms x 20 tasks", r.stderr)
+            with open(os.path.join(d, "results.jsonl")) as f:
+                arms = sorted({row["arm"] for row in map(json.loads, f)})
+            self.assertEqual(arms, ["fp32+full", "fp32+h2o@25%", "fp32+h2o@75%"])
+            with open(os.path.join(d, "summary.json")) as f:
+                s = json.load(f)
+            self.assertEqual(len(s["curves"]), 1)
+            c = s["curves"][0]
+            self.assertEqual((c["method"], c["budgets"], c["budget_values"]), ("fp32+h2o", ["@25%", "@75%"], [0.25, 0.75]))
+            by_arm = {a["arm"]: a["accuracy"] for a in s["arms"]}
+            self.assertEqual(c["accuracy"], [by_arm["fp32+h2o@25%"], by_arm["fp32+h2o@75%"]])
+            self.assertEqual(sorted(c["depth_accuracy"]), ["35", "5", "65", "95"])
+            self.assertTrue(any(rec["rule"] == "Smallest budget of fp32+h2o within one task of the control"
+                                for rec in s["recommendations"]))
+            with open(os.path.join(d, "summary.md")) as f:
+                self.assertIn("## Accuracy vs budget (ratio sweep)", f.read())
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("0 items run, 60 already done", r.stderr)
+            p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "tools", "plot_results.py"),
+                                os.path.join(d, "summary.json")], capture_output=True, text=True, timeout=300)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertEqual([os.path.basename(x) for x in p.stdout.split()][3:],
+                             ["budget_accuracy.png", "budget_family.png", "budget_depth.png"])
 
     def test_control_reproduces_unmanaged_generation_on_the_default_suite(self):
         """fp32+full through the CacheManager (block storage, attend() reading the blocks) gives

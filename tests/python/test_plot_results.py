@@ -54,6 +54,38 @@ class PlotTest(unittest.TestCase):
                 self.assertGreater(os.path.getsize(p), 2000)
             self.assertEqual(plot_results.main([path, "--out", os.path.join(d, "o")]), 0)
 
+    def test_budget_curves_add_three_pngs(self):
+        s = synthetic_summary()
+        s["families"] = ["needle", "summary"]
+        s["arms"][0]["family_accuracy"] = {"needle": 1.0, "summary": 0.9}
+        s["curves"] = [
+            {"method": "fp32+h2o", "budgets": ["@25%", "@50%", "@87.5%"], "budget_values": [0.25, 0.5, 0.875],
+             "arms": ["fp32+h2o@25%", "fp32+h2o@50%", "fp32+h2o@87.5%"], "accuracy": [0.2, 0.7, None],
+             "family_accuracy": {"needle": [0.1, 0.5, 0.9], "summary": [0.3, 0.9, 1.0]},
+             "depth_accuracy": {"5": [0.0, 0.2, 1.0], "35": [0.5, 0.5, 1.0]},
+             "smallest_within_one_task": "@87.5%"},
+            {"method": "fp32+snapkv", "budgets": ["@64", "@128"], "budget_values": [64, 128],
+             "arms": ["fp32+snapkv@64", "fp32+snapkv@128"], "accuracy": [0.5, 0.9],
+             "family_accuracy": {}, "depth_accuracy": {}, "smallest_within_one_task": None},
+        ]
+        # Percent budgets plot as percentages, token budgets as tokens; a missing value is left out.
+        self.assertEqual(plot_results.curve_points(s["curves"][0], s["curves"][0]["accuracy"]),
+                         [(25.0, 20.0), (50.0, 70.0)])
+        self.assertEqual(plot_results.curve_points(s["curves"][1], s["curves"][1]["accuracy"]),
+                         [(64.0, 50.0), (128.0, 90.0)])
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "summary.json")
+            with open(path, "w") as f:
+                json.dump(s, f)
+            out = plot_results.make_plots(path)
+            self.assertEqual([os.path.basename(p) for p in out],
+                             ["pareto.png", "depth_heatmap.png", "ppl_accuracy.png", "budget_accuracy.png",
+                              "budget_family.png", "budget_depth.png"])
+            for p in out[3:]:
+                with open(p, "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+                self.assertGreater(os.path.getsize(p), 2000)
+
     def test_bad_input_is_an_error(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "x.json")

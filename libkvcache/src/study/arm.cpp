@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvcache/study/arm.h"
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sys/stat.h>
@@ -147,6 +148,39 @@ std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget) {
     a.policy = head + parsed.to_string();
   }
   return arms;
+}
+
+std::vector<Arm> with_budgets(const std::vector<Arm>& arms, const std::string& budgets) {
+  std::vector<std::string> items;  // canonical "@50%"
+  size_t start = 0;
+  while (start <= budgets.size()) {
+    const auto comma = budgets.find(',', start);
+    const std::string raw = budgets.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    std::string b = trim(raw);
+    KV_CHECK_ARG(!b.empty(), "--budgets '", budgets, "': empty item (expected a comma list such as 25%,50%,75%)");
+    if (b[0] == '@') b = b.substr(1);
+    std::string canonical;
+    try {
+      canonical = Budget::parse(b).to_string();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat("--budgets '", budgets, "': item '", raw, "' is not a budget: ", e.what()));
+    }
+    KV_CHECK_ARG(std::find(items.begin(), items.end(), canonical) == items.end(), "--budgets '", budgets,
+                 "': budget '", raw, "' appears twice");
+    items.push_back(canonical);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  std::vector<Arm> out;
+  for (const auto& a : arms) {
+    const std::string head = split_budget(a.policy).first;
+    if (head == "full") {
+      out.push_back(a);
+      continue;
+    }
+    for (const auto& b : items) out.push_back({a.scheme, head + b});
+  }
+  return out;
 }
 
 std::vector<Arm> dedupe(const std::vector<Arm>& arms) {

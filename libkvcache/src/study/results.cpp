@@ -19,6 +19,7 @@
 #include "study/json_fields.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
+#include "kvcache/study/schema.h"
 
 namespace kvcache::study {
 namespace {
@@ -68,6 +69,12 @@ std::vector<ResultRow> parse_lines(const std::vector<std::string>& lines, const 
 
 std::string ResultRow::key() const { return arm + '\t' + task + '\t' + model; }
 
+void ResultRow::set(const std::string& name, double v) {
+  KV_CHECK(find_row_metric(name) != nullptr, InternalError, "result row value '", name,
+           "' is not a row metric of the schema (kvcache/study/schema.h)");
+  values[name] = v;
+}
+
 double ResultRow::value(const std::string& name) const {
   auto it = values.find(name);
   return it == values.end() ? NAN : it->second;
@@ -87,6 +94,7 @@ std::string row_to_json(const ResultRow& r) {
     j["passed"] = r.passed;
     j["output"] = r.output;
   }
+  if (r.kind == "attn" && !r.granularity.empty()) j["granularity"] = r.granularity;
   if (!r.error.empty()) j["error"] = r.error;
   json v = json::object();
   for (const auto& [k, x] : r.values) {
@@ -124,6 +132,15 @@ ResultRow row_from_json(const std::string& line) {
       KV_CHECK_ARG(x.is_number(), where, ": values['", k, "'] = ", x.dump(), " is not a number");
       r.values[k] = x.template get<double>();
     }
+  }
+  r.granularity = f::string(j, "granularity", where, std::string());
+  if (r.kind == "attn" && r.granularity.empty()) {
+    // Legacy rows (written before the field existed): the scheme only in "attn:<key>:b<bits>".
+    const auto p1 = r.task.find(':');
+    const auto p2 = r.task.rfind(":b");
+    KV_CHECK_ARG(p1 != std::string::npos && p2 != std::string::npos && p2 > p1, where,
+                 ": attn row without a 'granularity' field and task '", r.task, "' is not attn:<key>:b<bits>");
+    r.granularity = r.task.substr(p1 + 1, p2 - p1 - 1);
   }
   return r;
 }

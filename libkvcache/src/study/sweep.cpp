@@ -6,6 +6,7 @@
 
 #include "kvcache/error.h"
 #include "kvcache/study/progress.h"
+#include "kvcache/study/schema.h"
 
 namespace kvcache::study {
 namespace {
@@ -24,14 +25,11 @@ const char* kind_name(ItemKind k) {
   return "?";
 }
 
+/// Every CacheStats counter the schema maps to a row metric (schema.cpp), by that table.
 void put_cache_stats(const CacheStats& c, ResultRow& row) {
-  row.values["tokens_written"] = static_cast<double>(c.tokens_written);
-  row.values["tokens_resident"] = static_cast<double>(c.tokens_resident);
-  row.values["tokens_resident_peak"] = static_cast<double>(c.tokens_resident_peak);
-  row.values["peak_bytes"] = static_cast<double>(c.bytes_resident_peak);
-  row.values["final_bytes"] = static_cast<double>(c.bytes_resident);
-  row.values["peak_reserved_bytes"] = static_cast<double>(c.bytes_reserved_peak);
-  row.values["final_reserved_bytes"] = static_cast<double>(c.bytes_reserved);
+  for (const auto& m : row_metrics()) {
+    if (m.cache_field != nullptr) row.set(m.key, static_cast<double>(c.*m.cache_field));
+  }
 }
 
 /// The sweep's lazily computed shared inputs.
@@ -46,19 +44,19 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
     case ItemKind::kAttention: {
       if (!shared.qkv) shared.qkv = ev.capture_qkv();
       const auto e = scheme_attention_error(*shared.qkv, item.granularity, item.bits, opt.attention_group);
-      row.values["out_rel_err"] = e.out_rel_fro;
-      row.values["prob_rel_err"] = e.prob_rel_fro;
-      row.values["bits"] = item.bits;
-      row.values["group"] = static_cast<double>(opt.attention_group);
+      row.set("out_rel_err", e.out_rel_fro);
+      row.set("prob_rel_err", e.prob_rel_fro);
+      row.set("bits", item.bits);
+      row.set("group", static_cast<double>(opt.attention_group));
       break;
     }
     case ItemKind::kReconstruction: {
       const auto r = ev.reconstruction(item.quant);
-      row.values["bits_per_value"] = r.bits_per_value;
-      row.values["key_rel_err"] = r.key_rel_err;
-      row.values["value_rel_err"] = r.value_rel_err;
-      row.values["key_max_abs"] = r.key_max_abs;
-      row.values["value_max_abs"] = r.value_max_abs;
+      row.set("bits_per_value", r.bits_per_value);
+      row.set("key_rel_err", r.key_rel_err);
+      row.set("value_rel_err", r.value_rel_err);
+      row.set("key_max_abs", r.key_max_abs);
+      row.set("value_max_abs", r.value_max_abs);
       break;
     }
     case ItemKind::kTask: {
@@ -66,12 +64,12 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       const Generation g = ev.run_task(item.arm, task);
       row.output = g.output;
       row.passed = score_output(task.rule, g.output);
-      row.values["prompt_tokens"] = static_cast<double>(g.prompt_tokens);
-      row.values["generated_tokens"] = static_cast<double>(g.generated_tokens);
-      row.values["prefill_s"] = g.prefill_seconds;
-      row.values["decode_s"] = g.decode_seconds;
-      if (g.span_resident >= 0) row.values["span_resident"] = g.span_resident;
-      if (g.rss_growth_peak >= 0) row.values["rss_growth_peak_bytes"] = static_cast<double>(g.rss_growth_peak);
+      row.set("prompt_tokens", static_cast<double>(g.prompt_tokens));
+      row.set("generated_tokens", static_cast<double>(g.generated_tokens));
+      row.set("prefill_s", g.prefill_seconds);
+      row.set("decode_s", g.decode_seconds);
+      if (g.span_resident >= 0) row.set("span_resident", g.span_resident);
+      if (g.rss_growth_peak >= 0) row.set("rss_growth_peak_bytes", static_cast<double>(g.rss_growth_peak));
       put_cache_stats(g.cache, row);
       break;
     }
@@ -81,17 +79,17 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       single.add(te.single_logprobs);
       NllAccumulator stream;
       stream.add(te.stream_logprobs);
-      row.values["ppl_single"] = single.perplexity();
-      row.values["ppl_stream"] = stream.perplexity();
-      row.values["scored_tokens"] = static_cast<double>(stream.tokens());
+      row.set("ppl_single", single.perplexity());
+      row.set("ppl_stream", stream.perplexity());
+      row.set("scored_tokens", static_cast<double>(stream.tokens()));
       put_cache_stats(te.cache, row);
       if (!shared.control_text) {
         shared.control_text = item.arm == control ? te : ev.eval_text(control);
       }
       const auto cmp = compare_logits(shared.control_text->stream_logits, te.stream_logits);
-      row.values["kld_mean"] = cmp.kld_mean;
-      row.values["kld_max"] = cmp.kld_max;
-      row.values["top1"] = cmp.top1_agreement;
+      row.set("kld_mean", cmp.kld_mean);
+      row.set("kld_max", cmp.kld_max);
+      row.set("top1", cmp.top1_agreement);
       break;
     }
   }
@@ -237,6 +235,7 @@ SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& st
     row.arm = w->row_arm;
     row.task = w->row_task;
     row.model = model;
+    if (w->kind == ItemKind::kAttention) row.granularity = key(w->granularity);
     if (w->kind == ItemKind::kTask) {
       const Task& t = opt.tasks[static_cast<size_t>(w->task_index)];
       row.family = to_string(t.family);

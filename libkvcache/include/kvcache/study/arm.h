@@ -63,6 +63,13 @@ std::vector<Arm> parse_arm_list(const std::string& text);
 /// "full" (adding one where the policy had none). @throws InvalidArgument for a bad budget.
 std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget);
 
+/// `--budgets B1,B2,...` (the ratio sweep, e.g. "25%,50%,75%,87.5%"; each item as --budget):
+/// every arm whose policy is not "full" once per budget, in the given budget order, each
+/// arm's budgets together; arms with policy "full" once.
+/// @throws InvalidArgument naming `budgets` and the item as written if an item is empty, is not
+///         a budget, or appears twice (as text or as the same budget, "50%" and "50.0%").
+std::vector<Arm> with_budgets(const std::vector<Arm>& arms, const std::string& budgets);
+
 /// Removes later duplicates (same spec), keeping the first occurrence's position.
 std::vector<Arm> dedupe(const std::vector<Arm>& arms);
 

@@ -4,6 +4,9 @@
 /// Summaries of a results file: the study seed's tables as Markdown (summary.md), JSON
 /// (summary.json, read by tools/plot_results.py) and CSV (summary.csv, one row per arm), and a
 /// recommendations table generated from the measured numbers by fixed rules (docs/study.md).
+/// The per-arm columns, their units and aggregation are one table (report_columns.h); the code
+/// is split into report_aggregate.cpp (summarize), report_curves.cpp (budget_curves),
+/// report_rules.cpp (recommend) and report_writers.cpp (the three writers).
 ///
 /// Definitions (per arm, over its "task" rows):
 ///   accuracy       passed / tasks (a row with an error counts as not passed);
@@ -49,6 +52,8 @@ struct ArmSummary {
   double ppl_single = 0, ppl_stream = 0, kld_mean = 0, kld_max = 0, top1 = 0;  ///< NaN if no "text" row
   double prefill_tps = 0, decode_tps = 0;
   double total_seconds = 0;  ///< Σ prefill_s + decode_s over the arm's tasks
+  /// Columns of report_columns.h that have no field above, by column key (NaN if not measured).
+  std::map<std::string, double> extra;
 };
 
 struct ReconstructionSummary {
@@ -62,6 +67,24 @@ struct AttentionSummary {
   std::string description;  ///< "per-channel K + per-token V (KIVI)"
   std::map<int, double> out_rel_err;   ///< by bits
   std::map<int, double> prob_rel_err;  ///< by bits
+};
+
+/// One method's accuracy against its budget (the ratio sweep, `kv_study run --budgets`): the
+/// arms with the same scheme and policy head (the policy spec without its @budget, split_budget)
+/// at two or more budgets of one kind (percentages, or token counts), points by ascending budget.
+struct BudgetCurve {
+  std::string method;                 ///< "fp32+h2o": scheme + policy head
+  std::vector<std::string> budgets;   ///< "@25%", ... (Budget::to_string), ascending
+  std::vector<double> budget_values;  ///< fraction in (0, 1] or tokens, ascending
+  std::vector<std::string> arms;      ///< the arm of each point
+  std::vector<double> accuracy;       ///< passed / tasks of each point, in [0, 1]
+  /// By task family / needle depth: the point's accuracy over that family's tasks (NaN where
+  /// the arm has none of them).
+  std::map<std::string, std::vector<double>> family_accuracy;
+  std::map<int, std::vector<double>> depth_accuracy;
+  /// The smallest budget whose arm is within one task of the control (same task count and
+  /// passed >= control passed - 1): its index, or -1 (none, or no control rows).
+  int smallest_within_one_task = -1;
 };
 
 struct Recommendation {
@@ -80,6 +103,7 @@ struct Summary {
   std::vector<ReconstructionSummary> reconstruction;
   std::vector<AttentionSummary> attention;
   std::vector<int> attention_bits;
+  std::vector<BudgetCurve> curves;  ///< the ratio sweep's curves, in plan order of their first arm
   std::vector<Recommendation> recommendations;
   std::vector<std::string> notes;  ///< warnings (unequal task counts, error rows, missing control)
 };
@@ -93,7 +117,12 @@ std::vector<std::string> models_in(const std::vector<ResultRow>& rows);
 Summary summarize(const std::vector<ResultRow>& rows, const std::string& model = "",
                   const std::string& control = "fp32+full");
 
-/// The recommendation rules, applied to `summary.arms` (summarize() already calls this).
+/// The budget curves of `summary.arms` (summarize() fills Summary::curves with this).
+std::vector<BudgetCurve> budget_curves(const Summary& summary);
+
+/// The recommendation rules, applied to `summary.arms` and `summary.curves` (summarize()
+/// already calls this): the five fixed rules, then per budget curve the smallest budget within
+/// one task of the control.
 std::vector<Recommendation> recommend(const Summary& summary);
 
 std::string summary_markdown(const Summary& summary);

@@ -21,6 +21,8 @@ namespace kvcache::study {
 ///   "text":  perplexity / KLD / top-1 of one arm;           task = "text"
 ///   "recon": reconstruction error of one quantizer spec;    arm = quant spec, task = "recon"
 ///   "attn":  attention error of one granularity scheme;     arm = "", task = "attn:<key>:b<bits>"
+///            (the task id is only the row's identity: the scheme is in `granularity`, the bit
+///            width in values["bits"], and nothing parses the id back)
 struct ResultRow {
   int64_t order = 0;      ///< index of the item in the full (unsharded) sweep plan
   std::string kind;       ///< "task", "text", "recon", "attn"
@@ -34,9 +36,16 @@ struct ResultRow {
   bool passed = false;
   std::string output;     ///< the generated reply
   std::string error;      ///< non-empty if the item failed with a user-level error (counted as a fail)
-  /// Named measurements (finite numbers only), e.g. peak_bytes, prefill_s, ppl_stream, kld_mean.
+  /// attn rows: the granularity key (KvGranularity, e.g. "kivi"). Rows written before this field
+  /// existed carry it only in the task id; row_from_json() fills it from there (legacy files).
+  std::string granularity;
+  /// Named measurements (finite numbers only), e.g. peak_bytes, prefill_s, ppl_stream, kld_mean;
+  /// every key is a row metric of schema.h (write them with set()).
   std::map<std::string, double> values;
 
+  /// values[key] = v. @throws InternalError if `key` is not in row_metrics() (schema.h): a new
+  /// number is declared there, with its unit, before a sweep writes it.
+  void set(const std::string& key, double v);
   /// arm + '\t' + task + '\t' + model.
   std::string key() const;
   /// Value `name`, or NaN if absent.

@@ -1,0 +1,419 @@
+// SPDX-License-Identifier: Apache-2.0
+// The three summary writers: Markdown, JSON and CSV, each driven by the column table
+// (report_columns.cpp) for the per-arm numbers.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <tuple>
+
+#include "common/file_io.h"
+#include "kvcache/error.h"
+#include "kvcache/study/report.h"
+#include "kvcache/study/report_columns.h"
+#include "study/report_format.h"
+
+namespace kvcache::study {
+namespace {
+
+using report_format::fmt;
+using report_format::kNaN;
+using report_format::pct;
+
+// ---- cells ---------------------------------------------------------------------------------
+
+std::string md_value(const ArmColumn& c, double v) {
+  switch (c.format) {
+    case Format::kPercent:
+      return pct(v);
+    case Format::kInt:
+      return fmt(v, "%.0f");
+    case Format::kBool:
+      return std::isfinite(v) ? (v != 0 ? "yes" : "no") : "–";
+    case Format::kFixed: {
+      char f[16];
+      std::snprintf(f, sizeof f, "%%.%df", c.decimals);
+      return fmt(v, f);
+    }
+    case Format::kText:
+      break;
+  }
+  return "–";
+}
+
+std::string md_cell(const ArmColumn& c, const ArmSummary& a, const Summary& s) {
+  if (c.format == Format::kText) return a.arm;
+  if (c.md_cell != nullptr) return c.md_cell(a, s);
+  return md_value(c, column_value(c, a, s));
+}
+
+std::string csv_cell(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::string csv_num(double v) {
+  if (!std::isfinite(v)) return "";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+nlohmann::ordered_json jnum(double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(); }
+
+// ---- Markdown tables of per-arm columns ---------------------------------------------------
+
+struct MdColumn {
+  const char* key;
+  const char* header;  ///< nullptr: the column's md_header
+};
+struct MdTable {
+  const char* title;
+  const char* intro;  ///< paragraph under the title, or ""
+  std::vector<MdColumn> columns;
+};
+
+/// The per-arm Markdown tables, before and after the per-family / per-depth ones.
+const std::vector<MdTable>& md_tables_head() {
+  static const std::vector<MdTable> t = {
+      {"Accuracy and KV memory per arm", "",
+       {{"arm", nullptr}, {"passed", nullptr}, {"accuracy", nullptr}, {"delta_pp", nullptr},
+        {"peak_kib_mean", nullptr}, {"memory_ratio", nullptr}, {"tokens_written_mean", nullptr},
+        {"tokens_resident_mean", nullptr}, {"errors", nullptr}}},
+      {"KV memory: stored, reserved, real",
+       "Mean over tasks of the peak stored bytes (bytes_resident_peak), the peak bytes of the blocks the cache "
+       "held (bytes_reserved_peak), and the peak growth of the process's resident set during the task (the cache "
+       "plus the request's other allocations).",
+       {{"arm", nullptr}, {"peak_kib_mean", "stored peak KiB"}, {"reserved_kib_mean", nullptr},
+        {"rss_growth_kib_mean", nullptr}, {"reserved_per_stored", nullptr}}},
+  };
+  return t;
+}
+const MdTable& md_table_text() {
+  static const MdTable t = {"Perplexity and next-token agreement vs control", "",
+                            {{"arm", nullptr}, {"accuracy", nullptr}, {"ppl_single", nullptr}, {"ppl_stream", nullptr},
+                             {"kld_mean", nullptr}, {"kld_max", nullptr}, {"top1", nullptr}}};
+  return t;
+}
+const MdTable& md_table_speed() {
+  static const MdTable t = {"Speed", "",
+                            {{"arm", nullptr}, {"prefill_tps", nullptr}, {"decode_tps", nullptr},
+                             {"total_seconds", nullptr}}};
+  return t;
+}
+
+void write_md_table(std::ostream& os, const MdTable& t, const Summary& s) {
+  os << "\n## " << t.title << "\n\n";
+  if (*t.intro) os << t.intro << "\n\n";
+  std::vector<const ArmColumn*> cols;
+  os << "|";
+  for (const auto& mc : t.columns) {
+    cols.push_back(&arm_column(mc.key));
+    os << " " << (mc.header != nullptr ? mc.header : cols.back()->md_header) << " |";
+  }
+  os << "\n|";
+  for (const ArmColumn* c : cols) os << (c->format == Format::kText ? "---|" : "---:|");
+  os << "\n";
+  for (const auto& a : s.arms) {
+    os << "|";
+    for (const ArmColumn* c : cols) os << " " << md_cell(*c, a, s) << " |";
+    os << "\n";
+  }
+}
+
+/// A table of one expanding column: one Markdown column per family / depth.
+template <typename K>
+void write_md_keyed(std::ostream& os, const char* title, const std::vector<K>& keys,
+                    const std::map<K, double> ArmSummary::*values, std::string (*label)(const K&), const Summary& s) {
+  os << "\n## " << title << "\n\n| arm |";
+  for (const auto& k : keys) os << " " << label(k) << " |";
+  os << "\n|---|";
+  for (size_t i = 0; i < keys.size(); ++i) os << "---:|";
+  os << "\n";
+  for (const auto& a : s.arms) {
+    os << "| " << a.arm << " |";
+    for (const auto& k : keys) {
+      auto it = (a.*values).find(k);
+      os << " " << (it == (a.*values).end() ? "–" : pct(it->second)) << " |";
+    }
+    os << "\n";
+  }
+}
+
+/// The ratio sweep's tables: accuracy per method × budget, then per family and per depth.
+void write_md_curves(std::ostream& os, const Summary& s) {
+  if (s.curves.empty()) return;
+  // Every budget of any curve, percentages first, each kind ascending.
+  std::vector<std::tuple<bool, double, std::string>> cols;
+  for (const auto& c : s.curves) {
+    for (size_t i = 0; i < c.budgets.size(); ++i) {
+      const auto col = std::make_tuple(c.budgets[i].back() != '%', c.budget_values[i], c.budgets[i]);
+      if (std::find(cols.begin(), cols.end(), col) == cols.end()) cols.push_back(col);
+    }
+  }
+  std::sort(cols.begin(), cols.end());
+  auto cells = [&](const BudgetCurve& c, const std::vector<double>& v) {
+    std::string out;
+    for (const auto& col : cols) {
+      const auto it = std::find(c.budgets.begin(), c.budgets.end(), std::get<2>(col));
+      out += " " + (it == c.budgets.end() ? std::string("–") : pct(v[static_cast<size_t>(it - c.budgets.begin())])) + " |";
+    }
+    return out;
+  };
+  auto head = [&](std::ostream& o, const char* first) {
+    o << "| " << first << " |";
+    for (const auto& col : cols) o << " " << std::get<2>(col).substr(1) << " |";
+  };
+  auto rule = [&](std::ostream& o, int text_cols) {
+    o << "|";
+    for (int i = 0; i < text_cols; ++i) o << "---|";
+    for (size_t i = 0; i < cols.size(); ++i) o << "---:|";
+  };
+  os << "\n## Accuracy vs budget (ratio sweep)\n\n"
+        "Each method's accuracy at each swept budget (`--budgets`; a percentage is the share of the request's full "
+        "context kept); the last column is its smallest budget within one task of the control.\n\n";
+  head(os, "method");
+  os << " smallest within one task |\n";
+  rule(os, 1);
+  os << "---|\n";
+  for (const auto& c : s.curves) {
+    const int i = c.smallest_within_one_task;
+    os << "| " << c.method << " |" << cells(c, c.accuracy) << " "
+       << (i >= 0 ? c.budgets[static_cast<size_t>(i)].substr(1) : std::string("–")) << " |\n";
+  }
+  if (!s.families.empty()) {
+    os << "\n## Accuracy vs budget per family\n\n";
+    os << "| method | family |";
+    for (const auto& col : cols) os << " " << std::get<2>(col).substr(1) << " |";
+    os << "\n";
+    rule(os, 2);
+    os << "\n";
+    for (const auto& c : s.curves) {
+      for (const auto& f : s.families) os << "| " << c.method << " | " << f << " |" << cells(c, c.family_accuracy.at(f)) << "\n";
+    }
+  }
+  if (!s.depths.empty()) {
+    os << "\n## Needle accuracy vs budget per depth\n\n";
+    os << "| method | depth |";
+    for (const auto& col : cols) os << " " << std::get<2>(col).substr(1) << " |";
+    os << "\n";
+    rule(os, 2);
+    os << "\n";
+    for (const auto& c : s.curves) {
+      for (int d : s.depths) {
+        os << "| " << c.method << " | " << d << "% |" << cells(c, c.depth_accuracy.at(d)) << "\n";
+      }
+    }
+  }
+}
+
+nlohmann::ordered_json jnums(const std::vector<double>& v) {
+  auto out = nlohmann::ordered_json::array();
+  for (double x : v) out.push_back(jnum(x));
+  return out;
+}
+
+std::string family_label(const std::string& f) { return f; }
+std::string depth_label(const int& d) { return std::to_string(d) + "%"; }
+
+}  // namespace
+
+std::string summary_markdown(const Summary& s) {
+  std::ostringstream os;
+  os << "# kv_study summary\n\nModel: `" << s.model << "`. Control arm: `" << s.control << "`.";
+  if (!s.arms.empty()) os << " Arms: " << s.arms.size() << ".";
+  os << "\n";
+  for (const auto& t : md_tables_head()) write_md_table(os, t, s);
+  write_md_keyed<std::string>(os, "Accuracy per family", s.families, &ArmSummary::family_accuracy, family_label, s);
+  if (!s.depths.empty()) {
+    write_md_keyed<int>(os, "Needle accuracy by depth", s.depths, &ArmSummary::depth_accuracy, depth_label, s);
+  }
+  write_md_table(os, md_table_text(), s);
+  write_md_curves(os, s);
+
+  if (!s.reconstruction.empty()) {
+    os << "\n## Quantizer reconstruction error (K/V captured from the model)\n\n";
+    os << "| quantizer | bits/value | key rel. error | value rel. error |\n|---|---:|---:|---:|\n";
+    for (const auto& q : s.reconstruction) {
+      if (!q.error.empty()) {
+        os << "| " << q.quant << " | – | – | – (" << q.error << ") |\n";
+      } else {
+        os << "| " << q.quant << " | " << fmt(q.bits_per_value, "%.2f") << " | " << fmt(q.key_rel_err, "%.4f") << " | "
+           << fmt(q.value_rel_err, "%.4f") << " |\n";
+      }
+    }
+  }
+
+  if (!s.attention.empty()) {
+    os << "\n## Attention error by K/V quantization granularity (relative Frobenius error)\n\n| scheme |";
+    for (int b : s.attention_bits) os << " " << b << "-bit output | " << b << "-bit probs |";
+    os << "\n|---|";
+    for (size_t i = 0; i < s.attention_bits.size(); ++i) os << "---:|---:|";
+    os << "\n";
+    for (const auto& a : s.attention) {
+      os << "| " << a.description << " |";
+      for (int b : s.attention_bits) {
+        auto o = a.out_rel_err.find(b);
+        auto p = a.prob_rel_err.find(b);
+        os << " " << (o == a.out_rel_err.end() ? "–" : fmt(o->second, "%.4f")) << " | "
+           << (p == a.prob_rel_err.end() ? "–" : fmt(p->second, "%.4f")) << " |";
+      }
+      os << "\n";
+    }
+  }
+
+  write_md_table(os, md_table_speed(), s);
+
+  os << "\n## Recommendations\n\nGenerated from the rows above by fixed rules (docs/study.md); never edited by hand.\n\n";
+  os << "| rule | arm | evidence |\n|---|---|---|\n";
+  for (const auto& r : s.recommendations) {
+    os << "| " << r.rule << " | " << (r.arm.empty() ? "–" : "`" + r.arm + "`") << " | " << r.evidence << " |\n";
+  }
+  if (!s.notes.empty()) {
+    os << "\n## Notes\n\n";
+    for (const auto& n : s.notes) os << "- " << n << "\n";
+  }
+  return os.str();
+}
+
+std::string summary_json(const Summary& s) {
+  using oj = nlohmann::ordered_json;
+  oj j;
+  j["model"] = s.model;
+  j["control"] = s.control;
+  j["has_control"] = s.has_control;
+  j["families"] = s.families;
+  j["depths"] = s.depths;
+  oj arms = oj::array();
+  for (const auto& a : s.arms) {
+    oj x = oj::object();
+    for (const auto& c : arm_columns()) {
+      if (!c.in_files) continue;
+      switch (c.aggregation) {
+        case Aggregation::kPerFamily: {
+          oj fam = oj::object();
+          for (const auto& [f, v] : a.family_accuracy) fam[f] = v;
+          x[c.key] = fam;
+          continue;
+        }
+        case Aggregation::kPerDepth: {
+          oj dep = oj::object();
+          for (const auto& [d, v] : a.depth_accuracy) dep[std::to_string(d)] = v;
+          x[c.key] = dep;
+          continue;
+        }
+        default:
+          break;
+      }
+      if (c.format == Format::kText) {
+        x[c.key] = a.arm;
+        continue;
+      }
+      const double v = column_value(c, a, s);
+      if (c.format == Format::kBool) {
+        x[c.key] = std::isfinite(v) ? oj(v != 0) : oj();
+      } else if (c.format == Format::kInt) {
+        x[c.key] = std::isfinite(v) ? oj(static_cast<int64_t>(std::llround(v))) : oj();
+      } else {
+        x[c.key] = jnum(v);
+      }
+    }
+    arms.push_back(x);
+  }
+  j["arms"] = arms;
+  oj rec = oj::array();
+  for (const auto& q : s.reconstruction) {
+    rec.push_back(oj{{"quant", q.quant}, {"bits_per_value", jnum(q.bits_per_value)}, {"key_rel_err", jnum(q.key_rel_err)},
+                     {"value_rel_err", jnum(q.value_rel_err)}, {"error", q.error}});
+  }
+  j["reconstruction"] = rec;
+  oj att = oj::array();
+  for (const auto& a : s.attention) {
+    oj bits = oj::object();
+    for (const auto& [b, v] : a.out_rel_err) {
+      auto p = a.prob_rel_err.find(b);
+      bits[std::to_string(b)] = oj{{"out_rel_err", jnum(v)}, {"prob_rel_err", jnum(p == a.prob_rel_err.end() ? kNaN : p->second)}};
+    }
+    att.push_back(oj{{"scheme", a.scheme}, {"description", a.description}, {"bits", bits}});
+  }
+  j["attention"] = att;
+  oj curves = oj::array();
+  for (const auto& c : s.curves) {
+    oj fam = oj::object();
+    for (const auto& [f, v] : c.family_accuracy) fam[f] = jnums(v);
+    oj dep = oj::object();
+    for (const auto& [d, v] : c.depth_accuracy) dep[std::to_string(d)] = jnums(v);
+    const int i = c.smallest_within_one_task;
+    curves.push_back(oj{{"method", c.method},
+                        {"budgets", c.budgets},
+                        {"budget_values", c.budget_values},
+                        {"arms", c.arms},
+                        {"accuracy", jnums(c.accuracy)},
+                        {"family_accuracy", fam},
+                        {"depth_accuracy", dep},
+                        {"smallest_within_one_task", i >= 0 ? oj(c.budgets[static_cast<size_t>(i)]) : oj()}});
+  }
+  j["curves"] = curves;
+  oj recs = oj::array();
+  for (const auto& r : s.recommendations) {
+    recs.push_back(oj{{"rule", r.rule}, {"arm", r.arm.empty() ? oj() : oj(r.arm)}, {"evidence", r.evidence}});
+  }
+  j["recommendations"] = recs;
+  j["notes"] = s.notes;
+  return j.dump(2) + "\n";
+}
+
+std::string summary_csv(const Summary& s) {
+  std::ostringstream os;
+  bool first = true;
+  for (const auto& c : arm_columns()) {
+    if (!c.in_files) continue;
+    if (c.aggregation == Aggregation::kPerFamily) {
+      for (const auto& f : s.families) os << ",acc_" << f;
+    } else if (c.aggregation == Aggregation::kPerDepth) {
+      for (int d : s.depths) os << ",needle_d" << d;
+    } else {
+      os << (first ? "" : ",") << c.key;
+    }
+    first = false;
+  }
+  os << "\n";
+  for (const auto& a : s.arms) {
+    first = true;
+    for (const auto& c : arm_columns()) {
+      if (!c.in_files) continue;
+      if (c.aggregation == Aggregation::kPerFamily) {
+        for (const auto& f : s.families) {
+          auto it = a.family_accuracy.find(f);
+          os << "," << (it == a.family_accuracy.end() ? "" : csv_num(it->second));
+        }
+      } else if (c.aggregation == Aggregation::kPerDepth) {
+        for (int d : s.depths) {
+          auto it = a.depth_accuracy.find(d);
+          os << "," << (it == a.depth_accuracy.end() ? "" : csv_num(it->second));
+        }
+      } else {
+        os << (first ? "" : ",") << (c.format == Format::kText ? csv_cell(a.arm) : csv_num(column_value(c, a, s)));
+      }
+      first = false;
+    }
+    os << "\n";
+  }
+  return os.str();
+}
+
+void write_summary_files(const Summary& s, const std::string& dir) {
+  ::mkdir(dir.c_str(), 0755);  // may exist
+  struct stat st {};
+  KV_CHECK_ARG(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "output directory '", dir, "' cannot be created");
+  io::write_file_atomic(dir + "/summary.md", summary_markdown(s));
+  io::write_file_atomic(dir + "/summary.json", summary_json(s));
+  io::write_file_atomic(dir + "/summary.csv", summary_csv(s));
+}
+
+}  // namespace kvcache::study
