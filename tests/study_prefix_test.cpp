@@ -113,10 +113,18 @@ TEST(StudyPrefix, MultiTurnRequestsReSendTheHistory) {
 }
 
 TEST(StudyPrefix, BadArgumentsAreNamed) {
-  EXPECT_THAT([] { generate_prefix_workloads(1, 0, 4); },
-              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("count must be in [1, 7], got 0")));
-  EXPECT_THAT([] { generate_prefix_workloads(1, 1, 15); },
-              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("requests must be in [1, 14], got 15")));
+  auto message = [](int64_t count, int64_t requests) -> std::string {
+    try {
+      generate_prefix_workloads(1, count, requests);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no InvalidArgument";
+  };
+  EXPECT_THAT(message(0, 4), ::testing::HasSubstr("count must be in [1, 7], got 0"));
+  EXPECT_THAT(message(8, 4), ::testing::HasSubstr("count must be in [1, 7], got 8"));
+  EXPECT_THAT(message(1, 15), ::testing::HasSubstr("requests must be in [1, 14], got 15"));
+  EXPECT_THAT(message(1, 0), ::testing::HasSubstr("requests must be in [1, 14], got 0"));
 }
 
 TEST(StudyPrefix, CountersOnTheScriptedWorkloadsAreExact) {
