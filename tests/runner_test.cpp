@@ -506,7 +506,8 @@ TEST_P(RunnerModels, RaggedBatchGeneratesWhatEachSequenceGeneratesAlone) {
   // Three prompts of 13, 9 and 16 tokens decoded together (positions 13.., 9.., 16.. in the
   // same step), over CacheManagers and over the Sequences of one MultiSequenceCache (blocks
   // of 4, the third prompt reusing the first's 8-token prefix), for fp32 and deterministic
-  // quantizers, KIVI's per-channel key groups among them (a group never spans two sequences).
+  // quantizers, KIVI's per-channel key groups among them (a group never spans two sequences),
+  // and with eviction (window@12, int8+h2o@60%: each sequence evicts by its own state).
   // Each sequence's greedy tokens are the ones it generates alone, and so are the logits of
   // its prefill (computed alone in both). The decode steps' dense layers multiply 3 rows (a
   // GEMM) instead of one (a GEMV), which rounds differently: with fp32 storage the logits agree
@@ -518,22 +519,35 @@ TEST_P(RunnerModels, RaggedBatchGeneratesWhatEachSequenceGeneratesAlone) {
   const auto prompts = ragged_prompts(m.prompt);
   GenerationOptions o = greedy(12, 5);
   o.stop_at_eos = false;
-  for (const char* quant : {"fp32", "int8", "int4:g8", "kivi:k4:v4:g4:r4"}) {
+  const std::pair<const char*, const char*> arms[] = {{"fp32", "full"},    {"int8", "full"},
+                                                      {"int4:g8", "full"}, {"kivi:k4:v4:g4:r4", "full"},
+                                                      {"fp32", "window@12"}, {"int8", "h2o@60%"}};
+  for (const auto& arm : arms) {
+    const char* quant = arm.first;
+    const std::string policy = arm.second;
     CacheConfig c = m.lm->cache_config();
     c.scheme = quant;
+    c.policy = policy;
     c.block_tokens = 4;
-    std::vector<GenerationResult> alone;
+    // The references: each prompt alone in a CacheManager, and one at a time in a pool of
+    // their own (the third then reuses the same prefix and prefills in the same steps as in
+    // the batch, which matters with eviction: a window evicts at step ends).
+    std::vector<GenerationResult> alone, alone_in_pool;
     for (const auto& p : prompts) {
       CacheManager cache(c);
       alone.push_back(runner.generate(p, o, cache));
+    }
+    MultiSequenceConfig mc;
+    mc.model = c;
+    mc.capacity_bytes = int64_t{1} << 30;
+    {
+      MultiSequenceCache one_at_a_time(mc);
+      for (const auto& p : prompts) alone_in_pool.push_back(runner.generate(p, o, one_at_a_time.add_sequence()));
     }
     std::vector<std::unique_ptr<CacheManager>> managers;
     for (size_t i = 0; i < prompts.size(); ++i) managers.push_back(std::make_unique<CacheManager>(c));
     const std::vector<GenerationResult> in_managers = runner.generate_batch(prompts, o, pointers(managers));
 
-    MultiSequenceConfig mc;
-    mc.model = c;
-    mc.capacity_bytes = int64_t{1} << 30;
     MultiSequenceCache pool(mc);
     std::vector<KVCache*> seqs;
     for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
@@ -542,21 +556,34 @@ TEST_P(RunnerModels, RaggedBatchGeneratesWhatEachSequenceGeneratesAlone) {
     EXPECT_EQ(in_pool[1].cached_prompt_tokens, 0) << quant;
     // The third prompt reuses the first's two blocks where the scheme allows it (KIVI's
     // residual of 4 tokens caps a reuse at a multiple of 4 leaving at least 4 to compute).
-    EXPECT_EQ(in_pool[2].cached_prompt_tokens, 8) << quant << ": " << pool.sequence(2).prefix().limited_by;
+    // H2O reads attention during prefill, so it reuses nothing (without allow_inexact_reuse).
+    EXPECT_EQ(in_pool[2].cached_prompt_tokens, policy == "h2o@60%" ? 0 : 8)
+        << quant << "+" << policy << ": " << pool.sequence(2).prefix().limited_by;
     pool.check_invariants();
 
     ASSERT_EQ(in_managers.size(), 3u);
     ASSERT_EQ(in_pool.size(), 3u);
     for (size_t i = 0; i < prompts.size(); ++i) {
       const double scale = std::max(1.0, alone[i].logits.abs().max().item<double>());
-      for (const auto* r : {&in_managers[i], &in_pool[i]}) {
-        EXPECT_EQ(r->tokens, alone[i].tokens) << quant << " sequence " << i;
-        EXPECT_EQ(r->decode_steps, 11) << quant << " sequence " << i;
-        if (std::string(quant) == "fp32") {
-          EXPECT_LT(max_abs_diff(r->logits, alone[i].logits), 1e-5 * scale) << quant << " sequence " << i;
+      const std::pair<const GenerationResult*, const GenerationResult*> pairs[] = {{&in_managers[i], &alone[i]},
+                                                                             {&in_pool[i], &alone_in_pool[i]}};
+      for (const auto& pr : pairs) {
+        const GenerationResult& r = *pr.first;
+        const GenerationResult& ref = *pr.second;
+        EXPECT_EQ(r.tokens, ref.tokens) << quant << "+" << policy << " sequence " << i;
+        EXPECT_EQ(r.decode_steps, 11) << quant << "+" << policy << " sequence " << i;
+        EXPECT_EQ(r.cached_prompt_tokens, ref.cached_prompt_tokens);
+        // The prefill is computed alone in both: the same bits.
+        EXPECT_TRUE(at::equal(r.logits[0], ref.logits[0])) << quant << "+" << policy << " sequence " << i;
+        if (std::string(quant) == "fp32" && policy == "full") {
+          EXPECT_LT(max_abs_diff(r.logits, ref.logits), 1e-5 * scale) << quant << " sequence " << i;
         }
       }
-      EXPECT_TRUE(at::equal(in_managers[i].logits[0], alone[i].logits[0])) << quant << " sequence " << i;
+      // Without eviction a reused prefix changes nothing either: the pool's tokens are the
+      // CacheManager's.
+      if (policy == "full") {
+        EXPECT_EQ(in_pool[i].tokens, alone[i].tokens) << quant << " sequence " << i;
+      }
       EXPECT_EQ(managers[i]->next_position(0), static_cast<int64_t>(prompts[i].size()) + 11);
     }
     for (Sequence* s : {&pool.sequence(0), &pool.sequence(1), &pool.sequence(2)}) s->finish();
