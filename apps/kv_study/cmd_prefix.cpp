@@ -76,6 +76,11 @@ void add_prefix_command(CLI::App& app) {
     std::vector<Arm> canon;
     for (const Arm& a : arms) canon.push_back(runner.canonicalize(a));
     const auto wls = generate_prefix_workloads(static_cast<uint64_t>(*seed), *workloads, *requests);
+    // Every input is checked, and the output directory made, before the first run.
+    if (!out->empty()) {
+      KV_CHECK_ARG(::mkdir(out->c_str(), 0755) == 0 || (::stat(out->c_str(), &st) == 0 && S_ISDIR(st.st_mode)),
+                   "cannot create directory '", *out, "'");
+    }
     std::vector<PrefixRunResult> results;
     for (const PrefixWorkload& w : wls) {
       for (const Arm& a : canon) {
@@ -92,8 +97,6 @@ void add_prefix_command(CLI::App& app) {
     const std::string md = prefix_report_markdown(results);
     std::cout << md;
     if (!out->empty()) {
-      KV_CHECK_ARG(::mkdir(out->c_str(), 0755) == 0 || (::stat(out->c_str(), &st) == 0 && S_ISDIR(st.st_mode)),
-                   "cannot create directory '", *out, "'");
       write_text(*out + "/prefix.md", md);
       write_text(*out + "/prefix.json", prefix_results_json(results) + "\n");
       std::cerr << "kv_study prefix: wrote " << *out << "/prefix.md and prefix.json\n";
