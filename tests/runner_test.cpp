@@ -461,6 +461,172 @@ TEST_P(RunnerModels, PrefixCachingSkipsTheSharedPrefillAndGeneratesTheSame) {
   }
 }
 
+// ----------------------------------------------------------------------------------------
+// Batched decode (Runner::generate_batch): one forward per step for the batch.
+
+/// Three ragged prompts (13, 9 and 16 tokens) from the model's test prompt; the first and the
+/// third share their first 8 tokens (two blocks of 4).
+std::vector<std::vector<int64_t>> ragged_prompts(const std::vector<int64_t>& p) {
+  std::vector<int64_t> a(p.begin(), p.begin() + 13);
+  std::vector<int64_t> b(p.begin() + 3, p.begin() + 12);
+  std::vector<int64_t> c(p.begin(), p.begin() + 8);
+  for (size_t i : {9, 4, 2, 11, 6, 1, 10, 5}) c.push_back(p[i]);
+  return {a, b, c};
+}
+
+std::vector<KVCache*> pointers(std::vector<std::unique_ptr<CacheManager>>& caches) {
+  std::vector<KVCache*> out;
+  for (auto& c : caches) out.push_back(c.get());
+  return out;
+}
+
+TEST_P(RunnerModels, BatchOfOneIsBitIdenticalToGenerate) {
+  // One sequence: the dense layers take the same GEMV path, and q rotated after qkv at
+  // position 0 equals q rotated inside qkv, so every logit is the same bits.
+  const TestModel& m = GetParam().get();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  for (const char* quant : {"fp32", "int4"}) {
+    CacheConfig c = m.lm->cache_config();
+    c.scheme = quant;
+    CacheManager alone(c), batched(c);
+    GenerationOptions o = greedy(10, 4);
+    o.stop_at_eos = false;
+    const GenerationResult a = runner.generate(m.prompt, o, alone);
+    const std::vector<GenerationResult> b = runner.generate_batch({m.prompt}, o, {&batched});
+    ASSERT_EQ(b.size(), 1u);
+    EXPECT_EQ(b[0].tokens, a.tokens) << quant;
+    EXPECT_TRUE(at::equal(b[0].logits, a.logits)) << quant << ": max diff " << max_abs_diff(b[0].logits, a.logits);
+    EXPECT_EQ(b[0].decode_steps, 9);
+    EXPECT_EQ(b[0].prompt_tokens, static_cast<int64_t>(m.prompt.size()));
+  }
+}
+
+TEST_P(RunnerModels, RaggedBatchGeneratesWhatEachSequenceGeneratesAlone) {
+  // Three prompts of 13, 9 and 16 tokens decoded together (positions 13.., 9.., 16.. in the
+  // same step), over CacheManagers and over the Sequences of one MultiSequenceCache (blocks
+  // of 4, the third prompt reusing the first's 8-token prefix), for fp32 and deterministic
+  // quantizers, KIVI's per-channel key groups among them (a group never spans two sequences),
+  // and with eviction (window@12, int8+h2o@60%: each sequence evicts by its own state).
+  // Each sequence's greedy tokens are the ones it generates alone, and so are the logits of
+  // its prefill (computed alone in both). The decode steps' dense layers multiply 3 rows (a
+  // GEMM) instead of one (a GEMV), which rounds differently: with fp32 storage the logits agree
+  // within 1e-5 × the logit scale (measured: 4.7e-7 to 1.2e-6); a quantizer may round a value that
+  // sits on a bin edge into the neighbouring bin, so only the tokens are held equal there.
+  const TestModel& m = GetParam().get();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  const auto prompts = ragged_prompts(m.prompt);
+  GenerationOptions o = greedy(12, 5);
+  o.stop_at_eos = false;
+  const std::pair<const char*, const char*> arms[] = {{"fp32", "full"},    {"int8", "full"},
+                                                      {"int4:g8", "full"}, {"kivi:k4:v4:g4:r4", "full"},
+                                                      {"fp32", "window@12"}, {"int8", "h2o@60%"}};
+  for (const auto& arm : arms) {
+    const char* quant = arm.first;
+    const std::string policy = arm.second;
+    CacheConfig c = m.lm->cache_config();
+    c.scheme = quant;
+    c.policy = policy;
+    c.block_tokens = 4;
+    // The references: each prompt alone in a CacheManager, and one at a time in a pool of
+    // their own (the third then reuses the same prefix and prefills in the same steps as in
+    // the batch, which matters with eviction: a window evicts at step ends).
+    std::vector<GenerationResult> alone, alone_in_pool;
+    for (const auto& p : prompts) {
+      CacheManager cache(c);
+      alone.push_back(runner.generate(p, o, cache));
+    }
+    MultiSequenceConfig mc;
+    mc.model = c;
+    mc.capacity_bytes = int64_t{1} << 30;
+    {
+      MultiSequenceCache one_at_a_time(mc);
+      for (const auto& p : prompts) alone_in_pool.push_back(runner.generate(p, o, one_at_a_time.add_sequence()));
+    }
+    std::vector<std::unique_ptr<CacheManager>> managers;
+    for (size_t i = 0; i < prompts.size(); ++i) managers.push_back(std::make_unique<CacheManager>(c));
+    const std::vector<GenerationResult> in_managers = runner.generate_batch(prompts, o, pointers(managers));
+
+    MultiSequenceCache pool(mc);
+    std::vector<KVCache*> seqs;
+    for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
+    const std::vector<GenerationResult> in_pool = runner.generate_batch(prompts, o, seqs);
+    EXPECT_EQ(in_pool[0].cached_prompt_tokens, 0) << quant;
+    EXPECT_EQ(in_pool[1].cached_prompt_tokens, 0) << quant;
+    // The third prompt reuses the first's two blocks where the scheme allows it (KIVI's
+    // residual of 4 tokens caps a reuse at a multiple of 4 leaving at least 4 to compute).
+    // H2O reads attention during prefill, so it reuses nothing (without allow_inexact_reuse).
+    EXPECT_EQ(in_pool[2].cached_prompt_tokens, policy == "h2o@60%" ? 0 : 8)
+        << quant << "+" << policy << ": " << pool.sequence(2).prefix().limited_by;
+    pool.check_invariants();
+
+    ASSERT_EQ(in_managers.size(), 3u);
+    ASSERT_EQ(in_pool.size(), 3u);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const double scale = std::max(1.0, alone[i].logits.abs().max().item<double>());
+      const std::pair<const GenerationResult*, const GenerationResult*> pairs[] = {{&in_managers[i], &alone[i]},
+                                                                             {&in_pool[i], &alone_in_pool[i]}};
+      for (const auto& pr : pairs) {
+        const GenerationResult& r = *pr.first;
+        const GenerationResult& ref = *pr.second;
+        EXPECT_EQ(r.tokens, ref.tokens) << quant << "+" << policy << " sequence " << i;
+        EXPECT_EQ(r.decode_steps, 11) << quant << "+" << policy << " sequence " << i;
+        EXPECT_EQ(r.cached_prompt_tokens, ref.cached_prompt_tokens);
+        // The prefill is computed alone in both: the same bits.
+        EXPECT_TRUE(at::equal(r.logits[0], ref.logits[0])) << quant << "+" << policy << " sequence " << i;
+        if (std::string(quant) == "fp32" && policy == "full") {
+          EXPECT_LT(max_abs_diff(r.logits, ref.logits), 1e-5 * scale) << quant << " sequence " << i;
+        }
+      }
+      // Without eviction a reused prefix changes nothing either: the pool's tokens are the
+      // CacheManager's.
+      if (policy == "full") {
+        EXPECT_EQ(in_pool[i].tokens, alone[i].tokens) << quant << " sequence " << i;
+      }
+      EXPECT_EQ(managers[i]->next_position(0), static_cast<int64_t>(prompts[i].size()) + 11);
+    }
+    for (Sequence* s : {&pool.sequence(0), &pool.sequence(1), &pool.sequence(2)}) s->finish();
+    pool.check_invariants();
+  }
+}
+
+TEST_P(RunnerModels, SequencesLeaveTheBatchAtTheirOwnEos) {
+  // The EOS id is the 4th token the second prompt generates alone: that sequence stops after
+  // 4 tokens (3 decode steps) while the others run on; every result is what generate() gives
+  // with the same options.
+  const TestModel& m = GetParam().get();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  const auto prompts = ragged_prompts(m.prompt);
+  GenerationOptions o = greedy(10);
+  o.stop_at_eos = false;
+  CacheConfig c = m.lm->cache_config();
+  {
+    CacheManager cache(c);
+    o.eos_token_ids = {runner.generate(prompts[1], o, cache).tokens[3]};
+  }
+  o.stop_at_eos = true;
+  std::vector<GenerationResult> alone;
+  for (const auto& p : prompts) {
+    CacheManager cache(c);
+    alone.push_back(runner.generate(p, o, cache));
+  }
+  ASSERT_TRUE(alone[1].stopped_at_eos);
+  std::vector<std::unique_ptr<CacheManager>> managers;
+  for (size_t i = 0; i < prompts.size(); ++i) managers.push_back(std::make_unique<CacheManager>(c));
+  const std::vector<GenerationResult> batch = runner.generate_batch(prompts, o, pointers(managers));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(batch[i].tokens, alone[i].tokens) << "sequence " << i;
+    EXPECT_EQ(batch[i].stopped_at_eos, alone[i].stopped_at_eos) << "sequence " << i;
+    EXPECT_EQ(batch[i].decode_steps, alone[i].decode_steps) << "sequence " << i;
+  }
+  EXPECT_LE(batch[1].tokens.size(), 4u);
+  // The cache of a stopped sequence received no token after its EOS (the last is not fed back).
+  EXPECT_EQ(managers[1]->next_position(0),
+            static_cast<int64_t>(prompts[1].size() + batch[1].tokens.size()) - 1);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, RunnerModels,
                          ::testing::Values(ModelParam{"TinyStories656K", &tinystories},
                                            ModelParam{"Stories260K", &stories260k},
@@ -723,6 +889,22 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
   wrong.num_kv_heads = 8;
   CacheManager wrong_cache(std::move(wrong));
   expect_throw([&] { runner.generate({1}, greedy(1), wrong_cache); }, "H_kv=8");
+  CacheManager other = fp32_full_cache(*m.lm);
+  expect_throw([&] { runner.generate_batch({{1}, {2}}, greedy(2), {&cache}); },
+               "generate_batch: 2 prompts but 1 caches");
+  expect_throw([&] { runner.generate_batch({}, greedy(2), {}); }, "at least one prompt");
+  expect_throw([&] { runner.generate_batch({{1}, {2}}, greedy(2), {&cache, nullptr}); }, "cache 1 is null");
+  expect_throw([&] { runner.generate_batch({{1}, {2}}, greedy(2), {&cache, &cache}); },
+               "caches 0 and 1 are the same cache");
+  expect_throw([&] { runner.generate_batch({{1}, {2, 4096}}, greedy(2), {&cache, &other}); },
+               "generate_batch: prompt 1: token id 4096 at index 1");
+  expect_throw([&] { runner.generate_batch({{1}, {}}, greedy(2), {&cache, &other}); },
+               "prompt 1: the prompt must not be empty");
+  expect_throw([&] { runner.generate_batch({{1}, {2}}, greedy(2), {&cache, &wrong_cache}); },
+               "generate_batch: cache 1: cache config (layers=2, H_q=8, H_kv=8");
+  expect_throw([&] { runner.decode_step_batch({1, 2}, {&cache}); }, "decode_step_batch: 2 tokens but 1 caches");
+  expect_throw([&] { runner.decode_step_batch({1, 2048}, {&cache, &other}); },
+               "decode_step_batch: token id 2048 at index 1");
 }
 
 }  // namespace

@@ -322,6 +322,34 @@ class DefaultModelTest(unittest.TestCase):
                 differ.append((t["id"], reply, managed[t["id"]]))
         self.assertEqual(differ, [])
 
+    def test_prefix_workloads_write_their_table(self):
+        """`kv_study prefix`: every arm with sharing off and on, the table printed and written
+        (prefix.md, prefix.json with one object per run); sharing computes fewer prefill tokens
+        and reuses prompt tokens; a scheme this model cannot run is refused before any run."""
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--workloads", "1", "--requests", "3",
+                                "--configs", "fp32+full", "--out", d], capture_output=True, text=True, timeout=300,
+                               cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("| system_prompt | fp32+full | on |", r.stdout)
+            self.assertIn("What each lever saves", r.stdout)
+            with open(os.path.join(d, "prefix.md")) as f:
+                self.assertEqual(f.read(), r.stdout)
+            with open(os.path.join(d, "prefix.json")) as f:
+                runs = json.load(f)
+        self.assertEqual([(x["family"], x["sharing"]) for x in runs],
+                         [("system_prompt", False), ("system_prompt", True), ("multiturn", False), ("multiturn", True)])
+        for off, on in ((runs[0], runs[1]), (runs[2], runs[3])):
+            self.assertEqual(off["prompt_tokens_hit"], 0)
+            self.assertGreater(on["prompt_tokens_hit"], 0)
+            self.assertEqual(on["computed_tokens"], on["prompt_tokens"] - on["prompt_tokens_hit"])
+            self.assertEqual(off["computed_tokens"], off["prompt_tokens"])
+            self.assertEqual(on["outputs"], off["outputs"])
+        r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--configs", "kivi:k2:v2:g32:r128"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("block_tokens = 16 must be a multiple of the key quantizer's group of 32", r.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include "common/log.h"
@@ -79,6 +80,41 @@ at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& c
   return model.head(h).to(at::kFloat);
 }
 
+/// One decode step of B sequences together, sequence b in caches[b] (all distinct), ids
+/// `[B, 1]` int64. The dense layers (embed, qkv, finish, head) run once for the batch; each
+/// sequence appends its own K/V and attends over its own cache at its own position (ragged:
+/// the caches may hold different lengths). The ABI's `positions` are one `[T]` vector shared
+/// by the batch, so qkv runs at position 0 (RoPE at 0 is the identity: cos 1, sin 0, exact in
+/// fp32) and q is rotated afterwards with each sequence's position in one `rope` call, the
+/// batch laid out along the T axis (`[1, H_q, B, D]`): RoPE is elementwise in (position,
+/// dimension), so every sequence's q is what qkv at its position gives.
+/// @return logits `[B, V]` float32.
+at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, const std::vector<KVCache*>& caches) {
+  const auto B = static_cast<int64_t>(caches.size());
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor h = model.embed(ids);
+  const int64_t L = model.config().num_hidden_layers;
+  const at::Tensor zero = at::zeros({1}, long_opts);
+  std::vector<int64_t> p(static_cast<size_t>(B));
+  std::vector<at::Tensor> outs(static_cast<size_t>(B));
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t b = 0; b < B; ++b) p[static_cast<size_t>(b)] = caches[static_cast<size_t>(b)]->next_position(l);
+    const at::Tensor pos = at::tensor(at::ArrayRef<int64_t>(p), long_opts);
+    QKV x = model.qkv(l, h, zero);
+    // [B, H_q, 1, D] -> [1, H_q, B, D]: the batch on the token axis, one position per row.
+    const at::Tensor q = model.rope(x.q.transpose(0, 2), pos).transpose(0, 2);
+    for (int64_t b = 0; b < B; ++b) {
+      KVCache& c = *caches[static_cast<size_t>(b)];
+      const at::Tensor pb = pos.slice(0, b, b + 1);
+      c.append(l, x.k.slice(0, b, b + 1), x.v.slice(0, b, b + 1), pb);
+      outs[static_cast<size_t>(b)] = c.attend(l, q.slice(0, b, b + 1).contiguous(), pb);
+    }
+    h = model.finish(l, h, at::cat(outs, 0).to(h.scalar_type()));
+  }
+  for (KVCache* c : caches) c->end_step(StepKind::kDecode);
+  return model.head(h).to(at::kFloat).view({B, -1});
+}
+
 at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
   return at::tensor(at::ArrayRef<int64_t>(ids, static_cast<size_t>(n)), at::TensorOptions().dtype(at::kLong))
       .view({1, n});
@@ -125,34 +161,69 @@ at::Tensor Runner::decode_step(int64_t token, KVCache& cache) const {
   return forward_step(model_, ids_tensor(&token, 1), cache, StepKind::kDecode, LogitsFor::kLastToken).view({-1});
 }
 
+void Runner::check_batch(size_t n, const char* item, const std::vector<KVCache*>& caches, const char* fn) const {
+  KV_CHECK_ARG(n == caches.size(), fn, ": ", n, " ", item, "s but ", caches.size(),
+               " caches; give one cache (sequence) per ", item);
+  KV_CHECK_ARG(n > 0, fn, ": the batch must hold at least one ", item);
+  for (size_t i = 0; i < caches.size(); ++i) {
+    KV_CHECK_ARG(caches[i] != nullptr, fn, ": cache ", i, " is null");
+    for (size_t j = 0; j < i; ++j) {
+      KV_CHECK_ARG(caches[j] != caches[i], fn, ": caches ", j, " and ", i,
+                   " are the same cache; each sequence of a batch needs its own (MultiSequenceCache::add_sequence)");
+    }
+    check_cache_fits(caches[i]->config(), model_.config(), detail::str_cat(fn, ": cache ", i).c_str());
+  }
+}
+
+at::Tensor Runner::decode_step_batch(const std::vector<int64_t>& tokens, const std::vector<KVCache*>& caches) const {
+  check_batch(tokens.size(), "token", caches, "Runner::decode_step_batch");
+  check_token_ids(tokens, model_.config().vocab_size, "Runner::decode_step_batch");
+  return forward_decode_batch(model_,
+                              at::tensor(at::ArrayRef<int64_t>(tokens), at::TensorOptions().dtype(at::kLong))
+                                  .view({static_cast<int64_t>(tokens.size()), 1}),
+                              caches);
+}
+
+void Runner::check_request(const std::vector<int64_t>& prompt, const GenerationOptions& opt, const KVCache& cache,
+                           const std::string& fn) const {
+  KV_CHECK_ARG(!prompt.empty(), fn, ": the prompt must not be empty");
+  KV_CHECK_ARG(static_cast<int64_t>(prompt.size()) <= kMaxTokens, fn, ": the prompt has ", prompt.size(),
+               " tokens, more than the ", kMaxTokens, " a request may hold");
+  KV_CHECK_ARG(opt.max_new_tokens >= 1 && opt.max_new_tokens <= kMaxTokens, fn, ": max_new_tokens must be in [1, ",
+               kMaxTokens, "], got ", opt.max_new_tokens);
+  KV_CHECK_ARG(opt.prefill_chunk >= 0, fn, ": prefill_chunk must be >= 0 (0 = whole prompt), got ",
+               opt.prefill_chunk);
+  check_token_ids(prompt, model_.config().vocab_size, fn.c_str());
+  check_cache_fits(cache.config(), model_.config(), fn.c_str());
+}
+
+at::Tensor Runner::begin_and_prefill(const std::vector<int64_t>& prompt, const GenerationOptions& opt, KVCache& cache,
+                                     const std::string& fn, GenerationResult& r) const {
+  using clock = std::chrono::steady_clock;
+  r.prompt_tokens = static_cast<int64_t>(prompt.size());
+  r.tokens.reserve(static_cast<size_t>(std::min<int64_t>(opt.max_new_tokens, 4096)));
+  const PrefixReuse reuse = cache.begin_request(prompt, r.prompt_tokens + opt.max_new_tokens);
+  KV_CHECK_ARG(reuse.cached_tokens >= 0 && reuse.cached_tokens < r.prompt_tokens && reuse.min_first_step >= 0, fn,
+               ": the cache's begin_request() reports ", reuse.cached_tokens, " of the ", r.prompt_tokens,
+               " prompt tokens cached (min_first_step ", reuse.min_first_step,
+               "); at least the last prompt token must be computed");
+  r.cached_prompt_tokens = reuse.cached_tokens;
+  warn_past_positions(model_.config(), "generate", r.prompt_tokens, opt.max_new_tokens);
+  const auto t0 = clock::now();
+  at::Tensor logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+  r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  return logits;
+}
+
 GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const GenerationOptions& opt,
                                   KVCache& cache) const {
-  KV_CHECK_ARG(!prompt.empty(), "Runner::generate: the prompt must not be empty");
-  KV_CHECK_ARG(static_cast<int64_t>(prompt.size()) <= kMaxTokens, "Runner::generate: the prompt has ", prompt.size(),
-               " tokens, more than the ", kMaxTokens, " a request may hold");
-  KV_CHECK_ARG(opt.max_new_tokens >= 1 && opt.max_new_tokens <= kMaxTokens,
-               "Runner::generate: max_new_tokens must be in [1, ", kMaxTokens, "], got ", opt.max_new_tokens);
-  KV_CHECK_ARG(opt.prefill_chunk >= 0, "Runner::generate: prefill_chunk must be >= 0 (0 = whole prompt), got ",
-               opt.prefill_chunk);
-  check_token_ids(prompt, model_.config().vocab_size, "Runner::generate");
-  check_cache_fits(cache.config(), model_.config(), "Runner::generate");
+  check_request(prompt, opt, cache, "Runner::generate");
   const std::vector<int64_t>& eos = opt.eos_token_ids.empty() ? model_.config().eos_token_ids : opt.eos_token_ids;
   using clock = std::chrono::steady_clock;
 
   GenerationResult r;
-  r.prompt_tokens = static_cast<int64_t>(prompt.size());
-  r.tokens.reserve(static_cast<size_t>(std::min<int64_t>(opt.max_new_tokens, 4096)));
   std::vector<at::Tensor> kept;
-  const PrefixReuse reuse = cache.begin_request(prompt, r.prompt_tokens + opt.max_new_tokens);
-  KV_CHECK_ARG(reuse.cached_tokens >= 0 && reuse.cached_tokens < r.prompt_tokens && reuse.min_first_step >= 0,
-               "Runner::generate: the cache's begin_request() reports ", reuse.cached_tokens, " of the ",
-               r.prompt_tokens, " prompt tokens cached (min_first_step ", reuse.min_first_step,
-               "); at least the last prompt token must be computed");
-  r.cached_prompt_tokens = reuse.cached_tokens;
-  warn_past_positions(model_.config(), "generate", r.prompt_tokens, opt.max_new_tokens);
-
-  const auto t0 = clock::now();
-  at::Tensor logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+  at::Tensor logits = begin_and_prefill(prompt, opt, cache, "Runner::generate", r);
   const auto t1 = clock::now();
   while (true) {
     const int64_t next = logits.argmax().item<int64_t>();  // the one host read per token
@@ -166,11 +237,80 @@ GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const Gene
     logits = forward_step(model_, ids_tensor(&next, 1), cache, StepKind::kDecode, LogitsFor::kLastToken).view({-1});
     ++r.decode_steps;
   }
-  const auto t2 = clock::now();
-  r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
-  r.decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+  r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   if (opt.keep_logits) r.logits = at::stack(kept);
   return r;
+}
+
+std::vector<GenerationResult> Runner::generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                                     const GenerationOptions& opt,
+                                                     const std::vector<KVCache*>& caches) const {
+  check_batch(prompts.size(), "prompt", caches, "Runner::generate_batch");
+  for (size_t i = 0; i < caches.size(); ++i) {
+    check_request(prompts[i], opt, *caches[i], detail::str_cat("Runner::generate_batch: prompt ", i));
+  }
+  const std::vector<int64_t>& eos = opt.eos_token_ids.empty() ? model_.config().eos_token_ids : opt.eos_token_ids;
+  using clock = std::chrono::steady_clock;
+  const size_t n = prompts.size();
+  std::vector<GenerationResult> results(n);
+  std::vector<std::vector<at::Tensor>> kept(n);
+  std::vector<at::Tensor> last(n);  // [V] logits that choose each sequence's next token
+  // Prefill: each prompt on its own (ragged lengths and cached prefixes), in order, so a later
+  // prompt can reuse the blocks an earlier one of the batch published.
+  for (size_t i = 0; i < n; ++i) {
+    last[i] = begin_and_prefill(prompts[i], opt, *caches[i], detail::str_cat("Runner::generate_batch: prompt ", i),
+                                results[i]);
+  }
+  std::vector<size_t> active(n);
+  std::vector<int64_t> next(n);
+  for (size_t i = 0; i < n; ++i) {
+    active[i] = i;
+    next[i] = last[i].argmax().item<int64_t>();
+  }
+  auto t1 = clock::now();
+  while (true) {
+    // Choose every active sequence's token; those that end leave the batch.
+    std::vector<size_t> still;
+    std::vector<int64_t> ids;
+    std::vector<KVCache*> step_caches;
+    for (size_t i : active) {
+      GenerationResult& r = results[i];
+      const int64_t tok = next[i];
+      r.tokens.push_back(tok);
+      if (opt.keep_logits) kept[i].push_back(last[i]);
+      if (opt.stop_at_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) {
+        r.stopped_at_eos = true;
+        continue;
+      }
+      if (static_cast<int64_t>(r.tokens.size()) == opt.max_new_tokens) continue;
+      still.push_back(i);
+      ids.push_back(tok);
+      step_caches.push_back(caches[i]);
+    }
+    active.swap(still);
+    if (active.empty()) break;
+    const at::Tensor logits = forward_decode_batch(
+        model_,
+        at::tensor(at::ArrayRef<int64_t>(ids), at::TensorOptions().dtype(at::kLong))
+            .view({static_cast<int64_t>(ids.size()), 1}),
+        step_caches);
+    const at::Tensor chosen = logits.argmax(-1).contiguous();  // one host read per step for the batch
+    const int64_t* chosen_ids = chosen.data_ptr<int64_t>();
+    const auto t2 = clock::now();
+    const double dt = std::chrono::duration<double>(t2 - t1).count();
+    t1 = t2;
+    for (size_t b = 0; b < active.size(); ++b) {
+      const size_t i = active[b];
+      next[i] = chosen_ids[b];
+      last[i] = logits[static_cast<int64_t>(b)];
+      ++results[i].decode_steps;
+      results[i].decode_seconds += dt;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (opt.keep_logits) results[i].logits = at::stack(kept[i]);
+  }
+  return results;
 }
 
 ScoreResult Runner::score(const std::vector<int64_t>& ids, KVCache& cache, int64_t chunk_size) const {

@@ -13,11 +13,13 @@
 ///     h = model.finish(l, h, cache.attend(l, q, p));
 ///   then cache.end_step(kind) once (StepKind::kPrefill / kPrefillEnd / kDecode).
 ///
-/// Batch size is 1. Greedy decoding is deterministic.
+/// generate() and score() run one sequence (batch 1); generate_batch() decodes several
+/// sequences together, one forward per step for the batch. Greedy decoding is deterministic.
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kvcache/kv_cache.h"
@@ -54,7 +56,9 @@ struct GenerationResult {
   int64_t cached_prompt_tokens = 0;
   int64_t decode_steps = 0;   ///< single-token forwards after prefill (= N - 1)
   double prefill_seconds = 0.0;
-  double decode_seconds = 0.0;  ///< wall time of the decode_steps forwards (incl. argmax)
+  /// Wall time of the decode_steps forwards (incl. argmax). In generate_batch(): of the batched
+  /// steps this sequence took part in (shared with the others of the step).
+  double decode_seconds = 0.0;
 };
 
 /// What Runner::score() returns.
@@ -89,6 +93,15 @@ class Runner {
   /// @throws InvalidArgument as prefill().
   at::Tensor decode_step(int64_t token, KVCache& cache) const;
 
+  /// One decode step of several sequences together: tokens[b] at position
+  /// caches[b]->next_position(layer), one forward for the batch (the dense layers see ids
+  /// `[B, 1]`; each cache appends and attends its own sequence), then end_step(kDecode) on
+  /// each cache. The caches may hold different lengths.
+  /// @return logits `[B, V]` float32, row b for caches[b].
+  /// @throws InvalidArgument if tokens.size() != caches.size(), the batch is empty, a cache is
+  ///         null or given twice, a token id is outside [0, V), or a cache does not fit the model.
+  at::Tensor decode_step_batch(const std::vector<int64_t>& tokens, const std::vector<KVCache*>& caches) const;
+
   /// Greedy generation: cache.begin_request(prompt, prompt + max_new_tokens) (reset() for a
   /// cache without prefix caching), prefill of the prompt tokens the cache does not hold yet —
   /// the first step at least PrefixReuse::min_first_step tokens, then steps of prefill_chunk —
@@ -102,6 +115,32 @@ class Runner {
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
                             KVCache& cache) const;
 
+  /// Batched greedy generation: sequence i generates prompts[i] in caches[i] (one KVCache per
+  /// sequence, all distinct; typically Sequences of one MultiSequenceCache, or CacheManagers).
+  /// Prefill: each prompt in turn, exactly as generate() does (begin_request, the prefix the
+  /// cache already holds skipped, steps of prefill_chunk), so prompts of any lengths mix and a
+  /// later prompt reuses the blocks an earlier one published. Decode: one forward per step for
+  /// every sequence still running — the export's dense layers (embed, qkv, finish, head) see
+  /// ids `[B, 1]`, and each sequence appends its K/V and attends over its own cache at its own
+  /// position (ragged lengths without padding: attention is the cache's, per sequence). A
+  /// sequence leaves the batch at max_new_tokens or its EOS id; the others go on.
+  ///
+  /// A sequence generates in a batch what it generates alone: its cache receives the same
+  /// appends at the same positions and steps. The greedy tokens are identical (tested for fp32
+  /// and deterministic quantizers); the decode logits agree to float rounding only (fp32:
+  /// within 1e-5 × the logit scale, tests/runner_test.cpp
+  /// RaggedBatchGeneratesWhatEachSequenceGeneratesAlone), because the export's dense layers
+  /// multiply one row with a GEMV and B rows with a GEMM, which round differently
+  /// (docs/model-abi.md, "Numerics"); a batch of one is bit-identical to generate().
+  /// @return one GenerationResult per prompt, in order.
+  /// @throws InvalidArgument if prompts.size() != caches.size(), the batch is empty, a cache
+  ///         is null or given twice, or as generate() for prompt i (the message names it);
+  ///         CapacityError from a cache (MultiSequenceCache pool full, PoolFullRule): the batch
+  ///         stops there, its caches mid-step; begin new requests on them.
+  std::vector<GenerationResult> generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                               const GenerationOptions& options,
+                                               const std::vector<KVCache*>& caches) const;
+
   /// Streaming scoring: cache.reset(N), then ingests `ids` in steps of `chunk_size` tokens
   /// (0 = one step; 1 = token by token, each query seeing only what the cache kept) and
   /// returns the log-prob of every next token. Memory per step: chunk × V float32 logits.
@@ -114,6 +153,17 @@ class Runner {
   /// least `first_min` tokens, then steps of `chunk_size` (0 = the rest in one step).
   at::Tensor prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
                           int64_t first_min) const;
+
+  /// The batch's caches: one per `item` ("prompt", "token"; `n` of them), none null, none
+  /// twice, each fitting the model.
+  void check_batch(size_t n, const char* item, const std::vector<KVCache*>& caches, const char* fn) const;
+  /// generate()'s argument checks; messages start with `fn`.
+  void check_request(const std::vector<int64_t>& prompt, const GenerationOptions& options, const KVCache& cache,
+                     const std::string& fn) const;
+  /// begin_request + prefill of what the cache does not hold; fills prompt_tokens,
+  /// cached_prompt_tokens, prefill_seconds of `r`. @return logits `[V]` of the last prompt token.
+  at::Tensor begin_and_prefill(const std::vector<int64_t>& prompt, const GenerationOptions& options, KVCache& cache,
+                               const std::string& fn, GenerationResult& r) const;
 
   CausalLM model_;
 };

@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+// `kv_study prefix`: the shared-prefix workloads (kvcache/study/prefix_workload.h), every arm
+// with prefix sharing off and on, one table of what each lever saves alone and together.
+#include <sys/stat.h>
+
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "commands.h"
+#include "kvcache/error.h"
+#include "kvcache/study/arm.h"
+#include "kvcache/study/prefix_workload.h"
+
+namespace kv_study {
+
+using namespace kvcache::study;
+
+namespace {
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  KV_CHECK_ARG(out.good(), "cannot write '", path, "'");
+  out << text;
+  KV_CHECK_ARG(out.good(), "cannot write '", path, "'");
+}
+
+}  // namespace
+
+void add_prefix_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "prefix",
+      "Shared-prefix workloads (one system prompt behind many concurrent requests; multi-turn sessions that\n"
+      "re-send their history) over one block pool, every arm with prefix sharing off and on: accuracy, peak pool\n"
+      "bytes, prefill tokens computed, time and the prefix cache's counters (docs/study.md, \"Prefix sharing\").\n"
+      "Example: kv_study prefix --configs fp32+full,int4+full,fp32+h2o@50%,int4+h2o@50% --out runs/prefix");
+  auto model = std::make_shared<std::string>(kDefaultModel);
+  auto configs = std::make_shared<std::string>("fp32+full,int4+full,fp32+h2o@50%,int4+h2o@50%");
+  auto out = std::make_shared<std::string>();
+  auto workloads = std::make_shared<int64_t>(3);
+  auto requests = std::make_shared<int64_t>(8);
+  auto block = std::make_shared<int64_t>(16);
+  auto chunk = std::make_shared<int64_t>(64);
+  auto seed = std::make_shared<int64_t>(static_cast<int64_t>(kDefaultSuiteSeed));
+  auto threads = std::make_shared<int>(1);
+  cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
+  cmd->add_option("--configs", *configs, "arms: a comma list, a file or an arm set (as `run`)")->capture_default_str();
+  cmd->add_option("--out", *out, "directory for prefix.md and prefix.json (default: print only)");
+  cmd->add_option("--workloads", *workloads, "workloads per family")->capture_default_str()->check(IntRange(1, 7));
+  cmd->add_option("--requests", *requests, "requests behind each system prompt")
+      ->capture_default_str()
+      ->check(IntRange(1, 14));
+  cmd->add_option("--block-tokens", *block, "tokens per pool block (the sharing granularity)")
+      ->capture_default_str()
+      ->check(IntRange(1, 4096));
+  cmd->add_option("--prefill-chunk", *chunk, "prompt tokens per prefill step (0: whole prompt)")
+      ->capture_default_str()
+      ->check(IntRange(0, kvcache::kMaxTokens));
+  cmd->add_option("--seed", *seed, "suite seed the workloads are built from")->capture_default_str();
+  cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
+      ->capture_default_str()
+      ->check(IntRange(1, kMaxThreads));
+  cmd->callback([=] {
+    struct stat st {};
+    if (*model == kDefaultModel && ::stat(model->c_str(), &st) != 0) {
+      throw kvcache::InvalidArgument(std::string("the default model '") + kDefaultModel +
+                                     "' is not in this checkout (docs/default-model.md); pass --model M.pt");
+    }
+    const std::vector<Arm> arms = parse_arm_list(*configs);
+    PrefixRunOptions po;
+    po.model_path = *model;
+    po.threads = *threads;
+    po.block_tokens = *block;
+    po.prefill_chunk = *chunk;
+    const PrefixWorkloadRunner runner(po);
+    std::vector<Arm> canon;
+    for (const Arm& a : arms) canon.push_back(runner.canonicalize(a));
+    const auto wls = generate_prefix_workloads(static_cast<uint64_t>(*seed), *workloads, *requests);
+    // Every input is checked, and the output directory made, before the first run.
+    if (!out->empty()) {
+      KV_CHECK_ARG(::mkdir(out->c_str(), 0755) == 0 || (::stat(out->c_str(), &st) == 0 && S_ISDIR(st.st_mode)),
+                   "cannot create directory '", *out, "'");
+    }
+    std::vector<PrefixRunResult> results;
+    for (const PrefixWorkload& w : wls) {
+      for (const Arm& a : canon) {
+        for (bool sharing : {false, true}) {
+          results.push_back(runner.run(w, a, sharing));
+          const PrefixRunResult& r = results.back();
+          std::cerr << "kv_study prefix: " << w.id << " " << a.spec() << " sharing " << (sharing ? "on" : "off")
+                    << ": " << r.passed << "/" << r.scored << " passed, computed " << r.computed_tokens << " of "
+                    << r.prompt_tokens << " prompt tokens, peak pool " << r.peak_pool_bytes << " B, " << r.seconds
+                    << " s\n";
+        }
+      }
+    }
+    const std::string md = prefix_report_markdown(results);
+    std::cout << md;
+    if (!out->empty()) {
+      write_text(*out + "/prefix.md", md);
+      write_text(*out + "/prefix.json", prefix_results_json(results) + "\n");
+      std::cerr << "kv_study prefix: wrote " << *out << "/prefix.md and prefix.json\n";
+    }
+  });
+}
+
+}  // namespace kv_study

@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file prefix_workload.h
+/// Workloads with shared prefixes for kv_study (`kv_study prefix`, docs/study.md, "Prefix
+/// sharing"): many requests over one MultiSequenceCache (kvcache/multi_sequence_cache.h), each
+/// run with prefix sharing on and off, scored with the suite's rules (task.h), measured in pool
+/// bytes, prefill tokens computed, time and the prefix cache's counters.
+///
+/// Families, built from the tasks of the "default" suite (task_suite.h) so the default model
+/// knows their format:
+///   - system_prompt: one instruction task's system prompt (the instruction, "Always reply in
+///     uppercase.") and its note, shared by `requests` requests that each ask the question of
+///     another instruction task of the same length class (the user turn is "Here is a note.
+///     \n\n<note>\n\nQuestion: <question>"; only the question differs). Every reply is scored
+///     by the shared instruction's rule, so a prefix reused from the cache must still carry the
+///     instruction. The requests run concurrently: one sequence each, decoded as one batch
+///     (Runner::generate_batch), the first request's prompt published before the others begin.
+///   - multiturn: one multiturn task as a session that re-sends its history: request k is the
+///     conversation up to the k-th user turn (with the reference assistant replies), so request
+///     k's prompt is a prefix of request k+1's. Only the last request (the "Goodbye!" turn whose
+///     reply the rule set in turn 1 constrains) is scored, by the task's rule. The requests run
+///     one after another on one sequence.
+/// (Few-shot prompts with shared examples are not a family: the default model was never trained
+/// on them, so their score would measure the model, not the cache.)
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvcache/multi_sequence_cache.h"
+#include "kvcache/study/arm.h"
+#include "kvcache/study/task.h"
+
+namespace kvcache::study {
+
+enum class PrefixFamily {
+  kSystemPrompt,  ///< "system_prompt"
+  kMultiTurn,     ///< "multiturn"
+};
+
+/// "system_prompt", "multiturn".
+std::string to_string(PrefixFamily family);
+
+/// One request of a workload: the task's messages, rule and max_new_tokens are what runs;
+/// `scored` false for a request whose reply is not scored (a session's earlier turns).
+struct PrefixRequest {
+  Task task;
+  bool scored = true;
+};
+
+/// Requests that share prefixes, run against one MultiSequenceCache.
+struct PrefixWorkload {
+  std::string id;  ///< "<family>-<source task id>"
+  PrefixFamily family = PrefixFamily::kSystemPrompt;
+  /// true: all requests at once, one sequence each, batched decode; false: one after another
+  /// on one sequence.
+  bool concurrent = true;
+  std::vector<PrefixRequest> requests;
+};
+
+/// The workloads for suite seed `seed`: `count` system_prompt workloads of `requests` requests
+/// each (instruction tasks of the 512 length class: workload w shares task w's system prompt and
+/// note, request i asks the question of task (w + i) mod 14), then `count` multiturn workloads
+/// (the multiturn tasks of the 512 length class with 2 chatter turns, then 6: 4 and 8 requests).
+/// Deterministic.
+/// @throws InvalidArgument if count is outside [1, 7] or requests outside [1, 14].
+std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t count, int64_t requests);
+
+/// Options of PrefixWorkloadRunner.
+struct PrefixRunOptions {
+  std::string model_path;     ///< exported model (.pt, model ABI v1) with its tokenizer
+  int threads = 0;            ///< intra-op threads for LibTorch (0: leave as is)
+  int64_t block_tokens = 16;  ///< tokens per block of the pool: the granularity of sharing
+  int64_t prefill_chunk = 64; ///< prompt tokens per prefill step
+  /// Reuse prefixes for policies that read attention during prefill (h2o, tova, snapkv,
+  /// pyramid): MultiSequenceConfig::allow_inexact_reuse. Such a request does not compute what
+  /// it computes alone (the policy never sees the skipped prefix's attention).
+  bool allow_inexact_reuse = true;
+};
+
+/// One workload under one arm, with sharing on or off.
+struct PrefixRunResult {
+  std::string workload;  ///< PrefixWorkload::id
+  PrefixFamily family = PrefixFamily::kSystemPrompt;
+  std::string arm;       ///< canonical "scheme+policy"
+  bool sharing = false;
+  int64_t requests = 0;
+  int64_t scored = 0;    ///< requests scored
+  int64_t passed = 0;    ///< scored requests whose reply satisfies the rule
+  int64_t prompt_tokens = 0;    ///< Σ prompt tokens
+  int64_t computed_tokens = 0;  ///< Σ prompt tokens the requests' prefill computed
+  int64_t generated_tokens = 0; ///< Σ new tokens
+  int64_t peak_pool_bytes = 0;  ///< PoolStats::bytes_in_use_peak over the workload
+  /// Highest PoolStats::sharing_ratio sampled while requests held their blocks (after each
+  /// batch / request, before the next begins).
+  double sharing_ratio = 0;
+  double seconds = 0;           ///< wall time of the workload's requests (prefill + decode)
+  PrefixCounters counters;      ///< the pool's counters after the workload
+  std::vector<std::string> outputs;  ///< each request's reply, in order
+};
+
+/// Runs prefix workloads on one exported model (the model and tokenizer load once).
+class PrefixWorkloadRunner {
+ public:
+  /// @throws InvalidArgument if the model cannot be loaded or holds no tokenizer.
+  explicit PrefixWorkloadRunner(const PrefixRunOptions& options);
+  ~PrefixWorkloadRunner();
+  PrefixWorkloadRunner(const PrefixWorkloadRunner&) = delete;
+  PrefixWorkloadRunner& operator=(const PrefixWorkloadRunner&) = delete;
+
+  /// The arm with canonical specs. @throws InvalidArgument (a spec that does not parse) or
+  /// UnsupportedError (one this model cannot run, e.g. a group that does not divide head_dim).
+  Arm canonicalize(const Arm& arm) const;
+  /// The prompt token ids of a request (its messages rendered by the model's chat template with
+  /// the generation prompt, special tokens parsed).
+  std::vector<int64_t> encode(const Task& task) const;
+  /// Runs `workload` under `arm` in a fresh MultiSequenceCache (capacity: 1 GiB; blocks of
+  /// block_tokens; prefix_sharing = `sharing`): greedy replies stopped at the model's EOS ids;
+  /// then the pool's invariants (MultiSequenceCache::check_invariants).
+  /// @throws as Runner::generate_batch / generate; InternalError if the pool is inconsistent.
+  PrefixRunResult run(const PrefixWorkload& workload, const Arm& arm, bool sharing) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The report table (markdown): one row per (family, arm, sharing) in first-seen order, summed
+/// over workloads — accuracy (passed / scored), peak pool KiB (the mean over workloads of each
+/// workload's peak), prompt and computed prefill tokens, seconds, prompt tokens queried/hit,
+/// hit rate, blocks shared / copied on write / reclaimed, the highest sharing ratio — then, per
+/// (family, arm), what sharing saves: peak pool bytes and prefill tokens with / without.
+std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results);
+
+/// The results as a JSON array (one object per PrefixRunResult, outputs included).
+std::string prefix_results_json(const std::vector<PrefixRunResult>& results);
+
+}  // namespace kvcache::study

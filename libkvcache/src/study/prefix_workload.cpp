@@ -1,0 +1,372 @@
+// SPDX-License-Identifier: Apache-2.0
+// Workloads with shared prefixes (prefix_workload.h): built from the default suite's tasks,
+// run over one MultiSequenceCache with sharing on and off, scored with the suite's rules.
+#include "kvcache/study/prefix_workload.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <utility>
+
+#include "kvcache/cache_scheme.h"
+#include "kvcache/error.h"
+#include "kvcache/eviction_policy.h"
+#include "kvcache/model/causal_lm.h"
+#include "kvcache/model/chat_template.h"
+#include "kvcache/model/runner.h"
+#include "kvcache/model/tokenizer.h"
+#include "kvcache/study/task_suite.h"
+
+namespace kvcache::study {
+namespace {
+
+constexpr const char* kQuestionMark = "\n\nQuestion: ";
+constexpr int64_t kLengthClass = 512;
+
+std::vector<Task> tasks_of(const std::vector<Task>& suite, TaskFamily family, const std::string& id_part) {
+  std::vector<Task> out;
+  for (const Task& t : suite) {
+    if (t.family == family && t.context_target == kLengthClass && t.id.find(id_part) != std::string::npos)
+      out.push_back(t);
+  }
+  return out;
+}
+
+/// An instruction task's user turn split before its question: (note part, question).
+std::pair<std::string, std::string> split_question(const Task& t) {
+  const std::string& user = t.messages.back().content;
+  const size_t at = user.rfind(kQuestionMark);
+  KV_CHECK(at != std::string::npos, InternalError, "instruction task ", t.id, " has no '\\n\\nQuestion: ' in its user turn");
+  return {user.substr(0, at + std::char_traits<char>::length(kQuestionMark)),
+          user.substr(at + std::char_traits<char>::length(kQuestionMark))};
+}
+
+}  // namespace
+
+std::string to_string(PrefixFamily family) {
+  return family == PrefixFamily::kSystemPrompt ? "system_prompt" : "multiturn";
+}
+
+std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t count, int64_t requests) {
+  KV_CHECK_ARG(count >= 1 && count <= 7, "generate_prefix_workloads: count must be in [1, 7], got ", count);
+  KV_CHECK_ARG(requests >= 1 && requests <= 14, "generate_prefix_workloads: requests must be in [1, 14], got ",
+               requests);
+  const std::vector<Task> suite = generate_suite("default", seed);
+  const std::vector<Task> instr = tasks_of(suite, TaskFamily::kInstruction, "-instruction-");
+  KV_CHECK(instr.size() == 14, InternalError, "the default suite has ", instr.size(), " instruction tasks of length ", kLengthClass,
+           ", expected 14");
+  std::vector<PrefixWorkload> out;
+  for (int64_t w = 0; w < count; ++w) {
+    const Task& base = instr[static_cast<size_t>(w)];
+    PrefixWorkload wl;
+    wl.id = "system_prompt-" + base.id;
+    wl.family = PrefixFamily::kSystemPrompt;
+    wl.concurrent = true;
+    const std::string note = split_question(base).first;
+    for (int64_t i = 0; i < requests; ++i) {
+      const Task& other = instr[static_cast<size_t>((w + i) % 14)];
+      PrefixRequest r;
+      r.task = base;
+      r.task.id = wl.id + "-q" + std::to_string(i);
+      r.task.messages.back().content = note + split_question(other).second;
+      // The reply the rule wants is the other task's answer under this task's instruction; the
+      // rule is what scores it, so the reference is left out.
+      r.task.answer.clear();
+      wl.requests.push_back(std::move(r));
+    }
+    // One limit for the batch (generate_batch takes one): the largest of the questions'.
+    int64_t limit = 1;
+    for (int64_t i = 0; i < requests; ++i) limit = std::max(limit, instr[static_cast<size_t>((w + i) % 14)].max_new_tokens);
+    for (PrefixRequest& r : wl.requests) r.task.max_new_tokens = limit;
+    out.push_back(std::move(wl));
+  }
+  std::vector<Task> sessions = tasks_of(suite, TaskFamily::kMultiTurn, "-t2-");
+  const std::vector<Task> six = tasks_of(suite, TaskFamily::kMultiTurn, "-t6-");
+  sessions.insert(sessions.end(), six.begin(), six.end());
+  for (int64_t w = 0; w < count; ++w) {
+    const Task& base = sessions[static_cast<size_t>(w % static_cast<int64_t>(sessions.size()))];
+    PrefixWorkload wl;
+    wl.id = "multiturn-" + base.id;
+    wl.family = PrefixFamily::kMultiTurn;
+    wl.concurrent = false;
+    for (size_t m = 0; m < base.messages.size(); ++m) {
+      if (base.messages[m].role != "user") continue;
+      PrefixRequest r;
+      r.task = base;
+      r.task.messages.assign(base.messages.begin(), base.messages.begin() + static_cast<std::ptrdiff_t>(m) + 1);
+      r.scored = m + 1 == base.messages.size();
+      r.task.id = wl.id + "-turn" + std::to_string(wl.requests.size());
+      if (!r.scored) {
+        r.task.answer = base.messages[m + 1].content;  // the reference reply the next request re-sends
+        r.task.rule = {RuleKind::kExact, r.task.answer};
+      }
+      wl.requests.push_back(std::move(r));
+    }
+    out.push_back(std::move(wl));
+  }
+  return out;
+}
+
+struct PrefixWorkloadRunner::Impl {
+  PrefixRunOptions opt;
+  CausalLM model;
+  Runner runner;
+  Tokenizer tokenizer;
+  ChatTemplate chat;
+  std::vector<int64_t> eos;
+
+  static Tokenizer load_tokenizer(const CausalLM& m) {
+    TokenizerFiles f;
+    f.tokenizer_json = m.extra_file("tokenizer.json");
+    f.vocab_json = m.extra_file("vocab.json");
+    f.merges_txt = m.extra_file("merges.txt");
+    f.tokenizer_config_json = m.extra_file("tokenizer_config.json");
+    KV_CHECK_ARG(!f.tokenizer_json.empty() || !f.vocab_json.empty(), "model '", m.path(),
+                 "' holds no tokenizer (export it with tools/export_torchscript.py from a checkpoint with tokenizer.json)");
+    return Tokenizer::from_texts(f);
+  }
+
+  explicit Impl(const PrefixRunOptions& o)
+      : opt(o),
+        model(CausalLM::load(o.model_path, LoadOptions{o.threads})),
+        runner(model),
+        tokenizer(load_tokenizer(model)),
+        chat(ChatTemplate::detect(model.config().model_type, model.extra_file("tokenizer_config.json"))) {
+    KV_CHECK_ARG(o.block_tokens >= 1, "PrefixRunOptions: block_tokens must be >= 1, got ", o.block_tokens);
+    KV_CHECK_ARG(o.prefill_chunk >= 0, "PrefixRunOptions: prefill_chunk must be >= 0, got ", o.prefill_chunk);
+    eos = model.config().eos_token_ids;
+    if (auto im_end = tokenizer.find_added_token("<|im_end|>")) {
+      if (std::find(eos.begin(), eos.end(), im_end->id) == eos.end()) eos.push_back(im_end->id);
+    }
+    if (auto e = tokenizer.eos_id()) {
+      if (std::find(eos.begin(), eos.end(), *e) == eos.end()) eos.push_back(*e);
+    }
+  }
+
+  CacheConfig config_for(const Arm& arm) const {
+    CacheConfig cfg = model.cache_config();
+    cfg.scheme = arm.scheme;
+    cfg.policy = arm.policy;
+    cfg.block_tokens = opt.block_tokens;
+    return cfg;
+  }
+};
+
+PrefixWorkloadRunner::PrefixWorkloadRunner(const PrefixRunOptions& options)
+    : impl_(std::make_unique<Impl>(options)) {}
+PrefixWorkloadRunner::~PrefixWorkloadRunner() = default;
+
+Arm PrefixWorkloadRunner::canonicalize(const Arm& arm) const {
+  Arm a;
+  a.scheme = make_cache_scheme(arm.scheme)->spec();
+  a.policy = make_eviction_policy(arm.policy)->spec();
+  try {
+    CacheManager probe(impl_->config_for(a));
+    (void)probe;
+  } catch (const InvalidArgument& e) {
+    throw UnsupportedError(e.what());
+  }
+  return a;
+}
+
+std::vector<int64_t> PrefixWorkloadRunner::encode(const Task& task) const {
+  std::vector<ChatMessage> msgs;
+  for (const auto& m : task.messages) msgs.push_back({m.role, m.content});
+  return impl_->tokenizer.encode(impl_->chat.render(msgs, /*add_generation_prompt=*/true), SpecialTokens::kParse,
+                                 PostProcess::kApply);
+}
+
+PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const Arm& arm, bool sharing) const {
+  KV_CHECK_ARG(!workload.requests.empty(), "PrefixWorkloadRunner::run: workload '", workload.id, "' has no requests");
+  MultiSequenceConfig mc;
+  mc.model = impl_->config_for(arm);
+  mc.capacity_bytes = int64_t{1} << 30;
+  mc.prefix_sharing = sharing;
+  mc.allow_inexact_reuse = impl_->opt.allow_inexact_reuse;
+  MultiSequenceCache pool(mc);
+
+  PrefixRunResult res;
+  res.workload = workload.id;
+  res.family = workload.family;
+  res.arm = arm.spec();
+  res.sharing = sharing;
+  res.requests = static_cast<int64_t>(workload.requests.size());
+  std::vector<std::vector<int64_t>> prompts;
+  int64_t max_new = 1;
+  for (const PrefixRequest& r : workload.requests) {
+    prompts.push_back(encode(r.task));
+    max_new = std::max(max_new, r.task.max_new_tokens);
+  }
+  std::vector<GenerationResult> gens;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (workload.concurrent) {
+    // One batch: every request's own max_new_tokens cannot differ inside generate_batch, so the
+    // batch runs to the largest and each reply is cut to its request's limit below.
+    GenerationOptions go;
+    go.max_new_tokens = max_new;
+    go.prefill_chunk = impl_->opt.prefill_chunk;
+    go.eos_token_ids = impl_->eos;
+    std::vector<KVCache*> seqs;
+    for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
+    gens = impl_->runner.generate_batch(prompts, go, seqs);
+    res.sharing_ratio = pool.stats().sharing_ratio;
+  } else {
+    Sequence& seq = pool.add_sequence();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerationOptions go;
+      go.max_new_tokens = workload.requests[i].task.max_new_tokens;
+      go.prefill_chunk = impl_->opt.prefill_chunk;
+      go.eos_token_ids = impl_->eos;
+      gens.push_back(impl_->runner.generate(prompts[i], go, seq));
+      res.sharing_ratio = std::max(res.sharing_ratio, pool.stats().sharing_ratio);
+    }
+  }
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t i = 0; i < gens.size(); ++i) {
+    const PrefixRequest& req = workload.requests[i];
+    std::vector<int64_t> toks = gens[i].tokens;
+    if (static_cast<int64_t>(toks.size()) > req.task.max_new_tokens)
+      toks.resize(static_cast<size_t>(req.task.max_new_tokens));
+    const std::string out = impl_->tokenizer.decode_lenient(toks, /*skip_special=*/true);
+    res.outputs.push_back(out);
+    res.prompt_tokens += gens[i].prompt_tokens;
+    res.computed_tokens += gens[i].prompt_tokens - gens[i].cached_prompt_tokens;
+    res.generated_tokens += static_cast<int64_t>(toks.size());
+    if (req.scored) {
+      ++res.scored;
+      if (score_output(req.task.rule, out)) ++res.passed;
+    }
+  }
+  res.peak_pool_bytes = pool.stats().bytes_in_use_peak;
+  res.counters = pool.counters();
+  pool.check_invariants();  // reference counts = holders, shared blocks untouched, bytes ≤ capacity
+  return res;
+}
+
+namespace {
+
+struct Agg {
+  PrefixFamily family = PrefixFamily::kSystemPrompt;
+  std::string arm;
+  bool sharing = false;
+  int64_t workloads = 0, requests = 0, scored = 0, passed = 0, prompt = 0, computed = 0;
+  double peak_sum = 0, seconds = 0, ratio = 0;
+  PrefixCounters c;
+  double mean_peak_kib() const { return workloads == 0 ? 0 : peak_sum / static_cast<double>(workloads) / 1024.0; }
+  double accuracy() const { return scored == 0 ? 0 : 100.0 * static_cast<double>(passed) / static_cast<double>(scored); }
+};
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+}  // namespace
+
+std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) {
+  std::vector<Agg> rows;
+  auto find = [&rows](PrefixFamily f, const std::string& arm, bool sharing) -> Agg* {
+    for (Agg& a : rows) {
+      if (a.family == f && a.arm == arm && a.sharing == sharing) return &a;
+    }
+    return nullptr;
+  };
+  for (const PrefixRunResult& r : results) {
+    Agg* a = find(r.family, r.arm, r.sharing);
+    if (a == nullptr) {
+      rows.emplace_back();
+      a = &rows.back();
+      a->family = r.family;
+      a->arm = r.arm;
+      a->sharing = r.sharing;
+    }
+    ++a->workloads;
+    a->requests += r.requests;
+    a->scored += r.scored;
+    a->passed += r.passed;
+    a->prompt += r.prompt_tokens;
+    a->computed += r.computed_tokens;
+    a->peak_sum += static_cast<double>(r.peak_pool_bytes);
+    a->seconds += r.seconds;
+    a->ratio = std::max(a->ratio, r.sharing_ratio);
+    a->c.requests += r.counters.requests;
+    a->c.prompt_tokens_queried += r.counters.prompt_tokens_queried;
+    a->c.prompt_tokens_hit += r.counters.prompt_tokens_hit;
+    a->c.blocks_shared += r.counters.blocks_shared;
+    a->c.blocks_copied += r.counters.blocks_copied;
+    a->c.blocks_reclaimed += r.counters.blocks_reclaimed;
+  }
+  std::ostringstream md;
+  md << "## Prefix sharing\n\n"
+     << "Per family, arm and sharing, summed over the workloads (peak pool KiB: the mean of each workload's "
+        "peak; sharing ratio: the highest sampled).\n\n"
+     << "| family | arm | sharing | workloads | requests | accuracy | peak pool KiB | prompt tokens | prefill computed "
+        "| seconds | queried | hit | hit rate | blocks shared | copied on write | reclaimed | sharing ratio |\n"
+     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const Agg& a : rows) {
+    md << "| " << to_string(a.family) << " | " << a.arm << " | " << (a.sharing ? "on" : "off") << " | "
+       << a.workloads << " | " << a.requests << " | " << fmt("%.1f%%", a.accuracy()) << " (" << a.passed << "/"
+       << a.scored << ") | " << fmt("%.1f", a.mean_peak_kib()) << " | " << a.prompt << " | " << a.computed << " | "
+       << fmt("%.2f", a.seconds) << " | " << a.c.prompt_tokens_queried << " | " << a.c.prompt_tokens_hit << " | "
+       << fmt("%.3f", a.c.hit_rate()) << " | " << a.c.blocks_shared << " | " << a.c.blocks_copied << " | "
+       << a.c.blocks_reclaimed << " | " << fmt("%.2f", a.ratio) << " |\n";
+  }
+  // Composition: every (arm, sharing) against the first arm without sharing, per family.
+  md << "\n### What each lever saves, alone and together\n\n"
+     << "Peak pool bytes and prefill tokens computed relative to the family's first arm without sharing "
+        "(measured, not multiplied out).\n\n"
+     << "| family | arm | sharing | accuracy | peak pool KiB | × peak of the baseline | prefill computed | × prefill of "
+        "the baseline | copied on write |\n"
+     << "|---|---|---|---:|---:|---:|---:|---:|---:|\n";
+  for (const Agg& a : rows) {
+    const Agg* base = nullptr;
+    for (const Agg& b : rows) {
+      if (b.family == a.family && !b.sharing) {
+        base = &b;
+        break;
+      }
+    }
+    const double peak_x = base != nullptr && base->mean_peak_kib() > 0 ? a.mean_peak_kib() / base->mean_peak_kib() : 0;
+    const double pre_x =
+        base != nullptr && base->computed > 0 ? static_cast<double>(a.computed) / static_cast<double>(base->computed) : 0;
+    md << "| " << to_string(a.family) << " | " << a.arm << " | " << (a.sharing ? "on" : "off") << " | "
+       << fmt("%.1f%%", a.accuracy()) << " | " << fmt("%.1f", a.mean_peak_kib()) << " | " << fmt("%.3f", peak_x)
+       << " | " << a.computed << " | " << fmt("%.3f", pre_x) << " | " << a.c.blocks_copied << " |\n";
+  }
+  return md.str();
+}
+
+std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
+  nlohmann::json arr = nlohmann::json::array();
+  for (const PrefixRunResult& r : results) {
+    nlohmann::json j;
+    j["workload"] = r.workload;
+    j["family"] = to_string(r.family);
+    j["arm"] = r.arm;
+    j["sharing"] = r.sharing;
+    j["requests"] = r.requests;
+    j["scored"] = r.scored;
+    j["passed"] = r.passed;
+    j["prompt_tokens"] = r.prompt_tokens;
+    j["computed_tokens"] = r.computed_tokens;
+    j["generated_tokens"] = r.generated_tokens;
+    j["peak_pool_bytes"] = r.peak_pool_bytes;
+    j["sharing_ratio"] = r.sharing_ratio;
+    j["seconds"] = r.seconds;
+    j["prompt_tokens_queried"] = r.counters.prompt_tokens_queried;
+    j["prompt_tokens_hit"] = r.counters.prompt_tokens_hit;
+    j["hit_rate"] = r.counters.hit_rate();
+    j["blocks_shared"] = r.counters.blocks_shared;
+    j["blocks_copied"] = r.counters.blocks_copied;
+    j["blocks_reclaimed"] = r.counters.blocks_reclaimed;
+    j["outputs"] = r.outputs;
+    arr.push_back(std::move(j));
+  }
+  return arr.dump(1);
+}
+
+}  // namespace kvcache::study

@@ -1,0 +1,202 @@
+// SPDX-License-Identifier: Apache-2.0
+// The shared-prefix workloads of kv_study (kvcache/study/prefix_workload.h): their structure
+// (which prefixes the requests share), and runs on the default model with exact counters
+// derived from the requests' token ids, sharing on against sharing off.
+#include "kvcache/study/prefix_workload.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "kvcache/error.h"
+#include "model_test_util.h"
+
+using namespace kvcache;
+using namespace kvcache::study;
+namespace t = kvcache::testing;
+
+namespace {
+
+std::string default_model() {
+  const std::string p = t::source_dir() + "/models/kvstudy-default.pt";
+  return std::filesystem::is_regular_file(p) ? p : "";
+}
+
+#define SKIP_WITHOUT_DEFAULT_MODEL(p) \
+  if ((p).empty()) GTEST_SKIP() << "models/kvstudy-default.pt is not in this checkout"
+
+const PrefixWorkloadRunner& runner() {
+  static const PrefixWorkloadRunner r([] {
+    PrefixRunOptions o;
+    o.model_path = default_model();
+    o.threads = 1;
+    o.block_tokens = 16;
+    o.prefill_chunk = 64;
+    return o;
+  }());
+  return r;
+}
+
+int64_t common_prefix(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return static_cast<int64_t>(n);
+}
+
+/// Prompt tokens a request reuses under `fp32+full` in blocks of `block`: whole blocks of the
+/// longest prefix it shares with an earlier request's prompt (every earlier prompt's whole
+/// blocks are in the index), leaving at least its last token to compute.
+int64_t expected_hit(const std::vector<std::vector<int64_t>>& prompts, size_t i, int64_t block) {
+  int64_t best = 0;
+  for (size_t j = 0; j < i; ++j) best = std::max(best, common_prefix(prompts[i], prompts[j]));
+  best = std::min(best, static_cast<int64_t>(prompts[i].size()) - 1);
+  return best / block * block;
+}
+
+}  // namespace
+
+TEST(StudyPrefix, SystemPromptRequestsShareTheSystemPromptAndNoteAndDifferInTheQuestion) {
+  const auto wls = generate_prefix_workloads(1234, 2, 4);
+  ASSERT_EQ(wls.size(), 4u);
+  for (size_t w = 0; w < 2; ++w) {
+    const PrefixWorkload& wl = wls[w];
+    EXPECT_EQ(wl.family, PrefixFamily::kSystemPrompt);
+    EXPECT_TRUE(wl.concurrent);
+    ASSERT_EQ(wl.requests.size(), 4u);
+    const Task& first = wl.requests[0].task;
+    ASSERT_EQ(first.messages.size(), 2u);
+    EXPECT_EQ(first.messages[0].role, "system");
+    EXPECT_THAT(first.messages[0].content, ::testing::HasSubstr("Always"));  // the instruction
+    std::vector<std::string> questions;
+    for (const PrefixRequest& r : wl.requests) {
+      EXPECT_TRUE(r.scored);
+      EXPECT_EQ(r.task.messages[0].content, first.messages[0].content);
+      EXPECT_EQ(r.task.rule.kind, first.rule.kind);  // the shared instruction scores every reply
+      EXPECT_EQ(r.task.rule.arg, first.rule.arg);
+      EXPECT_EQ(r.task.max_new_tokens, first.max_new_tokens);
+      const std::string& user = r.task.messages[1].content;
+      const size_t q = user.rfind("\n\nQuestion: ");
+      ASSERT_NE(q, std::string::npos);
+      EXPECT_EQ(user.substr(0, q), first.messages[1].content.substr(0, q));  // the same note
+      questions.push_back(user.substr(q));
+    }
+    std::sort(questions.begin(), questions.end());
+    EXPECT_EQ(std::unique(questions.begin(), questions.end()), questions.end()) << "questions repeat in " << wl.id;
+  }
+  EXPECT_NE(wls[0].requests[0].task.messages[1].content, wls[1].requests[0].task.messages[1].content);
+}
+
+TEST(StudyPrefix, MultiTurnRequestsReSendTheHistory) {
+  const auto wls = generate_prefix_workloads(1234, 1, 1);
+  ASSERT_EQ(wls.size(), 2u);
+  const PrefixWorkload& wl = wls[1];
+  EXPECT_EQ(wl.family, PrefixFamily::kMultiTurn);
+  EXPECT_FALSE(wl.concurrent);
+  // A 2-chatter-turn session: the rule turn, two chatter turns, "Goodbye!".
+  ASSERT_EQ(wl.requests.size(), 4u);
+  for (size_t k = 0; k < wl.requests.size(); ++k) {
+    const auto& msgs = wl.requests[k].task.messages;
+    EXPECT_EQ(msgs.back().role, "user");
+    EXPECT_EQ(wl.requests[k].scored, k + 1 == wl.requests.size());
+    if (k == 0) continue;
+    const auto& prev = wl.requests[k - 1].task.messages;
+    ASSERT_EQ(msgs.size(), prev.size() + 2);  // + the reference reply + the next user turn
+    for (size_t m = 0; m < prev.size(); ++m) EXPECT_EQ(msgs[m].content, prev[m].content);
+    EXPECT_EQ(msgs[prev.size()].role, "assistant");
+    EXPECT_EQ(msgs[prev.size()].content, wl.requests[k - 1].task.answer);
+  }
+  EXPECT_EQ(wl.requests.back().task.messages.back().content, "Goodbye!");
+}
+
+TEST(StudyPrefix, BadArgumentsAreNamed) {
+  auto message = [](int64_t count, int64_t requests) -> std::string {
+    try {
+      generate_prefix_workloads(1, count, requests);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no InvalidArgument";
+  };
+  EXPECT_THAT(message(0, 4), ::testing::HasSubstr("count must be in [1, 7], got 0"));
+  EXPECT_THAT(message(8, 4), ::testing::HasSubstr("count must be in [1, 7], got 8"));
+  EXPECT_THAT(message(1, 15), ::testing::HasSubstr("requests must be in [1, 14], got 15"));
+  EXPECT_THAT(message(1, 0), ::testing::HasSubstr("requests must be in [1, 14], got 0"));
+}
+
+TEST(StudyPrefix, CountersOnTheScriptedWorkloadsAreExact) {
+  // fp32+full in blocks of 16 on the default model (4 layers, 2 KV heads): each request reuses
+  // exactly the whole blocks of the longest prefix it shares with an earlier prompt, computed
+  // here from the token ids; a shared block reference per (layer, KV head, stream) = 16 per
+  // block of 16 tokens; nothing is copied or reclaimed (no eviction, 1 GiB pool). The replies
+  // are the same with sharing on and off (exact reuse), and sharing lowers the peak pool bytes
+  // of the concurrent family.
+  const std::string pt = default_model();
+  SKIP_WITHOUT_DEFAULT_MODEL(pt);
+  const auto wls = generate_prefix_workloads(1234, 1, 4);
+  const Arm arm = runner().canonicalize(parse_arm("fp32+full"));
+  for (const PrefixWorkload& wl : wls) {
+    std::vector<std::vector<int64_t>> prompts;
+    int64_t total = 0, hit = 0;
+    for (const PrefixRequest& r : wl.requests) {
+      prompts.push_back(runner().encode(r.task));
+      total += static_cast<int64_t>(prompts.back().size());
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) hit += expected_hit(prompts, i, 16);
+    ASSERT_GT(hit, 0) << wl.id;
+    const PrefixRunResult off = runner().run(wl, arm, false);
+    const PrefixRunResult on = runner().run(wl, arm, true);
+    EXPECT_EQ(off.prompt_tokens, total);
+    EXPECT_EQ(off.computed_tokens, total) << wl.id;
+    EXPECT_EQ(off.counters.prompt_tokens_hit, 0);
+    EXPECT_EQ(off.counters.blocks_shared, 0);
+    EXPECT_DOUBLE_EQ(off.sharing_ratio, 1.0);
+
+    EXPECT_EQ(on.prompt_tokens, total);
+    EXPECT_EQ(on.counters.requests, static_cast<int64_t>(prompts.size()));
+    EXPECT_EQ(on.counters.prompt_tokens_queried, total) << wl.id;
+    EXPECT_EQ(on.counters.prompt_tokens_hit, hit) << wl.id;
+    EXPECT_EQ(on.computed_tokens, total - hit) << wl.id;
+    EXPECT_EQ(on.counters.blocks_shared, hit / 16 * 4 * 2 * 2) << wl.id;
+    EXPECT_EQ(on.counters.blocks_copied, 0);
+    EXPECT_EQ(on.counters.blocks_reclaimed, 0);
+    EXPECT_EQ(on.outputs, off.outputs) << wl.id;
+    EXPECT_EQ(on.passed, off.passed) << wl.id;
+    EXPECT_EQ(on.scored, wl.family == PrefixFamily::kSystemPrompt ? 4 : 1);
+    if (wl.concurrent) {
+      EXPECT_LT(on.peak_pool_bytes, off.peak_pool_bytes) << wl.id;
+      EXPECT_GT(on.sharing_ratio, 1.0) << wl.id;
+    } else {
+      // One request at a time: the peak is the longest request either way.
+      EXPECT_EQ(on.peak_pool_bytes, off.peak_pool_bytes) << wl.id;
+    }
+  }
+}
+
+TEST(StudyPrefix, EvictionBesideSharedBlocksCopiesOnWriteAndCostsAccuracy) {
+  // int4+h2o@50% with sharing (allow_inexact_reuse): every request evicts half its context out
+  // of blocks it shares with the others; a shared block is never written, its survivors merge
+  // into private copies (copied on write > 0; run() checks the pool's invariants). The reused
+  // requests' H2O never saw the prefix's attention, so they keep other tokens than computing it
+  // would: measured on this workload, 1 of 4 replies follow the instruction against 4 of 4
+  // without sharing (docs/study.md, "Prefix sharing").
+  const std::string pt = default_model();
+  SKIP_WITHOUT_DEFAULT_MODEL(pt);
+  const auto wls = generate_prefix_workloads(1234, 1, 4);
+  const Arm arm = runner().canonicalize(parse_arm("int4+h2o@50%"));
+  const PrefixRunResult on = runner().run(wls[0], arm, true);
+  const PrefixRunResult off = runner().run(wls[0], arm, false);
+  EXPECT_GT(on.counters.prompt_tokens_hit, 0);
+  EXPECT_GT(on.counters.blocks_copied, 0);
+  EXPECT_EQ(off.counters.blocks_copied, 0);
+  EXPECT_LT(on.computed_tokens, off.computed_tokens);
+  EXPECT_EQ(off.passed, 4);
+  EXPECT_EQ(on.passed, 1);
+  const std::string md = prefix_report_markdown({off, on});
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | int4+h2o@50% | off | 1 | 4 |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("copied on write"));
+  EXPECT_THAT(prefix_results_json({on}), ::testing::HasSubstr("\"blocks_copied\": " + std::to_string(on.counters.blocks_copied)));
+}
