@@ -96,6 +96,19 @@ TEST(GearOutliers, KeptExactlyAndReplacedByTheMeanBeforeQuantization) {
   EXPECT_EQ(max_abs_diff(xk, yk), 0.0) << yk;
 }
 
+// The base quantizer has 2^b − 1 levels, not the reference's b² − 1 (docs/quantizers.md):
+// at 3 bits a row 0, 1, …, 7 is on the 7-level grid (scale 1) and comes back exactly; on 8
+// levels (scale 7/8) 1 would come back as 0.875.
+TEST(GearOutliers, BaseLevelsAreTwoToTheBitsMinusOne) {
+  const LayerStreams s = streams_of("gear:b3:g8:s0:r0:loop1:nb8", 8);
+  const at::Tensor x = at::arange(8, at::kFloat).repeat({8}).reshape({1, 1, 8, 8});
+  EXPECT_EQ(max_abs_diff(x, s.value.quantizer->dequantize(s.value.quantizer->quantize(x))), 0.0);
+  // At 2 bits (3 levels either way) a 4-value row 0 … 3 is exact too.
+  const LayerStreams t = streams_of("gear:b2:g4:s0:r0:loop1:nb4", 4);
+  const at::Tensor y = at::arange(4, at::kFloat).repeat({4}).reshape({1, 1, 4, 4});
+  EXPECT_EQ(max_abs_diff(y, t.value.quantizer->dequantize(t.value.quantizer->quantize(y))), 0.0);
+}
+
 // ------------------------------------------------------------ low rank
 
 TEST(GearLowRank, PowerIterationRecoversARankOneMatrix) {
