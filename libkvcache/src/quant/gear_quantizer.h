@@ -19,7 +19,7 @@
 ///
 /// Stored layout (StoredLayout; one group = one block of n_b tokens, group_tokens = n_b):
 ///   codes (code_bytes per block, byte offsets in this order; fp16 values as IEEE binary16 bits,
-///   little-endian, read and written with memcpy, so no alignment is assumed):
+///   in host byte order, read and written with memcpy, so no alignment is assumed):
 ///     base codes   nb/gt × the base quantizer's code_bytes (gt: its group_tokens, g for keys, 1 for values)
 ///     outlier vals n_out fp16   (keys: channel-major, D × 2k; values: token-major, n_b × 2k;
 ///                               within a row the k largest in selection order, then the k smallest)
