@@ -64,7 +64,9 @@ TEST(Attend, MatchesReferenceForEveryFormatAndBlockSize) {
       {"fp8:e4m3", 3},   {"fp8:e5m2", 0},     {"fp8:e4m3:scaled", 1}, {"int8", 3},      {"int4", 0},
       {"int2:g4", 1},    {"int4:g8:chan", 8}, {"int2:g4:chan", 0}, {"kivi:k2:v2:g4:r8", 4},
       {"kivi:k4:v4:g4:r8", 12}, {"int3", 3},        {"int3:g8:chan", 8}, {"kivi:k3:v3:g8:r8", 8},
-      {"had(fp32)", 1},         {"had(int4)", 3},   {"had(int3:g8:chan)", 0}, {"had:k(kivi:k2:v2:g4:r8)", 4}};
+      {"had(fp32)", 1},         {"had(int4)", 3},   {"had(int3:g8:chan)", 0}, {"had:k(kivi:k2:v2:g4:r8)", 4},
+      {"gear:b2:g4:s0.25:r2:loop2:nb8", 8},     {"gear:b4:g4:s0:r0:loop1:nb4", 0},
+      {"had:k(gear:b2:g4:s0.25:r1:loop1:nb8)", 16}};
   uint64_t seed = 40;
   for (const auto& fc : cases) {
     auto c = make_config(2, 21, 3, 8, fc.quant, "full");
@@ -89,7 +91,7 @@ TEST(Attend, MatchesReferenceForEveryFormatAndBlockSize) {
 // attention must skip them exactly as the reference over the survivors does.
 TEST(Attend, SkipsEvictedTokens) {
   for (const std::string policy : {"random:seed5@11", "h2o@11", "sink:s2@11", "tova@11"}) {
-    for (const std::string quant : {"fp32", "int4", "kivi:k2:v2:g4:r8"}) {
+    for (const std::string quant : {"fp32", "int4", "kivi:k2:v2:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb4"}) {
       auto c = make_config(1, 4, 2, 8, quant, policy, 80);
       c.block_tokens = 4;
       CacheManager m(c);

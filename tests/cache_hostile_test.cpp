@@ -223,7 +223,7 @@ void expect_finite(const CacheManager& m, const std::string& where) {
 // every step: victim and twin identical, contents finite.
 TEST(CacheHostile, RandomValidAndInvalidCalls) {
   const std::vector<std::string> quants = {"fp32", "fp16", "bf16", "int4:g4", "int2:g8:chan", "fp8:e4m3:scaled",
-                                           "kivi:k2:v4:g4:r8"};
+                                           "kivi:k2:v4:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb8"};
   const std::vector<std::string> policies = {"full",         "window@12", "sink:s2@50%",       "h2o@12",
                                              "random:seed3@12", "tova@12", "snapkv:w4@90%", "pyramid:w4:b2@90%"};
   const int64_t layers = 2, hq = 4, hkv = 2, d = 8, context = 40;
@@ -409,7 +409,8 @@ TEST(CacheHostile, RejectionsNameTheValue) {
 // a zero row; values near the float16 limit and far beyond it come back finite from every
 // format (fp32 blocks where a format cannot hold them).
 TEST(CacheHostile, EdgesStayFinite) {
-  for (const std::string quant : {"fp32", "fp16", "bf16", "fp8:e4m3", "int8", "int2:g4:chan", "kivi:k2:v2:g4:r4"}) {
+  for (const std::string quant : {"fp32", "fp16", "bf16", "fp8:e4m3", "int8", "int2:g4:chan", "kivi:k2:v2:g4:r4",
+                                  "gear:b2:g4:s0.25:r1:loop1:nb4"}) {
     CacheManager m(make_config(1, 2, 1, 8, quant, "full", 16));
     auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
     m.append(0, randn({1, 1, 4, 8}, gen), randn({1, 1, 4, 8}, gen), positions_range(5, 4));

@@ -223,6 +223,8 @@ INSTANTIATE_TEST_SUITE_P(
         // around KIVI (its block-flushed keys still set the granularity).
         ReuseCase{"had_int4", "had(int4:g8)", 0, "full", 7, 40, 0, false},
         ReuseCase{"had_k_kivi", "had:k(kivi:k2:v2:g8:r16)", 0, "full", 5, 32, 16, false},
+        // GEAR: both streams compressed in blocks of nb = 8 tokens (outliers and factors inside).
+        ReuseCase{"gear", "gear:b2:g8:s0.25:r1:loop1:nb8", 0, "full", 9, 40, 0, false},
         // Eviction inside the shared prefix: window frees whole blocks (no copy), random leaves
         // holes that merge (copy-on-write), KIVI's per-channel groups convert (copy-on-write).
         ReuseCase{"fp16_window", "fp16", 0, "window@44", 6, 40, 0, false},

@@ -2,9 +2,11 @@
 // Arm specs: "quant+policy" parsing, the default list, --configs lists/files, --budget.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/study/arm.h"
@@ -68,7 +70,7 @@ TEST(StudyArm, ConfigsCommaListAndFile) {
     parse_arm_list("evict2025");
     FAIL() << "accepted";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026), a file, nor"),
+    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026, deepdive), a file, nor"),
               std::string::npos)
         << e.what();
   }
@@ -100,7 +102,7 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   // Named sets: "default" is the default list; "evict2026" is documented, starts with the
   // control, and every arm is a canonical, buildable spec at its own budget and at another.
   const auto sets = arm_sets();
-  ASSERT_EQ(sets.size(), 2u);
+  ASSERT_EQ(sets.size(), 3u);
   EXPECT_EQ(sets[0].name, "default");
   EXPECT_EQ(parse_arm_list("default").size(), default_arms().size());
   EXPECT_EQ(sets[1].name, "evict2026");
@@ -115,5 +117,20 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
     bool found = false;
     for (const auto& a : arms) found = found || a.policy.rfind(head, 0) == 0;
     EXPECT_TRUE(found) << head << " is in no arm of evict2026";
+  }
+  // "deepdive": the quantization schemes with full, each canonical and buildable, the control first.
+  EXPECT_EQ(sets[2].name, "deepdive");
+  const auto deep = parse_arm_list("deepdive");
+  ASSERT_EQ(deep.size(), 11u);
+  EXPECT_EQ(deep[0], control_arm());
+  std::vector<std::string> schemes;
+  for (const auto& a : deep) {
+    EXPECT_EQ(a.policy, "full") << a.spec();
+    EXPECT_EQ(make_cache_scheme(a.scheme)->spec(), a.scheme) << a.spec();
+    schemes.push_back(a.scheme);
+  }
+  for (const std::string s : {"int8", "fp8:e4m3", "kivi:k2:v2:g32:r128", "kivi:k4:v4:g32:r128",
+                              "gear:b2:g32:s0.02:r2:loop3:nb64", "had(int4)", "had(int2)", "int3"}) {
+    EXPECT_NE(std::find(schemes.begin(), schemes.end(), s), schemes.end()) << s << " is not in deepdive";
   }
 }

@@ -74,6 +74,14 @@ TEST(StudyMemory, EffectiveBitsIncludeMetadataAndResidual) {
   EXPECT_DOUBLE_EQ(chan.key_raw_bits, 2.0);
   EXPECT_DOUBLE_EQ(chan.key_bits, 2.0 + 32.0 / 48);
   EXPECT_EQ(kv_format("fp8", 64).spec, "fp8:e4m3");  // the quantizer's canonical spec
+  // GEAR at D = 64 with g32 (docs/quantizers.md): 4 bits/value per stream (base 3 + factors 1),
+  // an fp16 buffer of nb = 64 tokens.
+  const KvFormat gear = kv_format("gear:g32", 64);
+  EXPECT_EQ(gear.spec, "gear:b2:g32:s0.02:r2:loop3:nb64");
+  EXPECT_DOUBLE_EQ(gear.key_bits, 4.0);
+  EXPECT_DOUBLE_EQ(gear.value_bits, 4.0);
+  EXPECT_EQ(gear.key_residual_tokens, 64);
+  EXPECT_EQ(gear.value_residual_tokens, 64);
 }
 
 TEST(StudyMemory, BadSpecsAndArguments) {
@@ -82,7 +90,8 @@ TEST(StudyMemory, BadSpecsAndArguments) {
   EXPECT_THROW(kv_format("fp8:e3m4", 64), InvalidArgument);
   EXPECT_THROW(kv_format("fp16:g4", 64), InvalidArgument);
   EXPECT_THROW(kv_format("kivi:k9", 64), InvalidArgument);
-  EXPECT_THROW(kv_format("gear", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("gear9", 64), InvalidArgument);
+  EXPECT_THROW(kv_format("gear:g128", 64), InvalidArgument);  // value groups of 128 channels, head_dim 64
   EXPECT_THROW(estimate_kv_memory(kLlama, kv_format("fp16", 128), -1), InvalidArgument);
   EXPECT_THROW(estimate_kv_memory(kLlama, kv_format("fp16", 128), 1, 0), InvalidArgument);
   EXPECT_THROW(model_shape_preset("gpt-5"), InvalidArgument);

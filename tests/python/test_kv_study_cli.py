@@ -55,7 +55,8 @@ class KvStudyCliTest(unittest.TestCase):
     def test_list(self):
         r = run("list")
         self.assertEqual(r.returncode, 0, r.stderr)
-        for word in ("int4", "kivi", "h2o", "int4+h2o@50%", "needle"):
+        for word in ("int4", "kivi", "gear", "h2o", "int4+h2o@50%", "needle", "deepdive",
+                     "gear:b2:g32:s0.02:r2:loop3:nb64+full"):
             self.assertIn(word, r.stdout)
 
     def test_merge_and_report(self):

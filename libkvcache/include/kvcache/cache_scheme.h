@@ -21,6 +21,17 @@
 ///     orthonormal Hadamard matrix H_D before quantization and by H_D again on read
 ///     (H_D · H_D = I, so q·k and p·v are those of the unrotated values up to quantization).
 ///     head_dim must be a power of two; the residual stays unrotated.
+///   - `gear:b<b>:g<G>:s<s>:r<r>:loop<n>:nb<N>` (GEAR, arXiv 2403.05527; defaults b2 g64 s0.02
+///     r2 loop3 nb64, printed with all six fields): every block of N tokens of a KV head is
+///     stored as a KIVI-style b-bit base quantization (keys per channel in groups of G tokens,
+///     values per token in groups of G channels of the head) + fp16 outliers (floor(s·len/2)
+///     largest and smallest per key channel of the block / per value token, with uint16
+///     indices) + a rank-r fp16 factorization U·Pᵀ of the residual (power iteration with QR,
+///     `loop` iterations), all in the block's StoredLayout and counted in its bytes; both
+///     streams keep an fp16 residual of the newest < N tokens, flushed in blocks of N (the
+///     reference's "compress only the newest n_b tokens" mode; re-compressing the whole cache
+///     every n_b steps is not built and no field selects it). N a multiple of G, head_dim
+///     divisible by G, r <= min(N, head_dim).
 ///
 /// What a scheme can express (and KVQuant / GEAR will use): per-layer quantizers that the
 /// scheme builds itself (e.g. with calibrated codebooks and thresholds), different quantizers

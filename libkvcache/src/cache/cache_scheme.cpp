@@ -7,6 +7,7 @@
 
 #include "common/registry.h"
 #include "kvcache/error.h"
+#include "quant/gear_quantizer.h"
 #include "quant/hadamard.h"
 #include "quant/int_kernels.h"
 #include "quant/rotated_quantizer.h"
@@ -138,6 +139,77 @@ class KiviScheme final : public CacheScheme {
   std::shared_ptr<const Quantizer> key_, value_;
 };
 
+// ---------------------------------------------------------------- GEAR
+const ParamTable& gear_table() {
+  static const ParamTable t = [] {
+    std::vector<double> widths;
+    for (int b : quant::kIntBits) widths.push_back(b);
+    std::sort(widths.begin(), widths.end());
+    ParamTable tt{"gear",
+                  "GEAR (arXiv 2403.05527): each block of nb tokens per KV head stored as a KIVI-style base "
+                  "quantization (keys per channel in groups of g tokens, values per token in groups of g channels) "
+                  "+ fp16 outliers (ratio s) + a rank-r fp16 factorization of the residual (power iteration, loop "
+                  "iterations); the newest < nb tokens stay fp16",
+                  {{"b", "base quantizer bits (the registered int<b> widths)", ParamDef::Kind::kInt, 2, widths.front(),
+                    widths.back(), {}},
+                   {"g", "group size (tokens for keys, channels for values)", ParamDef::Kind::kInt, 64, 1, 4096, {}},
+                   {"s", "outlier ratio: floor(s*len/2) largest and smallest per key channel of a block / per value "
+                         "token",
+                    ParamDef::Kind::kFloat, 0.02, 0, 0.5, {}},
+                   {"r", "rank of the low-rank residual per block (0: none)", ParamDef::Kind::kInt, 2, 0, 4096, {}},
+                   {"loop", "power-iteration loops", ParamDef::Kind::kInt, 3, 1, 100, {}},
+                   {"nb", "streaming buffer: tokens per compressed block (a multiple of g)", ParamDef::Kind::kInt, 64,
+                    1, 65536, {}}}};
+    for (auto& p : tt.params) p.shown = true;
+    tt.params[0].allowed = widths;
+    return tt;
+  }();
+  return t;
+}
+
+/// GEAR's two streams, compressing the newest nb tokens whenever the fp16 buffer holds nb
+/// (the reference's stream_grouping mode; its re-compression of the whole cache every nb
+/// steps is not built).
+class GearScheme final : public CacheScheme {
+ public:
+  explicit GearScheme(const ParsedSpec& p) : spec_(p.canonical()) {
+    quant::GearParams g;
+    g.bits = static_cast<int>(p.integer("b"));
+    g.group = p.integer("g");
+    g.sparsity = p.num("s");
+    g.rank = p.integer("r");
+    g.loop = p.integer("loop");
+    g.block = p.integer("nb");
+    key_ = std::make_shared<quant::GearQuantizer>(g, quant::GearStream::kKey, spec_, p.text());
+    value_ = std::make_shared<quant::GearQuantizer>(g, quant::GearStream::kValue, spec_, p.text());
+    block_ = g.block;
+    group_ = g.group;
+  }
+
+  std::string spec() const override { return spec_; }
+
+  LayerStreams streams(const CacheGeometry& g, int64_t layer, int64_t residual_length) const override {
+    check_geometry(spec_, g, layer, residual_length);
+    KV_CHECK_ARG(g.head_dim % group_ == 0, "cache scheme '", spec_,
+                 "': values are grouped along head_dim (per KV head), which must be divisible by g=", group_,
+                 ", got head_dim=", g.head_dim);
+    KV_CHECK_ARG(residual_length == 0 || residual_length == block_, "cache scheme '", spec_,
+                 "' sets its own residual (the streaming buffer nb=", block_,
+                 "); CacheConfig::residual_length must be 0 or ", block_, ", got ", residual_length);
+    (void)layout_in(spec_, "keys", *key_, g.head_dim);
+    (void)layout_in(spec_, "values", *value_, g.head_dim);
+    LayerStreams s;
+    s.key = {key_, block_, ResidualFlush::kBlock, at::kHalf};
+    s.value = {value_, block_, ResidualFlush::kBlock, at::kHalf};
+    return s;
+  }
+
+ private:
+  std::string spec_;
+  int64_t block_ = 0, group_ = 0;
+  std::shared_ptr<const Quantizer> key_, value_;
+};
+
 // ---------------------------------------------------------------- Hadamard rotation
 class RotationScheme final : public CacheScheme {
  public:
@@ -210,6 +282,14 @@ std::vector<Entry> scheme_entries() {
     return std::make_unique<quant::RotatedQuantizer>(std::move(q));
   };
   v.push_back(std::move(had));
+
+  Entry gear;
+  gear.kind = SpecKind::kCacheScheme;
+  gear.table = &gear_table();
+  gear.scheme = [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<CacheScheme> {
+    return std::make_unique<GearScheme>(p);
+  };
+  v.push_back(std::move(gear));
   return v;
 }
 

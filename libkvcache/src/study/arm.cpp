@@ -85,6 +85,25 @@ std::vector<ArmSet> arm_sets() {
            {"fp32", "decode:i8:b4:expected@50%"},
            {"fp32", "decode:i8:b4:prefill:expected@50%"},
        }},
+      {"deepdive",
+       "the quantization deep-dive, all with full: the control, int8 and fp8 (e4m3), KIVI-2/4, GEAR-2 (the "
+       "published settings, groups of 32 for head_dim 32), int4/int2 per token with and without the Hadamard "
+       "rotation, int3 (docs/study.md)",
+       {
+           {"fp32", "full"},
+           {"int8", "full"},
+           {"fp8:e4m3", "full"},
+           {"kivi:k4:v4:g32:r128", "full"},
+           {"kivi:k2:v2:g32:r128", "full"},
+           {"gear:b2:g32:s0.02:r2:loop3:nb64", "full"},
+           {"int4", "full"},
+           {"had(int4)", "full"},
+           {"int2", "full"},
+           {"had(int2)", "full"},
+           {"int3", "full"},
+           // KVQuant arms (KVQuant-2/3/4 with and without 1% outliers) are added here by the lead
+           // after merging the kvquant branch; their specs do not exist on this branch.
+       }},
   };
 }
 

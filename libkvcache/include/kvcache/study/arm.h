@@ -50,7 +50,10 @@ struct ArmSet {
 ///   - "evict2026": fp32+full, snapkv/h2o/tova@50% (the baselines), then at 50%: knorm, knorm:stream,
 ///     keydiff, keydiff:stream, expected, expected:stream, adakv:expected (kvpress's default
 ///     press), adakv:snapkv, adakv:h2o, adakv:knorm, duo:s16:r48, decode:i8:b4:expected and
-///     decode:i8:b4:prefill:expected (docs/study.md says why these fields).
+///     decode:i8:b4:prefill:expected (docs/study.md says why these fields);
+///   - "deepdive": the quantization deep-dive, all with full: fp32, int8, fp8:e4m3,
+///     kivi:k4:v4:g32:r128, kivi:k2:v2:g32:r128, gear:b2:g32:s0.02:r2:loop3:nb64, int4, had(int4),
+///     int2, had(int2), int3 (KVQuant's arms join after the kvquant branch merges).
 std::vector<ArmSet> arm_sets();
 
 /// `--configs`: if `text` names a readable file, one arm per line ('#' starts a comment, blank
