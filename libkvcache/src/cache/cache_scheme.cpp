@@ -210,6 +210,7 @@ std::vector<Entry> scheme_entries() {
     return std::make_unique<quant::RotatedQuantizer>(std::move(q));
   };
   v.push_back(std::move(had));
+  v.push_back(layer_scheme_entry());
   return v;
 }
 
