@@ -310,7 +310,8 @@ TEST(LayerSensitivity, JsonAndMarkdownCarryTheTableAndTheChosenSpec) {
   EXPECT_FALSE(nlohmann::json::parse(layer_assignment_json(p, budget, a))["chosen"].contains("measured_kld"));
   const std::string md = layer_assignment_markdown(p, budget, a, 0.25);
   EXPECT_THAT(md, HasSubstr("| layer | int8 (8.5 b) | int4 (4.5 b) |"));
-  EXPECT_THAT(md, HasSubstr("Run it: kv_study run --configs 'layers(int4*2;int8)+full'"));
+  EXPECT_THAT(md, HasSubstr("Run it: `kv_study run --configs 'layers(int4*2;int8)+full'`"));
+  EXPECT_THAT(md, HasSubstr("(exact knapsack): `layers(int4*2;int8)`"));
   EXPECT_THAT(md, HasSubstr("measured KLD 0.25"));
 }
 

@@ -324,11 +324,12 @@ std::string layer_assignment_markdown(const LayerSensitivity& p, double budget, 
     }
     os << "\n";
   }
-  os << "\nChosen under an average of " << fmt(budget, "%g") << " " << p.cost_unit << " (exact knapsack): "
-     << chosen.spec << "\nmean " << fmt(chosen.mean_cost, "%.4f") << " " << p.cost_unit
+  // Specs in backticks: their '*' counts would read as Markdown emphasis.
+  os << "\nChosen under an average of " << fmt(budget, "%g") << " " << p.cost_unit << " (exact knapsack): `"
+     << chosen.spec << "`\nmean " << fmt(chosen.mean_cost, "%.4f") << " " << p.cost_unit
      << ", predicted KLD (sum over layers) " << fmt(chosen.predicted_kld, "%.4g");
   if (measured_kld >= 0) os << ", measured KLD " << fmt(measured_kld, "%.4g");
-  os << "\nRun it: kv_study run --configs '" << chosen.arm << "'\n";
+  os << "\nRun it: `kv_study run --configs '" << chosen.arm << "'`\n";
   return os.str();
 }
 
