@@ -60,6 +60,7 @@ std::string policy_spec(const std::string& head, int64_t t) {
   if (head == "adakv") return "adakv:expected:stream" + b;
   if (head == "duo") return "duo:f0.5";  // a fraction of streaming heads, no budget
   if (head == "decode") return "decode:expected" + b;
+  if (head == "perlayer") return "perlayer(h2o" + b + ")";  // one run over the one layer: h2o's cost + delegation
   return head + b;
 }
 
@@ -116,7 +117,8 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
 void register_all() {
   const std::vector<std::string> quants = {"fp16", "int8", "int4", "kivi:k2:v2:g32:r128"};
   const std::vector<std::string> policies = {"full",  "window",  "sink",     "h2o", "random", "snapkv", "tova",
-                                               "knorm", "keydiff", "expected", "adakv", "duo",   "decode"};
+                                               "knorm", "keydiff", "expected", "adakv", "duo",   "decode",
+                                               "perlayer"};
   for (const auto& q : quants) {
     for (const auto& p : policies) {
       auto* b = benchmark::RegisterBenchmark(("BM_DecodeStep/" + q + "/" + p).c_str(),

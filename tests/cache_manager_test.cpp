@@ -350,12 +350,13 @@ TEST(CacheManager, RandomizedInvariants) {
                                              "pyramid:w4:b2@90%", "knorm:stream@12", "keydiff:stream@12",
                                              "expected:s2:stream@12", "expected:s2:n8@90%", "adakv:h2o@12",
                                              "adakv:knorm:stream@12", "adakv:snapkv:w4@90%", "duo:s2:r6:w4@24",
-                                             "decode:i3:b2:keydiff@12", "decode:i4:b2:prefill:adakv:expected:s2@12"};
+                                             "decode:i3:b2:keydiff@12", "decode:i4:b2:prefill:adakv:expected:s2@12",
+                                             "perlayer(h2o@8;h2o@12)", "perlayer(full;snapkv:w4@90%)"};
   // Policies that hold every head within the budget after every step, and those that hold the
   // layer's total within H_kv × budget (head-wise).
   auto starts = [](const std::string& p, const char* head) { return p.rfind(head, 0) == 0; };
   auto per_head_bound = [&](const std::string& p) {
-    for (const char* h : {"window", "sink", "h2o", "random", "tova"}) {
+    for (const char* h : {"window", "sink", "h2o", "random", "tova", "perlayer(h2o"}) {
       if (starts(p, h)) return true;
     }
     return (starts(p, "knorm") || starts(p, "keydiff") || starts(p, "expected")) &&

@@ -19,8 +19,6 @@ namespace kv_study {
 
 using namespace kvcache::study;
 
-namespace {
-
 /// The evaluator for `path`, with a pointer to what to do when the default model is asked for
 /// and this checkout has none (it is trained by tools/train_default_model.py, issue 6).
 std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int threads) {
@@ -37,10 +35,14 @@ std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int thread
   return make_model_evaluator(mopt);
 }
 
+namespace {
+
 bool is_dir(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
+
+}  // namespace
 
 void make_dirs(const std::string& dir) {
   std::string cur;
@@ -54,16 +56,22 @@ void make_dirs(const std::string& dir) {
   }
 }
 
+namespace {
+
 std::string dirname_of(const std::string& path) {
   const auto slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
+
+}  // namespace
 
 std::string stem(const std::string& path) {
   std::string base = path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
   const auto dot = base.rfind('.');
   return dot == std::string::npos ? base : base.substr(0, dot);
 }
+
+namespace {
 
 /// The results file of a run in `dir`: results.jsonl, or one per shard.
 std::string results_path(const std::string& dir, const Shard& shard) {

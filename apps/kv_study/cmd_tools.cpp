@@ -98,14 +98,14 @@ void add_memory_command(CLI::App& app) {
   cmd->add_option("--context", *contexts, "context length(s) in tokens, comma-separated")->capture_default_str();
   cmd->add_option("--quant", *quants,
                   "cache scheme spec(s), comma-separated: any quantizer spec, or a scheme (kivi:k<b>:v<b>:g<G>:r<R>, "
-                  "had(<spec>); kv_study list)")
+                  "had(<spec>), layers(<scheme>*<n>;...); kv_study list)")
       ->capture_default_str();
   cmd->add_option("--batch", *batch, "sequences in the batch")->capture_default_str()->check(IntRange(1, kMaxBatch));
   cmd->callback([=] {
     const std::vector<int64_t> ctx = parse_int_list(*contexts, "--context", 0, kvcache::kMaxTokens);
     const ModelShape shape = resolve_model_shape(*model);
     std::vector<KvFormat> formats;
-    for (const auto& q : split_list(*quants)) formats.push_back(kv_format(q, shape.head_dim));
+    for (const auto& q : split_list(*quants)) formats.push_back(kv_format(q, shape.head_dim, shape.num_layers));
     KV_CHECK_ARG(!formats.empty() && !ctx.empty(), "--quant and --context need at least one value each");
     std::cout << memory_table_markdown(shape, formats, ctx, *batch);
     std::cout << "\nraw: code bits only (deep-dive convention); effective: + fp16 scale/zero per group, "

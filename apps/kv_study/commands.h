@@ -5,8 +5,11 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "kvcache/study/sweep.h"
 
 namespace kv_study {
 
@@ -19,6 +22,17 @@ void add_merge_command(CLI::App& app);
 void add_report_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_prefix_command(CLI::App& app);
+void add_layers_command(CLI::App& app);
+
+/// The evaluator for `path` (threads: LibTorch intra-op threads), with a pointer to what to do
+/// when the default model is asked for and this checkout has none (it is trained by
+/// tools/train_default_model.py, issue 6).
+std::unique_ptr<kvcache::study::ArmEvaluator> load_evaluator(const std::string& path, int threads);
+
+/// Creates `dir` and its missing parents. @throws InvalidArgument naming the one it cannot create.
+void make_dirs(const std::string& dir);
+/// "runs/x/model.pt" -> "model".
+std::string stem(const std::string& path);
 
 /// Splits "a,b,c" (trimming blanks, dropping empty items).
 std::vector<std::string> split_list(const std::string& text);

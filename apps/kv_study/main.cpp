@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   kv_study::add_report_command(app);
   kv_study::add_generate_command(app);
   kv_study::add_prefix_command(app);
+  kv_study::add_layers_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

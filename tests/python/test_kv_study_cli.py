@@ -172,6 +172,30 @@ class KvStudyCliTest(unittest.TestCase):
             self.assertEqual(r.returncode, 1)
             self.assertIn("cannot open results file", r.stderr)
 
+    def test_memory_of_a_per_layer_scheme(self):
+        # Qwen2.5-0.5B: 24 layers x 2 KV heads x head_dim 64; int8 (8.5 bits) in 12 layers, int4 (4.5) in 12.
+        r = run("memory", "--model", "qwen2.5-0.5b", "--context", "4096", "--quant", "layers(int8*12;int4*12)")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # raw: 6 bits x (K, V) x 24 x 2 x 64 values / 8 = 4608 B per token, the mean of int8 (6144) and int4 (3072)
+        self.assertIn("| layers(int8*12;int4*12) | 4096 | 4608 | 0.02 GB | 18.0 MiB |", r.stdout)
+        self.assertIn("| 6.500 |", r.stdout)
+        r = run("memory", "--model", "qwen2.5-0.5b", "--quant", "layers(int8*12;int4*11)")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("its runs cover 23 layers (12 + 11), the model has 24", r.stderr)
+
+    def test_layers_argument_errors(self):
+        """kv_study layers checks the choices against the budget option before it loads a model."""
+        for args, msg in ((("--choices", "h2o@25%,full", "--avg-bits", "4"),
+                           "'h2o@25%,full' are eviction policies: give their mean budget with --avg-budget"),
+                          (("--choices", "int8,int4", "--avg-budget", "50%"),
+                           "'int8,int4' are cache schemes: give their mean bits/value with --avg-bits"),
+                          (("--choices", "h2o@25,h2o@50", "--avg-budget", "50%"),
+                           "--avg-budget '50%' is in percent, choice 'h2o@25' budgets tokens"),
+                          (("--choices", "int8", "--avg-bits", "4", "--avg-budget", "50%"), "excludes")):
+            r = run("layers", "--model", "/nonexistent.pt", *args)
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertIn(msg, r.stderr, args)
+
     def test_log_level_is_checked(self):
         r = run("--log-level", "verbose", "list")
         self.assertNotEqual(r.returncode, 0)

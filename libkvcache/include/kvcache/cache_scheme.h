@@ -32,6 +32,15 @@
 ///     reference's "compress only the newest n_b tokens" mode; re-compressing the whole cache
 ///     every n_b steps is not built and no field selects it). N a multiple of G, head_dim
 ///     divisible by G, r <= min(N, head_dim).
+///   - `layers(<scheme>*<n>;<scheme>*<n>;...)` (per-layer mixed precision, KVTuner, arXiv
+///     2502.04420): consecutive runs of layers, the first n layers stored by the first scheme,
+///     the next by the next (`*1` may be left out), e.g. K8V4 in the first 4 layers and K4V2
+///     in the other 20 of a 24-layer model: `layers(kivi:k8:v4:g32:r128*4;kivi:k4:v2:g32:r128*20)`.
+///     Each run is any scheme above (not `layers` itself); canonical: the runs' canonical specs,
+///     consecutive equal runs merged, `*1` dropped. streams() throws InvalidArgument, naming
+///     the spec as written, the counts and the model's layer count, unless the counts sum to
+///     CacheGeometry::num_layers. Each layer's bytes are its own scheme's (CacheStats counts
+///     the blocks each layer's format stores).
 ///
 /// What a scheme can express (and KVQuant / GEAR will use): per-layer quantizers that the
 /// scheme builds itself (e.g. with calibrated codebooks and thresholds), different quantizers
@@ -115,6 +124,11 @@ class CacheScheme {
 ///         schemes), bad fields (listing the allowed ones), a policy spec (naming it), or
 ///         numbers that do not fit together (KIVI's r not a multiple of g).
 std::unique_ptr<CacheScheme> make_cache_scheme(const std::string& spec);
+
+/// The canonical `layers(...)` spec storing layer l with scheme `per_layer[l]` (runs of equal
+/// canonical specs merged), e.g. {"int8", "int8", "int4"} -> "layers(int8*2;int4)".
+/// @throws InvalidArgument if `per_layer` is empty or an entry is no cache scheme (naming it).
+std::string layers_scheme_spec(const std::vector<std::string>& per_layer);
 
 /// Parameter tables of the registered cache schemes (besides the quantizers), in
 /// registration order (for --list).

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcache/attention.h"
@@ -146,6 +147,9 @@ class EvictionPolicy {
   /// (built with the same budget); spec() is `own:inner@budget`.
   EvictionPolicy(const ParsedSpec& spec, Budget budget, const EvictionPolicy& inner)
       : fields_(spec.canonical() + ":" + inner.fields_), budget_(budget) {}
+  /// A policy whose canonical form is not `head(:field)*` (perlayer(...)): spec() prints
+  /// `canonical` + the budget.
+  EvictionPolicy(std::string canonical, Budget budget) : fields_(std::move(canonical)), budget_(budget) {}
   /// Per-request hook after the budget is resolved (validate protected sizes, clear state).
   virtual void on_reset() {}
   virtual void do_observe(int64_t layer, const AttentionMass& mass) { (void)layer; (void)mass; }
@@ -172,7 +176,10 @@ class EvictionPolicy {
 /// policy it wraps as the rest of its spec, after its own fields: `head(:field)*:inner[@budget]`,
 /// e.g. "adakv:snapkv@50%", "adakv:a0.1:expected@50%", "decode:i512:b256:knorm@2048",
 /// "decode:i64:adakv:expected@50%"; the budget, once at the end, applies to both
-/// (docs/policies.md lists fields and rules).
+/// (docs/policies.md lists fields and rules). Per-layer budgets:
+/// `perlayer(<policy>@<budget>*<n>;...)`, e.g. "perlayer(snapkv@25%*2;snapkv@75%*2)" (the runs are
+/// one policy with their own budgets, or full; the counts must sum to the cache's layers, which
+/// reset() checks).
 /// @throws InvalidArgument for unknown heads (listing the registered ones), bad fields or a
 ///         missing budget, a wrapper without an inner policy or around one it cannot use (the
 ///         message names the whole spec); CapacityError when an absolute budget cannot hold

@@ -156,6 +156,9 @@ void CacheConfig::validate() const {
     }
   }
   const auto p = make_eviction_policy(policy);
+  // Reset as the CacheManager resets it: what depends on the cache's shape (perlayer(...)'s layer
+  // count) is checked here too.
+  p->reset(context_length, CacheShape{num_layers, num_q_heads, num_kv_heads});
   // The RoPE table probes the hook and checks its form: a config that validates builds.
   const std::string why = rope_table_reason(*this, *p);
   if (!why.empty()) (void)cache::RopeTable(rope, head_dim, why);

@@ -290,6 +290,7 @@ std::vector<Entry> scheme_entries() {
     return std::make_unique<GearScheme>(p);
   };
   v.push_back(std::move(gear));
+  v.push_back(layer_scheme_entry());
   return v;
 }
 

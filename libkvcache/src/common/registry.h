@@ -37,7 +37,11 @@ struct Entry {
 /// The registration lists of each module, in `kv_study list` order.
 std::vector<Entry> quantizer_entries();
 std::vector<Entry> scheme_entries();
+/// The per-layer scheme `layers(...)` (src/cache/layer_scheme.cpp), listed by scheme_entries().
+Entry layer_scheme_entry();
 std::vector<Entry> policy_entries();
+/// The per-layer budgets policy `perlayer(...)` (src/evict/per_layer_policy.cpp), listed by policy_entries().
+Entry per_layer_policy_entry();
 
 /// Every entry (quantizers, schemes, policies). @throws InternalError on a duplicate head.
 const std::vector<Entry>& entries();

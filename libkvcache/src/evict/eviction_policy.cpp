@@ -283,12 +283,15 @@ std::vector<Entry> policy_entries() {
     }
     v.push_back(std::move(e));
   }
+  v.push_back(per_layer_policy_entry());
   return v;
 }
 
 }  // namespace registry
 
 std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& spec) {
+  // Per-layer budgets: its runs carry their own '@' budgets (reset() checks the layer count).
+  if (spec_head(spec) == "perlayer") return evict::make_per_layer_policy(spec);
   auto [body, budget] = split_budget(spec);
   KV_CHECK_ARG(!body.empty(), "eviction policy spec '", spec, "' has no head");
   const Registration* top = find_registration(split_spec(body)[0]);

@@ -15,6 +15,11 @@
 
 namespace kvcache::evict {
 
+/// Builds `perlayer(<policy>@<budget>*<n>;...)` (src/evict/per_layer_policy.cpp): the runs are
+/// validated now, the layer count at reset(). @throws InvalidArgument / CapacityError naming
+/// the run as written.
+std::unique_ptr<EvictionPolicy> make_per_layer_policy(const std::string& text);
+
 /// `ctx.view`, checked against the context (head count, tokens per head).
 /// @throws InvalidArgument naming `policy` if it is null or does not match.
 const LayerView& require_view(const EvictionContext& ctx, const char* policy);

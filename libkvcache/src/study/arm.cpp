@@ -161,6 +161,7 @@ std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget) {
   if (!b.empty() && b[0] == '@') b = b.substr(1);
   const Budget parsed = Budget::parse(b);  // validates
   for (auto& a : arms) {
+    if (spec_head(a.policy) == "perlayer") continue;  // its runs carry their own budgets
     auto [head, old] = split_budget(a.policy);
     (void)old;
     if (head == "full") continue;

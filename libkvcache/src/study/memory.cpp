@@ -4,9 +4,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -116,26 +118,48 @@ StreamBits measure_stream(const Quantizer* q, int64_t head_dim) {
 
 }  // namespace
 
-KvFormat kv_format(const std::string& spec, int64_t head_dim) {
+KvFormat kv_format(const std::string& spec, int64_t head_dim, int64_t num_layers) {
   KV_CHECK_ARG(head_dim > 0, "kv_format: head_dim must be > 0, got ", head_dim);
+  KV_CHECK_ARG(num_layers >= 1 && num_layers <= kMaxShapeField, "kv_format: num_layers must be in [1, ", kMaxShapeField,
+               "], got ", num_layers);
   const auto scheme = make_cache_scheme(spec);
-  // One layer of one KV head: the streams of a scheme whose quantizers differ per layer
-  // (calibrated ones) are those of layer 0.
-  const LayerStreams streams = scheme->streams(CacheGeometry{1, 1, head_dim}, 0, 0);
-  const StreamBits k = measure_stream(streams.key.quantizer.get(), head_dim);
-  const StreamBits v = measure_stream(streams.value.quantizer.get(), head_dim);
-  const StreamSpec& key = streams.key;
-  const StreamSpec& value = streams.value;
   KvFormat f;
   f.spec = scheme->spec();
-  f.key_raw_bits = k.raw;
-  f.value_raw_bits = v.raw;
-  f.key_bits = k.effective;
-  f.value_bits = v.effective;
-  f.key_residual_tokens = key.residual;
-  f.value_residual_tokens = value.residual;
-  f.residual_bits = 8.0 * static_cast<double>(c10::elementSize(key.residual_dtype));
-  f.per_tensor_bytes = std::max(k.per_tensor_bytes, v.per_tensor_bytes);
+  f.key_raw_bits = f.value_raw_bits = f.key_bits = f.value_bits = 0;
+  // One KV head of each of the num_layers layers, averaged (a scheme whose layers differ:
+  // layers(...), calibrated ones).
+  const int64_t measured = num_layers;
+  std::map<std::string, StreamBits> seen;  // quantizer spec -> its bits (measured once)
+  auto bits_of = [&](const Quantizer* q) {
+    auto it = seen.find(q->spec());
+    if (it == seen.end()) it = seen.emplace(q->spec(), measure_stream(q, head_dim)).first;
+    return it->second;
+  };
+  for (int64_t l = 0; l < measured; ++l) {
+    const LayerStreams streams = scheme->streams(CacheGeometry{num_layers, 1, head_dim}, l, 0);
+    const StreamBits k = bits_of(streams.key.quantizer.get());
+    const StreamBits v = bits_of(streams.value.quantizer.get());
+    if (l == 0) {
+      f.key_residual_tokens = streams.key.residual;
+      f.value_residual_tokens = streams.value.residual;
+      f.residual_bits = 8.0 * static_cast<double>(c10::elementSize(streams.key.residual_dtype));
+    }
+    KV_CHECK_ARG(streams.key.residual == f.key_residual_tokens && streams.value.residual == f.value_residual_tokens &&
+                     8.0 * static_cast<double>(c10::elementSize(streams.key.residual_dtype)) == f.residual_bits,
+                 "kv_format('", spec, "'): layer ", l, " keeps a residual of ", streams.key.residual, "/",
+                 streams.value.residual, " K/V tokens, layer 0 ", f.key_residual_tokens, "/", f.value_residual_tokens,
+                 " (the memory table assumes one residual for every layer)");
+    f.key_raw_bits += k.raw;
+    f.value_raw_bits += v.raw;
+    f.key_bits += k.effective;
+    f.value_bits += v.effective;
+    f.per_tensor_bytes = std::max({f.per_tensor_bytes, k.per_tensor_bytes, v.per_tensor_bytes});
+  }
+  const double n = static_cast<double>(measured);  // sums then one division: exact for equal layers
+  f.key_raw_bits /= n;
+  f.value_raw_bits /= n;
+  f.key_bits /= n;
+  f.value_bits /= n;
   return f;
 }
 

@@ -153,7 +153,12 @@ class ModelArmEvaluator : public ArmEvaluator {
   }
 
   ReconstructionResult reconstruction(const std::string& quant) override {
-    return measure_reconstruction(quant, capture_qkv());
+    return measure_reconstruction(quant, capture_qkv(), model_.config().num_hidden_layers);
+  }
+
+  CacheGeometry geometry() const override {
+    const CacheConfig c = model_.cache_config();
+    return CacheGeometry{c.num_layers, c.num_kv_heads, c.head_dim};
   }
 
   std::vector<QkvSample> capture_qkv() override {

@@ -43,7 +43,8 @@ std::string f(double v, const char* fmt) {
 
 }  // namespace
 
-ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples) {
+ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples,
+                                            int64_t num_layers) {
   KV_CHECK_ARG(!samples.empty(), "measure_reconstruction('", quant, "'): no K/V samples");
   // Resolved as the CacheManager resolves CacheConfig::scheme, per sample layer (KIVI:
   // int<k>:g<G>:chan keys, int<v>:g<G> values; had(...): the rotated quantizers).
@@ -51,6 +52,9 @@ ReconstructionResult measure_reconstruction(const std::string& quant, const std:
   const auto scheme = make_cache_scheme(quant);
   int64_t layers = 1;
   for (const auto& s : samples) layers = std::max(layers, s.layer + 1);
+  KV_CHECK_ARG(num_layers == 0 || num_layers >= layers, "measure_reconstruction('", quant, "'): a sample of layer ",
+               layers - 1, " in a model of ", num_layers, " layers");
+  if (num_layers > 0) layers = num_layers;
   const CacheGeometry geometry{layers, samples[0].k.size(1), d};
   Pooled k;
   Pooled v;

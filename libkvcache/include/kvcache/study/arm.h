@@ -63,7 +63,8 @@ std::vector<ArmSet> arm_sets();
 std::vector<Arm> parse_arm_list(const std::string& text);
 
 /// `--budget B` ("256" tokens or "25%"): replaces the budget of every arm whose policy is not
-/// "full" (adding one where the policy had none). @throws InvalidArgument for a bad budget.
+/// "full" (adding one where the policy had none); a `perlayer(...)` policy keeps its runs' own
+/// budgets. @throws InvalidArgument for a bad budget.
 std::vector<Arm> with_budget(std::vector<Arm> arms, const std::string& budget);
 
 /// `--budgets B1,B2,...` (the ratio sweep, e.g. "25%,50%,75%,87.5%"; each item as --budget):

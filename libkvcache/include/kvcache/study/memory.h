@@ -60,13 +60,17 @@ struct KvFormat {
 /// The spec is resolved as the CacheManager does (make_cache_scheme, kvcache/cache_scheme.h: a
 /// quantizer spec for both K and V, or a scheme such as kivi:k2:v2:g32:r128 with per-stream
 /// quantizers and fp16 residual windows; per-channel quantizers keep up to g recent tokens in
-/// the residual; layer 0's streams for a scheme whose layers differ),
+/// the residual; every layer's streams, see num_layers below),
 /// then each stream's quantizer is measured: a sample tensor is quantized, raw bits = code
 /// bytes x 8 / values, effective bits = Quantizer::bits_per_value(head_dim), per-tensor bytes =
 /// whatever nbytes() holds beyond that (fp8:scaled's fp32 scale). The residual counts R tokens
 /// for K and for V (methods b.0's approximation; KIVI's key residual really oscillates in [0, R)).
-/// @throws InvalidArgument for an unknown head or bad field (listing what is allowed).
-KvFormat kv_format(const std::string& spec, int64_t head_dim);
+/// `num_layers`: the model's layers the scheme is resolved for (one KV head each); the bits
+/// are the mean over those layers of each stream's raw and effective bits (a per-layer scheme
+/// `layers(...)` must cover exactly num_layers), and every layer must keep the same residual.
+/// @throws InvalidArgument for an unknown head or bad field (listing what is allowed), or a
+///         per-layer scheme whose layers keep different residuals (naming the layers).
+KvFormat kv_format(const std::string& spec, int64_t head_dim, int64_t num_layers = 1);
 
 /// One memory figure.
 struct MemoryEstimate {

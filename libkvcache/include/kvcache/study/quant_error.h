@@ -26,9 +26,12 @@ struct ReconstructionResult {
 /// CacheManager does: a quantizer spec for K and V, or a scheme such as kivi:k2:v2:g32:r128
 /// (keys int<k>:g<G>:chan, values int<v>:g<G>; the residual window is not part of the
 /// reconstruction error). Per-channel
-/// quantizers see each sample's tokens cut to a multiple of their group size.
+/// quantizers see each sample's tokens cut to a multiple of their group size. `num_layers`: the
+/// model's layer count the scheme is resolved for (a per-layer scheme `layers(...)` must cover
+/// it); 0: one more than the highest sample layer.
 /// @throws InvalidArgument for a bad spec, no samples, or samples shorter than one group.
-ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples);
+ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples,
+                                            int64_t num_layers = 0);
 
 /// The specs `kv_study quant` tabulates: every registered quantizer with default fields, then
 /// int4/int2 with g32 per token and per channel, then KIVI-2 and KIVI-4 (g32, r128).

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "kvcache/cache_manager.h"
+#include "kvcache/cache_scheme.h"
+#include "kvcache/error.h"
 #include "kvcache/study/arm.h"
 #include "kvcache/study/metrics.h"
 #include "kvcache/study/quant_error.h"
@@ -94,6 +96,12 @@ class ArmEvaluator {
   /// Q and post-RoPE K/V of some layers on the evaluation passage (fp32, no cache compression),
   /// for the attention-error table. May return synthetic data for a model-free run.
   virtual std::vector<QkvSample> capture_qkv() = 0;
+
+  /// The model's cache geometry (layers, KV heads, head_dim), for what builds per-layer
+  /// schemes (kv_study layers). @throws UnsupportedError unless the evaluator overrides it.
+  virtual CacheGeometry geometry() const {
+    throw UnsupportedError("this evaluator does not report its model's cache geometry (layers, KV heads, head_dim)");
+  }
 };
 
 enum class ItemKind { kAttention, kReconstruction, kTask, kText };
