@@ -54,15 +54,16 @@ TEST(SpecRegistry, OneListOfUniqueHeadsInKindOrder) {
     kinds.push_back(s.kind);
   }
   EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "kivi",
-                                             "had", "full", "window", "sink", "h2o", "random", "snapkv", "tova",
+                                             "kvquant", "had", "full", "window", "sink", "h2o", "random", "snapkv", "tova",
                                              "pyramid", "knorm", "keydiff", "expected", "duo", "adakv", "decode"}));
   EXPECT_TRUE(std::is_sorted(kinds.begin(), kinds.end()));  // quantizers, then schemes, then policies
   // The per-kind lists are slices of the one list.
   EXPECT_EQ(registered_quantizers().size(), 8u);
-  EXPECT_EQ(registered_cache_schemes().size(), 2u);
+  EXPECT_EQ(registered_cache_schemes().size(), 3u);
   EXPECT_EQ(registered_policies().size(), 14u);
-  EXPECT_TRUE(registered_specs()[9].wrapper);  // had
+  EXPECT_TRUE(registered_specs()[10].wrapper);  // had
   EXPECT_FALSE(registered_specs()[8].wrapper);
+  EXPECT_FALSE(registered_specs()[9].wrapper);  // kvquant
 }
 
 TEST(SpecRegistry, SpecKindReadsTheHeadOfAnySpec) {

@@ -18,6 +18,7 @@ void add_run_command(CLI::App& app);
 void add_merge_command(CLI::App& app);
 void add_report_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
+void add_calibrate_command(CLI::App& app);
 
 /// Splits "a,b,c" (trimming blanks, dropping empty items).
 std::vector<std::string> split_list(const std::string& text);

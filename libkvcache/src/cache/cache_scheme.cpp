@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "cache/kvquant_scheme.h"
 #include "common/registry.h"
 #include "kvcache/error.h"
 #include "quant/hadamard.h"
@@ -116,8 +117,8 @@ class KiviScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf};
-    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf};
+    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf, {}, 0};
+    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf, {}, 0};
     return s;
   }
 
@@ -186,6 +187,7 @@ std::vector<Entry> scheme_entries() {
     return std::make_unique<KiviScheme>(p);
   };
   v.push_back(std::move(kivi));
+  v.push_back(kvquant_entry());
 
   Entry had;
   had.kind = SpecKind::kCacheScheme;
