@@ -262,6 +262,7 @@ TEST(KvquantScheme, SpecRoundTripsAndFieldErrors) {
   EXPECT_EQ(make_cache_scheme("kvquant" + cal)->spec(), "kvquant:b4" + cal);
   EXPECT_EQ(make_cache_scheme("kvquant:b3:o1" + cal)->spec(), "kvquant:b3:o1" + cal);
   EXPECT_EQ(make_cache_scheme("kvquant:qnorm:f4:o1:b2" + cal)->spec(), "kvquant:b2:o1:f4:qnorm" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:c3:o1:b3" + cal)->spec(), "kvquant:b3:o1:c3" + cal);
   EXPECT_EQ(make_cache_scheme("kvquant:b2:o1:f4:qnorm" + cal)->spec(), "kvquant:b2:o1:f4:qnorm" + cal);
   EXPECT_EQ(make_cache_scheme("kvquant:b2:o0:noqnorm" + cal)->spec(), "kvquant:b2" + cal);
   EXPECT_EQ(make_cache_scheme("kvquant:b2" + cal)->required_key_storage(), KeyStorage::kPreRoPE);
@@ -311,10 +312,10 @@ Streams streams_of(const std::string& fields, int64_t H, int64_t D) {
 }
 
 TEST(KvquantStored, KeysHandChecked) {
-  // D = 8, thresholds [-1, 1], 2-bit LUT {-0.75, -0.25, 0.25, 0.75}, p = 0.99: C = max(1,
-  // ceil(2·8·0.01)) = 1 slot. Channels 2 (1.5) and 4 (-3) lie outside: 4 is farther, kept
-  // exactly; 2 is clamped to y = 1. 1.0 and -1.0 sit on the thresholds: dense (strict compare).
-  const Streams st = streams_of("b2:o1", 1, 8);
+  // D = 8, thresholds [-1, 1], 2-bit LUT {-0.75, -0.25, 0.25, 0.75}, p = 0.99, c1: one slot.
+  // Channels 2 (1.5) and 4 (-3) lie outside: 4 is farther, kept exactly; 2 is clamped to
+  // y = 1. 1.0 and -1.0 sit on the thresholds: dense (strict compare).
+  const Streams st = streams_of("b2:o1:c1", 1, 8);
   const Quantizer& q = *st.s.key.quantizer;
   const StoredLayout l = q.stored_layout(8);
   EXPECT_EQ(l.code_bytes, 2 + 4);
@@ -354,9 +355,14 @@ TEST(KvquantStored, KeysHandChecked) {
   // fp16 cannot hold an outlier of 1e5: the cache is told (and stores the token in fp32).
   const std::vector<float> huge = {0, 0, 0, 0, 0, 0, 0, 1e5f};
   EXPECT_TRUE(q.encode(huge.data(), 1, 8, 1.0f, GroupBuffers{codes, nullptr, nullptr}).overflow);
-  // p = 1: no slots, the clamped range only.
+  // p = 1: no slots, the clamped range only. The default rule: max(2, ceil(4 · D · 0.01)) slots.
   const Streams dense = streams_of("b2", 1, 8);
   EXPECT_EQ(dense.s.key.quantizer->stored_layout(8).code_bytes, 2);
+  EXPECT_EQ(streams_of("b2:o1", 1, 8).s.key.quantizer->stored_layout(8).code_bytes, 2 + 4 * 2);
+  EXPECT_EQ(streams_of("b2:o1", 1, 64).s.key.quantizer->stored_layout(64).code_bytes, 16 + 4 * 3);  // ceil(2.56)
+  EXPECT_EQ(streams_of("b2:o1:c5", 1, 8).s.key.quantizer->stored_layout(8).code_bytes, 2 + 4 * 5);
+  EXPECT_THAT(error_of([] { (void)streams_of("b2:c2", 1, 8); }), HasSubstr("c2 sets key outlier slots, but o0 keeps no outliers"));
+  EXPECT_THAT(error_of([] { (void)streams_of("b2:o1:c9", 1, 8); }), HasSubstr("c9 key outlier slots exceed head_dim 8"));
   std::remove(st.path.c_str());
 }
 
@@ -470,7 +476,7 @@ TEST(KvquantCache, AttentionEqualsAttentionOverTheDequantizedKV) {
 }
 
 TEST(KvquantCache, BytesAreTheStoredBuffers) {
-  // D = 16, b = 3, 1%: keys 6 + 4·1 = 10 bytes per token and head, values 6 + 4·2 + 4 = 18;
+  // D = 16, b = 3, 1%: keys 6 + 4·2 = 14 bytes per token and head, values 6 + 4·2 + 4 = 18;
   // f = 2 sinks in fp16: 32 bytes each per stream. 2 layers × 2 heads.
   const std::string path = write_uniform("bytes.kvqcal", 2, 2, 16);
   for (int64_t f : {0, 2}) {
@@ -483,9 +489,9 @@ TEST(KvquantCache, BytesAreTheStoredBuffers) {
       m.append(l, testing::randn({1, 2, T, 16}, gen), testing::randn({1, 2, T, 16}, gen), positions_range(0, T));
     }
     m.end_step(StepKind::kPrefill);
-    const int64_t per_head = (T - f) * (10 + 18) + f * 2 * 32;
+    const int64_t per_head = (T - f) * (14 + 18) + f * 2 * 32;
     EXPECT_EQ(m.stats().bytes_resident, 2 * 2 * per_head) << f;
-    EXPECT_EQ(make_cache_scheme(c.scheme)->streams(CacheGeometry{2, 2, 16}, 0, 0).key.quantizer->stored_layout(16).group_bytes(), 10);
+    EXPECT_EQ(make_cache_scheme(c.scheme)->streams(CacheGeometry{2, 2, 16}, 0, 0).key.quantizer->stored_layout(16).group_bytes(), 14);
   }
   std::remove(path.c_str());
 }
@@ -520,26 +526,29 @@ TEST(KvquantCache, RunsThroughTheCacheWithEvictionAndSinks) {
 TEST(KvquantCalibrationText, DisjointFromTheEvaluationTexts) {
   const std::set<std::string> eval = study::evaluation_sentences(1234);
   ASSERT_GT(eval.size(), 50u);
-  const std::string text = study::calibration_passage(study::kCalibrationSeed, 2000, eval);
-  ASSERT_GT(text.size(), 2000u);
-  size_t from = 0;
-  int checked = 0;
-  while (from < text.size()) {
-    size_t dot = text.find('.', from);
-    if (dot == std::string::npos) dot = text.size() - 1;
-    std::string s = text.substr(from, dot - from + 1);
-    s.erase(0, s.find_first_not_of(' '));
-    EXPECT_EQ(eval.count(s), 0u) << s;
-    ++checked;
-    from = dot + 1;
+  EXPECT_EQ(study::split_sentences("A b. C d.\nE  "), (std::vector<std::string>{"A b.", "C d.", "E"}));
+  const auto convs = study::calibration_conversations(study::kCalibrationSeed, 16, eval);
+  ASSERT_GE(convs.size(), 8u);
+  int64_t sentences = 0;
+  for (const auto& conv : convs) {
+    for (const auto& m : conv) {
+      for (const auto& s : study::split_sentences(m.content)) {
+        EXPECT_EQ(eval.count(s), 0u) << s;
+        ++sentences;
+      }
+    }
   }
-  EXPECT_GT(checked, 20);
-  // The exclusion is what ensures it: excluding the first sentence of the unfiltered text drops it.
-  const std::string raw = study::calibration_passage(7, 50, {});
-  const std::string first = raw.substr(0, raw.find('.') + 1);
-  const std::string filtered = study::calibration_passage(7, 50, {first});
-  EXPECT_EQ(filtered.find(first), std::string::npos);
-  EXPECT_NE(raw.find(first), std::string::npos);
+  EXPECT_GT(sentences, 100);
+  // The exclusion is what ensures it: excluding a sentence of the unfiltered conversations drops it.
+  const auto raw = study::calibration_conversations(7, 2, {});
+  ASSERT_FALSE(raw.empty());
+  const std::string first = study::split_sentences(raw[0][0].content)[0];
+  const auto filtered = study::calibration_conversations(7, 2, {first});
+  for (const auto& conv : filtered) {
+    for (const auto& m : conv) EXPECT_EQ(m.content.find(first), std::string::npos);
+  }
+  // Each conversation ends with its reference answer.
+  EXPECT_EQ(raw[0].back().role, "assistant");
 }
 
 }  // namespace

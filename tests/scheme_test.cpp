@@ -84,7 +84,7 @@ TEST(SpecRegistry, ASpecOfTheWrongKindIsNamed) {
   EXPECT_THAT(error_of([] { make_eviction_policy("int4@50%"); }), HasSubstr("'int4' is a quantizer"));
   const std::string unknown = error_of([] { make_cache_scheme("int5:g32"); });
   EXPECT_THAT(unknown, HasSubstr("unknown cache scheme 'int5' in spec 'int5:g32'"));
-  EXPECT_THAT(unknown, HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, kivi, had"));
+  EXPECT_THAT(unknown, HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, kivi, kvquant, had"));
 }
 
 // The study once spelled PyramidKV `pyramidkv` (and read `pyramid:b2` as a quantizer): both

@@ -17,8 +17,9 @@ namespace kv_study {
 void add_calibrate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "calibrate",
-      "KVQuant calibration (arXiv 2401.18079): run the model over calibration text disjoint from the evaluation\n"
-      "(or --text FILE), capture pre-RoPE K and V per layer and write per-channel key thresholds and per-layer\n"
+      "KVQuant calibration (arXiv 2401.18079): run the model over calibration conversations (training-mode tasks,\n"
+      "ChatML-rendered, sharing no sentence with the evaluation texts) or --text FILE, capture pre-RoPE K and V per\n"
+      "layer and write per-channel key thresholds and per-layer\n"
       "k-means codebooks (docs/quantizers.md, 'KVQuant calibration file'). Use the file as kvquant:...:cal=FILE.\n"
       "Example: kv_study calibrate --out runs/kvstudy-default.kvqcal");
   auto model = std::make_shared<std::string>(kDefaultModel);
@@ -32,15 +33,15 @@ void add_calibrate_command(CLI::App& app) {
   auto iters = std::make_shared<int64_t>(50);
   auto threads = std::make_shared<int>(0);
   cmd->add_option("--model", *model, "exported model")->capture_default_str();
-  cmd->add_option("--text", *text, "calibration text file (default: filler disjoint from the evaluation texts)");
+  cmd->add_option("--text", *text, "calibration text file (default: training-task conversations disjoint from the evaluation texts)");
   cmd->add_option("--out", *out, "calibration file to write (atomically)")->required();
-  cmd->add_option("--tokens", *tokens, "approximate tokens of the default calibration text")
+  cmd->add_option("--tokens", *tokens, "calibration tokens of the default conversations (at least)")
       ->capture_default_str()
       ->check(IntRange(2, 10000000));
   cmd->add_option("--seqlen", *seqlen, "tokens per forward (capped at the model's max positions)")
       ->capture_default_str()
       ->check(IntRange(2, 1 << 20));
-  cmd->add_option("--seed", *seed, "seed of the default calibration text (not the evaluation seed 1234)")
+  cmd->add_option("--seed", *seed, "seed of the default calibration conversations (not the evaluation seed 1234)")
       ->capture_default_str()
       ->check(IntRange(0, INT64_MAX));
   cmd->add_option("--bits", *bits, "codebook widths, comma list of 2, 3, 4")->capture_default_str();

@@ -25,6 +25,8 @@ const ParamTable& kvquant_table() {
                     {}},
                    {"o", "outlier percent kept exactly in fp16 (1 = the paper's 1%, sparsity 0.99; 0 = none)",
                     ParamDef::Kind::kFloat, 0, 0, 9.99, {}},
+                   {"c", "key outlier slots per token (0 = the default max(2, ceil(4 D (1 - p))); beyond them the "
+                    "farthest are kept, the rest clamped)", ParamDef::Kind::kInt, 0, 0, 4096, {}},
                    {"f", "first tokens kept in fp16 (attention sinks; 0 = off)", ParamDef::Kind::kInt, 0, 0,
                     static_cast<double>(kMaxTokens), {}},
                    {"qnorm", "Q-Norm: match the dequantised mean and std per layer (the paper's 2-bit setting)",
@@ -64,7 +66,7 @@ std::shared_ptr<const KvquantCalibration> load_cached(const std::string& path) {
 class KvquantScheme final : public CacheScheme {
  public:
   explicit KvquantScheme(const ParsedSpec& p)
-      : bits_(static_cast<int>(p.integer("b"))), percent_(p.num("o")), sinks_(p.integer("f")),
+      : bits_(static_cast<int>(p.integer("b"))), percent_(p.num("o")), slots_(p.integer("c")), sinks_(p.integer("f")),
         qnorm_(p.choice("qnorm") == "qnorm"), path_(p.str("cal")), spec_(p.canonical()), text_(p.text()) {
     KV_CHECK_ARG(!path_.empty(), "cache scheme '", text_,
                  "': KVQuant needs its calibration: add ':cal=<file>' (write one with 'kv_study calibrate --model M "
@@ -86,6 +88,10 @@ class KvquantScheme final : public CacheScheme {
                    " (", percent_, "% outliers, sparsity ", sparsity, "); it holds ", held.str(),
                    " (kv_study calibrate --sparsity sets them)");
     }
+    KV_CHECK_ARG(slots_ == 0 || percent_ > 0, "cache scheme '", text_, "': c", slots_,
+                 " sets key outlier slots, but o0 keeps no outliers (add e.g. ':o1')");
+    KV_CHECK_ARG(slots_ <= cal_->head_dim, "cache scheme '", text_, "': c", slots_, " key outlier slots exceed head_dim ",
+                 cal_->head_dim, " of calibration '", path_, "'");
     size_t bi = 0;
     try {
       bi = cal_->bits_index(bits_);
@@ -105,6 +111,7 @@ class KvquantScheme final : public CacheScheme {
         for (float c : cb.centroids) st->dec.push_back(qnorm_ ? cb.qnorm_scale * c + cb.qnorm_shift : c);
         st->num_heads = cal_->num_kv_heads;
         st->head_dim = cal_->head_dim;
+        st->key_slots = slots_ > 0 ? slots_ : -1;
         if (st->keys) {
           st->lower = lc.key_lower;
           st->upper = lc.key_upper;
@@ -148,6 +155,7 @@ class KvquantScheme final : public CacheScheme {
  private:
   int bits_;
   double percent_;
+  int64_t slots_;  ///< 0: the default rule
   int64_t sinks_;
   bool qnorm_;
   std::string path_, spec_, text_;

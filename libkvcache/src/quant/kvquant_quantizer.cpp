@@ -72,7 +72,9 @@ KvquantQuantizer::KvquantQuantizer(std::shared_ptr<const KvquantStream> stream, 
     KV_INTERNAL_ASSERT(s_->lower.size() == static_cast<size_t>(s_->num_heads * d) && s_->upper.size() == s_->lower.size(),
                        "KVQuant key thresholds");
     tail_ = 0;
-    capacity_ = p >= 1.0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(2.0 * d * (1.0 - p) - 1e-9)));
+    capacity_ = p >= 1.0                ? 0
+                : s_->key_slots >= 0 ? s_->key_slots
+                                     : std::max<int64_t>(2, static_cast<int64_t>(std::ceil(4.0 * d * (1.0 - p) - 1e-9)));
     capacity_ = std::min<int64_t>(capacity_, d);
   } else {
     tail_ = kvquant_tail_count(d, p);

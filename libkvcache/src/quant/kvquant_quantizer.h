@@ -18,8 +18,8 @@
 ///     occupies bits [b·j, b·j + b));
 ///   - C outlier slots of 4 bytes: uint16 channel index (little-endian; 0xFFFF = unused
 ///     slot), then the value's fp16 bits; slots in ascending channel order.
-///   Keys: C = max(1, ceil(2 · D · (1 − p))) slots (twice the expected count) and no
-///   metadata; when more than C entries of a token fall outside their thresholds, the C
+///   Keys: C = max(2, ceil(4 · D · (1 − p))) slots (four times the expected count, at least
+///   2; the spec's `c` overrides) and no metadata; when more than C entries of a token fall outside their thresholds, the C
 ///   farthest outside (distance to the violated threshold; ties: lower channel) are kept
 ///   exactly and the others are clamped to the range (y = ±1) and coded densely.
 ///   Values: C = 2 · kvquant_tail_count(D, p) (always all used), and meta_count 1 with zeros:
@@ -45,6 +45,8 @@ struct KvquantStream {
   std::vector<float> dec;
   int64_t num_heads = 0;    ///< H_kv (keys: thresholds per head)
   int64_t head_dim = 0;     ///< D
+  /// Keys: outlier slots per token; -1 = the default rule max(1, ceil(2 · D · (1 − p))).
+  int64_t key_slots = -1;
   std::vector<float> lower, upper;  ///< keys: [H_kv · D] calibrated thresholds
   std::string name;         ///< the scheme spec and the stream, for spec()
 };

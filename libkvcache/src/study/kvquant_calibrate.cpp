@@ -9,13 +9,11 @@
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/tokenizer.h"
 #include "kvcache/spec.h"
+#include "kvcache/study/task.h"
 #include "kvcache/study/task_suite.h"
 
 namespace kvcache::study {
-namespace {
-
-/// '.'-terminated sentences of `text`, trimmed (a trailing fragment counts as one).
-std::vector<std::string> sentences(const std::string& text) {
+std::vector<std::string> split_sentences(const std::string& text) {
   std::vector<std::string> out;
   std::string cur;
   auto flush = [&] {
@@ -31,34 +29,35 @@ std::vector<std::string> sentences(const std::string& text) {
   return out;
 }
 
-}  // namespace
-
 std::set<std::string> evaluation_sentences(uint64_t eval_seed) {
   std::set<std::string> out;
-  for (const auto& s : sentences(filler_passage(eval_seed, 256))) out.insert(s);
+  for (const auto& s : split_sentences(filler_passage(eval_seed, 256))) out.insert(s);
   for (const auto& name : suite_names()) {
     for (const auto& t : generate_suite(name, eval_seed)) {
       for (const auto& m : t.messages) {
-        for (const auto& s : sentences(m.content)) out.insert(s);
+        for (const auto& s : split_sentences(m.content)) out.insert(s);
       }
+      for (const auto& s : split_sentences(t.answer)) out.insert(s);
     }
   }
   return out;
 }
 
-std::string calibration_passage(uint64_t seed, int64_t approx_tokens, const std::set<std::string>& exclude) {
-  KV_CHECK_ARG(approx_tokens >= 1, "calibration_passage: approx_tokens must be >= 1, got ", approx_tokens);
-  std::string out;
-  int64_t have = 0;
-  // Filler in slices of fresh seeds until enough sentences survive the exclusion.
-  for (uint64_t i = 0; have < approx_tokens && i < 1000; ++i) {
-    const std::string part = filler_passage(seed * 1000003ull + i, std::min<int64_t>(approx_tokens, 4096));
-    for (const auto& s : sentences(part)) {
-      if (exclude.count(s) != 0) continue;
-      out += (out.empty() ? "" : " ") + s;
-      have += static_cast<int64_t>(std::count(s.begin(), s.end(), ' ')) + 2;
-      if (have >= approx_tokens) break;
+std::vector<std::vector<ChatMessage>> calibration_conversations(uint64_t seed, int64_t count,
+                                                                const std::set<std::string>& exclude) {
+  std::vector<std::vector<ChatMessage>> out;
+  for (const Task& t : generate_training_tasks(seed, count)) {
+    std::vector<ChatMessage> conv;
+    std::vector<Message> msgs = t.messages;
+    msgs.push_back(Message{"assistant", t.answer});
+    for (const auto& m : msgs) {
+      std::string kept;
+      for (const auto& s : split_sentences(m.content)) {
+        if (exclude.count(s) == 0) kept += (kept.empty() ? "" : " ") + s;
+      }
+      if (!kept.empty()) conv.push_back(ChatMessage{m.role, kept});
     }
+    if (!conv.empty()) out.push_back(std::move(conv));
   }
   return out;
 }
@@ -71,19 +70,40 @@ KvquantCalibration calibrate_kvquant(const KvquantCalibrateOptions& o) {
                " is the evaluation seed: the calibration text must come from another seed");
   const CausalLM model = CausalLM::load(o.model_path, LoadOptions{o.threads});
   const Tokenizer tok = Tokenizer::from_texts(model.tokenizer_files());
-  const std::string text = o.text.empty() ? calibration_passage(o.seed, o.tokens, evaluation_sentences(o.eval_seed)) : o.text;
-  const std::vector<int64_t> ids = tok.encode(text, SpecialTokens::kIgnore, PostProcess::kApply);
-  KV_CHECK_ARG(ids.size() >= 2, "calibrate: the calibration text has ", ids.size(), " tokens (at least 2 needed)");
   const auto& c = model.config();
   int64_t seqlen = o.seqlen;
   if (c.max_position_embeddings > 0) seqlen = std::min<int64_t>(seqlen, c.max_position_embeddings);
+  // The token sequences to run: the --text file in windows of seqlen, or one conversation each.
+  std::vector<std::vector<int64_t>> seqs;
+  int64_t total = 0;
+  auto add = [&](const std::vector<int64_t>& ids) {
+    for (size_t s0 = 0; s0 + 1 < ids.size(); s0 += static_cast<size_t>(seqlen)) {
+      const size_t t = std::min(ids.size() - s0, static_cast<size_t>(seqlen));
+      if (t < 2) break;
+      seqs.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(s0), ids.begin() + static_cast<std::ptrdiff_t>(s0 + t));
+      total += static_cast<int64_t>(t);
+    }
+  };
+  if (!o.text.empty()) {
+    add(tok.encode(o.text, SpecialTokens::kIgnore, PostProcess::kApply));
+  } else {
+    const ChatTemplate chat = ChatTemplate::detect(c.model_type, model.extra_file("tokenizer_config.json"));
+    const std::set<std::string> exclude = evaluation_sentences(o.eval_seed);
+    // Conversations average a few hundred tokens: draw in batches until there are enough.
+    for (int64_t batch = 0; total < o.tokens && batch < 64; ++batch) {
+      const auto convs = calibration_conversations(o.seed + static_cast<uint64_t>(batch) * 7919u, 16, exclude);
+      for (const auto& conv : convs) {
+        add(tok.encode(chat.render(conv, /*add_generation_prompt=*/false), SpecialTokens::kParse, PostProcess::kApply));
+        if (total >= o.tokens) break;
+      }
+    }
+  }
+  KV_CHECK_ARG(total >= 2, "calibrate: the calibration text has ", total, " tokens (at least 2 needed)");
   std::vector<std::vector<at::Tensor>> ks(static_cast<size_t>(c.num_hidden_layers)),
       vs(static_cast<size_t>(c.num_hidden_layers));
-  const int64_t n = static_cast<int64_t>(ids.size());
-  for (int64_t s0 = 0; s0 < n; s0 += seqlen) {
-    const int64_t t = std::min<int64_t>(seqlen, n - s0);
-    if (t < 2) break;
-    const auto x = at::tensor(std::vector<int64_t>(ids.begin() + s0, ids.begin() + s0 + t), at::kLong).unsqueeze(0);
+  for (const auto& ids : seqs) {
+    const int64_t t = static_cast<int64_t>(ids.size());
+    const auto x = at::tensor(ids, at::kLong).unsqueeze(0);
     const auto pos = at::arange(t, at::kLong);
     at::Tensor h = model.embed(x);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -103,7 +123,7 @@ KvquantCalibration calibrate_kvquant(const KvquantCalibrateOptions& o) {
     V.push_back(at::cat(vs[l], 0));
   }
   return fit_kvquant_calibration(K, V, o.fit,
-                                 o.model_path + (o.text.empty() ? " on calibration filler seed " + std::to_string(o.seed)
+                                 o.model_path + (o.text.empty() ? " on training-task conversations, seed " + std::to_string(o.seed)
                                                                 : std::string(" on --text")));
 }
 

@@ -7,17 +7,23 @@
 /// and V are captured per layer and fit_kvquant_calibration() turns them into per-channel key
 /// thresholds and per-layer codebooks.
 ///
-/// Disjointness from the evaluation: the default calibration text is filler from
-/// kCalibrationSeed (never an evaluation seed), and every sentence of it that also occurs in
-/// an evaluation text (evaluation_sentences(): the default perplexity passage and every
-/// message of the `default` and `small` suites at the evaluation seed) is dropped, so the
-/// calibration and evaluation texts share no sentence. A `--text` file is used as given.
+/// Calibration text: by default, conversations of the same kind as the evaluation tasks
+/// (ChatML-rendered, special tokens parsed: the keys of `<|im_start|>`, digits and questions
+/// occur in calibration as in evaluation) taken from generate_training_tasks(seed, ...) — the
+/// training-data mode, with its own "train" salt and seed kCalibrationSeed, never the
+/// evaluation seed — each with its reference answer as the assistant's last turn.
+/// Disjointness: every sentence of a calibration message that also occurs in an evaluation
+/// text (evaluation_sentences(): the default perplexity passage and every message of the
+/// `default` and `small` suites at the evaluation seed) is dropped, so calibration and
+/// evaluation share no sentence. A `--text` file is used as given (plain text).
 
 #include <cstdint>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "kvcache/kvquant.h"
+#include "kvcache/model/chat_template.h"
 
 namespace kvcache::study {
 
@@ -28,17 +34,23 @@ inline constexpr uint64_t kCalibrationSeed = 2401;
 /// default passage filler_passage(eval_seed, 256) and the messages of both suites.
 std::set<std::string> evaluation_sentences(uint64_t eval_seed);
 
-/// Filler of about `approx_tokens` tokens from `seed`, without any sentence of `exclude`.
-/// @throws InvalidArgument if approx_tokens < 1.
-std::string calibration_passage(uint64_t seed, int64_t approx_tokens, const std::set<std::string>& exclude);
+/// The default calibration conversations: generate_training_tasks(seed, count)'s messages
+/// plus the reference answer as an assistant turn, every sentence found in `exclude` removed
+/// (a message left empty is dropped; a conversation left without a message too).
+/// @throws InvalidArgument if count is out of generate_training_tasks' range.
+std::vector<std::vector<ChatMessage>> calibration_conversations(uint64_t seed, int64_t count,
+                                                                const std::set<std::string>& exclude);
+
+/// The '.'- or newline-terminated sentences of `text`, trimmed (a trailing fragment counts).
+std::vector<std::string> split_sentences(const std::string& text);
 
 struct KvquantCalibrateOptions {
   std::string model_path;     ///< exported model (.pt, ABI v1) with its tokenizer
   int threads = 0;            ///< LibTorch threads (0: leave as is)
-  std::string text;           ///< calibration text; empty: calibration_passage(seed, tokens, evaluation_sentences(eval_seed))
+  std::string text;           ///< calibration text; empty: calibration_conversations(seed, ...)
   uint64_t seed = kCalibrationSeed;
   uint64_t eval_seed = 1234;  ///< the evaluation seed whose texts the default text avoids
-  int64_t tokens = 8192;      ///< approximate calibration tokens of the default text
+  int64_t tokens = 8192;      ///< calibration tokens of the default conversations (at least)
   int64_t seqlen = 512;       ///< tokens per forward (capped at max_position_embeddings)
   KvquantFitOptions fit;
 };
