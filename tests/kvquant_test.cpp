@@ -228,6 +228,8 @@ TEST(KvquantFile, ErrorsNameTheProblem) {
   const std::string good = read_bytes(path);
   EXPECT_THAT(error_of([] { (void)load_kvquant_calibration("/nonexistent/c.kvqcal"); }),
               HasSubstr("cannot open KVQuant calibration '/nonexistent/c.kvqcal'"));
+  EXPECT_THAT(error_of([] { (void)load_kvquant_calibration("/dev/null"); }),
+              HasSubstr("KVQuant calibration '/dev/null' is not a regular file"));
   // Truncated: the header says how long the file must be.
   write_bytes(path, good.substr(0, good.size() - 5));
   EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }),

@@ -15,11 +15,12 @@
 ///   - `kivi:k<b>:v<b>:g<G>:r<R>` (KIVI, arXiv 2402.02750): keys `int<k>:g<G>:chan` with an
 ///     R-token residual flushed in blocks of R, values `int<v>:g<G>` with a sliding R-token
 ///     residual; b ∈ {2, 3, 4, 8}, R a positive multiple of G, head_dim divisible by G.
-///   - `kvquant:b<b>[:o<percent>][:f<N>][:qnorm]:cal=<file>` (KVQuant, arXiv 2401.18079;
+///   - `kvquant:b<b>[:o<percent>][:c<slots>][:f<N>][:qnorm]:cal=<file>` (KVQuant, arXiv 2401.18079;
 ///     kvcache/kvquant.h): pre-RoPE keys (required_key_storage() = kPreRoPE) per channel with
 ///     the calibrated static ranges of each layer and head, values per token with dynamic
 ///     ranges; b ∈ {2, 3, 4} bits through the layer's k-means codebooks (`qnorm`: with Q-Norm);
-///     `o` percent outliers (1 = sparsity 0.99) kept in fp16 with their indices; the first N
+///     `o` percent outliers (1 = sparsity 0.99) kept in fp16 with their indices (keys: `c`
+///     slots per token, default max(2, ceil(4 · D · (1 − p)))); the first N
 ///     tokens kept in fp16 (`f`); no residual window (residual_length must be 0). The
 ///     calibration must be of the cache's geometry (L, H_kv, D), else InvalidArgument naming both.
 ///   - `had(<scheme>)` / `had:k(<scheme>)` (Hadamard rotation: QuaRot, arXiv 2404.00456;

@@ -98,8 +98,9 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
 void save_kvquant_calibration(const KvquantCalibration& c, const std::string& path);
 
 /// Reads a calibration file. @throws InvalidArgument naming the path: missing or unreadable,
-/// not a calibration file (magic), another version (naming both), truncated or with trailing
-/// bytes (naming the sizes), inconsistent contents.
+/// not a regular file or above 1 GiB, not a calibration file (magic), another version (naming
+/// both), truncated or with trailing bytes (naming the sizes), a checksum mismatch,
+/// inconsistent contents.
 KvquantCalibration load_kvquant_calibration(const std::string& path);
 
 // ---- the math, exposed for tests and tools ----------------------------------------------

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <numeric>
@@ -432,6 +433,13 @@ void save_kvquant_calibration(const KvquantCalibration& c, const std::string& pa
 KvquantCalibration load_kvquant_calibration(const std::string& path) {
   KV_CHECK(little_endian(), UnsupportedError, "KVQuant calibration files are little-endian; this host is not");
   io::check_readable_file(path, "KVQuant calibration");
+  // A regular file of bounded size (a spec names the path: a device or a pipe would be read
+  // without end).
+  std::error_code ec;
+  KV_CHECK_ARG(std::filesystem::is_regular_file(path, ec), "KVQuant calibration '", path, "' is not a regular file");
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  KV_CHECK_ARG(!ec && size <= (uintmax_t{1} << 30), "KVQuant calibration '", path, "': ", size,
+               " bytes is larger than any calibration (at most 1 GiB)");
   std::ifstream in(path, std::ios::binary);
   KV_CHECK_ARG(in.good(), "cannot open KVQuant calibration '", path, "'");
   const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
