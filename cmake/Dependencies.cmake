@@ -6,7 +6,7 @@ if(KVCACHE_OPENMP)
 endif()
 find_package(spdlog REQUIRED)           # libspdlog-dev
 find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev
-find_package(Eigen3 3.3 REQUIRED NO_MODULE)  # libeigen3-dev (header-only; GEAR's power iteration and QR)
+find_package(Eigen3 3.3 REQUIRED NO_MODULE)  # libeigen3-dev (header-only): small dense math inside the kernels (GEAR power iteration and QR, KVQuant k-means)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)  # libpcre2-dev
 if(KVCACHE_BUILD_APPS)

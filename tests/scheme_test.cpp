@@ -54,17 +54,19 @@ TEST(SpecRegistry, OneListOfUniqueHeadsInKindOrder) {
     kinds.push_back(s.kind);
   }
   EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "kivi",
-                                             "had", "gear", "layers", "full", "window", "sink", "h2o", "random",
-                                             "snapkv", "tova", "pyramid", "knorm", "keydiff", "expected", "duo", "adakv",
-                                             "decode", "perlayer"}));
+                                             "kvquant", "had", "gear", "layers", "full", "window", "sink", "h2o",
+                                             "random", "snapkv", "tova", "pyramid", "knorm", "keydiff", "expected", "duo",
+                                             "adakv", "decode", "perlayer"}));
   EXPECT_TRUE(std::is_sorted(kinds.begin(), kinds.end()));  // quantizers, then schemes, then policies
   // The per-kind lists are slices of the one list.
   EXPECT_EQ(registered_quantizers().size(), 8u);
-  EXPECT_EQ(registered_cache_schemes().size(), 3u);
+  EXPECT_EQ(registered_cache_schemes().size(), 5u);
   EXPECT_EQ(registered_policies().size(), 15u);
-  EXPECT_TRUE(registered_specs()[9].wrapper);  // had
-  EXPECT_FALSE(registered_specs()[8].wrapper);
-  EXPECT_TRUE(registered_specs()[10].wrapper);  // layers
+  EXPECT_FALSE(registered_specs()[8].wrapper);   // kivi
+  EXPECT_FALSE(registered_specs()[9].wrapper);   // kvquant
+  EXPECT_TRUE(registered_specs()[10].wrapper);   // had
+  EXPECT_FALSE(registered_specs()[11].wrapper);  // gear
+  EXPECT_TRUE(registered_specs()[12].wrapper);   // layers
 }
 
 TEST(SpecRegistry, SpecKindReadsTheHeadOfAnySpec) {
@@ -85,7 +87,7 @@ TEST(SpecRegistry, ASpecOfTheWrongKindIsNamed) {
   EXPECT_THAT(error_of([] { make_eviction_policy("int4@50%"); }), HasSubstr("'int4' is a quantizer"));
   const std::string unknown = error_of([] { make_cache_scheme("int5:g32"); });
   EXPECT_THAT(unknown, HasSubstr("unknown cache scheme 'int5' in spec 'int5:g32'"));
-  EXPECT_THAT(unknown, HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, kivi, had"));
+  EXPECT_THAT(unknown, HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, kivi, kvquant, had"));
 }
 
 // The study once spelled PyramidKV `pyramidkv` (and read `pyramid:b2` as a quantizer): both

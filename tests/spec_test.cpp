@@ -55,6 +55,41 @@ ParamTable demo_table() {
   return t;
 }
 
+// A text field (`key=text`, KVQuant's `cal=<file>`): parsed before numeric keys, printed only
+// when set, after the fields before it in table order; its characters are checked.
+TEST(SpecParse, TextFields) {
+  ParamTable t = demo_table();
+  ParamDef f;
+  f.key = "file";
+  f.help = "a path";
+  f.kind = ParamDef::Kind::kText;
+  t.params.push_back(f);
+  ParsedSpec p = ParsedSpec::parse("demo", t);
+  EXPECT_EQ(p.str("file"), "");
+  EXPECT_FALSE(p.is_set("file"));
+  EXPECT_EQ(p.canonical(), "demo");
+  p = ParsedSpec::parse("demo:file=runs/a-b_c.kvqcal:k3", t);
+  EXPECT_EQ(p.str("file"), "runs/a-b_c.kvqcal");
+  EXPECT_TRUE(p.is_set("file"));
+  EXPECT_EQ(p.canonical(), "demo:k3:file=runs/a-b_c.kvqcal");
+  EXPECT_EQ(ParsedSpec::parse(p.canonical(), t).canonical(), p.canonical());
+  auto err = [&](const std::string& text) {
+    try {
+      (void)ParsedSpec::parse(text, t);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(err("demo:file="), HasSubstr("field 'file=': empty file (a path)"));
+  EXPECT_THAT(err("demo:file=a+b"), HasSubstr("file must not hold any of ': ( ) @ + ,' or blanks"));
+  EXPECT_THAT(err("demo:file=a b"), HasSubstr("must not hold any of"));
+  EXPECT_THAT(err("demo:file=a:file=b"), HasSubstr("'file' given twice"));
+  EXPECT_THAT(err("demo:k=3"), HasSubstr("unknown field 'k=3'"));
+  EXPECT_THAT(describe(t), HasSubstr("file=<text>  a path"));
+  EXPECT_EQ(canonical_spec(t, {}, {{"file", "x"}}), "demo:file=x");
+}
+
 TEST(SpecParse, DefaultsAndExplicitValues) {
   const ParamTable t = demo_table();
   ParsedSpec p = ParsedSpec::parse("demo", t);

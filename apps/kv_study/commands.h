@@ -33,6 +33,7 @@ std::unique_ptr<kvcache::study::ArmEvaluator> load_evaluator(const std::string& 
 void make_dirs(const std::string& dir);
 /// "runs/x/model.pt" -> "model".
 std::string stem(const std::string& path);
+void add_calibrate_command(CLI::App& app);
 
 /// Splits "a,b,c" (trimming blanks, dropping empty items).
 std::vector<std::string> split_list(const std::string& text);

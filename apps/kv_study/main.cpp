@@ -53,6 +53,7 @@ int main(int argc, char** argv) {
   kv_study::add_generate_command(app);
   kv_study::add_prefix_command(app);
   kv_study::add_layers_command(app);
+  kv_study::add_calibrate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

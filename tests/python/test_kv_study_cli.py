@@ -311,6 +311,37 @@ class DefaultModelTest(unittest.TestCase):
             self.assertEqual([os.path.basename(x) for x in p.stdout.split()][3:],
                              ["budget_accuracy.png", "budget_family.png", "budget_depth.png"])
 
+    def test_kvquant_calibrate_then_generate(self):
+        """`kv_study calibrate` writes a calibration the kvquant arms read (keys pre-RoPE, set by
+        the study from the scheme); a missing calibration is an error naming the file, and the
+        scheme is listed."""
+        with tempfile.TemporaryDirectory() as d:
+            cal = os.path.join(d, "default.kvqcal")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "calibrate", "--tokens", "512", "--threads", "1",
+                                "--out", cal], capture_output=True, text=True, timeout=300, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("4 layers x 2 KV heads x head_dim 32; wrote " + cal, r.stderr)
+            with open(cal, "rb") as f:
+                self.assertEqual(f.read(8), b"KVQCALIB")
+            for arm in (f"kvquant:b3:o1:cal={cal}+full", f"kvquant:b2:o1:f2:qnorm:cal={cal}"):
+                r = subprocess.run([os.path.abspath(KV_STUDY), "generate", "--threads", "1", "--max-new-tokens", "2",
+                                    "--prompt", "hi", "--arm", arm], capture_output=True, text=True, timeout=120,
+                                   cwd=REPO)
+                self.assertEqual(r.returncode, 0, r.stderr)
+            missing = os.path.join(d, "none.kvqcal")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "generate", "--threads", "1", "--prompt", "hi",
+                                "--arm", f"kvquant:b3:cal={missing}"], capture_output=True, text=True, timeout=120,
+                               cwd=REPO)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn(f"cannot open KVQuant calibration '{missing}'", r.stderr)
+            r = subprocess.run([os.path.abspath(KV_STUDY), "calibrate", "--seed", "1234", "--out", cal],
+                               capture_output=True, text=True, timeout=120, cwd=REPO)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("is the evaluation seed", r.stderr)
+        r = run("list")
+        self.assertIn("kvquant", r.stdout)
+        self.assertIn("cal=<text>", r.stdout)
+
     def test_control_reproduces_unmanaged_generation_on_the_default_suite(self):
         """fp32+full through the CacheManager (block storage, attend() reading the blocks) gives
         every one of the 222 default-suite replies that unmanaged greedy decoding gives: the

@@ -15,6 +15,14 @@
 ///   - `kivi:k<b>:v<b>:g<G>:r<R>` (KIVI, arXiv 2402.02750): keys `int<k>:g<G>:chan` with an
 ///     R-token residual flushed in blocks of R, values `int<v>:g<G>` with a sliding R-token
 ///     residual; b ∈ {2, 3, 4, 8}, R a positive multiple of G, head_dim divisible by G.
+///   - `kvquant:b<b>[:o<percent>][:c<slots>][:f<N>][:qnorm]:cal=<file>` (KVQuant, arXiv 2401.18079;
+///     kvcache/kvquant.h): pre-RoPE keys (required_key_storage() = kPreRoPE) per channel with
+///     the calibrated static ranges of each layer and head, values per token with dynamic
+///     ranges; b ∈ {2, 3, 4} bits through the layer's k-means codebooks (`qnorm`: with Q-Norm);
+///     `o` percent outliers (1 = sparsity 0.99) kept in fp16 with their indices (keys: `c`
+///     slots per token, default max(2, ceil(4 · D · (1 − p)))); the first N
+///     tokens kept in fp16 (`f`); no residual window (residual_length must be 0). The
+///     calibration must be of the cache's geometry (L, H_kv, D), else InvalidArgument naming both.
 ///   - `had(<scheme>)` / `had:k(<scheme>)` (Hadamard rotation: QuaRot, arXiv 2404.00456;
 ///     llama.cpp's rotated KV cache): the wrapped scheme with the quantized K and V (or K
 ///     only) stored as `had(<quantizer>)`: each token's row of D values multiplied by the
@@ -81,6 +89,14 @@ struct StreamSpec {
   int64_t residual = 0;  ///< R: full-precision recent tokens, in [0, kMaxTokens]
   ResidualFlush flush = ResidualFlush::kSliding;
   at::ScalarType residual_dtype = at::kHalf;  ///< float16 or float32: residual (and converted) rows
+  /// Optional: one quantizer per KV head (size H_kv), each with `quantizer`'s StoredLayout,
+  /// for formats whose static side data differs by head (KVQuant's calibrated per-channel key
+  /// ranges: each head's channels have their own). Empty: `quantizer` stores every head.
+  std::vector<std::shared_ptr<const Quantizer>> head_quantizers;
+  /// Attention-sink tokens: the first `sink_tokens` tokens written to the stream are stored in
+  /// `residual_dtype` for good (never quantized, outside the residual window), in [0,
+  /// kMaxTokens]. 0: none (KVQuant's first-few fp16 option sets it).
+  int64_t sink_tokens = 0;
 };
 
 /// Both streams of one layer.

@@ -8,7 +8,9 @@
 /// Grammar: `head(:field)*[@budget]` or, for a wrapper, `head(:field)*(spec)`
 ///   - `head`    : lowercase identifier, e.g. `int4`, `fp8`, `kivi`, `sink`, `had`.
 ///   - `field`   : either `key<number>` (e.g. `g64`, `r128`, `seed7`, `k2`) for a numeric
-///                 parameter, or a bare word (e.g. `e4m3`, `chan`) for a choice parameter.
+///                 parameter, a bare word (e.g. `e4m3`, `chan`) for a choice parameter, or
+///                 `key=text` for a text parameter (a file path: `kvquant:b3:cal=runs/c.kvqcal`;
+///                 the text is non-empty and holds none of `: ( ) @ + ,` or blanks).
 ///   - `(spec)`  : only for wrappers (`had(int4)`, `had:k(kivi:k2:v2:g32:r128)`): the spec it
 ///                 transforms, itself any quantizer or cache-scheme spec.
 ///   - `@budget` : only for eviction policies: `@<N>` tokens or `@<P>%` of the request's
@@ -38,8 +40,9 @@ inline constexpr int64_t kMaxTokens = 1000000000;
 
 /// One parameter an implementation accepts in its spec string.
 struct ParamDef {
-  enum class Kind { kInt, kFloat, kChoice };
-  std::string key;      ///< numeric: the key letters (`g`); choice: a name for the group (`format`)
+  enum class Kind { kInt, kFloat, kChoice, kText };
+  /// numeric and text: the key letters (`g`, `cal`); choice: a name for the group (`format`)
+  std::string key;
   std::string help;     ///< one line for `--list` output
   Kind kind = Kind::kInt;
   double default_value = 0;  ///< numeric default (ignored for choices)
@@ -77,6 +80,9 @@ class ParsedSpec {
   int64_t integer(const std::string& key) const { return static_cast<int64_t>(num(key)); }
   /// Selected word of choice param `key`.
   const std::string& choice(const std::string& key) const;
+  /// Value of text param `key` ("" when not given: a text param's default is empty).
+  /// @throws InternalError if `key` is not a text param of the table.
+  const std::string& str(const std::string& key) const;
   /// True if the param was given explicitly in the spec string.
   bool is_set(const std::string& key) const;
   /// Canonical text (the rule of canonical_spec()): head, then the non-default and `shown`
@@ -93,8 +99,9 @@ class ParsedSpec {
 };
 
 /// The canonical rule, applied to values: `table.head`, then, in table order, every param
-/// whose value (`nums` for numeric params, `choices` for choice params; a param missing
-/// from both maps has its default) differs from its default or that is `shown`. Every
+/// whose value (`nums` for numeric params, `choices` for choice and text params; a param
+/// missing from both maps has its default) differs from its default or that is `shown`
+/// (a text param prints as `key=text`, and only when non-empty). Every
 /// `spec()` of the library is this function of its parameters.
 /// @throws InternalError if a value names no param of the table.
 std::string canonical_spec(const ParamTable& table, const std::map<std::string, double>& nums,

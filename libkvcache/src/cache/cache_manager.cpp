@@ -221,19 +221,31 @@ struct CacheManager::Impl {
                               pool_for(cache::BlockFormat::bytes_for(q, cfg.head_dim, capacity)));
   }
 
-  void setup_stream(cache::StreamSetup& st, const StreamSpec& spec) {
+  cache::StreamFormats stream_formats(const Quantizer& main, const StreamSpec& spec) {
     using F = cache::StreamFormats;
-    st.spec = spec;
-    const Quantizer& main = *spec.quantizer;
+    cache::StreamFormats out;
     const Quantizer& residual = spec.residual_dtype == at::kFloat ? *f32 : *f16;
     const StoredLayout ml = main.stored_layout(cfg.head_dim);
-    st.formats.f[F::kMain] = format(main, ml.token_readable() ? block_tokens : ml.group_tokens);
-    st.formats.f[F::kResidual] = format(residual, block_tokens);
-    st.formats.f[F::kFallback] = format(*f32, block_tokens);
+    out.f[F::kMain] = format(main, ml.token_readable() ? block_tokens : ml.group_tokens);
+    out.f[F::kResidual] = format(residual, block_tokens);
+    out.f[F::kFallback] = format(*f32, block_tokens);
     if (!ml.token_readable()) {
       // Survivors of a per-channel group move to small blocks no larger than the group.
       const int64_t cap = ml.group_bytes() / residual.stored_layout(cfg.head_dim).group_bytes();
-      if (cap >= 1) st.formats.f[F::kConverted] = format(residual, cap);
+      if (cap >= 1) out.f[F::kConverted] = format(residual, cap);
+    }
+    return out;
+  }
+
+  void setup_stream(cache::StreamSetup& st, const StreamSpec& spec) {
+    st.spec = spec;
+    st.formats = stream_formats(*spec.quantizer, spec);
+    st.head_formats.clear();
+    if (!spec.head_quantizers.empty()) {
+      KV_INTERNAL_ASSERT(static_cast<int64_t>(spec.head_quantizers.size()) == cfg.num_kv_heads, "cache scheme '",
+                         cfg.scheme, "' gave ", spec.head_quantizers.size(), " head quantizers for ",
+                         cfg.num_kv_heads, " KV heads");
+      for (const auto& q : spec.head_quantizers) st.head_formats.push_back(stream_formats(*q, spec));
     }
   }
 

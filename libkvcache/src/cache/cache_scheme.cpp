@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "cache/kvquant_scheme.h"
 #include "common/registry.h"
 #include "kvcache/error.h"
 #include "quant/gear_quantizer.h"
@@ -117,8 +118,8 @@ class KiviScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf};
-    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf};
+    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf, {}, 0};
+    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf, {}, 0};
     return s;
   }
 
@@ -199,8 +200,8 @@ class GearScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, block_, ResidualFlush::kBlock, at::kHalf};
-    s.value = {value_, block_, ResidualFlush::kBlock, at::kHalf};
+    s.key = {key_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0};
+    s.value = {value_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0};
     return s;
   }
 
@@ -225,6 +226,11 @@ class RotationScheme final : public CacheScheme {
                  "': the Hadamard rotation needs head_dim a power of two, got head_dim=", g.head_dim,
                  " (H_D is built by Sylvester's doubling)");
     LayerStreams s = inner_->streams(g, layer, residual_length);
+    // Per-head quantizers (KVQuant) carry ranges calibrated on the unrotated channels: rotating
+    // their input would quantize other numbers than the calibration saw.
+    KV_CHECK_ARG(s.key.head_quantizers.empty() && s.value.head_quantizers.empty(), "cache scheme '", spec(),
+                 "': the Hadamard rotation cannot wrap '", inner_->spec(),
+                 "', whose per-channel ranges are calibrated on the unrotated channels");
     s.key.quantizer = rotated(s.key.quantizer);
     if (values_) s.value.quantizer = rotated(s.value.quantizer);
     return s;
@@ -258,6 +264,7 @@ std::vector<Entry> scheme_entries() {
     return std::make_unique<KiviScheme>(p);
   };
   v.push_back(std::move(kivi));
+  v.push_back(kvquant_entry());
 
   Entry had;
   had.kind = SpecKind::kCacheScheme;

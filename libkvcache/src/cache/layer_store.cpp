@@ -25,8 +25,8 @@ std::vector<int64_t> HeadStream::positions() const {
 LayerStore::LayerStore(const StreamSetup* key, const StreamSetup* value, int64_t num_heads, int64_t head_dim)
     : ks_(key), vs_(value), head_dim_(head_dim) {
   for (int64_t h = 0; h < num_heads; ++h) {
-    k_.push_back(HeadStream{BlockList(&ks_->formats), BlockList(&ks_->formats)});
-    v_.push_back(HeadStream{BlockList(&vs_->formats), BlockList(&vs_->formats)});
+    k_.push_back(HeadStream{BlockList(ks_->formats_for(h)), BlockList(ks_->formats_for(h))});
+    v_.push_back(HeadStream{BlockList(vs_->formats_for(h)), BlockList(vs_->formats_for(h))});
   }
 }
 
@@ -38,6 +38,17 @@ void LayerStore::set_scales(float k, float v) {
 
 void LayerStore::write_stream(HeadStream& s, const StreamSetup& st, float scale, const float* x, const int64_t* pos,
                               int64_t n) {
+  // Attention sinks: the stream's first sink_tokens tokens go to the quantized list in the
+  // residual dtype and stay there (older than every other token, so the order holds).
+  const int64_t ns = std::min<int64_t>(n, std::max<int64_t>(0, st.spec.sink_tokens - s.written));
+  s.written += n;
+  if (ns > 0) {
+    s.quant.append(StreamFormats::kResidual, x, pos, ns, 1.0f);
+    x += ns * head_dim_;
+    pos += ns;
+    n -= ns;
+    if (n == 0) return;
+  }
   if (st.direct()) {
     s.quant.append(StreamFormats::kMain, x, pos, n, scale);
     return;
@@ -80,14 +91,19 @@ void LayerStore::adopt(int64_t h, const std::vector<Block>& k, const std::vector
   KV_INTERNAL_ASSERT(ks.live() == 0 && vs.live() == 0, "adopt into a non-empty head ", h);
   for (const Block& b : k) ks.quant.adopt(b);
   for (const Block& b : v) vs.quant.adopt(b);
+  ks.written = ks.live();
+  vs.written = vs.live();
 }
 
 int64_t LayerStore::write_bound(int64_t n) const {
   if (n <= 0) return 0;
   auto stream = [&](const HeadStream& s, const StreamSetup& st) {
-    if (st.direct()) return s.quant.append_bound(StreamFormats::kMain, n);
-    const int64_t r = s.resid.live() + n;
-    return s.resid.append_bound(StreamFormats::kResidual, n) +
+    const int64_t ns = std::min<int64_t>(n, std::max<int64_t>(0, st.spec.sink_tokens - s.written));
+    const int64_t sinks = s.quant.append_bound(StreamFormats::kResidual, ns);
+    const int64_t m = n - ns;
+    if (st.direct()) return sinks + s.quant.append_bound(StreamFormats::kMain, m);
+    const int64_t r = s.resid.live() + m;
+    return sinks + s.resid.append_bound(StreamFormats::kResidual, m) +
            s.quant.append_bound(StreamFormats::kMain, st.flush_count(r));
   };
   int64_t bytes = 0;
@@ -149,6 +165,7 @@ void LayerStore::clear() {
     for (HeadStream* s : {&k_[h], &v_[h]}) {
       s->quant.clear();
       s->resid.clear();
+      s->written = 0;
     }
   }
   k_scale_ = v_scale_ = 1.0f;

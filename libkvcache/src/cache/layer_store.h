@@ -20,6 +20,12 @@ namespace kvcache::cache {
 struct StreamSetup {
   StreamSpec spec;
   StreamFormats formats;
+  /// Per KV head, when the scheme gives head quantizers (StreamSpec::head_quantizers): the
+  /// same layouts as `formats`, each head's own quantizer. Empty: `formats` for every head.
+  std::vector<StreamFormats> head_formats;
+  const StreamFormats* formats_for(int64_t h) const {
+    return head_formats.empty() ? &formats : &head_formats[static_cast<size_t>(h)];
+  }
   /// Number of oldest residual tokens the flush rule moves out of a residual of `r` tokens.
   int64_t flush_count(int64_t r) const;
   bool direct() const { return spec.residual == 0 && spec.flush == ResidualFlush::kSliding; }
@@ -28,6 +34,8 @@ struct StreamSetup {
 /// One stream of one KV head.
 struct HeadStream {
   BlockList quant, resid;
+  /// Tokens ever written or adopted (StreamSpec::sink_tokens: the first ones stay unquantized).
+  int64_t written = 0;
   int64_t live() const { return quant.live() + resid.live(); }
   int64_t bytes_resident() const { return quant.bytes_resident() + resid.bytes_resident(); }
   int64_t bytes_reserved() const { return quant.bytes_reserved() + resid.bytes_reserved(); }

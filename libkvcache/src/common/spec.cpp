@@ -49,6 +49,8 @@ std::string allowed_fields(const ParamTable& table) {
     if (p.kind == ParamDef::Kind::kChoice) {
       for (size_t i = 0; i < p.choices.size(); ++i) os << (i ? "|" : "") << p.choices[i];
       os << " (" << p.help << ")";
+    } else if (p.kind == ParamDef::Kind::kText) {
+      os << p.key << "=<text> (" << p.help << ")";
     } else {
       os << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << " in " << value_set(p)
          << "> (" << p.help << ", default " << format_number(p.default_value) << ")";
@@ -113,6 +115,8 @@ ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
     if (p.kind == ParamDef::Kind::kChoice) {
       KV_INTERNAL_ASSERT(!p.choices.empty(), "choice param without choices");
       out.choices_[p.key] = p.choices[0];
+    } else if (p.kind == ParamDef::Kind::kText) {
+      out.choices_[p.key] = "";
     } else {
       out.nums_[p.key] = p.default_value;
     }
@@ -122,6 +126,22 @@ ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
     const std::string& f = parts[i];
     const ParamDef* match = nullptr;
     std::string value_text;
+    // key=text of a text param?
+    const auto eq = f.find('=');
+    if (eq != std::string::npos) {
+      for (const auto& p : table.params) {
+        if (p.kind == ParamDef::Kind::kText && f.compare(0, eq, p.key) == 0 && eq == p.key.size()) match = &p;
+      }
+      KV_CHECK_ARG(match != nullptr, "spec '", text, "': unknown field '", f, "'; ", allowed_fields(table));
+      const std::string v = f.substr(eq + 1);
+      KV_CHECK_ARG(!v.empty(), "spec '", text, "': field '", f, "': empty ", match->key, " (", match->help, ")");
+      KV_CHECK_ARG(v.find_first_of("()@+, \t\n") == std::string::npos, "spec '", text, "': field '", f, "': ",
+                   match->key, " must not hold any of ': ( ) @ + ,' or blanks (", match->help, ")");
+      KV_CHECK_ARG(!out.set_[match->key], "spec '", text, "': '", match->key, "' given twice");
+      out.choices_[match->key] = v;
+      out.set_[match->key] = true;
+      continue;
+    }
     // A bare word of a choice param?
     for (const auto& p : table.params) {
       if (p.kind != ParamDef::Kind::kChoice) continue;
@@ -138,7 +158,7 @@ ParsedSpec ParsedSpec::parse(const std::string& text, const ParamTable& table) {
     }
     // key<number>: the longest numeric key that prefixes the field.
     for (const auto& p : table.params) {
-      if (p.kind == ParamDef::Kind::kChoice) continue;
+      if (p.kind == ParamDef::Kind::kChoice || p.kind == ParamDef::Kind::kText) continue;
       if (f.size() > p.key.size() && f.compare(0, p.key.size(), p.key) == 0) {
         std::string rest = f.substr(p.key.size());
         if (!(std::isdigit(static_cast<unsigned char>(rest[0])) || rest[0] == '.' || rest[0] == '-')) continue;
@@ -188,6 +208,14 @@ const std::string& ParsedSpec::choice(const std::string& key) const {
   return it->second;
 }
 
+const std::string& ParsedSpec::str(const std::string& key) const {
+  const bool text_param = table_ != nullptr && std::any_of(table_->params.begin(), table_->params.end(), [&](const ParamDef& p) {
+                            return p.key == key && p.kind == ParamDef::Kind::kText;
+                          });
+  KV_INTERNAL_ASSERT(text_param, "no text param '", key, "' in spec ", head_);
+  return choices_.at(key);
+}
+
 bool ParsedSpec::is_set(const std::string& key) const {
   auto it = set_.find(key);
   return it != set_.end() && it->second;
@@ -210,12 +238,18 @@ std::string canonical_spec(const ParamTable& table, const std::map<std::string, 
   for (const auto& entry : choices) {
     const std::string& key = entry.first;
     KV_INTERNAL_ASSERT(std::any_of(table.params.begin(), table.params.end(),
-                                   [&](const ParamDef& p) { return p.key == key && p.kind == ParamDef::Kind::kChoice; }),
-                       "canonical_spec(", table.head, "): no choice param '", key, "'");
+                                   [&](const ParamDef& p) {
+                                     return p.key == key &&
+                                            (p.kind == ParamDef::Kind::kChoice || p.kind == ParamDef::Kind::kText);
+                                   }),
+                       "canonical_spec(", table.head, "): no choice or text param '", key, "'");
   }
   std::string out = table.head;
   for (const auto& p : table.params) {
-    if (p.kind == ParamDef::Kind::kChoice) {
+    if (p.kind == ParamDef::Kind::kText) {
+      const auto it = choices.find(p.key);
+      if (it != choices.end() && !it->second.empty()) out += ":" + p.key + "=" + it->second;
+    } else if (p.kind == ParamDef::Kind::kChoice) {
       const auto it = choices.find(p.key);
       const std::string& c = it == choices.end() ? p.choices[0] : it->second;
       if (c != p.choices[0] || p.shown) out += ":" + c;
@@ -352,6 +386,8 @@ std::string describe(const ParamTable& table) {
       os << "    ";
       for (size_t i = 0; i < p.choices.size(); ++i) os << (i ? "|" : "") << p.choices[i];
       os << "  " << p.help << " (default " << p.choices[0] << ")\n";
+    } else if (p.kind == ParamDef::Kind::kText) {
+      os << "    " << p.key << "=<text>  " << p.help << "\n";
     } else {
       os << "    " << p.key << "<" << (p.kind == ParamDef::Kind::kInt ? "int" : "number") << ">  " << p.help
          << " (default " << format_number(p.default_value) << ", " << (p.allowed.empty() ? "range " : "one of ")

@@ -177,7 +177,7 @@ class ModelArmEvaluator : public ArmEvaluator {
       h = model_.finish(l, h, reference_attention(q, k, v, k_pos, pos).to(h.scalar_type()));
       const bool wanted = opt_.capture_layers.empty() ||
                           std::find(opt_.capture_layers.begin(), opt_.capture_layers.end(), l) != opt_.capture_layers.end();
-      if (wanted) captured_.push_back(QkvSample{l, q, k, v});
+      if (wanted) captured_.push_back(QkvSample{l, q, k, v, x.k.to(at::kFloat)});
     }
     KV_CHECK_ARG(!captured_.empty(), "capture_layers selects no layer of the model (", c.num_hidden_layers, " layers)");
     return captured_;
@@ -199,6 +199,8 @@ class ModelArmEvaluator : public ArmEvaluator {
     CacheConfig cfg = model_.cache_config();
     cfg.scheme = arm.scheme;
     cfg.policy = arm.policy;
+    // A scheme that needs a key storage (KVQuant: pre-RoPE keys) gets it.
+    if (const auto ks = make_cache_scheme(arm.scheme)->required_key_storage()) cfg.key_storage = *ks;
     return cfg;
   }
 

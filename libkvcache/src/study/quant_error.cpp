@@ -59,9 +59,13 @@ ReconstructionResult measure_reconstruction(const std::string& quant, const std:
   Pooled k;
   Pooled v;
   double bits = 0;
+  // A scheme that stores keys before RoPE (KVQuant) quantizes the pre-RoPE keys.
+  const bool pre_rope = scheme->required_key_storage() == KeyStorage::kPreRoPE;
   for (const auto& s : samples) {
+    KV_CHECK_ARG(!pre_rope || s.k_pre.defined(), "measure_reconstruction('", quant,
+                 "'): the scheme stores pre-RoPE keys, and these samples hold none (capture them from a model)");
     const LayerStreams st = scheme->streams(geometry, s.layer, 0);
-    k.add(*st.key.quantizer, s.k);
+    k.add(*st.key.quantizer, pre_rope ? s.k_pre : s.k);
     v.add(*st.value.quantizer, s.v);
     bits += 0.5 * (st.key.quantizer->bits_per_value(d) + st.value.quantizer->bits_per_value(d));
   }

@@ -133,6 +133,9 @@ struct QkvSample {
   at::Tensor q;  ///< `[B, H_q, T_q, D]`
   at::Tensor k;  ///< `[B, H_kv, T, D]`
   at::Tensor v;  ///< `[B, H_kv, T, D]`
+  /// The keys before RoPE `[B, H_kv, T, D]` when captured from a model (undefined for synthetic
+  /// samples): what a scheme with pre-RoPE key storage (KVQuant) quantizes.
+  at::Tensor k_pre;
 };
 
 /// Attention error of scheme `g` at `bits` with groups of `group`, averaged over samples

@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file kvquant.h
+/// KVQuant's calibration (KVQuant: Hooper et al., arXiv 2401.18079): per-layer, per-channel
+/// pre-RoPE key ranges and per-layer non-uniform codebooks (k-means over the normalised
+/// calibration values, unweighted: the reference code's path without Fisher information),
+/// their versioned file format (docs/quantizers.md, "KVQuant calibration file") and the fit.
+/// The `kvquant` cache scheme (cache_scheme.h) reads such a file; `kv_study calibrate` writes
+/// one from a model (study/kvquant_calibrate.h).
+///
+/// Conventions:
+///   - sparsity p in (0.9, 1]: the fraction of values kept dense; 0.99 is the paper's "1%
+///     outliers" (0.5% per tail); p = 1 means none (min–max ranges). t = 1 − (1 − p)/2.
+///   - keys are normalised per channel with static ranges: offset = (upper + lower)/2,
+///     range = (upper − lower)/2, y = (x − offset)/range in [−1, 1]; values the same per
+///     token with the token's own (dynamic) range.
+///   - codebooks hold 2^b centroids in normalised units, ascending.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvcache {
+
+/// The calibration file format version written and accepted.
+inline constexpr uint32_t kKvquantCalibrationVersion = 1;
+
+/// One codebook: 2^bits centroids, ascending, float32, normalised units.
+struct KvquantCodebook {
+  int bits = 0;
+  std::vector<float> centroids;
+  /// Q-Norm (the paper's 2-bit normalisation): centroid' = qnorm_scale · centroid +
+  /// qnorm_shift makes the dequantised calibration values' mean and standard deviation those
+  /// of the normalised values (qnorm_scale > 0, so the order is kept).
+  float qnorm_scale = 1.0f;
+  float qnorm_shift = 0.0f;
+};
+
+/// One layer of one sparsity level.
+struct KvquantLayerCalibration {
+  /// Per-channel key thresholds, float32 `[H_kv · D]` (head-major: index h · D + d), pre-RoPE
+  /// key units: the t-th and (1 − t)-th quantiles of the channel's calibration keys (linear
+  /// interpolation, as torch.quantile); p = 1: the channel's max and min. upper >= lower.
+  std::vector<float> key_lower, key_upper;
+  /// Codebooks of keys and values, one per KvquantCalibration::bits entry, in that order.
+  std::vector<KvquantCodebook> key_codebooks, value_codebooks;
+};
+
+/// Everything fitted at one sparsity level.
+struct KvquantLevel {
+  double sparsity = 1.0;  ///< p
+  std::vector<KvquantLayerCalibration> layers;  ///< L entries
+};
+
+/// A KVQuant calibration of one model.
+struct KvquantCalibration {
+  int64_t num_layers = 0;    ///< L
+  int64_t num_kv_heads = 0;  ///< H_kv
+  int64_t head_dim = 0;      ///< D
+  int64_t tokens = 0;        ///< calibration tokens the fit saw (informational)
+  std::string source;        ///< what was calibrated (model path, text), informational
+  std::vector<int> bits;     ///< codebook widths, ascending, each in {2, 3, 4}
+  std::vector<KvquantLevel> levels;  ///< one per sparsity, ascending sparsity
+
+  /// The level of sparsity `p` (exact match). @throws InvalidArgument listing those held.
+  const KvquantLevel& level(double p) const;
+  /// Index of `bits` in `bits`. @throws InvalidArgument listing those held.
+  size_t bits_index(int bits) const;
+  /// @throws InvalidArgument naming `what` when a field is inconsistent (sizes, order, ranges).
+  void check(const std::string& what) const;
+};
+
+/// Options of fit_kvquant_calibration().
+struct KvquantFitOptions {
+  std::vector<int> bits = {2, 3, 4};           ///< codebook widths
+  std::vector<double> sparsities = {0.99, 1.0};  ///< levels
+  int max_iter = 50;                            ///< Lloyd iterations per codebook (sklearn's max_iter)
+  /// Values pooled per codebook at most: a larger pool is subsampled with a fixed stride
+  /// (deterministic). 0: no limit.
+  int64_t max_samples = 1 << 20;
+};
+
+/// Fits a calibration from captured activations: `keys[l]`, `values[l]` float32 `[N, H_kv, D]`
+/// (N calibration tokens of layer l; keys pre-RoPE). Per level p: key thresholds per channel
+/// (quantiles t, 1 − t); keys normalised with them, the non-outliers (lower <= x <= upper)
+/// pooled over the layer's heads and tokens; values: per token and head, the
+/// kvquant_tail_count(D, p) largest and smallest are outliers (select_tails()), the rest
+/// normalised by their own min/max and pooled; one k-means codebook (kmeans_1d) per layer,
+/// stream and width, with its Q-Norm correction.
+/// @throws InvalidArgument on empty input, mismatched shapes, non-finite values, bad options.
+KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                           const KvquantFitOptions& options, const std::string& source);
+
+/// Writes `c` to `path` atomically (io::write_file_atomic) in the versioned binary format of
+/// docs/quantizers.md. @throws InvalidArgument if `c` is inconsistent or the write fails.
+void save_kvquant_calibration(const KvquantCalibration& c, const std::string& path);
+
+/// Reads a calibration file. @throws InvalidArgument naming the path: missing or unreadable,
+/// not a regular file or above 1 GiB, not a calibration file (magic), another version (naming
+/// both), truncated or with trailing bytes (naming the sizes), a checksum mismatch,
+/// inconsistent contents.
+KvquantCalibration load_kvquant_calibration(const std::string& path);
+
+// ---- the math, exposed for tests and tools ----------------------------------------------
+
+/// Outliers per tail of an n-value vector at sparsity p: n − ceil(t · (n − 1)) (t = 1 − (1 −
+/// p)/2), the count torch.quantile's inclusive compare selects from n distinct values; 0 for
+/// p = 1. E.g. n = 4096, p = 0.99: 21 (the reference code's top-21); n = 32: 1.
+int64_t kvquant_tail_count(int64_t n, double p);
+
+/// Exactly k largest and then exactly k smallest of the other values of x[i · stride], i in
+/// [0, n), ties broken by the lower index: indices, the k upper ones first (each tail in rank
+/// order). 2k <= n. A constant vector gives indices 0..k−1 (upper) and k..2k−1 (lower).
+std::vector<int64_t> select_tails(const float* x, int64_t n, int64_t stride, int64_t k);
+
+/// The q-quantile (q in [0, 1]) of `sorted` (ascending, non-empty) with linear interpolation
+/// between the two nearest ranks (torch.quantile's default).
+float quantile_sorted(const std::vector<float>& sorted, double q);
+
+/// 1-D k-means (Lloyd), k centroids over x[0, n) (finite; n >= 1): quantile initialisation
+/// (centroid j starts at the (j + 0.5)/k quantile of x: deterministic, no seed), then
+/// assignment to the nearest centroid (a value at an exact midpoint goes to the lower one) and
+/// centroid = mean of its members, until no assignment changes or `max_iter` iterations; an
+/// empty cluster keeps its centroid. Returns k centroids, ascending (equal ones possible when x
+/// has fewer than k distinct values).
+std::vector<float> kmeans_1d(const float* x, int64_t n, int k, int max_iter);
+
+}  // namespace kvcache

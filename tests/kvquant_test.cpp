@@ -1,0 +1,557 @@
+// SPDX-License-Identifier: Apache-2.0
+// KVQuant (arXiv 2401.18079): the calibration math (tail selection, quantiles, k-means), the
+// calibration file and its errors, the stored form of keys and values (hand-checked bytes),
+// the `kvquant` scheme's spec, geometry checks, bytes and attention through the cache.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <set>
+#include <unistd.h>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "cache_test_util.h"
+#include "kvcache/attention.h"
+#include "kvcache/cache_manager.h"
+#include "kvcache/cache_scheme.h"
+#include "kvcache/error.h"
+#include "kvcache/kvquant.h"
+#include "kvcache/study/kvquant_calibrate.h"
+#include "quant/kvquant_quantizer.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::make_config;
+using testing::positions_range;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "kvquant_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+/// A hand-made calibration: every channel's thresholds [-1, 1] (offset 0, range 1), codebooks
+/// of uniform centroids (2 bits: ±0.25, ±0.75), Q-Norm scale 2 / shift 0.5, levels p = 0.99, 1.
+KvquantCalibration uniform_calibration(int64_t L, int64_t H, int64_t D) {
+  KvquantCalibration c;
+  c.num_layers = L;
+  c.num_kv_heads = H;
+  c.head_dim = D;
+  c.tokens = 1;
+  c.source = "hand-made";
+  c.bits = {2, 3, 4};
+  for (double p : {0.99, 1.0}) {
+    KvquantLevel lv;
+    lv.sparsity = p;
+    for (int64_t l = 0; l < L; ++l) {
+      KvquantLayerCalibration lc;
+      lc.key_lower.assign(static_cast<size_t>(H * D), -1.0f);
+      lc.key_upper.assign(static_cast<size_t>(H * D), 1.0f);
+      for (int b : c.bits) {
+        KvquantCodebook cb;
+        cb.bits = b;
+        const int k = 1 << b;
+        for (int j = 0; j < k; ++j) cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
+        cb.qnorm_scale = 2.0f;
+        cb.qnorm_shift = 0.5f;
+        lc.key_codebooks.push_back(cb);
+        lc.value_codebooks.push_back(cb);
+      }
+      lv.layers.push_back(lc);
+    }
+    c.levels.push_back(lv);
+  }
+  return c;
+}
+
+std::string write_uniform(const std::string& name, int64_t L, int64_t H, int64_t D) {
+  const std::string path = temp_path(name);
+  save_kvquant_calibration(uniform_calibration(L, H, D), path);
+  return path;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+}
+
+uint16_t half_of(float x) { return c10::Half(x).x; }
+
+// ------------------------------------------------------------ the math
+
+TEST(KvquantMath, TailCountIsTorchQuantileInclusiveCount) {
+  EXPECT_EQ(kvquant_tail_count(4096, 0.99), 21);  // the reference code's top-21 for LLaMA-7B's 4096 channels
+  EXPECT_EQ(kvquant_tail_count(32, 0.99), 1);     // ceil(0.995 · 31 = 30.845) = 31 → 32 − 31
+  EXPECT_EQ(kvquant_tail_count(64, 0.99), 1);
+  EXPECT_EQ(kvquant_tail_count(201, 0.99), 2);  // 0.995 · 200 = 199 exactly: ranks 199 and 200
+  EXPECT_EQ(kvquant_tail_count(32, 1.0), 0);
+  EXPECT_EQ(kvquant_tail_count(8, 0.95), 1);  // ceil(0.975 · 7 = 6.825) = 7
+  EXPECT_THAT(error_of([] { (void)kvquant_tail_count(8, 0.5); }), HasSubstr("sparsity 0.5 must be in (0.9, 1]"));
+}
+
+TEST(KvquantMath, TiedValuesSelectExactlyKLowestIndexFirst) {
+  // A constant vector: exactly k per tail, not every entry (an inclusive quantile compare
+  // would send all of them to the sparse side).
+  const std::vector<float> flat(8, 5.0f);
+  EXPECT_EQ(select_tails(flat.data(), 8, 1, 1), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(select_tails(flat.data(), 8, 1, 2), (std::vector<int64_t>{0, 1, 2, 3}));
+  // Ties inside each tail go to the lower index.
+  const std::vector<float> x = {3, 1, 3, 0, 0, 2};
+  EXPECT_EQ(select_tails(x.data(), 6, 1, 1), (std::vector<int64_t>{0, 3}));
+  EXPECT_EQ(select_tails(x.data(), 6, 1, 2), (std::vector<int64_t>{0, 2, 3, 4}));
+  // Strided: a channel of a [N, C] row-major matrix (column 1 of 3 columns: 7, 7, 7, 7).
+  const std::vector<float> m = {0, 7, 0, 1, 7, 1, 2, 7, 2, 3, 7, 3};
+  EXPECT_EQ(select_tails(m.data() + 1, 4, 3, 1), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(select_tails(x.data(), 6, 1, 0), (std::vector<int64_t>{}));
+}
+
+TEST(KvquantMath, QuantileInterpolatesLinearly) {
+  const std::vector<float> s = {0, 1, 2, 3, 4};
+  EXPECT_FLOAT_EQ(quantile_sorted(s, 0.995), 3.98f);
+  EXPECT_FLOAT_EQ(quantile_sorted(s, 0.005), 0.02f);
+  EXPECT_FLOAT_EQ(quantile_sorted(s, 1.0), 4.0f);
+  EXPECT_FLOAT_EQ(quantile_sorted(s, 0.0), 0.0f);
+  EXPECT_FLOAT_EQ(quantile_sorted(s, 0.5), 2.0f);
+}
+
+TEST(KvquantMath, KMeansRecoversTwoClusterCentres) {
+  // Two clusters, centres -1 and 2.25 (quantile init at -0.9375 and 2.4375, one Lloyd step).
+  const std::vector<float> x = {-1.25f, 2.0f, -1.0f, 2.5f, -0.75f, 2.25f};
+  const std::vector<float> c = kmeans_1d(x.data(), 6, 2, 50);
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_FLOAT_EQ(c[0], -1.0f);
+  EXPECT_FLOAT_EQ(c[1], 2.25f);
+  // Four clusters of 16 around 0, 1, 10, 11: each quantile start lies in its own cluster.
+  std::vector<float> y;
+  for (float centre : {0.0f, 1.0f, 10.0f, 11.0f}) {
+    for (int i = 0; i < 16; ++i) y.push_back(centre + (i % 2 == 0 ? -0.125f : 0.125f));
+  }
+  const std::vector<float> c4 = kmeans_1d(y.data(), static_cast<int64_t>(y.size()), 4, 50);
+  EXPECT_EQ(c4, (std::vector<float>{0.0f, 1.0f, 10.0f, 11.0f}));
+  // Fewer distinct values than k: equal centroids, still ascending.
+  const std::vector<float> z = {1.0f, 1.0f, 1.0f};
+  EXPECT_EQ(kmeans_1d(z.data(), 3, 2, 50), (std::vector<float>{1.0f, 1.0f}));
+}
+
+TEST(KvquantMath, FitSetsPerChannelThresholdsAndQNorm) {
+  // One layer, one head, D = 2, N = 5 tokens: channel 0 = 0..4, channel 1 constant 7.
+  at::Tensor k = at::zeros({5, 1, 2});
+  for (int i = 0; i < 5; ++i) {
+    k[i][0][0] = static_cast<float>(i);
+    k[i][0][1] = 7.0f;
+  }
+  at::Tensor v = k.clone();
+  KvquantFitOptions o;
+  o.bits = {2};
+  o.sparsities = {1.0, 0.99};
+  const KvquantCalibration c = fit_kvquant_calibration({k}, {v}, o, "test");
+  EXPECT_EQ(c.num_layers, 1);
+  EXPECT_EQ(c.num_kv_heads, 1);
+  EXPECT_EQ(c.head_dim, 2);
+  ASSERT_EQ(c.levels.size(), 2u);
+  EXPECT_EQ(c.levels[0].sparsity, 0.99);  // ascending
+  const auto& l99 = c.levels[0].layers[0];
+  EXPECT_FLOAT_EQ(l99.key_lower[0], 0.02f);  // 0.5th percentile of 0..4
+  EXPECT_FLOAT_EQ(l99.key_upper[0], 3.98f);
+  EXPECT_EQ(l99.key_lower[1], 7.0f);  // a constant channel: no range, no outliers (strict compare)
+  EXPECT_EQ(l99.key_upper[1], 7.0f);
+  const auto& l100 = c.levels[1].layers[0];
+  EXPECT_EQ(l100.key_lower[0], 0.0f);  // p = 1: min-max
+  EXPECT_EQ(l100.key_upper[0], 4.0f);
+  // Q-Norm: the dequantised calibration values have the mean and std of the normalised ones.
+  // p = 1 keys pooled: channel 0 normalised (x − 2)/2 = {-1, -0.5, 0, 0.5, 1}, channel 1 → 0 ×5.
+  const KvquantCodebook& cb = l100.key_codebooks[0];
+  std::vector<float> pool = {-1, -0.5f, 0, 0.5f, 1, 0, 0, 0, 0, 0};
+  double m = 0, m2 = 0, q = 0, q2 = 0;
+  for (float y : pool) {
+    size_t best = 0;
+    for (size_t j = 1; j < cb.centroids.size(); ++j) {
+      if (std::fabs(cb.centroids[j] - y) < std::fabs(cb.centroids[best] - y)) best = j;
+    }
+    const double r = cb.qnorm_scale * cb.centroids[best] + cb.qnorm_shift;
+    m += y;
+    m2 += y * y;
+    q += r;
+    q2 += r * r;
+  }
+  EXPECT_NEAR(q / 10, m / 10, 1e-6);
+  EXPECT_NEAR(q2 / 10 - (q / 10) * (q / 10), m2 / 10 - (m / 10) * (m / 10), 1e-6);
+}
+
+// ------------------------------------------------------------ the file
+
+TEST(KvquantFile, RoundTripsExactly) {
+  const KvquantCalibration c = uniform_calibration(2, 2, 8);
+  const std::string path = temp_path("rt.kvqcal");
+  save_kvquant_calibration(c, path);
+  const KvquantCalibration r = load_kvquant_calibration(path);
+  EXPECT_EQ(r.num_layers, 2);
+  EXPECT_EQ(r.num_kv_heads, 2);
+  EXPECT_EQ(r.head_dim, 8);
+  EXPECT_EQ(r.source, "hand-made");
+  EXPECT_EQ(r.bits, c.bits);
+  ASSERT_EQ(r.levels.size(), 2u);
+  EXPECT_EQ(r.levels[1].layers[1].key_codebooks[2].centroids, c.levels[1].layers[1].key_codebooks[2].centroids);
+  EXPECT_EQ(r.levels[0].layers[0].key_upper, c.levels[0].layers[0].key_upper);
+  EXPECT_EQ(r.levels[0].layers[0].value_codebooks[0].qnorm_scale, 2.0f);
+  // Size: header 8 + 4·7 + 8 + 9 (source) + 3·4 (widths); per level 8 + per layer 4·(2·16 +
+  // (4+2) + (8+2) + (16+2) for K and V); checksum 8.
+  const size_t per_layer = 4 * (2 * 16 + 2 * (6 + 10 + 18));
+  EXPECT_EQ(read_bytes(path).size(), 8 + 4 + 4 * 5 + 8 + 4 + 9 + 12 + 2 * (8 + 2 * per_layer) + 8);
+  std::remove(path.c_str());
+}
+
+TEST(KvquantFile, ErrorsNameTheProblem) {
+  const std::string path = write_uniform("err.kvqcal", 1, 1, 4);
+  const std::string good = read_bytes(path);
+  EXPECT_THAT(error_of([] { (void)load_kvquant_calibration("/nonexistent/c.kvqcal"); }),
+              HasSubstr("cannot open KVQuant calibration '/nonexistent/c.kvqcal'"));
+  EXPECT_THAT(error_of([] { (void)load_kvquant_calibration("/dev/null"); }),
+              HasSubstr("KVQuant calibration '/dev/null' is not a regular file"));
+  // Truncated: the header says how long the file must be.
+  write_bytes(path, good.substr(0, good.size() - 5));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }),
+              HasSubstr("is truncated: " + std::to_string(good.size() - 5) + " bytes, its header (L=1, H_kv=1, D=4"));
+  write_bytes(path, good.substr(0, 20));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("is truncated: it ends at byte 20"));
+  // Another version.
+  std::string v2 = good;
+  v2[8] = 2;
+  write_bytes(path, v2);
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }),
+              HasSubstr("has format version 2; this build reads version 1"));
+  // Not a calibration file at all.
+  write_bytes(path, "hello world, not a calibration");
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("is not a KVQuant calibration file"));
+  // A flipped payload byte: the checksum.
+  std::string bad = good;
+  bad[bad.size() - 20] = static_cast<char>(bad[bad.size() - 20] ^ 0x40);
+  write_bytes(path, bad);
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("checksum mismatch"));
+  // Trailing bytes.
+  write_bytes(path, good + "x");
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("1 unexpected bytes after the data"));
+  std::remove(path.c_str());
+}
+
+// ------------------------------------------------------------ the scheme
+
+TEST(KvquantScheme, SpecRoundTripsAndFieldErrors) {
+  const std::string path = write_uniform("spec.kvqcal", 1, 1, 8);
+  const std::string cal = ":cal=" + path;
+  EXPECT_EQ(make_cache_scheme("kvquant" + cal)->spec(), "kvquant:b4" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:b3:o1" + cal)->spec(), "kvquant:b3:o1" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:qnorm:f4:o1:b2" + cal)->spec(), "kvquant:b2:o1:f4:qnorm" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:c3:o1:b3" + cal)->spec(), "kvquant:b3:o1:c3" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:b2:o1:f4:qnorm" + cal)->spec(), "kvquant:b2:o1:f4:qnorm" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:b2:o0:noqnorm" + cal)->spec(), "kvquant:b2" + cal);
+  EXPECT_EQ(make_cache_scheme("kvquant:b2" + cal)->required_key_storage(), KeyStorage::kPreRoPE);
+  EXPECT_THAT(error_of([] { (void)make_cache_scheme("kvquant:b3"); }),
+              HasSubstr("cache scheme 'kvquant:b3': KVQuant needs its calibration: add ':cal=<file>'"));
+  EXPECT_THAT(error_of([&] { (void)make_cache_scheme("kvquant:b5" + cal); }), HasSubstr("b=5 out of range [2, 4]"));
+  EXPECT_THAT(error_of([&] { (void)make_cache_scheme("kvquant:b3:o2" + cal); }),
+              HasSubstr("holds no level for o2 (2% outliers, sparsity 0.98); it holds 1%, 0%"));
+  EXPECT_THAT(error_of([] { (void)make_cache_scheme("kvquant:b3:cal=/nonexistent/x.kvqcal"); }),
+              HasSubstr("cache scheme 'kvquant:b3:cal=/nonexistent/x.kvqcal': cannot open KVQuant calibration"));
+  EXPECT_THAT(error_of([] { (void)make_cache_scheme("kvquant:b3:cal="); }), HasSubstr("empty cal"));
+  EXPECT_THAT(error_of([] { (void)make_cache_scheme("kvquant:b3:zz=1"); }), HasSubstr("unknown field 'zz=1'"));
+  std::remove(path.c_str());
+}
+
+TEST(KvquantScheme, ACalibrationOfAnotherModelIsRejectedNamingBothShapes) {
+  const std::string path = write_uniform("shape.kvqcal", 1, 2, 8);
+  for (const auto& g : {CacheGeometry{2, 2, 8}, CacheGeometry{1, 1, 8}, CacheGeometry{1, 2, 16}}) {
+    auto c = make_config(g.num_layers, 2 * g.num_kv_heads, g.num_kv_heads, g.head_dim, "kvquant:b2:cal=" + path, "full");
+    c.key_storage = KeyStorage::kPreRoPE;
+    EXPECT_THAT(error_of([&] { c.validate(); }),
+                HasSubstr("is for a model of [L=1, H_kv=2, D=8], this cache is [L=" + std::to_string(g.num_layers) +
+                          ", H_kv=" + std::to_string(g.num_kv_heads) + ", D=" + std::to_string(g.head_dim) + "]"));
+  }
+  auto c = make_config(1, 4, 2, 8, "kvquant:b2:cal=" + path, "full");
+  EXPECT_THAT(error_of([&] { c.validate(); }), HasSubstr("requires key_storage=kPreRoPE"));
+  c.key_storage = KeyStorage::kPreRoPE;
+  c.residual_length = 16;
+  EXPECT_THAT(error_of([&] { c.validate(); }), HasSubstr("CacheConfig::residual_length must be 0, got 16"));
+  c.residual_length = 0;
+  EXPECT_NO_THROW(c.validate());
+  std::remove(path.c_str());
+}
+
+// ------------------------------------------------------------ the stored form
+
+struct Streams {
+  LayerStreams s;
+  std::string path;
+};
+
+Streams streams_of(const std::string& fields, int64_t H, int64_t D) {
+  Streams out;
+  out.path = write_uniform("st.kvqcal", 1, H, D);
+  out.s = make_cache_scheme("kvquant:" + fields + ":cal=" + out.path)->streams(CacheGeometry{1, H, D}, 0, 0);
+  return out;
+}
+
+TEST(KvquantStored, KeysHandChecked) {
+  // D = 8, thresholds [-1, 1], 2-bit LUT {-0.75, -0.25, 0.25, 0.75}, p = 0.99, c1: one slot.
+  // Channels 2 (1.5) and 4 (-3) lie outside: 4 is farther, kept exactly; 2 is clamped to
+  // y = 1. 1.0 and -1.0 sit on the thresholds: dense (strict compare).
+  const Streams st = streams_of("b2:o1:c1", 1, 8);
+  const Quantizer& q = *st.s.key.quantizer;
+  const StoredLayout l = q.stored_layout(8);
+  EXPECT_EQ(l.code_bytes, 2 + 4);
+  EXPECT_EQ(l.meta_count, 0);
+  EXPECT_EQ(l.group_bytes(), 6);
+  EXPECT_DOUBLE_EQ(q.bits_per_value(8), 6.0);
+  const std::vector<float> x = {0.1f, -0.6f, 1.5f, 0.9f, -3.0f, 1.0f, -1.0f, 0.3f};
+  uint8_t codes[6];
+  EXPECT_FALSE(q.encode(x.data(), 1, 8, 1.0f, GroupBuffers{codes, nullptr, nullptr}).overflow);
+  // codes [2, 0, 3, 3, 0, 3, 0, 2], LSB first: 2 | 3<<4 | 3<<6 = 242; 3<<2 | 2<<6 = 140.
+  EXPECT_EQ(codes[0], 242);
+  EXPECT_EQ(codes[1], 140);
+  EXPECT_EQ(codes[2], 4);  // slot: channel 4, fp16(-3) = 0xC200
+  EXPECT_EQ(codes[3], 0);
+  EXPECT_EQ(codes[4], 0x00);
+  EXPECT_EQ(codes[5], 0xC2);
+  std::vector<float> y(8);
+  q.decode(ConstGroupBuffers{codes, nullptr, nullptr}, 1, 8, 1.0f, y.data());
+  EXPECT_EQ(y, (std::vector<float>{0.25f, -0.75f, 0.75f, 0.75f, -3.0f, 0.75f, -0.75f, 0.25f}));
+  // Overflow rule, ties: two channels equally far outside, the lower is kept.
+  const std::vector<float> t = {0, 0, 3.0f, 0, 0, -3.0f, 0, 0};
+  q.encode(t.data(), 1, 8, 1.0f, GroupBuffers{codes, nullptr, nullptr});
+  EXPECT_EQ(codes[2], 2);
+  q.decode(ConstGroupBuffers{codes, nullptr, nullptr}, 1, 8, 1.0f, y.data());
+  EXPECT_EQ(y[2], 3.0f);
+  EXPECT_EQ(y[5], -0.75f);
+  // Decode-time screening: a key far outside the calibrated range comes back exactly (fp16).
+  const std::vector<float> far = {0, 0, 0, 0, 0, 0, 0, 1000.5f};
+  q.encode(far.data(), 1, 8, 1.0f, GroupBuffers{codes, nullptr, nullptr});
+  q.decode(ConstGroupBuffers{codes, nullptr, nullptr}, 1, 8, 1.0f, y.data());
+  EXPECT_EQ(y[7], 1000.5f);
+  // No slot: an unused one reads 0xFFFF.
+  const std::vector<float> in = {0, 0, 0, 0, 0, 0, 0, 0};
+  q.encode(in.data(), 1, 8, 1.0f, GroupBuffers{codes, nullptr, nullptr});
+  EXPECT_EQ(codes[2], 0xFF);
+  EXPECT_EQ(codes[3], 0xFF);
+  // fp16 cannot hold an outlier of 1e5: the cache is told (and stores the token in fp32).
+  const std::vector<float> huge = {0, 0, 0, 0, 0, 0, 0, 1e5f};
+  EXPECT_TRUE(q.encode(huge.data(), 1, 8, 1.0f, GroupBuffers{codes, nullptr, nullptr}).overflow);
+  // p = 1: no slots, the clamped range only. The default rule: max(2, ceil(4 · D · 0.01)) slots.
+  const Streams dense = streams_of("b2", 1, 8);
+  EXPECT_EQ(dense.s.key.quantizer->stored_layout(8).code_bytes, 2);
+  EXPECT_EQ(streams_of("b2:o1", 1, 8).s.key.quantizer->stored_layout(8).code_bytes, 2 + 4 * 2);
+  EXPECT_EQ(streams_of("b2:o1", 1, 64).s.key.quantizer->stored_layout(64).code_bytes, 16 + 4 * 3);  // ceil(2.56)
+  EXPECT_EQ(streams_of("b2:o1:c5", 1, 8).s.key.quantizer->stored_layout(8).code_bytes, 2 + 4 * 5);
+  EXPECT_THAT(error_of([] { (void)streams_of("b2:c2", 1, 8); }), HasSubstr("c2 sets key outlier slots, but o0 keeps no outliers"));
+  EXPECT_THAT(error_of([] { (void)streams_of("b2:o1:c9", 1, 8); }), HasSubstr("c9 key outlier slots exceed head_dim 8"));
+  std::remove(st.path.c_str());
+}
+
+TEST(KvquantStored, ValuesHandChecked) {
+  // D = 8, p = 0.99: tail = 8 − ceil(0.995 · 7) = 1 per side, 2 slots; fp16 range and offset.
+  const Streams st = streams_of("b2:o1", 1, 8);
+  const Quantizer& q = *st.s.value.quantizer;
+  const StoredLayout l = q.stored_layout(8);
+  EXPECT_EQ(l.code_bytes, 2 + 8);
+  EXPECT_EQ(l.meta_count, 1);
+  EXPECT_TRUE(l.has_zeros);
+  EXPECT_EQ(l.group_bytes(), 14);
+  uint8_t codes[10];
+  uint16_t scale = 0, zero = 0;
+  std::vector<float> y(8);
+  // A constant token: exactly two outliers (indices 0 and 1), the rest has no range.
+  const std::vector<float> flat(8, 5.0f);
+  q.encode(flat.data(), 1, 8, 1.0f, GroupBuffers{codes, &scale, &zero});
+  EXPECT_EQ(codes[2], 0);
+  EXPECT_EQ(codes[6], 1);
+  EXPECT_EQ(scale, half_of(0.0f));
+  EXPECT_EQ(zero, half_of(5.0f));
+  q.decode(ConstGroupBuffers{codes, &scale, &zero}, 1, 8, 1.0f, y.data());
+  EXPECT_EQ(y, flat);
+  // 0 and 100 are the outliers; 1..6: offset 3.5, range 2.5, y = -1, -0.6, -0.2, 0.2, 0.6, 1.
+  const std::vector<float> x = {0, 1, 2, 3, 4, 5, 6, 100};
+  q.encode(x.data(), 1, 8, 1.0f, GroupBuffers{codes, &scale, &zero});
+  EXPECT_EQ(scale, half_of(2.5f));
+  EXPECT_EQ(zero, half_of(3.5f));
+  q.decode(ConstGroupBuffers{codes, &scale, &zero}, 1, 8, 1.0f, y.data());
+  EXPECT_EQ(y, (std::vector<float>{0, 1.625f, 1.625f, 2.875f, 4.125f, 5.375f, 5.375f, 100}));
+  EXPECT_DOUBLE_EQ(q.bits_per_value(8), 14.0);
+  std::remove(st.path.c_str());
+}
+
+TEST(KvquantStored, TwoThreeFourBitsAndQNorm) {
+  // Values on the LUT come back exactly at every width; Q-Norm maps the LUT by 2·c + 0.5.
+  for (int b : {2, 3, 4}) {
+    const Streams st = streams_of("b" + std::to_string(b), 1, 16);
+    const Quantizer& q = *st.s.key.quantizer;
+    const int k = 1 << b;
+    std::vector<float> x(16);
+    for (int j = 0; j < 16; ++j) x[static_cast<size_t>(j)] = -1.0f + (2.0f * static_cast<float>(j % k) + 1.0f) / static_cast<float>(k);
+    const at::Tensor t = at::tensor(x).reshape({1, 1, 1, 16});
+    const QuantizedTensor qt = q.quantize(t);
+    EXPECT_EQ(qt.codes.numel(), 16 * b / 8) << b;
+    EXPECT_EQ(qt.nbytes(), 16 * b / 8) << b;
+    EXPECT_TRUE(at::equal(q.dequantize(qt), t)) << b;
+    EXPECT_DOUBLE_EQ(q.bits_per_value(16), b) << b;
+    const Streams qn = streams_of("b" + std::to_string(b) + ":qnorm", 1, 16);
+    EXPECT_TRUE(at::allclose(qn.s.key.quantizer->dequantize(qn.s.key.quantizer->quantize(t)), 2 * t + 0.5, 0, 1e-6))
+        << b;
+    std::remove(st.path.c_str());
+  }
+}
+
+// ------------------------------------------------------------ through the cache
+
+TEST(KvquantCache, AttentionEqualsAttentionOverTheDequantizedKV) {
+  // Per-head thresholds: head 1's range is [-2, 2], head 0's [-1, 1], so a head mix-up shows.
+  KvquantCalibration cal = uniform_calibration(2, 2, 16);
+  for (auto& lv : cal.levels) {
+    for (auto& l : lv.layers) {
+      for (int j = 16; j < 32; ++j) {
+        l.key_lower[static_cast<size_t>(j)] = -2.0f;
+        l.key_upper[static_cast<size_t>(j)] = 2.0f;
+      }
+    }
+  }
+  const std::string path = temp_path("attn.kvqcal");
+  save_kvquant_calibration(cal, path);
+  for (const std::string fields : {"b2:o1", "b3", "b4:o1:f3"}) {
+    auto c = make_config(2, 4, 2, 16, "kvquant:" + fields + ":cal=" + path, "full");
+    c.key_storage = KeyStorage::kPreRoPE;
+    c.block_tokens = 5;
+    CacheManager m(c);
+    const auto scheme = make_cache_scheme(c.scheme);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    std::vector<at::Tensor> ks(2), vs(2);
+    int64_t pos = 0;
+    for (int64_t n : {9, 1, 1, 4}) {
+      for (int64_t l = 0; l < 2; ++l) {
+        const at::Tensor k = testing::randn({1, 2, n, 16}, gen) * 1.5, v = testing::randn({1, 2, n, 16}, gen);
+        m.append(l, k, v, positions_range(pos, n));
+        ks[static_cast<size_t>(l)] = ks[static_cast<size_t>(l)].defined() ? at::cat({ks[static_cast<size_t>(l)], k}, 2) : k;
+        vs[static_cast<size_t>(l)] = vs[static_cast<size_t>(l)].defined() ? at::cat({vs[static_cast<size_t>(l)], v}, 2) : v;
+        // Reference: the layer's quantizers over the whole history (head h with head h's
+        // thresholds), the first f tokens in fp16, RoPE applied to the dequantised keys.
+        const LayerStreams st = scheme->streams(CacheGeometry{2, 2, 16}, l, 0);
+        at::Tensor kd = st.key.quantizer->dequantize(st.key.quantizer->quantize(ks[static_cast<size_t>(l)]));
+        at::Tensor vd = st.value.quantizer->dequantize(st.value.quantizer->quantize(vs[static_cast<size_t>(l)]));
+        const int64_t f = st.key.sink_tokens;
+        if (f > 0) {
+          kd.narrow(2, 0, f).copy_(ks[static_cast<size_t>(l)].narrow(2, 0, f).to(at::kHalf).to(at::kFloat));
+          vd.narrow(2, 0, f).copy_(vs[static_cast<size_t>(l)].narrow(2, 0, f).to(at::kHalf).to(at::kFloat));
+        }
+        const int64_t t = pos + n;
+        const at::Tensor kpos = at::arange(t, at::kLong).unsqueeze(0).expand({2, t});
+        const at::Tensor q = testing::randn({1, 4, n, 16}, gen);
+        const at::Tensor want = reference_attention(q, testing::test_rope(kd, at::arange(t, at::kLong)), vd, kpos,
+                                                    positions_range(pos, n));
+        EXPECT_LT((m.attend(l, q, positions_range(pos, n)) - want).abs().max().item<double>(), 2e-5)
+            << fields << " layer " << l << " at " << pos;
+        m.check_invariants();
+      }
+      m.end_step(n > 1 ? StepKind::kPrefill : StepKind::kDecode);
+      pos += n;
+    }
+  }
+  std::remove(path.c_str());
+}
+
+TEST(KvquantCache, BytesAreTheStoredBuffers) {
+  // D = 16, b = 3, 1%: keys 6 + 4·2 = 14 bytes per token and head, values 6 + 4·2 + 4 = 18;
+  // f = 2 sinks in fp16: 32 bytes each per stream. 2 layers × 2 heads.
+  const std::string path = write_uniform("bytes.kvqcal", 2, 2, 16);
+  for (int64_t f : {0, 2}) {
+    auto c = make_config(2, 2, 2, 16, "kvquant:b3:o1:f" + std::to_string(f) + ":cal=" + path, "full");
+    c.key_storage = KeyStorage::kPreRoPE;
+    CacheManager m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    const int64_t T = 11;
+    for (int64_t l = 0; l < 2; ++l) {
+      m.append(l, testing::randn({1, 2, T, 16}, gen), testing::randn({1, 2, T, 16}, gen), positions_range(0, T));
+    }
+    m.end_step(StepKind::kPrefill);
+    const int64_t per_head = (T - f) * (14 + 18) + f * 2 * 32;
+    EXPECT_EQ(m.stats().bytes_resident, 2 * 2 * per_head) << f;
+    EXPECT_EQ(make_cache_scheme(c.scheme)->streams(CacheGeometry{2, 2, 16}, 0, 0).key.quantizer->stored_layout(16).group_bytes(), 14);
+  }
+  std::remove(path.c_str());
+}
+
+// The scheme contract of tests/scheme_test.cpp (CacheScheme.NewSchemesRunThroughTheCacheWithEviction)
+// for kvquant, which needs a calibration file: eviction, sinks, decode, invariants.
+TEST(KvquantCache, RunsThroughTheCacheWithEvictionAndSinks) {
+  const std::string path = write_uniform("evict.kvqcal", 2, 2, 16);
+  for (const std::string fields : {"b2:o1:f4:qnorm", "b3", "b4:o1"}) {
+    auto c = make_config(2, 4, 2, 16, "kvquant:" + fields + ":cal=" + path, "h2o@24");
+    c.key_storage = KeyStorage::kPreRoPE;
+    CacheManager m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+    int64_t pos = 0;
+    for (int64_t n : {30, 1, 1, 1, 1, 1, 1}) {
+      for (int64_t l = 0; l < 2; ++l) {
+        m.append(l, testing::randn({1, 2, n, 16}, gen), testing::randn({1, 2, n, 16}, gen), positions_range(pos, n));
+        const at::Tensor out = m.attend(l, testing::randn({1, 4, n, 16}, gen), positions_range(pos, n));
+        EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << fields;
+      }
+      m.end_step(n > 1 ? StepKind::kPrefillEnd : StepKind::kDecode);
+      m.check_invariants();
+      pos += n;
+    }
+    EXPECT_LE(m.stats().tokens_resident, 2 * 2 * 24) << fields;
+  }
+  std::remove(path.c_str());
+}
+
+// ------------------------------------------------------------ calibration text
+
+TEST(KvquantCalibrationText, DisjointFromTheEvaluationTexts) {
+  const std::set<std::string> eval = study::evaluation_sentences(1234);
+  ASSERT_GT(eval.size(), 50u);
+  EXPECT_EQ(study::split_sentences("A b. C d.\nE  "), (std::vector<std::string>{"A b.", "C d.", "E"}));
+  const auto convs = study::calibration_conversations(study::kCalibrationSeed, 16, eval);
+  ASSERT_GE(convs.size(), 8u);
+  int64_t sentences = 0;
+  for (const auto& conv : convs) {
+    for (const auto& m : conv) {
+      for (const auto& s : study::split_sentences(m.content)) {
+        EXPECT_EQ(eval.count(s), 0u) << s;
+        ++sentences;
+      }
+    }
+  }
+  EXPECT_GT(sentences, 100);
+  // The exclusion is what ensures it: excluding a sentence of the unfiltered conversations drops it.
+  const auto raw = study::calibration_conversations(7, 2, {});
+  ASSERT_FALSE(raw.empty());
+  const std::string first = study::split_sentences(raw[0][0].content)[0];
+  const auto filtered = study::calibration_conversations(7, 2, {first});
+  for (const auto& conv : filtered) {
+    for (const auto& m : conv) EXPECT_EQ(m.content.find(first), std::string::npos);
+  }
+  // Each conversation ends with its reference answer.
+  EXPECT_EQ(raw[0].back().role, "assistant");
+}
+
+}  // namespace
+}  // namespace kvcache
