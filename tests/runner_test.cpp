@@ -839,6 +839,119 @@ TEST(RunnerHalfPrecision, Bf16AndFp16ExportsTrackTheFp32Golden) {
 // ----------------------------------------------------------------------------------------
 // Stopping and bad input.
 
+// ----------------------------------------------------------------------------------------
+// Query-agnostic generation (GenerationOptions::question_start): the context is prefilled and
+// compressed alone, the question follows as decode steps.
+
+/// Per layer and KV head, the resident positions below `limit`.
+std::vector<std::vector<int64_t>> positions_below(const CacheManager& cache, int64_t layers, int64_t limit) {
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const auto& head : cache.tokens(l).positions) {
+      std::vector<int64_t> kept;
+      for (int64_t p : head) {
+        if (p < limit) kept.push_back(p);
+      }
+      out.push_back(kept);
+    }
+  }
+  return out;
+}
+
+TEST(RunnerQueryModes, SnapKvSurvivorsDependOnTheQuestionOnlyWhenItIsInThePrompt) {
+  // A 20-token context and two 6-token questions. snapkv:w4@16 over a request of 26 + 4 tokens:
+  //  - agnostic (question_start 20): SnapKV compresses at the context's end with its window on
+  //    the context's last 4 tokens, keeping 16 - (6 + 4 reserved for the question and the
+  //    reply) = 6 context tokens; the context survivors are those of prefilling the context
+  //    alone, whatever the question, and every question token stays (no decode eviction);
+  //  - aware: it compresses the 26-token prompt (window on the question) to 16 - 4 = 12, and
+  //    the context survivors change with the question.
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Golden g = read_golden(tinystories_dir());
+  const std::vector<int64_t> seq = concat(g.prompt_ids, g.greedy_ids, 60);
+  ASSERT_GE(seq.size(), 40u);
+  const std::vector<int64_t> context(seq.begin(), seq.begin() + 20);
+  std::vector<int64_t> p1 = context;
+  std::vector<int64_t> p2 = context;
+  for (size_t i = 0; i < 6; ++i) {
+    p1.push_back(seq[20 + i]);
+    p2.push_back(seq[39 - i]);
+  }
+  ASSERT_NE(p1, p2);
+  const Runner runner(*m.lm);
+  const int64_t L = m.lm->config().num_hidden_layers;
+  CacheConfig c = m.lm->cache_config();
+  c.policy = "snapkv:w4@16";
+  auto run = [&](const std::vector<int64_t>& prompt, int64_t question_start, CacheManager& cache) {
+    GenerationOptions o = greedy(4);
+    o.stop_at_eos = false;
+    o.question_start = question_start;
+    return runner.generate(prompt, o, cache);
+  };
+  // The reference: the context alone prefilled into a request of the same length.
+  CacheManager ref(c);
+  ref.reset(26 + 4);
+  runner.prefill(context, ref);
+  const auto ref_kept = positions_below(ref, L, 20);
+  for (const auto& h : ref_kept) EXPECT_EQ(h.size(), 6u);
+
+  CacheManager a1(c), a2(c), w1(c), w2(c);
+  const GenerationResult ra1 = run(p1, 20, a1);
+  const GenerationResult ra2 = run(p2, 20, a2);
+  EXPECT_EQ(ra1.question_tokens, 6);
+  EXPECT_EQ(ra1.decode_steps, 3);
+  EXPECT_EQ(positions_below(a1, L, 20), ref_kept);
+  EXPECT_EQ(positions_below(a2, L, 20), ref_kept);
+  for (int64_t l = 0; l < L; ++l) {
+    for (const auto& head : a1.tokens(l).positions) {
+      EXPECT_EQ(head.size(), 15u) << "layer " << l;  // 6 context + 6 question + 3 reply tokens fed
+      EXPECT_EQ(std::count_if(head.begin(), head.end(), [](int64_t p) { return p >= 20 && p < 26; }), 6);
+    }
+  }
+  const GenerationResult rw1 = run(p1, 0, w1);
+  const GenerationResult rw2 = run(p2, 0, w2);
+  EXPECT_EQ(rw1.question_tokens, 0);
+  const auto aware1 = positions_below(w1, L, 20);
+  const auto aware2 = positions_below(w2, L, 20);
+  EXPECT_NE(aware1, aware2) << "the question in SnapKV's window should change which context tokens survive";
+  EXPECT_NE(aware1, ref_kept);
+  a1.check_invariants();
+  w1.check_invariants();
+}
+
+TEST(RunnerQueryModes, FullCacheGivesTheSameReplyInBothModes) {
+  // Nothing is evicted: feeding the question token by token computes what one prefill computes
+  // (the GEMMs differ in shape, so the logits agree to rounding, as chunked prefill does).
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  CacheManager cache = fp32_full_cache(*m.lm);
+  const auto n = static_cast<int64_t>(m.prompt.size());
+  const GenerationResult aware = runner.generate(m.prompt, greedy(8), cache);
+  GenerationOptions o = greedy(8);
+  o.question_start = n - 5;
+  const GenerationResult agnostic = runner.generate(m.prompt, o, cache);
+  EXPECT_EQ(agnostic.tokens, aware.tokens);
+  EXPECT_EQ(agnostic.question_tokens, 5);
+  EXPECT_EQ(agnostic.decode_steps, aware.decode_steps);
+  const double scale = std::max(1.0, aware.logits.abs().max().item<double>());
+  EXPECT_LT(max_abs_diff(agnostic.logits, aware.logits), 1e-5 * scale);
+  EXPECT_EQ(cache.tokens(0).written, n + static_cast<int64_t>(aware.tokens.size()) - 1);
+  // A question_start outside [0, prompt length) names the value.
+  o.question_start = n;
+  try {
+    runner.generate(m.prompt, o, cache);
+    ADD_FAILURE() << "question_start = prompt length accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("question_start must be in [0, " + std::to_string(n) +
+                                    ") (0 = no question split; the question needs at least one token), got " +
+                                    std::to_string(n)));
+  }
+  o.question_start = -1;
+  EXPECT_THROW(runner.generate(m.prompt, o, cache), InvalidArgument);
+}
+
 TEST(Runner, StopsAtEosAndAtMaxNewTokens) {
   const TestModel& m = tinystories();
   REQUIRE_MODEL(m);

@@ -72,8 +72,8 @@ TEST(StudyModel, TaskRunsAreDeterministicAndMeasured) {
   SKIP_WITHOUT_MODEL(pt);
   auto ev = evaluator(pt);
   const Task task = story_task();
-  const auto a = ev->run_task(control_arm(), task);
-  const auto b = ev->run_task(control_arm(), task);
+  const auto a = ev->run_task(control_arm(), task, QueryMode::kAware);
+  const auto b = ev->run_task(control_arm(), task, QueryMode::kAware);
   EXPECT_EQ(a.output, b.output);
   EXPECT_FALSE(a.output.empty());
   EXPECT_GT(a.prompt_tokens, 10);
@@ -83,11 +83,32 @@ TEST(StudyModel, TaskRunsAreDeterministicAndMeasured) {
   EXPECT_EQ(a.cache.tokens_written, 2 * (a.prompt_tokens + a.generated_tokens - 1));
   EXPECT_EQ(a.cache.tokens_resident, a.cache.tokens_written);
   EXPECT_DOUBLE_EQ(a.span_resident, 1.0);
-  const auto w = ev->run_task(parse_arm("fp32+window@50%"), task);
+  const auto w = ev->run_task(parse_arm("fp32+window@50%"), task, QueryMode::kAware);
   EXPECT_LT(w.cache.tokens_resident, w.cache.tokens_written);
   EXPECT_LT(w.cache.bytes_resident_peak, a.cache.bytes_resident_peak);
   EXPECT_GE(w.span_resident, 0.0);
   EXPECT_LE(w.span_resident, 1.0);
+}
+
+TEST(StudyModel, AgnosticModeSplitsThePromptAtTheQuestion) {
+  // "She liked to play." is the question: in agnostic mode the context ends before it. With the
+  // full cache both modes compute the same reply; a task without a question runs as aware.
+  const auto pt = ts_model();
+  SKIP_WITHOUT_MODEL(pt);
+  auto ev = evaluator(pt);
+  Task task = story_task();
+  const auto aware = ev->run_task(control_arm(), task, QueryMode::kAware);
+  EXPECT_EQ(aware.question_tokens, 0);
+  EXPECT_EQ(ev->run_task(control_arm(), task, QueryMode::kAgnostic).question_tokens, 0);  // no question
+  task.question = {0, 54, 72};  // "She liked to play."
+  const auto agnostic = ev->run_task(control_arm(), task, QueryMode::kAgnostic);
+  // At least the question's words, and never the whole prompt (the context keeps a token).
+  EXPECT_GE(agnostic.question_tokens, 4);
+  EXPECT_LT(agnostic.question_tokens, agnostic.prompt_tokens);
+  EXPECT_EQ(agnostic.prompt_tokens, aware.prompt_tokens);
+  EXPECT_EQ(agnostic.output, aware.output);
+  EXPECT_EQ(agnostic.cache.tokens_written, aware.cache.tokens_written);
+  EXPECT_EQ(ev->run_task(control_arm(), task, QueryMode::kAware).question_tokens, 0);
 }
 
 TEST(StudyModel, TextEvalTwoWays) {

@@ -249,3 +249,109 @@ TEST(StudyReport, ModelSelectionAndWrite) {
     EXPECT_TRUE(std::ifstream(dir + f).good()) << f;
   }
 }
+
+// ---- query modes: the two lists are kept apart ----
+
+TEST(StudyReportQueryModes, AgnosticRowsAreSummarizedApartAndTheAwareTablesAreUnchanged) {
+  std::vector<ResultRow> base = rows();
+  const Summary plain = summarize(base);
+  // Agnostic rows of the control and of h2o: the control passes all 4 needle tasks, h2o only
+  // t0 (in aware mode h2o failed only t3).
+  std::vector<ResultRow> all = base;
+  for (int i = 0; i < 4; ++i) {
+    ResultRow c = task_row("fp32+full", i, true, 1024, 5 + 30 * i);
+    c.query_mode = "agnostic";
+    all.push_back(c);
+    ResultRow h = task_row("fp32+h2o@50%", i, i == 0, 600, 5 + 30 * i);
+    h.query_mode = "agnostic";
+    all.push_back(h);
+  }
+  const Summary s = summarize(all);
+  // The aware summary: exactly the one without agnostic rows.
+  EXPECT_EQ(summary_markdown(s).rfind(summary_markdown(plain).substr(0, summary_markdown(plain).find("\n## Recommendations")), 0), 0u);
+  ASSERT_EQ(s.arms.size(), plain.arms.size());
+  for (size_t i = 0; i < s.arms.size(); ++i) {
+    EXPECT_EQ(s.arms[i].passed, plain.arms[i].passed);
+    EXPECT_EQ(s.arms[i].query_mode, "aware");
+  }
+  ASSERT_TRUE(s.agnostic);
+  const Summary& g = *s.agnostic;
+  ASSERT_EQ(g.arms.size(), 2u);
+  EXPECT_EQ(g.arms[0].arm, "fp32+full");
+  EXPECT_EQ(g.arms[0].query_mode, "agnostic");
+  EXPECT_TRUE(g.arms[0].is_control);
+  EXPECT_EQ(g.arms[0].passed, 4);
+  EXPECT_EQ(g.arms[1].passed, 1);
+  EXPECT_EQ(g.arms[1].delta_tasks, -3);  // against the control's agnostic rows
+  EXPECT_NEAR(g.arms[1].accuracy, 0.25, 1e-12);
+  EXPECT_NEAR(g.arms[1].peak_kib_mean, 600.0 / 1024.0, 1e-12);
+  EXPECT_NEAR(g.arms[1].ppl_single, 10.2, 1e-12);  // the arm's (mode-free) text row
+  EXPECT_TRUE(g.recommendations.empty());
+  EXPECT_EQ(s.recommendations.size(), plain.recommendations.size());
+
+  const std::string md = summary_markdown(s);
+  EXPECT_NE(md.find("\n## Query-agnostic mode\n"), std::string::npos) << md;
+  EXPECT_NE(md.find("\n## Query-agnostic: Accuracy and KV memory per arm\n"), std::string::npos);
+  EXPECT_NE(md.find("| fp32+h2o@50% | 90.0% | 25.0% | – |"), std::string::npos) << md;  // 10 vs 4 tasks
+  EXPECT_EQ(summary_markdown(plain).find("Query-agnostic"), std::string::npos);
+
+  const auto j = nlohmann::json::parse(summary_json(s));
+  EXPECT_EQ(j["arms"].size(), plain.arms.size());
+  EXPECT_EQ(j["arms"][0]["query_mode"], "aware");
+  ASSERT_TRUE(j.contains("agnostic"));
+  EXPECT_EQ(j["agnostic"]["arms"].size(), 2u);
+  EXPECT_EQ(j["agnostic"]["arms"][1]["arm"], "fp32+h2o@50%");
+  EXPECT_EQ(j["agnostic"]["arms"][1]["query_mode"], "agnostic");
+  EXPECT_EQ(j["agnostic"]["arms"][1]["passed"], 1);
+  EXPECT_FALSE(nlohmann::json::parse(summary_json(plain)).contains("agnostic"));
+
+  // CSV: one line per (arm, mode), the mode in its own column.
+  std::istringstream in(summary_csv(s));
+  std::string header, line;
+  std::getline(in, header);
+  std::vector<std::string> lines;
+  while (std::getline(in, line)) lines.push_back(line);
+  ASSERT_EQ(lines.size(), plain.arms.size() + 2);
+  EXPECT_NE(header.find(",query_mode,"), std::string::npos) << header;
+  EXPECT_EQ(lines[plain.arms.size() + 1].rfind("fp32+h2o@50%,0,4,1,0,0.25,-75,-3,", 0), 0u) << lines.back();
+  EXPECT_NE(lines[plain.arms.size() + 1].find(",agnostic,"), std::string::npos) << lines.back();
+  EXPECT_NE(lines[0].find(",aware,"), std::string::npos) << lines[0];
+}
+
+TEST(StudyReportQueryModes, SameTaskListsCompareAwareAndAgnosticInPp) {
+  g_order = 0;
+  std::vector<ResultRow> all;
+  for (int i = 0; i < 4; ++i) {
+    all.push_back(task_row("fp32+full", i, true, 1024, 5));
+    all.push_back(task_row("fp32+snapkv@50%", i, i != 3, 512, 5));  // aware: 3/4
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (const char* arm : {"fp32+full", "fp32+snapkv@50%"}) {
+      ResultRow r = task_row(arm, i, std::string(arm) == "fp32+full" || i == 0, 512, 5);  // agnostic snapkv: 1/4
+      r.query_mode = "agnostic";
+      all.push_back(r);
+    }
+  }
+  const Summary s = summarize(all);
+  const std::string md = summary_markdown(s);
+  EXPECT_NE(md.find("| fp32+snapkv@50% | 75.0% | 25.0% | -50.0 pp (-2) |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| fp32+full | 100.0% | 100.0% | +0.0 pp (+0) |"), std::string::npos) << md;
+}
+
+TEST(StudyReportQueryModes, RowJsonReadsAwareAsTheDefaultAndRefusesOtherModes) {
+  ResultRow r = task_row("fp32+full", 1, true, 10);
+  EXPECT_EQ(row_to_json(r).find("query_mode"), std::string::npos);
+  r.query_mode = "agnostic";
+  EXPECT_NE(row_to_json(r).find("\"query_mode\":\"agnostic\""), std::string::npos);
+  std::string line = row_to_json(r);
+  const auto at = line.find("\"agnostic\"");
+  const std::string aware_line = line.substr(0, at) + "\"aware\"" + line.substr(at + 10);
+  EXPECT_EQ(row_from_json(aware_line).query_mode, "");
+  const std::string bad = line.substr(0, at) + "\"blind\"" + line.substr(at + 10);
+  try {
+    row_from_json(bad);
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("query_mode 'blind' of a task row"), std::string::npos) << e.what();
+  }
+}

@@ -188,3 +188,31 @@ TEST(StudyResults, MergeDedupesAndSortsByPlanOrder) {
   merge_result_files({a, b}, m);
   EXPECT_EQ(slurp(m), row_to_json(r0) + "\n" + row_to_json(r1) + "\n" + row_to_json(r2) + "\n");
 }
+
+TEST(StudyResults, AgnosticRowsAreKeyedApartFromAwareRowsOfTheSameTask) {
+  // One aware and one agnostic row of the same (arm, task, model) are two keys; the aware key is
+  // the one of a row written before query modes existed, so old files resume.
+  const std::string path = tmp("qmode.jsonl");
+  ResultRow aware = row(0, "fp32+snapkv@50%", "t1");
+  ResultRow agnostic = row(1, "fp32+snapkv@50%", "t1");
+  agnostic.query_mode = "agnostic";
+  EXPECT_EQ(aware.key(), "fp32+snapkv@50%\tt1\tm");
+  EXPECT_EQ(agnostic.key(), "fp32+snapkv@50%\tt1\tm\tagnostic");
+  {
+    ResultsStore store(path);
+    store.append(aware);
+    store.append(agnostic);
+    EXPECT_THROW(store.append(agnostic), InvalidArgument);
+  }
+  ResultsStore again(path);
+  ASSERT_EQ(again.rows().size(), 2u);
+  EXPECT_TRUE(again.contains(aware.key()));
+  EXPECT_TRUE(again.contains(agnostic.key()));
+  EXPECT_EQ(again.rows()[1].query_mode, "agnostic");
+  EXPECT_EQ(slurp(path).find("query_mode"), slurp(path).rfind("query_mode"));  // only the agnostic row has it
+  // Merging keeps both (distinct keys), in plan order.
+  MergeStats st;
+  const auto merged = merge_rows({again.rows(), {aware}}, &st);
+  EXPECT_EQ(merged.size(), 2u);
+  EXPECT_EQ(st.duplicates, 1);
+}

@@ -193,3 +193,43 @@ TEST(StudySuite, FillerPassage) {
   EXPECT_EQ(a.find_first_of("0123456789"), std::string::npos);
   EXPECT_THROW(filler_passage(1, 0), kvcache::InvalidArgument);
 }
+
+TEST(StudySuite, EveryQuestionFollowsItsContextAndRoundTrips) {
+  // The query-agnostic mode compresses the prompt before Task::question: each family's question
+  // is the text that asks for the answer, at the end of the prompt; the summary family has
+  // none (its instruction precedes the story).
+  std::map<std::string, int> with_question;
+  for (const auto& t : generate_suite("default", 1234)) {
+    const std::string fam = to_string(t.family);
+    if (t.family == TaskFamily::kSummary) {
+      EXPECT_EQ(t.question.message, -1) << t.id;
+      continue;
+    }
+    ASSERT_GE(t.question.message, 0) << t.id;
+    ++with_question[fam];
+    const auto& msg = t.messages[static_cast<size_t>(t.question.message)];
+    const std::string q = msg.content.substr(static_cast<size_t>(t.question.begin),
+                                             static_cast<size_t>(t.question.end - t.question.begin));
+    // The question ends the prompt: the last message, to its end.
+    EXPECT_EQ(t.question.message, static_cast<int64_t>(t.messages.size()) - 1) << t.id;
+    EXPECT_EQ(t.question.end, static_cast<int64_t>(msg.content.size())) << t.id;
+    // It comes after the load-bearing span (the context holds the needle / rule / instruction).
+    EXPECT_TRUE(t.span.message < t.question.message ||
+                (t.span.message == t.question.message && t.span.end <= t.question.begin))
+        << t.id;
+    if (t.family == TaskFamily::kNeedle) {
+      EXPECT_EQ(q, "Question: What is the access code?") << t.id;
+    } else if (t.family == TaskFamily::kMultiTurn) {
+      EXPECT_EQ(q, "Goodbye!") << t.id;
+    } else {
+      EXPECT_EQ(q.rfind("Question: ", 0), 0u) << q;
+    }
+    const Task back = task_from_json(task_to_json(t));
+    EXPECT_EQ(back.question.message, t.question.message);
+    EXPECT_EQ(back.question.begin, t.question.begin);
+    EXPECT_EQ(back.question.end, t.question.end);
+  }
+  EXPECT_EQ(with_question["needle"], 96);
+  EXPECT_EQ(with_question["multiturn"], 42);
+  EXPECT_EQ(with_question["instruction"], 42);
+}

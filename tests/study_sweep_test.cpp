@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <fstream>
 #include <sstream>
 
@@ -287,4 +288,92 @@ TEST(StudyProgress, InteractiveRedrawsOneLine) {
   EXPECT_EQ(s.front(), '\r');
   EXPECT_EQ(std::count(s.begin(), s.end(), '\n'), 1);
   EXPECT_NE(s.find("2/2"), std::string::npos);
+}
+
+// ---- query modes ----
+
+TEST(StudySweepQueryModes, BothModesPlanAwareThenAgnosticPerArm) {
+  auto o = options();
+  o.attention = false;
+  o.reconstruction = false;
+  const std::vector<Arm> arms = {{"fp32", "full"}, {"fp32", "h2o@50%"}};
+  const auto aware = plan_sweep(arms, o.tasks, o);
+  o.query_modes = {QueryMode::kAgnostic, QueryMode::kAware};  // run order is aware first anyway
+  const auto both = plan_sweep(arms, o.tasks, o);
+  ASSERT_EQ(aware.size(), 2u * (20u + 1u));
+  ASSERT_EQ(both.size(), 2u * (40u + 1u));
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(both[i].mode, QueryMode::kAware);
+    EXPECT_EQ(both[20 + i].mode, QueryMode::kAgnostic);
+    EXPECT_EQ(both[20 + i].row_task, o.tasks[i].id);
+  }
+  EXPECT_EQ(both[40].kind, ItemKind::kText);
+  EXPECT_EQ(both[41].row_arm, "fp32+h2o@50%");
+  // The default plan is the one before query modes existed: every task item aware.
+  for (const auto& w : aware) EXPECT_EQ(w.mode, QueryMode::kAware);
+  EXPECT_EQ(aware[21].row_arm, "fp32+h2o@50%");
+}
+
+TEST(StudySweepQueryModes, AgnosticRowsCarryTheModeInRowAndKeyAwareRowsResumeOldFiles) {
+  const std::string path = tmp("qmode.jsonl");
+  auto o = options();
+  o.attention = false;
+  o.reconstruction = false;
+  o.text = false;
+  FakeEvaluator ev;
+  const std::string aware_only = run_to(path, o, ev);
+  // An aware run's rows have no query_mode field (as before query modes existed).
+  EXPECT_EQ(aware_only.find("query_mode"), std::string::npos);
+  // Rerun with both modes on that file: the aware rows are kept (same keys), only the
+  // agnostic rows run.
+  o.query_modes = {QueryMode::kAware, QueryMode::kAgnostic};
+  FakeEvaluator ev2;
+  ResultsStore store(path);
+  const SweepStats st = run_sweep(ev2, o, store);
+  EXPECT_EQ(st.planned, 3 * 40);
+  EXPECT_EQ(st.skipped, 3 * 20);
+  EXPECT_EQ(st.executed, 3 * 20);
+  int64_t agnostic = 0;
+  for (const auto& r : store.rows()) {
+    if (r.query_mode.empty()) continue;
+    ++agnostic;
+    EXPECT_EQ(r.query_mode, "agnostic");
+    EXPECT_EQ(r.key(), r.arm + "\t" + r.task + "\t" + r.model + "\tagnostic");
+    // The fake feeds 3 question tokens where the task has a question (not the summary family).
+    EXPECT_EQ(r.value("question_tokens"), r.family == "summary" ? 0.0 : 3.0) << r.task;
+    const auto back = row_from_json(row_to_json(r));
+    EXPECT_EQ(back.query_mode, "agnostic");
+    EXPECT_EQ(back.key(), r.key());
+  }
+  EXPECT_EQ(agnostic, 3 * 20);
+  // The agnostic rows differ from the aware ones where the fake's hash says so: same task,
+  // same arm, two rows.
+  std::map<std::string, int> per_arm_task;
+  for (const auto& r : store.rows()) per_arm_task[r.arm + "|" + r.task]++;
+  for (const auto& [k, n] : per_arm_task) EXPECT_EQ(n, 2) << k;
+  // A third run with both modes finds everything done.
+  FakeEvaluator ev3;
+  const SweepStats again = run_sweep(ev3, o, store);
+  EXPECT_EQ(again.executed, 0);
+  EXPECT_EQ(again.skipped, 3 * 40);
+}
+
+TEST(StudySweepQueryModes, BadModesAreRefusedNamingTheValue) {
+  EXPECT_EQ(parse_query_modes("aware"), std::vector<QueryMode>{QueryMode::kAware});
+  EXPECT_EQ(parse_query_modes("agnostic"), std::vector<QueryMode>{QueryMode::kAgnostic});
+  EXPECT_EQ(parse_query_modes("both"), (std::vector<QueryMode>{QueryMode::kAware, QueryMode::kAgnostic}));
+  try {
+    parse_query_modes("agnositc");
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "query mode 'agnositc' is none of aware, agnostic, both");
+  }
+  EXPECT_THROW(parse_query_modes("Aware"), InvalidArgument);
+  EXPECT_THROW(parse_query_modes(""), InvalidArgument);
+  FakeEvaluator ev;
+  auto o = options();
+  o.query_modes = {};
+  EXPECT_THROW(validate_sweep(ev, o), InvalidArgument);
+  o.query_modes = {QueryMode::kAgnostic, QueryMode::kAgnostic};
+  EXPECT_THROW(validate_sweep(ev, o), InvalidArgument);
 }

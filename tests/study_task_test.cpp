@@ -136,6 +136,12 @@ TEST(StudyTask, JsonNumbersOutOfRangeNameTheField) {
   EXPECT_EQ(message(R"(,"span":[1,2])"), "task 'x': field 'span' is not an object {message, begin, end}");
   EXPECT_EQ(message(R"(,"span":{"message":0,"begin":-2,"end":1})"),
             "task 'x': field 'begin' = -2 is out of range [-1, 9223372036854775807]");
+  EXPECT_EQ(message(R"(,"question":{"message":0,"begin":1,"end":3})"), "valid");
+  EXPECT_EQ(message(R"(,"question":{"message":0,"begin":1,"end":4})"),
+            "task 'x': question [1, 4) of message 0 is outside the message");
+  EXPECT_EQ(message(R"(,"question":{"message":1,"begin":0,"end":1})"),
+            "task 'x': question [0, 1) of message 1 is outside the message");
+  EXPECT_EQ(message(R"(,"question":"end")"), "task 'x': field 'question' is not an object {message, begin, end}");
   EXPECT_EQ(message(R"(,"rule2":0)"), "valid");
   EXPECT_EQ(message(R"(,"max_new_tokens":12)"), "valid");
   EXPECT_EQ(message(R"(,"rule":{"kind":"regex","arg":"(("})").rfind("task 'x': scoring rule regex '((' ", 0), 0u);

@@ -109,6 +109,7 @@ void add_run_command(CLI::App& app) {
   auto budget = std::make_shared<std::string>();
   auto budgets = std::make_shared<std::string>();
   auto shard = std::make_shared<std::string>("0/1");
+  auto query_mode = std::make_shared<std::string>("aware");
   auto threads = std::make_shared<int>(2);
   auto no_text = std::make_shared<bool>(false);
   auto no_recon = std::make_shared<bool>(false);
@@ -128,6 +129,11 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--budgets", *budgets,
                   "ratio sweep: run every evicting arm at each of these budgets (e.g. 25%,50%,75%,87.5%; arms "
                   "with policy full run once); the report adds accuracy-vs-budget curves");
+  cmd->add_option("--query-mode", *query_mode,
+                  "aware: the question is in the prompt when SnapKV-like methods compress (the default); agnostic: "
+                  "the context is compressed before the question is appended (the question follows as decode steps; "
+                  "tasks without a question run as aware); both: each task row in both modes (docs/study.md)")
+      ->capture_default_str();
   cmd->add_option("--shard", *shard, "run slice i of n (0-based): items with plan index % n == i")->capture_default_str();
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
       ->capture_default_str()
@@ -147,6 +153,11 @@ void add_run_command(CLI::App& app) {
     if (!budgets->empty()) opt.arms = with_budgets(opt.arms, *budgets);
     opt.tasks = tasks_file->empty() ? generate_suite(*suite, *seed) : read_tasks_jsonl(*tasks_file);
     opt.shard = Shard::parse(*shard);
+    try {
+      opt.query_modes = parse_query_modes(*query_mode);
+    } catch (const kvcache::InvalidArgument& e) {
+      throw kvcache::InvalidArgument(std::string("--query-mode: ") + e.what());
+    }
     opt.text = !*no_text;
     opt.reconstruction = !*no_recon;
     opt.attention = !*no_attn;
@@ -164,7 +175,8 @@ void add_run_command(CLI::App& app) {
     }
     const int64_t planned_arms = static_cast<int64_t>(opt.arms.size());
     std::cerr << "kv_study run: model " << evaluator->model_id() << ", " << planned_arms << " arms x " << opt.tasks.size()
-              << " tasks, shard " << opt.shard.to_string() << " -> " << path << "\n";
+              << " tasks" << (*query_mode == "aware" ? "" : " (query mode " + *query_mode + ")") << ", shard "
+              << opt.shard.to_string() << " -> " << path << "\n";
     Progress progress(std::cerr, ::isatty(::fileno(stderr)) != 0, /*total: set by run_sweep*/ 0);
     const auto st = run_sweep(*evaluator, opt, store, &progress);
     std::cerr << "kv_study run: " << st.executed << " items run, " << st.skipped << " already done, " << st.errors
@@ -247,7 +259,7 @@ void add_generate_command(CLI::App& app) {
     if (!system->empty()) t.messages.push_back({"system", *system});
     t.messages.push_back({"user", *prompt});
     t.max_new_tokens = *max_new;
-    const Generation g = ev->run_task(a, t);
+    const Generation g = ev->run_task(a, t, QueryMode::kAware);
     std::cout << g.output << "\n";
     std::cerr << "arm " << a.spec() << " | prompt " << g.prompt_tokens << " tokens, generated " << g.generated_tokens
               << " | tokens written " << g.cache.tokens_written << ", resident " << g.cache.tokens_resident

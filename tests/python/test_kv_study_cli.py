@@ -238,6 +238,8 @@ class DefaultModelTest(unittest.TestCase):
             for args, needle in [(("--configs", "int5+full"), "unknown cache scheme 'int5'"),
                                  (("--configs", "fp32+window@0.5"), "token budget must be an integer"),
                                  (("--tasks", empty), "the sweep has no task"),
+                                 (("--query-mode", "blind"),
+                                  "--query-mode: query mode 'blind' is none of aware, agnostic, both"),
                                  (("--tasks", d), f"cannot open task file '{d}': it is a directory")]:
                 out = os.path.join(d, "run")
                 r = subprocess.run([os.path.abspath(KV_STUDY), "run", *args, "--out", out, "--threads", "1"],
@@ -341,6 +343,42 @@ class DefaultModelTest(unittest.TestCase):
         r = run("list")
         self.assertIn("kvquant", r.stdout)
         self.assertIn("cal=<text>", r.stdout)
+
+    def test_query_modes_run_apart_resume_and_report_two_lists(self):
+        """`--query-mode both` runs every task row in both modes; the agnostic rows carry the mode
+        (the aware ones do not), the summary keeps the two lists apart, and a rerun runs nothing.
+        With the full cache both modes compute the same replies (nothing is compressed)."""
+        with tempfile.TemporaryDirectory() as d:
+            cmd = [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "fp32+full,fp32+snapkv@50%",
+                   "--query-mode", "both", "--out", d, "--threads", "1", "--no-text", "--no-recon", "--no-attn",
+                   "--quiet"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(d, "results.jsonl")) as f:
+                rows = [json.loads(line) for line in f]
+            self.assertEqual(len(rows), 80)
+            agnostic = [x for x in rows if x.get("query_mode") == "agnostic"]
+            self.assertEqual(len(agnostic), 40)
+            self.assertTrue(all("query_mode" not in x for x in rows if x not in agnostic))
+            # Tasks with a question feed it after the context; the summary family has none.
+            for x in agnostic:
+                self.assertEqual(x["values"]["question_tokens"] > 0, x["family"] != "summary", x["task"])
+            full = {(x["task"], x.get("query_mode", "aware")): x["output"] for x in rows if x["arm"] == "fp32+full"}
+            for (task, mode), out in full.items():
+                if mode == "agnostic":
+                    self.assertEqual(out, full[(task, "aware")], task)
+            with open(os.path.join(d, "summary.json")) as f:
+                s = json.load(f)
+            self.assertEqual([a["arm"] for a in s["arms"]], ["fp32+full", "fp32+snapkv@50%"])
+            self.assertEqual([a["query_mode"] for a in s["agnostic"]["arms"]], ["agnostic", "agnostic"])
+            self.assertEqual(s["agnostic"]["arms"][0]["passed"], s["arms"][0]["passed"])
+            with open(os.path.join(d, "summary.md")) as f:
+                md = f.read()
+            self.assertIn("## Query-agnostic mode", md)
+            self.assertIn("## Query-aware vs query-agnostic accuracy", md)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("0 items run, 80 already done", r.stderr)
 
     def test_control_reproduces_unmanaged_generation_on_the_default_suite(self):
         """fp32+full through the CacheManager (block storage, attend() reading the blocks) gives

@@ -42,12 +42,15 @@ class FakeEvaluator : public ArmEvaluator {
     return a;
   }
 
-  Generation run_task(const Arm& arm, const Task& task) override {
+  Generation run_task(const Arm& arm, const Task& task, QueryMode mode) override {
     tick();
     if (!capacity_error_quant.empty() && arm.scheme == capacity_error_quant) {
       throw CapacityError("budget too small for " + task.id);
     }
-    const uint64_t h = fnv(arm.spec() + "|" + task.id);
+    // Query-agnostic rows hash differently (so the two modes' rows differ); aware rows hash as
+    // before query modes existed.
+    const bool agnostic = mode == QueryMode::kAgnostic && task.question.message >= 0;
+    const uint64_t h = fnv(arm.spec() + "|" + task.id + (agnostic ? "|agnostic" : ""));
     Generation g;
     const bool pass = arm.spec() == "fp32+full" || h % 4 != 0;
     g.output = pass ? task.answer : "I do not know.";
@@ -62,6 +65,7 @@ class FakeEvaluator : public ArmEvaluator {
     g.prefill_seconds = 0.001 * static_cast<double>(h % 7 + 1);
     g.decode_seconds = 0.002 * static_cast<double>(h % 5 + 1);
     g.span_resident = evicting ? 0.5 : 1.0;
+    g.question_tokens = agnostic ? 3 : 0;
     return g;
   }
 

@@ -193,6 +193,9 @@ void Runner::check_request(const std::vector<int64_t>& prompt, const GenerationO
                kMaxTokens, "], got ", opt.max_new_tokens);
   KV_CHECK_ARG(opt.prefill_chunk >= 0, fn, ": prefill_chunk must be >= 0 (0 = whole prompt), got ",
                opt.prefill_chunk);
+  KV_CHECK_ARG(opt.question_start >= 0 && opt.question_start < static_cast<int64_t>(prompt.size()), fn,
+               ": question_start must be in [0, ", prompt.size(),
+               ") (0 = no question split; the question needs at least one token), got ", opt.question_start);
   check_token_ids(prompt, model_.config().vocab_size, fn.c_str());
   check_cache_fits(cache.config(), model_.config(), fn.c_str());
 }
@@ -207,10 +210,28 @@ at::Tensor Runner::begin_and_prefill(const std::vector<int64_t>& prompt, const G
                ": the cache's begin_request() reports ", reuse.cached_tokens, " of the ", r.prompt_tokens,
                " prompt tokens cached (min_first_step ", reuse.min_first_step,
                "); at least the last prompt token must be computed");
+  KV_CHECK_ARG(opt.question_start == 0 || reuse.cached_tokens < opt.question_start, fn,
+               ": the cache's begin_request() reports ", reuse.cached_tokens,
+               " prompt tokens cached, not fewer than the context's ", opt.question_start,
+               " (question_start): the context's last token must be prefilled for it to be compressed");
   r.cached_prompt_tokens = reuse.cached_tokens;
   warn_past_positions(model_.config(), "generate", r.prompt_tokens, opt.max_new_tokens);
   const auto t0 = clock::now();
-  at::Tensor logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+  at::Tensor logits;
+  if (opt.question_start > 0) {
+    // Query-agnostic: the context alone is prefilled (compression acts at its end), then the
+    // question token by token as decode steps.
+    const std::vector<int64_t> context(prompt.begin(), prompt.begin() + opt.question_start);
+    logits = prefill_from(context, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+    for (int64_t i = opt.question_start; i < r.prompt_tokens; ++i) {
+      logits = forward_step(model_, ids_tensor(&prompt[static_cast<size_t>(i)], 1), cache, StepKind::kDecode,
+                            LogitsFor::kLastToken)
+                   .view({-1});
+    }
+    r.question_tokens = r.prompt_tokens - opt.question_start;
+  } else {
+    logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+  }
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return logits;
 }

@@ -108,11 +108,12 @@ class ModelArmEvaluator : public ArmEvaluator {
     return a;
   }
 
-  Generation run_task(const Arm& arm, const Task& task) override {
+  Generation run_task(const Arm& arm, const Task& task, QueryMode mode) override {
     std::vector<ChatMessage> msgs;
     for (const auto& m : task.messages) msgs.push_back({m.role, m.content});
     const std::string rendered = template_.render(msgs, /*add_generation_prompt=*/true);
     const auto ids = tokenizer_.encode(rendered, SpecialTokens::kParse, PostProcess::kApply);
+    const int64_t question_start = mode == QueryMode::kAgnostic ? context_tokens(task, msgs, rendered, ids) : 0;
     PeakRssProbe rss;
     rss.start();
     CacheManager cache(config_for(arm));
@@ -120,6 +121,7 @@ class ModelArmEvaluator : public ArmEvaluator {
     go.max_new_tokens = task.max_new_tokens;
     go.prefill_chunk = opt_.prefill_chunk;
     go.eos_token_ids = eos_;
+    go.question_start = question_start;
     const GenerationResult r = runner_.generate(ids, go, cache);
     Generation g;
     g.output = tokenizer_.decode_lenient(r.tokens, /*skip_special=*/true);
@@ -130,6 +132,7 @@ class ModelArmEvaluator : public ArmEvaluator {
     g.prefill_seconds = r.prefill_seconds;
     g.decode_seconds = r.decode_seconds;
     g.span_resident = span_resident(task, msgs, rendered, cache);
+    g.question_tokens = r.question_tokens;
     return g;
   }
 
@@ -204,19 +207,47 @@ class ModelArmEvaluator : public ArmEvaluator {
     return cfg;
   }
 
+  /// Byte offset in `rendered` of message `message`'s content (each message's content located in
+  /// order), or npos.
+  static size_t content_offset(const std::vector<ChatMessage>& msgs, const std::string& rendered, int64_t message) {
+    size_t from = 0;
+    size_t content_at = std::string::npos;
+    for (int64_t i = 0; i <= message; ++i) {
+      const auto at = rendered.find(msgs[static_cast<size_t>(i)].content, from);
+      if (at == std::string::npos) return std::string::npos;
+      content_at = at;
+      from = at + msgs[static_cast<size_t>(i)].content.size();
+    }
+    return content_at;
+  }
+
+  /// The context of a query-agnostic run: the number of leading prompt tokens before the
+  /// question, i.e. the longest common prefix of `ids` and the encoding of the rendered text up
+  /// to the question's first byte (so both modes feed the same token sequence). 0 when the task
+  /// has no question (or it cannot be located): the prompt is prefilled whole, as in aware mode.
+  int64_t context_tokens(const Task& task, const std::vector<ChatMessage>& msgs, const std::string& rendered,
+                         const std::vector<int64_t>& ids) const {
+    if (task.question.message < 0 || task.question.message >= static_cast<int64_t>(msgs.size()) ||
+        task.question.begin < 0 ||
+        task.question.begin > static_cast<int64_t>(msgs[static_cast<size_t>(task.question.message)].content.size())) {
+      return 0;
+    }
+    const size_t at = content_offset(msgs, rendered, task.question.message);
+    if (at == std::string::npos) return 0;
+    const auto before = tokenizer_.encode(rendered.substr(0, at + static_cast<size_t>(task.question.begin)),
+                                          SpecialTokens::kParse, PostProcess::kApply);
+    size_t n = 0;
+    while (n < before.size() && n < ids.size() && before[n] == ids[n]) ++n;
+    // At least one context token and one question token.
+    return n >= 1 && n < ids.size() ? static_cast<int64_t>(n) : 0;
+  }
+
   /// Fraction of the task span's token positions resident in every layer / KV head now.
   double span_resident(const Task& task, const std::vector<ChatMessage>& msgs, const std::string& rendered,
                        const CacheManager& cache) const {
     if (task.span.message < 0 || task.span.message >= static_cast<int64_t>(msgs.size())) return -1;
-    // Locate each message's content in the rendered text, in order.
-    size_t from = 0;
-    size_t content_at = std::string::npos;
-    for (int64_t i = 0; i <= task.span.message; ++i) {
-      const auto at = rendered.find(msgs[static_cast<size_t>(i)].content, from);
-      if (at == std::string::npos) return -1;
-      content_at = at;
-      from = at + msgs[static_cast<size_t>(i)].content.size();
-    }
+    const size_t content_at = content_offset(msgs, rendered, task.span.message);
+    if (content_at == std::string::npos) return -1;
     std::string before = rendered.substr(0, content_at + static_cast<size_t>(task.span.begin));
     while (!before.empty() && (before.back() == ' ' || before.back() == '\n')) before.pop_back();
     const std::string through = rendered.substr(0, content_at + static_cast<size_t>(task.span.end));

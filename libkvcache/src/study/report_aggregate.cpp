@@ -129,6 +129,24 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
   KV_CHECK_ARG(std::find(models.begin(), models.end(), model) != models.end(), "no result rows for model '",
                model, "'");
 
+  // Query-agnostic task rows are summarized apart (with the model's text rows, which are
+  // mode-free); the rest of this function sees only query-aware task rows.
+  std::vector<ResultRow> agnostic_rows;
+  std::set<std::string> agnostic_arms;
+  for (const auto& r : rows) {
+    if (r.model == model && r.kind == "task" && !r.query_mode.empty()) agnostic_arms.insert(r.arm);
+  }
+  const bool has_agnostic = !agnostic_arms.empty();
+  for (const auto& r : rows) {
+    if (r.model != model || !agnostic_arms.count(r.arm)) continue;
+    if (r.kind == "task" && !r.query_mode.empty()) {
+      agnostic_rows.push_back(r);
+      agnostic_rows.back().query_mode.clear();
+    } else if (r.kind == "text") {
+      agnostic_rows.push_back(r);
+    }
+  }
+
   Summary s;
   s.model = model;
   s.control = control;
@@ -143,6 +161,11 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
   double attn_group = kNaN;
   for (const auto& r : rows) {
     if (r.model != model) continue;
+    if (r.kind == "task" && !r.query_mode.empty()) {
+      families_seen.insert(r.family);  // the families and depths of either mode
+      if (r.depth_pct >= 0) depths.insert(r.depth_pct);
+      continue;
+    }
     if (!r.error.empty()) {
       ++error_rows;
       if (error_examples.size() < 3) error_examples.push_back(r.arm + " " + r.task + ": " + r.error);
@@ -206,7 +229,11 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
   s.depths.assign(depths.begin(), depths.end());
 
   std::vector<std::pair<int64_t, std::string>> arm_order;
-  for (const auto& [arm, a] : acc) arm_order.emplace_back(a.order, arm);
+  for (const auto& [arm, a] : acc) {
+    // With agnostic rows, an arm with a text row but no aware task row is an agnostic-only arm:
+    // it is listed in the agnostic summary only.
+    if (a.tasks > 0 || !has_agnostic) arm_order.emplace_back(a.order, arm);
+  }
   std::sort(arm_order.begin(), arm_order.end());
   for (const auto& [order, arm] : arm_order) {
     const Accum& a = acc.at(arm);
@@ -244,7 +271,7 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
                           std::to_string(c.tasks) + " (partial run or unmerged shard): not compared task-for-task");
       }
     }
-  } else {
+  } else if (!s.arms.empty() || !has_agnostic) {
     s.notes.push_back("no task rows for the control arm " + control + ": deltas and memory ratios are not computed");
   }
   if (error_rows > 0) {
@@ -274,6 +301,12 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
   }
   s.curves = budget_curves(s);
   s.recommendations = recommend(s);
+  if (has_agnostic) {
+    auto g = std::make_shared<Summary>(summarize(agnostic_rows, model, control));
+    for (auto& a : g->arms) a.query_mode = "agnostic";
+    g->recommendations.clear();  // the rules read the query-aware rows only
+    s.agnostic = g;
+  }
   return s;
 }
 

@@ -98,6 +98,8 @@ const std::vector<ArmColumn>& arm_columns() {
             F::kFixed, 1, "time (s)", &S::total_seconds),
         ArmColumn{"reserved_per_stored", "ratio", "reserved_kib_mean / peak_kib_mean (Markdown only)", A::kDerived, "",
                   "", 1.0, F::kFixed, 2, "reserved / stored", false, nullptr, nullptr, reserved_per_stored},
+        ArmColumn{"query_mode", "", "query mode of the arm's task rows: aware or agnostic (docs/study.md)",
+                  A::kDerived, "", "", 1.0, F::kText, 0, "mode", true, nullptr, nullptr, nullptr},
         ArmColumn{"family_accuracy", "fraction", "passed / tasks per task family", A::kPerFamily, "", "", 1.0,
                   F::kPercent, 1, "", true, nullptr, nullptr, nullptr},
         ArmColumn{"depth_accuracy", "fraction", "passed / tasks of the needle tasks per depth", A::kPerDepth, "", "", 1.0,
@@ -113,6 +115,10 @@ const ArmColumn& arm_column(const std::string& key) {
     if (key == c.key) return c;
   }
   throw InternalError("no report column '" + key + "' (report_columns.cpp)");
+}
+
+const std::string& column_text(const ArmColumn& c, const ArmSummary& a) {
+  return std::string(c.key) == "query_mode" ? a.query_mode : a.arm;
 }
 
 double column_value(const ArmColumn& c, const ArmSummary& a, const Summary& s) {

@@ -45,7 +45,7 @@ std::string md_value(const ArmColumn& c, double v) {
 }
 
 std::string md_cell(const ArmColumn& c, const ArmSummary& a, const Summary& s) {
-  if (c.format == Format::kText) return a.arm;
+  if (c.format == Format::kText) return column_text(c, a);
   if (c.md_cell != nullptr) return c.md_cell(a, s);
   return md_value(c, column_value(c, a, s));
 }
@@ -107,8 +107,8 @@ const MdTable& md_table_speed() {
   return t;
 }
 
-void write_md_table(std::ostream& os, const MdTable& t, const Summary& s) {
-  os << "\n## " << t.title << "\n\n";
+void write_md_table(std::ostream& os, const MdTable& t, const Summary& s, const std::string& prefix = "") {
+  os << "\n## " << prefix << t.title << "\n\n";
   if (*t.intro) os << t.intro << "\n\n";
   std::vector<const ArmColumn*> cols;
   os << "|";
@@ -129,8 +129,9 @@ void write_md_table(std::ostream& os, const MdTable& t, const Summary& s) {
 /// A table of one expanding column: one Markdown column per family / depth.
 template <typename K>
 void write_md_keyed(std::ostream& os, const char* title, const std::vector<K>& keys,
-                    const std::map<K, double> ArmSummary::*values, std::string (*label)(const K&), const Summary& s) {
-  os << "\n## " << title << "\n\n| arm |";
+                    const std::map<K, double> ArmSummary::*values, std::string (*label)(const K&), const Summary& s,
+                    const std::string& prefix = "") {
+  os << "\n## " << prefix << title << "\n\n| arm |";
   for (const auto& k : keys) os << " " << label(k) << " |";
   os << "\n|---|";
   for (size_t i = 0; i < keys.size(); ++i) os << "---:|";
@@ -146,7 +147,7 @@ void write_md_keyed(std::ostream& os, const char* title, const std::vector<K>& k
 }
 
 /// The ratio sweep's tables: accuracy per method × budget, then per family and per depth.
-void write_md_curves(std::ostream& os, const Summary& s) {
+void write_md_curves(std::ostream& os, const Summary& s, const std::string& prefix = "") {
   if (s.curves.empty()) return;
   // Every budget of any curve, percentages first, each kind ascending.
   std::vector<std::tuple<bool, double, std::string>> cols;
@@ -174,7 +175,7 @@ void write_md_curves(std::ostream& os, const Summary& s) {
     for (int i = 0; i < text_cols; ++i) o << "---|";
     for (size_t i = 0; i < cols.size(); ++i) o << "---:|";
   };
-  os << "\n## Accuracy vs budget (ratio sweep)\n\n"
+  os << "\n## " << prefix << "Accuracy vs budget (ratio sweep)\n\n"
         "Each method's accuracy at each swept budget (`--budgets`; a percentage is the share of the request's full "
         "context kept); the last column is its smallest budget within one task of the control.\n\n";
   head(os, "method");
@@ -187,7 +188,7 @@ void write_md_curves(std::ostream& os, const Summary& s) {
        << (i >= 0 ? c.budgets[static_cast<size_t>(i)].substr(1) : std::string("–")) << " |\n";
   }
   if (!s.families.empty()) {
-    os << "\n## Accuracy vs budget per family\n\n";
+    os << "\n## " << prefix << "Accuracy vs budget per family\n\n";
     os << "| method | family |";
     for (const auto& col : cols) os << " " << std::get<2>(col).substr(1) << " |";
     os << "\n";
@@ -198,7 +199,7 @@ void write_md_curves(std::ostream& os, const Summary& s) {
     }
   }
   if (!s.depths.empty()) {
-    os << "\n## Needle accuracy vs budget per depth\n\n";
+    os << "\n## " << prefix << "Needle accuracy vs budget per depth\n\n";
     os << "| method | depth |";
     for (const auto& col : cols) os << " " << std::get<2>(col).substr(1) << " |";
     os << "\n";
@@ -220,6 +221,102 @@ nlohmann::ordered_json jnums(const std::vector<double>& v) {
 
 std::string family_label(const std::string& f) { return f; }
 std::string depth_label(const int& d) { return std::to_string(d) + "%"; }
+
+/// The query-agnostic section: its tables (titles prefixed), then each arm's accuracy in both
+/// modes side by side.
+void write_md_agnostic(std::ostream& os, const Summary& s) {
+  if (!s.agnostic) return;
+  const Summary& g = *s.agnostic;
+  const std::string prefix = "Query-agnostic: ";
+  os << "\n## Query-agnostic mode\n\n"
+        "The tables above are query-aware (the question is in the prompt when the cache is compressed). Below, the "
+        "query-agnostic rows (`kv_study run --query-mode agnostic|both`): the context is prefilled and compressed "
+        "before the question is appended, and the question follows as decode steps that do not re-run the "
+        "prompt-end compression (docs/study.md, \"Query modes\"). Tasks with no question after their context (the "
+        "summary family) run as query-aware in this mode.\n";
+  write_md_table(os, md_tables_head()[0], g, prefix);
+  write_md_keyed<std::string>(os, "Accuracy per family", g.families, &ArmSummary::family_accuracy, family_label, g,
+                              prefix);
+  if (!g.depths.empty()) {
+    write_md_keyed<int>(os, "Needle accuracy by depth", g.depths, &ArmSummary::depth_accuracy, depth_label, g, prefix);
+  }
+  write_md_curves(os, g, prefix);
+  os << "\n## Query-aware vs query-agnostic accuracy\n\n| arm | aware | agnostic | agnostic − aware |\n|---|---:|---:|---:|\n";
+  for (const auto& a : g.arms) {
+    const ArmSummary* aware = nullptr;
+    for (const auto& b : s.arms) {
+      if (b.arm == a.arm) aware = &b;
+    }
+    const bool same_tasks = aware != nullptr && aware->tasks == a.tasks;
+    os << "| " << a.arm << " | " << (aware ? pct(aware->accuracy) : "–") << " | " << pct(a.accuracy) << " | "
+       << (same_tasks ? fmt((a.accuracy - aware->accuracy) * 100.0, "%+.1f") + " pp (" +
+                            fmt(static_cast<double>(a.passed - aware->passed), "%+.0f") + ")"
+                      : std::string("–"))
+       << " |\n";
+  }
+  if (!g.notes.empty()) {
+    os << "\n## Query-agnostic: notes\n\n";
+    for (const auto& n : g.notes) os << "- " << n << "\n";
+  }
+}
+
+nlohmann::ordered_json arm_json(const ArmSummary& a, const Summary& s) {
+  using oj = nlohmann::ordered_json;
+  oj x = oj::object();
+  for (const auto& c : arm_columns()) {
+    if (!c.in_files) continue;
+    switch (c.aggregation) {
+      case Aggregation::kPerFamily: {
+        oj fam = oj::object();
+        for (const auto& [f, v] : a.family_accuracy) fam[f] = v;
+        x[c.key] = fam;
+        continue;
+      }
+      case Aggregation::kPerDepth: {
+        oj dep = oj::object();
+        for (const auto& [d, v] : a.depth_accuracy) dep[std::to_string(d)] = v;
+        x[c.key] = dep;
+        continue;
+      }
+      default:
+        break;
+    }
+    if (c.format == Format::kText) {
+      x[c.key] = column_text(c, a);
+      continue;
+    }
+    const double v = column_value(c, a, s);
+    if (c.format == Format::kBool) {
+      x[c.key] = std::isfinite(v) ? oj(v != 0) : oj();
+    } else if (c.format == Format::kInt) {
+      x[c.key] = std::isfinite(v) ? oj(static_cast<int64_t>(std::llround(v))) : oj();
+    } else {
+      x[c.key] = jnum(v);
+    }
+  }
+  return x;
+}
+
+nlohmann::ordered_json curves_json(const Summary& s) {
+  using oj = nlohmann::ordered_json;
+  oj curves = oj::array();
+  for (const auto& c : s.curves) {
+    oj fam = oj::object();
+    for (const auto& [f, v] : c.family_accuracy) fam[f] = jnums(v);
+    oj dep = oj::object();
+    for (const auto& [d, v] : c.depth_accuracy) dep[std::to_string(d)] = jnums(v);
+    const int i = c.smallest_within_one_task;
+    curves.push_back(oj{{"method", c.method},
+                        {"budgets", c.budgets},
+                        {"budget_values", c.budget_values},
+                        {"arms", c.arms},
+                        {"accuracy", jnums(c.accuracy)},
+                        {"family_accuracy", fam},
+                        {"depth_accuracy", dep},
+                        {"smallest_within_one_task", i >= 0 ? oj(c.budgets[static_cast<size_t>(i)]) : oj()}});
+  }
+  return curves;
+}
 
 }  // namespace
 
@@ -268,6 +365,7 @@ std::string summary_markdown(const Summary& s) {
   }
 
   write_md_table(os, md_table_speed(), s);
+  write_md_agnostic(os, s);
 
   os << "\n## Recommendations\n\nGenerated from the rows above by fixed rules (docs/study.md); never edited by hand.\n\n";
   os << "| rule | arm | evidence |\n|---|---|---|\n";
@@ -290,41 +388,7 @@ std::string summary_json(const Summary& s) {
   j["families"] = s.families;
   j["depths"] = s.depths;
   oj arms = oj::array();
-  for (const auto& a : s.arms) {
-    oj x = oj::object();
-    for (const auto& c : arm_columns()) {
-      if (!c.in_files) continue;
-      switch (c.aggregation) {
-        case Aggregation::kPerFamily: {
-          oj fam = oj::object();
-          for (const auto& [f, v] : a.family_accuracy) fam[f] = v;
-          x[c.key] = fam;
-          continue;
-        }
-        case Aggregation::kPerDepth: {
-          oj dep = oj::object();
-          for (const auto& [d, v] : a.depth_accuracy) dep[std::to_string(d)] = v;
-          x[c.key] = dep;
-          continue;
-        }
-        default:
-          break;
-      }
-      if (c.format == Format::kText) {
-        x[c.key] = a.arm;
-        continue;
-      }
-      const double v = column_value(c, a, s);
-      if (c.format == Format::kBool) {
-        x[c.key] = std::isfinite(v) ? oj(v != 0) : oj();
-      } else if (c.format == Format::kInt) {
-        x[c.key] = std::isfinite(v) ? oj(static_cast<int64_t>(std::llround(v))) : oj();
-      } else {
-        x[c.key] = jnum(v);
-      }
-    }
-    arms.push_back(x);
-  }
+  for (const auto& a : s.arms) arms.push_back(arm_json(a, s));
   j["arms"] = arms;
   oj rec = oj::array();
   for (const auto& q : s.reconstruction) {
@@ -342,29 +406,20 @@ std::string summary_json(const Summary& s) {
     att.push_back(oj{{"scheme", a.scheme}, {"description", a.description}, {"bits", bits}});
   }
   j["attention"] = att;
-  oj curves = oj::array();
-  for (const auto& c : s.curves) {
-    oj fam = oj::object();
-    for (const auto& [f, v] : c.family_accuracy) fam[f] = jnums(v);
-    oj dep = oj::object();
-    for (const auto& [d, v] : c.depth_accuracy) dep[std::to_string(d)] = jnums(v);
-    const int i = c.smallest_within_one_task;
-    curves.push_back(oj{{"method", c.method},
-                        {"budgets", c.budgets},
-                        {"budget_values", c.budget_values},
-                        {"arms", c.arms},
-                        {"accuracy", jnums(c.accuracy)},
-                        {"family_accuracy", fam},
-                        {"depth_accuracy", dep},
-                        {"smallest_within_one_task", i >= 0 ? oj(c.budgets[static_cast<size_t>(i)]) : oj()}});
-  }
-  j["curves"] = curves;
+  j["curves"] = curves_json(s);
   oj recs = oj::array();
   for (const auto& r : s.recommendations) {
     recs.push_back(oj{{"rule", r.rule}, {"arm", r.arm.empty() ? oj() : oj(r.arm)}, {"evidence", r.evidence}});
   }
   j["recommendations"] = recs;
   j["notes"] = s.notes;
+  if (s.agnostic) {
+    const Summary& g = *s.agnostic;
+    oj ga = oj::array();
+    for (const auto& a : g.arms) ga.push_back(arm_json(a, g));
+    j["agnostic"] = oj{{"control", g.control}, {"has_control", g.has_control}, {"families", g.families},
+                       {"depths", g.depths}, {"arms", ga}, {"curves", curves_json(g)}, {"notes", g.notes}};
+  }
   return j.dump(2) + "\n";
 }
 
@@ -383,7 +438,14 @@ std::string summary_csv(const Summary& s) {
     first = false;
   }
   os << "\n";
-  for (const auto& a : s.arms) {
+  std::vector<std::pair<const ArmSummary*, const Summary*>> lines;
+  for (const auto& a : s.arms) lines.emplace_back(&a, &s);
+  if (s.agnostic) {
+    for (const auto& a : s.agnostic->arms) lines.emplace_back(&a, s.agnostic.get());
+  }
+  for (const auto& [ap, sp] : lines) {
+    const ArmSummary& a = *ap;
+    const Summary& owner = *sp;
     first = true;
     for (const auto& c : arm_columns()) {
       if (!c.in_files) continue;
@@ -398,7 +460,8 @@ std::string summary_csv(const Summary& s) {
           os << "," << (it == a.depth_accuracy.end() ? "" : csv_num(it->second));
         }
       } else {
-        os << (first ? "" : ",") << (c.format == Format::kText ? csv_cell(a.arm) : csv_num(column_value(c, a, s)));
+        os << (first ? "" : ",")
+           << (c.format == Format::kText ? csv_cell(column_text(c, a)) : csv_num(column_value(c, a, owner)));
       }
       first = false;
     }

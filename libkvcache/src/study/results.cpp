@@ -67,7 +67,11 @@ std::vector<ResultRow> parse_lines(const std::vector<std::string>& lines, const 
 
 }  // namespace
 
-std::string ResultRow::key() const { return arm + '\t' + task + '\t' + model; }
+std::string ResultRow::key() const {
+  std::string k = arm + '\t' + task + '\t' + model;
+  if (!query_mode.empty()) k += '\t' + query_mode;
+  return k;
+}
 
 void ResultRow::set(const std::string& name, double v) {
   KV_CHECK(find_row_metric(name) != nullptr, InternalError, "result row value '", name,
@@ -93,6 +97,7 @@ std::string row_to_json(const ResultRow& r) {
     j["context_target"] = r.context_target;
     j["passed"] = r.passed;
     j["output"] = r.output;
+    if (!r.query_mode.empty()) j["query_mode"] = r.query_mode;
   }
   if (r.kind == "attn" && !r.granularity.empty()) j["granularity"] = r.granularity;
   if (!r.error.empty()) j["error"] = r.error;
@@ -133,6 +138,10 @@ ResultRow row_from_json(const std::string& line) {
       r.values[k] = x.template get<double>();
     }
   }
+  r.query_mode = f::string(j, "query_mode", where, std::string());
+  if (r.query_mode == "aware") r.query_mode.clear();
+  KV_CHECK_ARG(r.query_mode.empty() || (r.query_mode == "agnostic" && r.kind == "task"), where, ": query_mode '",
+               r.query_mode, "' of a ", r.kind, " row (expected 'aware' or 'agnostic', on task rows only)");
   r.granularity = f::string(j, "granularity", where, std::string());
   if (r.kind == "attn" && r.granularity.empty()) {
     // Legacy rows (written before the field existed): the scheme only in "attn:<key>:b<bits>".
@@ -178,7 +187,8 @@ ResultsStore::ResultsStore(const std::string& path) : path_(path) {
     rows_ = parse_lines(lines, path);
     for (size_t i = 0; i < rows_.size(); ++i) {
       KV_CHECK_ARG(index_.emplace(rows_[i].key(), i).second, path, ": duplicate row for arm '", rows_[i].arm,
-                   "', task '", rows_[i].task, "', model '", rows_[i].model, "'");
+                   "', task '", rows_[i].task, "', model '", rows_[i].model, "'",
+                   rows_[i].query_mode.empty() ? "" : " (query_mode '" + rows_[i].query_mode + "')");
     }
   } catch (...) {
     ::close(fd_);

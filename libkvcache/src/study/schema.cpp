@@ -14,6 +14,10 @@ const std::vector<RowMetric>& row_metrics() {
       {"span_resident", "fraction", "task",
        "fraction of the task's load-bearing span positions still resident after prefill (all layers and KV heads)",
        nullptr},
+      {"question_tokens", "tokens", "task",
+       "query-agnostic rows: prompt tokens fed as decode steps after the context was compressed (the question; 0: "
+       "the task has no question after its context and ran as query-aware)",
+       nullptr},
       {"rss_growth_peak_bytes", "bytes", "task",
        "peak growth of the process's resident set during the request (the cache and the request's other allocations)",
        nullptr},

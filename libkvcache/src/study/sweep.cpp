@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvcache/study/sweep.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -61,7 +62,7 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
     }
     case ItemKind::kTask: {
       const Task& task = tasks[static_cast<size_t>(item.task_index)];
-      const Generation g = ev.run_task(item.arm, task);
+      const Generation g = ev.run_task(item.arm, task, item.mode);
       row.output = g.output;
       row.passed = score_output(task.rule, g.output);
       row.set("prompt_tokens", static_cast<double>(g.prompt_tokens));
@@ -70,6 +71,7 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       row.set("decode_s", g.decode_seconds);
       if (g.span_resident >= 0) row.set("span_resident", g.span_resident);
       if (g.rss_growth_peak >= 0) row.set("rss_growth_peak_bytes", static_cast<double>(g.rss_growth_peak));
+      if (item.mode == QueryMode::kAgnostic) row.set("question_tokens", static_cast<double>(g.question_tokens));
       put_cache_stats(g.cache, row);
       break;
     }
@@ -95,7 +97,25 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
   }
 }
 
+/// The modes of `modes` in run order (aware first).
+std::vector<QueryMode> modes_in_order(const std::vector<QueryMode>& modes) {
+  std::vector<QueryMode> out;
+  for (QueryMode m : {QueryMode::kAware, QueryMode::kAgnostic}) {
+    if (std::find(modes.begin(), modes.end(), m) != modes.end()) out.push_back(m);
+  }
+  return out;
+}
+
 }  // namespace
+
+std::string to_string(QueryMode mode) { return mode == QueryMode::kAgnostic ? "agnostic" : "aware"; }
+
+std::vector<QueryMode> parse_query_modes(const std::string& text) {
+  if (text == "aware") return {QueryMode::kAware};
+  if (text == "agnostic") return {QueryMode::kAgnostic};
+  if (text == "both") return {QueryMode::kAware, QueryMode::kAgnostic};
+  throw InvalidArgument("query mode '" + text + "' is none of aware, agnostic, both");
+}
 
 std::vector<WorkItem> plan_sweep(const std::vector<Arm>& arms, const std::vector<Task>& tasks,
                                  const SweepOptions& options) {
@@ -128,15 +148,19 @@ std::vector<WorkItem> plan_sweep(const std::vector<Arm>& arms, const std::vector
       add(w);
     }
   }
+  const std::vector<QueryMode> modes = modes_in_order(options.query_modes);
   for (const auto& a : arms) {
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      WorkItem w;
-      w.kind = ItemKind::kTask;
-      w.arm = a;
-      w.task_index = static_cast<int64_t>(i);
-      w.row_arm = a.spec();
-      w.row_task = tasks[i].id;
-      add(w);
+    for (QueryMode mode : modes) {
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        WorkItem w;
+        w.kind = ItemKind::kTask;
+        w.arm = a;
+        w.task_index = static_cast<int64_t>(i);
+        w.mode = mode;
+        w.row_arm = a.spec();
+        w.row_task = tasks[i].id;
+        add(w);
+      }
     }
     if (options.text) {
       WorkItem w;
@@ -165,6 +189,9 @@ struct Prepared {
 Prepared prepare(const ArmEvaluator& ev, const SweepOptions& opt) {
   KV_CHECK_ARG(!opt.arms.empty(), "the sweep has no arm");
   KV_CHECK_ARG(!opt.tasks.empty(), "the sweep has no task (an empty task file or suite)");
+  KV_CHECK_ARG(!opt.query_modes.empty(), "the sweep has no query mode (aware, agnostic or both)");
+  KV_CHECK_ARG(modes_in_order(opt.query_modes).size() == opt.query_modes.size(), "a query mode appears twice in ",
+               "the sweep's modes (use 'both' for aware and agnostic)");
   Prepared p;
   // Malformed specs (InvalidArgument) stop the sweep before anything runs.
   for (const auto& a : opt.arms) {
@@ -216,6 +243,7 @@ SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& st
     probe.arm = w.row_arm;
     probe.task = w.row_task;
     probe.model = model;
+    if (w.mode == QueryMode::kAgnostic) probe.query_mode = to_string(w.mode);
     if (store.contains(probe.key())) {
       ++st.skipped;
     } else {
@@ -241,6 +269,7 @@ SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& st
       row.family = to_string(t.family);
       row.depth_pct = t.depth_pct;
       row.context_target = t.context_target;
+      if (w->mode == QueryMode::kAgnostic) row.query_mode = to_string(w->mode);
     }
     const auto skip = unsupported.find(w->arm.spec());
     try {
@@ -261,7 +290,10 @@ SweepStats run_sweep(ArmEvaluator& ev, const SweepOptions& opt, ResultsStore& st
     }
     store.append(row);
     ++st.executed;
-    if (progress != nullptr) progress->done(row.arm.empty() ? row.task : row.arm + " " + row.task);
+    if (progress != nullptr) {
+      progress->done((row.arm.empty() ? row.task : row.arm + " " + row.task) +
+                     (row.query_mode.empty() ? "" : " (" + row.query_mode + ")"));
+    }
   }
   if (progress != nullptr) progress->finish();
   return st;

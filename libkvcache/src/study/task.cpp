@@ -204,6 +204,9 @@ std::string task_to_json(const Task& task) {
   j["rule"] = ojson{{"kind", to_string(task.rule.kind)}, {"arg", task.rule.arg}};
   j["span"] = ojson{{"message", task.span.message}, {"begin", task.span.begin}, {"end", task.span.end}};
   j["max_new_tokens"] = task.max_new_tokens;
+  if (task.question.message >= 0) {
+    j["question"] = ojson{{"message", task.question.message}, {"begin", task.question.begin}, {"end", task.question.end}};
+  }
   return j.dump();
 }
 
@@ -255,6 +258,19 @@ Task task_from_json(const std::string& line) {
     }
   }
   t.max_new_tokens = int_field(j, "max_new_tokens", where, 1, kMaxTokens, 16);
+  if (j.contains("question")) {
+    KV_CHECK_ARG(j["question"].is_object(), where, ": field 'question' is not an object {message, begin, end}");
+    t.question.message = int_field(j["question"], "message", where, -1, kMaxTokens);
+    t.question.begin = int_field(j["question"], "begin", where, 0, INT64_MAX);
+    t.question.end = int_field(j["question"], "end", where, 0, INT64_MAX);
+    if (t.question.message >= 0) {
+      KV_CHECK_ARG(t.question.message < static_cast<int64_t>(t.messages.size()) &&
+                       t.question.begin <= t.question.end &&
+                       t.question.end <= static_cast<int64_t>(t.messages[t.question.message].content.size()),
+                   where, ": question [", t.question.begin, ", ", t.question.end, ") of message ", t.question.message,
+                   " is outside the message");
+    }
+  }
   return t;
 }
 

@@ -142,6 +142,7 @@ int64_t prompt_tokens(const std::vector<Message>& messages) {
 struct Body {
   std::vector<Message> messages;
   Span span;
+  Span question;  ///< message -1: none
 };
 
 /// Largest number of filler sentences k (0..max_k) with prompt_tokens(build(k)) <= target
@@ -173,6 +174,11 @@ Task finish(Task t) {
   KV_INTERNAL_ASSERT(score_output(t.rule, t.answer), "reference reply of ", t.id,
                      " fails its own rule: ", t.answer);
   KV_INTERNAL_ASSERT(t.span.message >= 0 && t.span.end > t.span.begin, "task ", t.id, " has no span");
+  KV_INTERNAL_ASSERT(t.question.message < 0 ||
+                         (t.question.message < static_cast<int64_t>(t.messages.size()) &&
+                          t.question.end > t.question.begin &&
+                          t.question.end <= static_cast<int64_t>(t.messages[static_cast<size_t>(t.question.message)].content.size())),
+                     "task ", t.id, " has a question outside its messages");
   return t;
 }
 
@@ -196,7 +202,9 @@ Task make_needle(Rng& r, int depth_pct, int64_t target, int code_digits) {
     std::string text = std::string(kNeedleIntro) + "\n\n" + before + (before.empty() ? "" : " ");
     Body b;
     b.span = {1, static_cast<int64_t>(text.size()), static_cast<int64_t>(text.size() + needle.size())};
-    text += needle + (after.empty() ? "" : " ") + after + "\n\n" + kNeedleQuestion;
+    text += needle + (after.empty() ? "" : " ") + after + "\n\n";
+    b.question = {1, static_cast<int64_t>(text.size()), static_cast<int64_t>(text.size() + std::string(kNeedleQuestion).size())};
+    text += kNeedleQuestion;
     b.messages = {{"system", kSystem}, {"user", text}};
     return b;
   };
@@ -207,6 +215,7 @@ Task make_needle(Rng& r, int depth_pct, int64_t target, int code_digits) {
   t.context_target = target;
   t.messages = std::move(b.messages);
   t.span = b.span;
+  t.question = b.question;
   t.answer = code;
   t.rule = {RuleKind::kWord, code};
   return t;
@@ -245,6 +254,7 @@ Task make_multiturn(Rng& r, Style style, int turns, int64_t target) {
       b.messages.push_back({"assistant", qa.a});
     }
     b.messages.push_back({"user", kGoodbye});
+    b.question = {static_cast<int64_t>(b.messages.size()) - 1, 0, static_cast<int64_t>(std::string(kGoodbye).size())};
     return b;
   };
   while (turns > 1 && prompt_tokens(build_with(turns, 0).messages) > target) --turns;
@@ -254,6 +264,7 @@ Task make_multiturn(Rng& r, Style style, int turns, int64_t target) {
   t.context_target = target;
   t.messages = std::move(b.messages);
   t.span = b.span;
+  t.question = b.question;
   t.answer = styled(kGoodbyeReply, style, word);
   t.rule = style_rule(style, word);
   return t;
@@ -279,6 +290,7 @@ Task make_instruction(Rng& r, Style style, int64_t target) {
   auto build = [&](size_t k) {
     Body b;
     std::string user = k == 0 ? std::string() : std::string(kNoteIntro) + "\n\n" + join(pool, 0, k) + "\n\n";
+    b.question = {1, static_cast<int64_t>(user.size()), static_cast<int64_t>(user.size() + 10 + std::string(qa.q).size())};
     user += std::string("Question: ") + qa.q;
     b.messages = {{"system", system}, {"user", user}};
     b.span = {0, static_cast<int64_t>(std::string(kSystem).size() + 1), static_cast<int64_t>(system.size())};
@@ -290,6 +302,7 @@ Task make_instruction(Rng& r, Style style, int64_t target) {
   t.context_target = target;
   t.messages = std::move(b.messages);
   t.span = b.span;
+  t.question = b.question;
   t.answer = styled(qa.a, style, word);
   t.rule = style_rule(style, word);
   return t;
@@ -318,6 +331,7 @@ Task make_summary(Rng& r, int detail, int64_t target) {
   t.context_target = target;
   t.messages = std::move(b.messages);
   t.span = b.span;
+  t.question = b.question;
   t.answer = name + " the " + role + " lived in a " + colour + " house with " + count + " " + animals + ".";
   const std::string key = detail == 0 ? name : detail == 1 ? colour : count;
   t.rule = {RuleKind::kWord, key};

@@ -39,6 +39,13 @@ struct GenerationOptions {
   std::vector<int64_t> eos_token_ids;
   /// Keep the logits that chose each new token in GenerationResult::logits.
   bool keep_logits = false;
+  /// Query-agnostic generation (docs/study.md, "Query modes"): when > 0, only the prompt's first
+  /// `question_start` tokens (the context) are prefilled, the last step ending with
+  /// StepKind::kPrefillEnd (where SnapKV-like policies compress); the other prompt tokens (the
+  /// question) are then fed one per StepKind::kDecode step, so the prompt-end compression never
+  /// sees them, and greedy decoding starts from the last question token's logits. 0: the whole
+  /// prompt is prefilled (query-aware). Must be < the prompt's length when > 0.
+  int64_t question_start = 0;
 };
 
 /// What Runner::generate() returns.
@@ -54,7 +61,11 @@ struct GenerationResult {
   /// Prompt tokens the cache already held (KVCache::begin_request, prefix caching): their
   /// prefill was skipped; prefill computed prompt_tokens − cached_prompt_tokens tokens.
   int64_t cached_prompt_tokens = 0;
-  int64_t decode_steps = 0;   ///< single-token forwards after prefill (= N - 1)
+  int64_t decode_steps = 0;   ///< single-token forwards of the reply (= N - 1)
+  /// Prompt tokens fed as decode steps after the context (GenerationOptions::question_start):
+  /// prompt_tokens − question_start, or 0.
+  int64_t question_tokens = 0;
+  /// Wall time of the prompt: the prefill, plus the question's decode steps if any.
   double prefill_seconds = 0.0;
   /// Wall time of the decode_steps forwards (incl. argmax). In generate_batch(): of the batched
   /// steps this sequence took part in (shared with the others of the step).
@@ -108,10 +119,12 @@ class Runner {
   /// then one token per step until max_new_tokens or an EOS id. The last new token is not fed
   /// back. A reused prefix gives the same tokens as computing it (docs/model-runner.md,
   /// "Prefix caching"). Logs a warning (kvcache/log.h) when prompt + max_new_tokens may pass
-  /// the model's max_position_embeddings.
+  /// the model's max_position_embeddings. With options.question_start > 0, the prefill ends at
+  /// that token and the rest of the prompt follows as decode steps (GenerationOptions).
   /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens outside
-  ///         [1, kMaxTokens], prefill_chunk < 0, a cache that does not fit the model, or one
-  ///         whose begin_request() claims the whole prompt (no logits would be computed).
+  ///         [1, kMaxTokens], prefill_chunk < 0, question_start outside [0, prompt length), a
+  ///         cache that does not fit the model, or one whose begin_request() claims the whole
+  ///         prompt (no logits would be computed) or, with question_start > 0, the whole context.
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
                             KVCache& cache) const;
 

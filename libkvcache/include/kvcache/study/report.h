@@ -19,9 +19,15 @@
 ///                  cache and the request's other allocations), over the rows that measured it;
 ///   prefill tok/s  Σ prompt_tokens / Σ prefill_s; decode tok/s Σ generated_tokens / Σ decode_s.
 /// Missing numbers are NaN (JSON null, empty CSV cell, "–" in Markdown).
+///
+/// Query modes (sweep.h, QueryMode) are kept apart: the tables above are the query-aware rows';
+/// the query-agnostic rows get their own section in summary.md (its tables, then aware vs
+/// agnostic accuracy per arm), their own "agnostic" object in summary.json, and their own lines
+/// in summary.csv (column query_mode).
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +37,7 @@ namespace kvcache::study {
 
 struct ArmSummary {
   std::string arm;
+  std::string query_mode = "aware";  ///< "aware" or "agnostic" (QueryMode of its task rows)
   bool is_control = false;
   int64_t tasks = 0;
   int64_t passed = 0;
@@ -106,6 +113,12 @@ struct Summary {
   std::vector<BudgetCurve> curves;  ///< the ratio sweep's curves, in plan order of their first arm
   std::vector<Recommendation> recommendations;
   std::vector<std::string> notes;  ///< warnings (unequal task counts, error rows, missing control)
+  /// The query-agnostic task rows (ResultRow::query_mode "agnostic"), summarized apart: arms,
+  /// deltas against the control's agnostic rows, curves and notes (its text columns from the
+  /// same arm's "text" row; no reconstruction or attention rows). Null when there are none. The
+  /// fields above cover only the query-aware task rows, except `families` and `depths` (those
+  /// of either mode). Recommendations come from the query-aware rows only.
+  std::shared_ptr<const Summary> agnostic;
 };
 
 /// Model ids present in the rows, in first-appearance order.

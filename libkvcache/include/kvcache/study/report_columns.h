@@ -33,7 +33,7 @@ enum class Aggregation {
 /// How a value is written. CSV writes numbers with %.6g (NaN: empty), JSON as numbers (NaN:
 /// null; kInt as an integer, kBool as true/false); Markdown as below (NaN: "–").
 enum class Format {
-  kText,     ///< the arm spec
+  kText,     ///< a label: the arm spec, or the query mode (column_text)
   kBool,     ///< CSV 1/0
   kInt,      ///< %.0f
   kFixed,    ///< %.<decimals>f
@@ -64,6 +64,9 @@ const std::vector<ArmColumn>& arm_columns();
 
 /// The column named `key`. @throws InternalError if there is none.
 const ArmColumn& arm_column(const std::string& key);
+
+/// The label of a kText column for arm `a`: ArmSummary::query_mode for "query_mode", else the arm.
+const std::string& column_text(const ArmColumn& c, const ArmSummary& a);
 
 /// The column's value for arm `a` of `s` (NaN where not computed: delta_tasks without control
 /// rows, an unmeasured metric). Not for kText, kPerFamily, kPerDepth.

@@ -8,6 +8,8 @@
 /// write can at worst leave a trailing partial line (no '\n'); ResultsStore removes it when it
 /// reopens the file. Rows are keyed by (arm, task, model); a rerun skips keys already present,
 /// so rerunning the same command resumes and produces the same file as an uninterrupted run.
+/// Query-agnostic task rows (QueryMode::kAgnostic) add their mode to the key; query-aware rows
+/// do not, so files written before query modes existed resume as aware rows.
 
 #include <cstdint>
 #include <map>
@@ -39,6 +41,10 @@ struct ResultRow {
   /// attn rows: the granularity key (KvGranularity, e.g. "kivi"). Rows written before this field
   /// existed carry it only in the task id; row_from_json() fills it from there (legacy files).
   std::string granularity;
+  /// task rows: "agnostic" for a query-agnostic row (QueryMode::kAgnostic), "" for a query-aware
+  /// one (the default, and every row written before query modes existed). row_from_json reads
+  /// "aware" as "".
+  std::string query_mode;
   /// Named measurements (finite numbers only), e.g. peak_bytes, prefill_s, ppl_stream, kld_mean;
   /// every key is a row metric of schema.h (write them with set()).
   std::map<std::string, double> values;
@@ -46,7 +52,7 @@ struct ResultRow {
   /// values[key] = v. @throws InternalError if `key` is not in row_metrics() (schema.h): a new
   /// number is declared there, with its unit, before a sweep writes it.
   void set(const std::string& key, double v);
-  /// arm + '\t' + task + '\t' + model.
+  /// arm + '\t' + task + '\t' + model, then + '\t' + query_mode if query_mode is not empty.
   std::string key() const;
   /// Value `name`, or NaN if absent.
   double value(const std::string& name) const;

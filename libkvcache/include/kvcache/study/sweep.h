@@ -9,8 +9,10 @@
 ///   1. "attn" rows: every KvGranularity × attention_bits (deep-dive table), on Q/K/V from
 ///      ArmEvaluator::capture_qkv();
 ///   2. "recon" rows: every distinct quant spec of the arms, in arm order;
-///   3. per arm, in arm order: one "task" row per task (task order), then one "text" row
-///      (perplexity single-pass and streaming; KLD and top-1 agreement vs the control arm).
+///   3. per arm, in arm order: per query mode of SweepOptions::query_modes (aware before
+///      agnostic) one "task" row per task (task order), then one "text" row (perplexity
+///      single-pass and streaming; KLD and top-1 agreement vs the control arm). With the default
+///      modes {aware} the plan is the one of a sweep before query modes existed.
 /// `--shard i/n` keeps items with order % n == i. Items already in the results file are skipped.
 
 #include <ATen/ATen.h>
@@ -34,6 +36,21 @@ namespace kvcache::study {
 
 class Progress;
 
+/// When the cache is compressed relative to the question (docs/study.md, "Query modes").
+///  - kAware: the whole prompt, question included, is prefilled; SnapKV-like policies score at
+///    the prompt's end, where the question is in their observation window (today's behaviour).
+///  - kAgnostic: the context (the prompt before Task::question) is prefilled and compressed at
+///    its end, as a cache compressed once and reused for any later question (KVzip, the kvpress
+///    leaderboard's query-agnostic list); the question is then fed one token per decode step,
+///    which never re-runs the prompt-end compression. A task without a question runs as kAware.
+enum class QueryMode { kAware, kAgnostic };
+
+/// "aware", "agnostic".
+std::string to_string(QueryMode mode);
+/// `--query-mode`: "aware", "agnostic" or "both" (= aware, agnostic).
+/// @throws InvalidArgument naming `text` and the valid values.
+std::vector<QueryMode> parse_query_modes(const std::string& text);
+
 /// What one greedy generation under one arm produced.
 struct Generation {
   std::string output;            ///< decoded reply, special tokens removed, stopped at end-of-turn
@@ -49,6 +66,9 @@ struct Generation {
   /// template and tokenizer) still resident in the cache after prefill, averaged over layers and
   /// KV heads; < 0 if not measured.
   double span_resident = -1;
+  /// QueryMode::kAgnostic: prompt tokens fed as decode steps after the context's prefill (the
+  /// question); 0 when the prompt was prefilled whole (aware mode, or a task without a question).
+  int64_t question_tokens = 0;
 };
 
 /// Scoring of the evaluation passage under one arm (same token ids for every arm).
@@ -84,8 +104,10 @@ class ArmEvaluator {
 
   /// Renders `task.messages` with the model's chat template (generation prompt added), resets a
   /// CacheManager configured with the arm for prompt + task.max_new_tokens tokens, prefills,
-  /// and decodes greedily (no penalties) up to task.max_new_tokens or end-of-turn.
-  virtual Generation run_task(const Arm& arm, const Task& task) = 0;
+  /// and decodes greedily (no penalties) up to task.max_new_tokens or end-of-turn. In
+  /// QueryMode::kAgnostic the prefill stops at the start of task.question (compression acts
+  /// there) and the question's tokens follow as decode steps (Generation::question_tokens).
+  virtual Generation run_task(const Arm& arm, const Task& task, QueryMode mode) = 0;
 
   /// Scores the evaluation passage (fixed by the evaluator) under the arm.
   virtual TextEval eval_text(const Arm& arm) = 0;
@@ -115,6 +137,7 @@ struct WorkItem {
   int64_t task_index = -1; ///< kTask: index into the task list
   KvGranularity granularity = KvGranularity::kPerTokenKV;  ///< kAttention
   int bits = 0;            ///< kAttention
+  QueryMode mode = QueryMode::kAware;  ///< kTask
   /// Row identity (without the model): ResultRow::arm and ResultRow::task.
   std::string row_arm;
   std::string row_task;
@@ -123,6 +146,8 @@ struct WorkItem {
 struct SweepOptions {
   std::vector<Arm> arms = default_arms();  ///< canonicalized and de-duplicated by run_sweep
   std::vector<Task> tasks;
+  /// The query modes of the task rows (distinct; run aware before agnostic whatever the order).
+  std::vector<QueryMode> query_modes = {QueryMode::kAware};
   Arm control = control_arm();             ///< canonicalized by run_sweep
   Shard shard;
   bool attention = true;        ///< "attn" rows
@@ -146,7 +171,8 @@ struct SweepStats {
 
 /// Checks everything run_sweep() checks before it runs an item: every arm and the control
 /// canonicalize (a malformed spec throws; one this model cannot run is kept, its rows will
-/// say why), the arm and task lists are not empty, task ids are unique, the attention-table
+/// say why), the arm and task lists are not empty, task ids are unique, the query modes are
+/// not empty and distinct, the attention-table
 /// settings are in range. Call it before creating output files, so that bad inputs leave
 /// nothing behind. @throws InvalidArgument naming the bad input.
 void validate_sweep(const ArmEvaluator& evaluator, const SweepOptions& options);

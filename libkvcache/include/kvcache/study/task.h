@@ -10,7 +10,10 @@
 ///   {"id":"s1234-needle-L512-d35-r0","family":"needle","depth_pct":35,"context_target":512,
 ///    "approx_tokens":497,"messages":[{"role":"system","content":"..."},{"role":"user",...}],
 ///    "answer":"48213","rule":{"kind":"word","arg":"48213"},
-///    "span":{"message":1,"begin":220,"end":246},"max_new_tokens":13}
+///    "span":{"message":1,"begin":220,"end":246},"max_new_tokens":13,
+///    "question":{"message":1,"begin":1890,"end":1915}}
+///
+/// "question" is written only for tasks that have one (Task::question).
 
 #include <cstdint>
 #include <string>
@@ -88,6 +91,13 @@ struct Task {
   ScoringRule rule;
   Span span;                       ///< the load-bearing sentence (needle, rule, instruction, detail)
   int64_t max_new_tokens = 16;     ///< generation limit for this task
+  /// The question: the text at the end of the prompt that asks for the answer, after the
+  /// context ([begin, end) of messages[message].content; everything of the prompt from `begin`
+  /// on is the question, incl. any later message and the generation prompt). The query-agnostic
+  /// study mode (QueryMode, sweep.h) compresses the cache at the end of the context, before
+  /// `begin`. message = -1: no question follows the context (the summary family puts its
+  /// instruction before the story); such a task runs the same in both modes.
+  Span question;
 };
 
 /// The task as one JSON object (no newline). Keys in a fixed order.
