@@ -121,14 +121,28 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   // "deepdive": the quantization schemes with full, each canonical and buildable, the control first.
   EXPECT_EQ(sets[2].name, "deepdive");
   const auto deep = parse_arm_list("deepdive");
-  ASSERT_EQ(deep.size(), 11u);
+  ASSERT_EQ(deep.size(), 17u);
   EXPECT_EQ(deep[0], control_arm());
   std::vector<std::string> schemes;
+  int auto_calibrated = 0;
   for (const auto& a : deep) {
     EXPECT_EQ(a.policy, "full") << a.spec();
-    EXPECT_EQ(make_cache_scheme(a.scheme)->spec(), a.scheme) << a.spec();
     schemes.push_back(a.scheme);
+    if (a.scheme.find(":cal=auto") != std::string::npos) {
+      // Resolved by kv_study run; anywhere else the scheme says so.
+      ++auto_calibrated;
+      EXPECT_EQ(spec_head(a.scheme), "kvquant") << a.spec();
+      try {
+        (void)make_cache_scheme(a.scheme);
+        ADD_FAILURE() << a.spec() << " built without a calibration";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("cal=auto is resolved by 'kv_study run'"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    EXPECT_EQ(make_cache_scheme(a.scheme)->spec(), a.scheme) << a.spec();
   }
+  EXPECT_EQ(auto_calibrated, 6);
   for (const std::string s : {"int8", "fp8:e4m3", "kivi:k2:v2:g32:r128", "kivi:k4:v4:g32:r128",
                               "gear:b2:g32:s0.02:r2:loop3:nb64", "had(int4)", "had(int2)", "int3"}) {
     EXPECT_NE(std::find(schemes.begin(), schemes.end(), s), schemes.end()) << s << " is not in deepdive";

@@ -201,7 +201,7 @@ class ScriptedEvaluator : public ArmEvaluator {
     Arm a{make_cache_scheme(arm.scheme)->spec(), arm.policy};
     return a;
   }
-  Generation run_task(const Arm&, const Task&) override { return {}; }
+  Generation run_task(const Arm&, const Task&, QueryMode) override { return {}; }
   ReconstructionResult reconstruction(const std::string&) override { return {}; }
   std::vector<QkvSample> capture_qkv() override { return {}; }
   CacheGeometry geometry() const override { return CacheGeometry{3, 2, 64}; }

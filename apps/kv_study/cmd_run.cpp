@@ -9,6 +9,8 @@
 #include "commands.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
+#include "kvcache/kvquant.h"
+#include "kvcache/study/kvquant_calibrate.h"
 #include "kvcache/study/model_evaluator.h"
 #include "kvcache/study/progress.h"
 #include "kvcache/study/report.h"
@@ -40,6 +42,11 @@ namespace {
 bool is_dir(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool is_file(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 }  // namespace
@@ -91,6 +98,41 @@ void report_to(const std::string& results, const std::string& dir, const std::st
 }
 
 }  // namespace
+
+/// `cal=auto` in an arm's scheme (the KVQuant arms of `--configs deepdive`): the model's own
+/// KVQuant calibration, fitted once per run directory with `kv_study calibrate`'s defaults
+/// (2/3/4-bit codebooks, sparsity 0.99 and 1, the default calibration text disjoint from the
+/// evaluation) into DIR/calibration/<model stem>.kvqcal (written atomically; a later run of
+/// the same directory reuses it) and named in the arm by that path, so the rows record which
+/// file their arm read. Returns the path ("" if no arm asks for it).
+std::string resolve_auto_calibration(std::vector<Arm>& arms, const std::string& dir, const std::string& model,
+                                     int threads) {
+  const std::string token = "cal=" + std::string(kvcache::kKvquantAutoCalibration);
+  const auto at_token = [&](const std::string& s, size_t i) {
+    const size_t e = i + token.size();
+    return s.compare(i, token.size(), token) == 0 && (e == s.size() || s[e] == ':' || s[e] == ')' || s[e] == ';');
+  };
+  bool any = false;
+  for (const auto& a : arms) {
+    for (size_t i = a.scheme.find(token); i != std::string::npos; i = a.scheme.find(token, i + 1)) any |= at_token(a.scheme, i);
+  }
+  if (!any) return "";
+  const std::string path = dir + "/calibration/" + stem(model) + ".kvqcal";
+  if (!is_file(path)) {
+    make_dirs(dir + "/calibration");
+    std::cerr << "kv_study run: a KVQuant arm asks for cal=auto: calibrating " << model << " -> " << path << "\n";
+    kvcache::study::KvquantCalibrateOptions o;
+    o.model_path = model;
+    o.threads = threads;
+    kvcache::save_kvquant_calibration(kvcache::study::calibrate_kvquant(o), path);
+  }
+  for (auto& a : arms) {
+    for (size_t i = a.scheme.find(token); i != std::string::npos; i = a.scheme.find(token, i + 1)) {
+      if (at_token(a.scheme, i)) a.scheme.replace(i, token.size(), "cal=" + path);
+    }
+  }
+  return path;
+}
 
 void add_run_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -165,6 +207,18 @@ void add_run_command(CLI::App& app) {
     // Every input is checked before the output directory or results file exists: a bad model,
     // arm or task list leaves nothing behind.
     auto evaluator = load_evaluator(*model, *threads);
+    {
+      // The arms that need no calibration are checked first: a bad one leaves nothing behind,
+      // not even a calibration.
+      SweepOptions pre = opt;
+      pre.arms.clear();
+      for (const auto& a : opt.arms) {
+        if (a.scheme.find("cal=" + std::string(kvcache::kKvquantAutoCalibration)) == std::string::npos) pre.arms.push_back(a);
+      }
+      if (pre.arms.empty()) pre.arms.push_back(control_arm());
+      validate_sweep(*evaluator, pre);
+    }
+    resolve_auto_calibration(opt.arms, dir, *model, *threads);
     validate_sweep(*evaluator, opt);
     make_dirs(dir);
     const std::string path = results_path(dir, opt.shard);

@@ -73,6 +73,11 @@ struct KvquantCalibration {
 };
 
 /// Options of fit_kvquant_calibration().
+/// The calibration path `kvquant:...:cal=auto` names: not a file but a request to `kv_study run`,
+/// which fits the model's calibration into its run directory and substitutes the path
+/// (docs/study.md, "KVQuant arms"); a scheme built from it elsewhere is refused saying so.
+inline constexpr const char* kKvquantAutoCalibration = "auto";
+
 struct KvquantFitOptions {
   std::vector<int> bits = {2, 3, 4};           ///< codebook widths
   std::vector<double> sparsities = {0.99, 1.0};  ///< levels

@@ -71,6 +71,9 @@ class KvquantScheme final : public CacheScheme {
     KV_CHECK_ARG(!path_.empty(), "cache scheme '", text_,
                  "': KVQuant needs its calibration: add ':cal=<file>' (write one with 'kv_study calibrate --model M "
                  "--out FILE')");
+    KV_CHECK_ARG(path_ != kKvquantAutoCalibration, "cache scheme '", text_, "': cal=", kKvquantAutoCalibration,
+                 " is resolved by 'kv_study run' (it calibrates the model into the run directory); here name a file "
+                 "written by 'kv_study calibrate --model M --out FILE'");
     try {
       cal_ = load_cached(path_);
     } catch (const InvalidArgument& e) {

@@ -88,7 +88,7 @@ std::vector<ArmSet> arm_sets() {
       {"deepdive",
        "the quantization deep-dive, all with full: the control, int8 and fp8 (e4m3), KIVI-2/4, GEAR-2 (the "
        "published settings, groups of 32 for head_dim 32), int4/int2 per token with and without the Hadamard "
-       "rotation, int3 (docs/study.md)",
+       "rotation, int3, KVQuant-4/3/2 without and with 1% outliers calibrated on the run's model (cal=auto; docs/study.md)",
        {
            {"fp32", "full"},
            {"int8", "full"},
@@ -101,8 +101,15 @@ std::vector<ArmSet> arm_sets() {
            {"int2", "full"},
            {"had(int2)", "full"},
            {"int3", "full"},
-           // KVQuant arms (KVQuant-2/3/4 with and without 1% outliers) are added here by the lead
-           // after merging the kvquant branch; their specs do not exist on this branch.
+           // KVQuant-4/3/2 without and with 1% outliers (4 key outlier slots per token; Q-Norm at
+           // 2 bits, as the paper runs it), calibrated on the run's own model: kv_study run
+           // replaces cal=auto by DIR/calibration/<model>.kvqcal, fitted once per directory.
+           {"kvquant:b4:cal=auto", "full"},
+           {"kvquant:b4:o1:c4:cal=auto", "full"},
+           {"kvquant:b3:cal=auto", "full"},
+           {"kvquant:b3:o1:c4:cal=auto", "full"},
+           {"kvquant:b2:qnorm:cal=auto", "full"},
+           {"kvquant:b2:o1:c4:qnorm:cal=auto", "full"},
        }},
   };
 }
