@@ -313,6 +313,38 @@ class DefaultModelTest(unittest.TestCase):
             self.assertEqual([os.path.basename(x) for x in p.stdout.split()][3:],
                              ["budget_accuracy.png", "budget_family.png", "budget_depth.png"])
 
+    def test_kvquant_cal_auto_calibrates_once_per_run_directory(self):
+        """`cal=auto` (the deepdive set's KVQuant arms): kv_study run fits the model's calibration
+        into OUT/calibration/, names it in the arm's rows, and a rerun reuses it and runs nothing;
+        a bad arm beside it leaves no directory behind; outside kv_study run it is refused."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "run")
+            cmd = [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "kvquant:b3:cal=auto+full",
+                   "--out", out, "--threads", "1", "--no-text", "--no-recon", "--no-attn", "--quiet"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            cal = os.path.join(out, "calibration", "kvstudy-default.kvqcal")
+            self.assertIn("calibrating", r.stderr)
+            with open(cal, "rb") as f:
+                self.assertEqual(f.read(8), b"KVQCALIB")
+            with open(os.path.join(out, "results.jsonl")) as f:
+                arms = {json.loads(line)["arm"] for line in f}
+            self.assertEqual(arms, {f"kvquant:b3:cal={cal}+full"})
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertNotIn("calibrating", r.stderr)
+            self.assertIn("0 items run", r.stderr)
+            bad = os.path.join(d, "bad")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs",
+                                "kvquant:b3:cal=auto+full,int5+full", "--out", bad, "--quiet"],
+                               capture_output=True, text=True, timeout=120, cwd=REPO)
+            self.assertEqual(r.returncode, 1)
+            self.assertFalse(os.path.exists(bad))
+            r = subprocess.run([os.path.abspath(KV_STUDY), "generate", "--threads", "1", "--prompt", "hi",
+                                "--arm", "kvquant:b3:cal=auto"], capture_output=True, text=True, timeout=120, cwd=REPO)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("cal=auto is resolved by 'kv_study run'", r.stderr)
+
     def test_kvquant_calibrate_then_generate(self):
         """`kv_study calibrate` writes a calibration the kvquant arms read (keys pre-RoPE, set by
         the study from the scheme); a missing calibration is an error naming the file, and the
