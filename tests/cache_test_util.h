@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -128,5 +129,17 @@ struct Snapshot {
   /// EXPECTs that `m` still shows this snapshot.
   void expect_unchanged(const CacheManager& m, const std::string& where) const { expect_same(Snapshot(m), where); }
 };
+
+/// The message of the `E` (InvalidArgument unless said) `f` throws, or "no error" (other
+/// exceptions propagate).
+template <class E = InvalidArgument>
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "no error";
+}
 
 }  // namespace kvcache::testing

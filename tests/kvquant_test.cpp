@@ -34,14 +34,7 @@ using ::testing::HasSubstr;
 using testing::make_config;
 using testing::positions_range;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 std::string temp_path(const std::string& name) {
   return ::testing::TempDir() + "kvquant_test_" + std::to_string(::getpid()) + "_" + name;

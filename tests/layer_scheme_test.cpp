@@ -29,14 +29,7 @@ using ::testing::HasSubstr;
 using testing::make_config;
 using testing::positions_range;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 TEST(LayerScheme, CanonicalFormsRoundTrip) {
   const std::vector<std::pair<std::string, std::string>> cases = {

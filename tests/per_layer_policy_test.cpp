@@ -24,15 +24,7 @@ using ::testing::HasSubstr;
 using testing::make_config;
 using testing::positions_range;
 
-template <class E = InvalidArgument>
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 TEST(PerLayerPolicy, CanonicalFormsRoundTrip) {
   const std::vector<std::pair<std::string, std::string>> cases = {

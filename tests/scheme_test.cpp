@@ -31,14 +31,7 @@ using ::testing::HasSubstr;
 using testing::make_config;
 using testing::positions_range;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/layer_runs.h"
 #include "common/registry.h"
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
@@ -32,22 +33,6 @@ struct Run {
   std::shared_ptr<const CacheScheme> scheme;
   int64_t count = 1;
 };
-
-/// Splits `inner` at the ';' outside parentheses.
-std::vector<std::string> split_runs(const std::string& inner) {
-  std::vector<std::string> out;
-  int depth = 0;
-  size_t start = 0;
-  for (size_t i = 0; i <= inner.size(); ++i) {
-    if (i < inner.size() && inner[i] == '(') ++depth;
-    if (i < inner.size() && inner[i] == ')') --depth;
-    if (i == inner.size() || (inner[i] == ';' && depth == 0)) {
-      out.push_back(inner.substr(start, i - start));
-      start = i + 1;
-    }
-  }
-  return out;
-}
 
 class LayerScheme final : public CacheScheme {
  public:
@@ -109,7 +94,7 @@ std::unique_ptr<CacheScheme> make_layer_scheme(const std::string& inner) {
   const std::string text = "layers(" + inner + ")";
   std::vector<Run> runs;
   int64_t total = 0;
-  const auto items = split_runs(inner);
+  const auto items = detail::split_layer_runs(inner);
   for (size_t i = 0; i < items.size(); ++i) {
     const std::string& item = items[i];
     const std::string where = detail::str_cat("cache scheme '", text, "': run ", i + 1, " '", item, "'");
@@ -117,13 +102,7 @@ std::unique_ptr<CacheScheme> make_layer_scheme(const std::string& inner) {
                  " is empty (expected <scheme>*<layers> runs separated by ';', e.g. "
                  "'layers(kivi:k8:v4:g32:r128*4;kivi:k4:v2:g32:r128*20)')");
     // The count follows the last '*' outside parentheses; none: one layer.
-    size_t star = std::string::npos;
-    int depth = 0;
-    for (size_t j = 0; j < item.size(); ++j) {
-      if (item[j] == '(') ++depth;
-      if (item[j] == ')') --depth;
-      if (item[j] == '*' && depth == 0) star = j;
-    }
+    const size_t star = detail::layer_run_star(item);
     Run r;
     const std::string scheme = star == std::string::npos ? item : item.substr(0, star);
     if (star != std::string::npos) r.count = parse_integer(item.substr(star + 1), where + ": layer count", 1, kMaxRunLayers);

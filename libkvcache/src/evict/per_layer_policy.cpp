@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/layer_runs.h"
 #include "common/registry.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
@@ -33,22 +34,6 @@ struct Run {
   int64_t first = 0;  ///< global index of the run's first layer
   int64_t count = 1;
 };
-
-/// Splits `inner` at the ';' outside parentheses.
-std::vector<std::string> split_runs(const std::string& inner) {
-  std::vector<std::string> out;
-  int depth = 0;
-  size_t start = 0;
-  for (size_t i = 0; i <= inner.size(); ++i) {
-    if (i < inner.size() && inner[i] == '(') ++depth;
-    if (i < inner.size() && inner[i] == ')') --depth;
-    if (i == inner.size() || (inner[i] == ';' && depth == 0)) {
-      out.push_back(inner.substr(start, i - start));
-      start = i + 1;
-    }
-  }
-  return out;
-}
 
 /// The spec without its budget ("snapkv:w16" of "snapkv:w16@50%").
 std::string body_of(const std::string& spec) { return spec.substr(0, spec.find('@')); }
@@ -169,14 +154,14 @@ std::unique_ptr<EvictionPolicy> make_per_layer_policy(const std::string& text) {
   std::vector<std::string> specs;  // canonical, per run
   std::string common;              // the policy body every non-full run shares
   int64_t total = 0;
-  const auto items = split_runs(w->inner);
+  const auto items = detail::split_layer_runs(w->inner);
   for (size_t i = 0; i < items.size(); ++i) {
     const std::string& item = items[i];
     KV_CHECK_ARG(!item.empty(), "eviction policy '", text, "': run ", i + 1,
                  " is empty (expected <policy>@<budget>*<layers> runs separated by ';', e.g. "
                  "'perlayer(snapkv@25%*12;snapkv@75%*12)')");
     const std::string where = detail::str_cat("eviction policy '", text, "': run ", i + 1, " '", item, "'");
-    const auto star = item.rfind('*');
+    const size_t star = detail::layer_run_star(item);
     Run r;
     const std::string spec = star == std::string::npos ? item : item.substr(0, star);
     if (star != std::string::npos) r.count = parse_integer(item.substr(star + 1), where + ": layer count", 1, kMaxRunLayers);
