@@ -67,10 +67,12 @@ at::Tensor two_term_rounded(const at::Tensor& x, bool fused_residual = false) {
     auto qs = std::get<0>(ch.abs().max(-1, /*keepdim=*/true)) / 127.0f;
     qs = at::where(qs > 0, qs, at::ones_like(qs));
     const auto step = qs / cache::fused::kLowSteps;
-    const auto hi = at::clamp(at::round(ch / qs), -127, 127);
+    // The per-channel fold multiplies by the reciprocals (1/qs, 1/step, each rounded to float);
+    // fused::prepare divides.
+    const auto hi = at::clamp(at::round(fused_residual ? ch * at::reciprocal(qs) : ch / qs), -127, 127);
     const auto resid = fused_residual ? (ch.to(at::kDouble) - qs.to(at::kDouble) * hi.to(at::kDouble)).to(at::kFloat)
                                       : ch - qs * hi;
-    const auto lo = at::clamp(at::round(resid / step), -127, 127);
+    const auto lo = at::clamp(at::round(fused_residual ? resid * at::reciprocal(step) : resid / step), -127, 127);
     out.narrow(-1, 32 * c, 32).copy_(qs * hi + step * lo);
   }
   return out;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "kvcache/error.h"
@@ -343,10 +344,18 @@ class Cursor {
       b.rows = b.scratch.data();
     }
     b.slots.clear();
-    for (int32_t sl = 0; sl < b.block->filled; ++sl) {
-      if (!b.block->alive(sl)) continue;
-      b.slots.push_back(sl);
-      if (rope_ != nullptr) rope_->rotate(b.scratch.data() + static_cast<int64_t>(sl) * d_, b.block->position(sl));
+    if (!b.block->has_holes()) {  // the usual block: every filled slot live
+      b.slots.resize(static_cast<size_t>(b.block->filled));
+      std::iota(b.slots.begin(), b.slots.end(), 0);
+    } else {
+      for (int32_t sl = 0; sl < b.block->filled; ++sl) {
+        if (b.block->alive(sl)) b.slots.push_back(sl);
+      }
+    }
+    if (rope_ != nullptr) {
+      for (const int32_t sl : b.slots) {
+        rope_->rotate(b.scratch.data() + static_cast<int64_t>(sl) * d_, b.block->position(sl));
+      }
     }
     next_ = 0;
     return true;

@@ -337,15 +337,19 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
         const __m512 q0 = _mm512_loadu_ps(qf + 32 * c), q1 = _mm512_loadu_ps(qf + 32 * c + 16);
         const __m512 w0 = _mm512_mul_ps(q0, sv[2 * c]), w1 = _mm512_mul_ps(q1, sv[2 * c + 1]);
         z = _mm512_fmadd_ps(q0, zv[2 * c], _mm512_fmadd_ps(q1, zv[2 * c + 1], z));
-        const float amax = maxf(_mm512_reduce_max_ps(_mm512_abs_ps(w0)), _mm512_reduce_max_ps(_mm512_abs_ps(w1)));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
         const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-        const __m512 sc_v = _mm512_set1_ps(scale), step = _mm512_set1_ps(scale / kLowSteps);
+        // Terms by multiplying with the reciprocals (one scalar division each per chunk and row,
+        // not four vector ones: the fold runs once per block and was a third of this kernel's
+        // time); the test's formula rounds the same products (two_term_rounded, attend_fused_test).
+        const __m512 sc_v = _mm512_set1_ps(scale), inv = _mm512_set1_ps(1.0f / scale),
+                     inv_step = _mm512_set1_ps(1.0f / (scale / kLowSteps));
         // The low term from w − scale·hi with one rounding (an explicit FMA: the contraction
         // the compiler would otherwise choose per call site is fixed here).
-        const __m512 h0 = round_to_int8(_mm512_div_ps(w0, sc_v), wh[r] + 32 * c);
-        const __m512 h1 = round_to_int8(_mm512_div_ps(w1, sc_v), wh[r] + 32 * c + 16);
-        round_to_int8(_mm512_div_ps(_mm512_fnmadd_ps(sc_v, h0, w0), step), wl[r] + 32 * c);
-        round_to_int8(_mm512_div_ps(_mm512_fnmadd_ps(sc_v, h1, w1), step), wl[r] + 32 * c + 16);
+        const __m512 h0 = round_to_int8(_mm512_mul_ps(w0, inv), wh[r] + 32 * c);
+        const __m512 h1 = round_to_int8(_mm512_mul_ps(w1, inv), wh[r] + 32 * c + 16);
+        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h0, w0), inv_step), wl[r] + 32 * c);
+        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h1, w1), inv_step), wl[r] + 32 * c + 16);
         ws[r][c] = scale;
       }
       wz[r] = _mm512_reduce_add_ps(z);
