@@ -168,13 +168,11 @@ inline __m256i chunk_codes32(const uint8_t* row, const TokenChunk& t, int bits) 
       return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m4)),
                                      _mm_and_si128(_mm_srli_epi16(b, 4), m4), 1);
     }
-    case 2: {
+    case 2: {  // field f (dims 8f .. 8f + 7) = bits 2f of the 8 bytes: one 64-bit lane each
       uint64_t w;
       std::memcpy(&w, p, sizeof w);
-      const __m128i b = _mm_set1_epi64x(static_cast<long long>(w));
-      const __m128i f01 = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2));
-      const __m128i f23 = _mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6));
-      return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(f01), f23, 1), _mm256_set1_epi8(0x03));
+      const __m256i b = _mm256_set1_epi64x(static_cast<long long>(w));
+      return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(6, 4, 2, 0)), _mm256_set1_epi8(0x03));
     }
     case 3: {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
