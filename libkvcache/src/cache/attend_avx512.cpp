@@ -24,7 +24,6 @@ using Kind = KernelFormat::Kind;
 // Local helpers only (internal linkage): see fused_abi.h on why nothing shared may be
 // instantiated in this translation unit.
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-inline float maxf(float a, float b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------- conversions
 
