@@ -130,6 +130,24 @@ struct Snapshot {
   void expect_unchanged(const CacheManager& m, const std::string& where) const { expect_same(Snapshot(m), where); }
 };
 
+/// Appends a 30-token prefill and six decode tokens to every layer of `m` (2 KV heads, 4 query
+/// heads, head_dim 16; random K/V/q, seed 31), attending after each append: every output finite,
+/// the invariants held after each step. `what` names the case in failures.
+inline void run_prefill_then_decode(CacheManager& m, const std::string& what) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+  int64_t pos = 0;
+  for (int64_t n : {30, 1, 1, 1, 1, 1, 1}) {
+    for (int64_t l = 0; l < m.config().num_layers; ++l) {
+      m.append(l, randn({1, 2, n, 16}, gen), randn({1, 2, n, 16}, gen), positions_range(pos, n));
+      const at::Tensor out = m.attend(l, randn({1, 4, n, 16}, gen), positions_range(pos, n));
+      EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << what;
+    }
+    m.end_step(n > 1 ? StepKind::kPrefillEnd : StepKind::kDecode);
+    m.check_invariants();
+    pos += n;
+  }
+}
+
 /// The message of the `E` (InvalidArgument unless said) `f` throws, or "no error" (other
 /// exceptions propagate).
 template <class E = InvalidArgument>

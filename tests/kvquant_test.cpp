@@ -499,18 +499,7 @@ TEST(KvquantCache, RunsThroughTheCacheWithEvictionAndSinks) {
     auto c = make_config(2, 4, 2, 16, "kvquant:" + fields + ":cal=" + path, "h2o@24");
     c.key_storage = KeyStorage::kPreRoPE;
     CacheManager m(c);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
-    int64_t pos = 0;
-    for (int64_t n : {30, 1, 1, 1, 1, 1, 1}) {
-      for (int64_t l = 0; l < 2; ++l) {
-        m.append(l, testing::randn({1, 2, n, 16}, gen), testing::randn({1, 2, n, 16}, gen), positions_range(pos, n));
-        const at::Tensor out = m.attend(l, testing::randn({1, 4, n, 16}, gen), positions_range(pos, n));
-        EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << fields;
-      }
-      m.end_step(n > 1 ? StepKind::kPrefillEnd : StepKind::kDecode);
-      m.check_invariants();
-      pos += n;
-    }
+    testing::run_prefill_then_decode(m, fields);
     EXPECT_LE(m.stats().tokens_resident, 2 * 2 * 24) << fields;
   }
   std::remove(path.c_str());

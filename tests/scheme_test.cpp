@@ -300,18 +300,7 @@ TEST(CacheScheme, NewSchemesRunThroughTheCacheWithEviction) {
   for (const char* scheme : {"int3", "int3:g8:chan", "kivi:k3:v3:g8:r8", "had(int4)", "had:k(kivi:k2:v2:g8:r8)"}) {
     auto c = make_config(2, 4, 2, 16, scheme, "h2o@24");
     CacheManager m(c);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
-    int64_t pos = 0;
-    for (int64_t n : {30, 1, 1, 1, 1, 1, 1}) {
-      for (int64_t l = 0; l < 2; ++l) {
-        m.append(l, testing::randn({1, 2, n, 16}, gen), testing::randn({1, 2, n, 16}, gen), positions_range(pos, n));
-        const at::Tensor out = m.attend(l, testing::randn({1, 4, n, 16}, gen), positions_range(pos, n));
-        EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << scheme;
-      }
-      m.end_step(n > 1 ? StepKind::kPrefillEnd : StepKind::kDecode);
-      m.check_invariants();
-      pos += n;
-    }
+    testing::run_prefill_then_decode(m, scheme);
     EXPECT_LE(m.stats().tokens_resident, 2 * 2 * 24) << scheme;
     EXPECT_EQ(cache::CacheManagerAccess::scheme(m), make_cache_scheme(scheme)->spec());
   }

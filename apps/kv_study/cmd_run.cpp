@@ -99,24 +99,25 @@ void report_to(const std::string& results, const std::string& dir, const std::st
 
 }  // namespace
 
+/// Where the scheme `s` asks for `cal=auto` (the field, not a path that starts with "auto"):
+/// the offsets of its "cal=auto" texts.
+std::vector<size_t> auto_calibration_at(const std::string& s) {
+  const std::string token = "cal=" + std::string(kvcache::kKvquantAutoCalibration);
+  std::vector<size_t> at;
+  for (size_t i = s.find(token); i != std::string::npos; i = s.find(token, i + 1)) {
+    const size_t e = i + token.size();
+    if (e == s.size() || s[e] == ':' || s[e] == ')' || s[e] == ';') at.push_back(i);
+  }
+  return at;
+}
+
 /// `cal=auto` in an arm's scheme (the KVQuant arms of `--configs deepdive`): the model's own
 /// KVQuant calibration, fitted once per run directory with `kv_study calibrate`'s defaults
 /// (2/3/4-bit codebooks, sparsity 0.99 and 1, the default calibration text disjoint from the
 /// evaluation) into DIR/calibration/<model stem>.kvqcal (written atomically; a later run of
 /// the same directory reuses it) and named in the arm by that path, so the rows record which
-/// file their arm read. Returns the path ("" if no arm asks for it).
-std::string resolve_auto_calibration(std::vector<Arm>& arms, const std::string& dir, const std::string& model,
-                                     int threads) {
-  const std::string token = "cal=" + std::string(kvcache::kKvquantAutoCalibration);
-  const auto at_token = [&](const std::string& s, size_t i) {
-    const size_t e = i + token.size();
-    return s.compare(i, token.size(), token) == 0 && (e == s.size() || s[e] == ':' || s[e] == ')' || s[e] == ';');
-  };
-  bool any = false;
-  for (const auto& a : arms) {
-    for (size_t i = a.scheme.find(token); i != std::string::npos; i = a.scheme.find(token, i + 1)) any |= at_token(a.scheme, i);
-  }
-  if (!any) return "";
+/// file their arm read. Call only when some arm asks for it.
+void resolve_auto_calibration(std::vector<Arm>& arms, const std::string& dir, const std::string& model, int threads) {
   const std::string path = dir + "/calibration/" + stem(model) + ".kvqcal";
   if (!is_file(path)) {
     make_dirs(dir + "/calibration");
@@ -126,12 +127,11 @@ std::string resolve_auto_calibration(std::vector<Arm>& arms, const std::string& 
     o.threads = threads;
     kvcache::save_kvquant_calibration(kvcache::study::calibrate_kvquant(o), path);
   }
+  const size_t token = std::string("cal=").size() + std::string(kvcache::kKvquantAutoCalibration).size();
   for (auto& a : arms) {
-    for (size_t i = a.scheme.find(token); i != std::string::npos; i = a.scheme.find(token, i + 1)) {
-      if (at_token(a.scheme, i)) a.scheme.replace(i, token.size(), "cal=" + path);
-    }
+    const auto at = auto_calibration_at(a.scheme);
+    for (auto i = at.rbegin(); i != at.rend(); ++i) a.scheme.replace(*i, token, "cal=" + path);  // back to front
   }
-  return path;
 }
 
 void add_run_command(CLI::App& app) {
@@ -207,18 +207,17 @@ void add_run_command(CLI::App& app) {
     // Every input is checked before the output directory or results file exists: a bad model,
     // arm or task list leaves nothing behind.
     auto evaluator = load_evaluator(*model, *threads);
-    {
-      // The arms that need no calibration are checked first: a bad one leaves nothing behind,
-      // not even a calibration.
-      SweepOptions pre = opt;
-      pre.arms.clear();
-      for (const auto& a : opt.arms) {
-        if (a.scheme.find("cal=" + std::string(kvcache::kKvquantAutoCalibration)) == std::string::npos) pre.arms.push_back(a);
-      }
+    SweepOptions pre = opt;  // the arms that need no calibration
+    pre.arms.clear();
+    for (const auto& a : opt.arms) {
+      if (auto_calibration_at(a.scheme).empty()) pre.arms.push_back(a);
+    }
+    if (pre.arms.size() < opt.arms.size()) {
+      // Those are checked first: a bad one leaves nothing behind, not even a calibration.
       if (pre.arms.empty()) pre.arms.push_back(control_arm());
       validate_sweep(*evaluator, pre);
+      resolve_auto_calibration(opt.arms, dir, *model, *threads);
     }
-    resolve_auto_calibration(opt.arms, dir, *model, *threads);
     validate_sweep(*evaluator, opt);
     make_dirs(dir);
     const std::string path = results_path(dir, opt.shard);

@@ -73,50 +73,8 @@ inline float half_at(const uint8_t* base, int64_t index) {
 
 // ---------------------------------------------------------------- integer codes
 
-/// 32 codes (one per byte) of dims [32c, 32c + 32) of per-token slot `slot`.
-inline __m256i token_codes32(const RawTokens& t, int32_t slot, int64_t c) {
-  const int bits = t.kf.bits;
-  const int64_t g = t.kf.group;
-  const uint8_t* row = t.block + static_cast<int64_t>(slot) * t.kf.code_bytes;
-  const int64_t o = 32 * c, gi = o / g, off = o % g;
-  const uint8_t* base = row + gi * (g * bits / 8);
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-  if (bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off));
-  if (bits == 4) {
-    if (g == 32) {  // byte j = c[j] | c[j + 16] << 4
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base));
-      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-      return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    }
-    const int64_t half = g / 2;
-    if (off < half) return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off)), m4);
-    return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off - half)), 4), m4);
-  }
-  // bits == 2: byte j = c[j] | c[j + q] << 2 | c[j + 2q] << 4 | c[j + 3q] << 6, q = g / 4
-  const int64_t q = g / 4;
-  if (g == 32) {  // 8 bytes, four fields of 8
-    uint64_t w;
-    std::memcpy(&w, base, sizeof w);
-    const __m128i b = _mm_set1_epi64x(static_cast<long long>(w));
-    const __m128i f01 = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2));
-    const __m128i f23 = _mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6));
-    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(f01), f23, 1), m2);
-  }
-  if (g == 64) {  // 16 bytes, four fields of 16; chunk 0 = fields 0, 1; chunk 1 = fields 2, 3
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base));
-    const int s0 = off == 0 ? 0 : 4;
-    const __m128i lo = _mm_srl_epi16(b, _mm_cvtsi32_si128(s0));
-    const __m128i hi = _mm_srl_epi16(b, _mm_cvtsi32_si128(s0 + 2));
-    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), m2);
-  }
-  const int64_t field = off / q, oq = off % q;
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + oq));
-  return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(static_cast<int>(2 * field))), m2);
-}
-
 /// How dims [32c, 32c + 32) of a per-token row are extracted: the same for every key of a
-/// block, so worked out once per call (token_codes32 divides by the group size per key).
+/// block, so worked out once per call (no division by the group size per key).
 struct TokenChunk {
   int64_t offset = 0;  ///< byte offset in the row of the bytes loaded
   __m128i shift;       ///< right shift of the codes' bit field (epi16 lanes)
@@ -156,8 +114,7 @@ inline TokenChunk token_chunk(const KernelFormat& kf, int64_t c) {
   return t;
 }
 
-/// The 32 codes of a per-token row's chunk described by `t` (token_codes32 without the
-/// per-key arithmetic).
+/// The 32 codes (one per byte) of a per-token row's chunk described by `t`.
 inline __m256i chunk_codes32(const uint8_t* row, const TokenChunk& t, int bits) {
   const uint8_t* p = row + t.offset;
   switch (t.mode) {
@@ -486,20 +443,14 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
 template <Kind K>
 inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs, const float* cz, __m512& x0,
                     __m512& x1) {
-  if constexpr (K == Kind::kIntToken || K == Kind::kIntChannel) {
-    const __m256i codes = K == Kind::kIntToken ? token_codes32(v, slot, h) : channel_codes32(v, chan_pos(v, slot), h);
+  // (Per-token integer values take pv_int_token.)
+  static_assert(K != Kind::kIntToken);
+  if constexpr (K == Kind::kIntChannel) {
+    const __m256i codes = channel_codes32(v, chan_pos(v, slot), h);
     x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
     x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
-    if constexpr (K == Kind::kIntToken) {
-      const int64_t at = static_cast<int64_t>(slot) * v.kf.meta_count + 32 * h / v.kf.group;
-      const __m512 sc = _mm512_set1_ps(half_at(v.block + v.kf.scales_offset, at));
-      const __m512 ze = _mm512_set1_ps(half_at(v.block + v.kf.zeros_offset, at));
-      x0 = _mm512_fmadd_ps(x0, sc, ze);
-      x1 = _mm512_fmadd_ps(x1, sc, ze);
-    } else {
-      x0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(cs + 32 * h), _mm512_loadu_ps(cz + 32 * h));
-      x1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(cs + 32 * h + 16), _mm512_loadu_ps(cz + 32 * h + 16));
-    }
+    x0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(cs + 32 * h), _mm512_loadu_ps(cz + 32 * h));
+    x1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(cs + 32 * h + 16), _mm512_loadu_ps(cz + 32 * h + 16));
   } else {
     const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h * value_bytes<K>();
     x0 = load16<K>(row);
