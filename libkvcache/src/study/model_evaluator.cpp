@@ -70,7 +70,7 @@ class ModelArmEvaluator : public ArmEvaluator {
       : opt_(opt),
         model_(CausalLM::load(opt.model_path, LoadOptions{opt.threads})),
         runner_(model_),
-        tokenizer_(load_tokenizer(model_)),
+        tokenizer_(Tokenizer::from_texts(model_.tokenizer_files())),
         template_(ChatTemplate::detect(model_.config().model_type, model_.extra_file("tokenizer_config.json"))),
         model_id_(file_id(opt.model_path)) {
     eos_ = model_.config().eos_token_ids;
@@ -187,17 +187,6 @@ class ModelArmEvaluator : public ArmEvaluator {
   }
 
  private:
-  static Tokenizer load_tokenizer(const CausalLM& m) {
-    TokenizerFiles f;
-    f.tokenizer_json = m.extra_file("tokenizer.json");
-    f.vocab_json = m.extra_file("vocab.json");
-    f.merges_txt = m.extra_file("merges.txt");
-    f.tokenizer_config_json = m.extra_file("tokenizer_config.json");
-    KV_CHECK_ARG(!f.tokenizer_json.empty() || !f.vocab_json.empty(), "model '", m.path(),
-                 "' holds no tokenizer (export it with tools/export_torchscript.py from a checkpoint with tokenizer.json)");
-    return Tokenizer::from_texts(f);
-  }
-
   CacheConfig config_for(const Arm& arm) const {
     CacheConfig cfg = model_.cache_config();
     cfg.scheme = arm.scheme;

@@ -118,22 +118,11 @@ struct PrefixWorkloadRunner::Impl {
   ChatTemplate chat;
   std::vector<int64_t> eos;
 
-  static Tokenizer load_tokenizer(const CausalLM& m) {
-    TokenizerFiles f;
-    f.tokenizer_json = m.extra_file("tokenizer.json");
-    f.vocab_json = m.extra_file("vocab.json");
-    f.merges_txt = m.extra_file("merges.txt");
-    f.tokenizer_config_json = m.extra_file("tokenizer_config.json");
-    KV_CHECK_ARG(!f.tokenizer_json.empty() || !f.vocab_json.empty(), "model '", m.path(),
-                 "' holds no tokenizer (export it with tools/export_torchscript.py from a checkpoint with tokenizer.json)");
-    return Tokenizer::from_texts(f);
-  }
-
   explicit Impl(const PrefixRunOptions& o)
       : opt(o),
         model(CausalLM::load(o.model_path, LoadOptions{o.threads})),
         runner(model),
-        tokenizer(load_tokenizer(model)),
+        tokenizer(Tokenizer::from_texts(model.tokenizer_files())),
         chat(ChatTemplate::detect(model.config().model_type, model.extra_file("tokenizer_config.json"))) {
     KV_CHECK_ARG(o.block_tokens >= 1, "PrefixRunOptions: block_tokens must be >= 1, got ", o.block_tokens);
     KV_CHECK_ARG(o.prefill_chunk >= 0, "PrefixRunOptions: prefill_chunk must be >= 0, got ", o.prefill_chunk);
