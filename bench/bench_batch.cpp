@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_flags.h"
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/runner.h"
@@ -125,12 +126,7 @@ void register_all() {
   }
 }
 
-bool take_flag(const char* arg, const char* name, std::string* value) {
-  const size_t n = std::strlen(name);
-  if (std::strncmp(arg, name, n) != 0 || arg[n] != '=') return false;
-  *value = arg + n + 1;
-  return true;
-}
+using kvcache_bench::take_flag;
 
 }  // namespace
 

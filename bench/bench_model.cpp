@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 
+#include "bench_flags.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
@@ -208,12 +209,7 @@ void register_all() {
   }
 }
 
-bool take_flag(const char* arg, const char* name, std::string* value) {
-  const size_t n = std::strlen(name);
-  if (std::strncmp(arg, name, n) != 0 || arg[n] != '=') return false;
-  *value = arg + n + 1;
-  return true;
-}
+using kvcache_bench::take_flag;
 
 }  // namespace
 
