@@ -70,7 +70,7 @@ class KvquantScheme final : public CacheScheme {
         qnorm_(p.choice("qnorm") == "qnorm"), path_(p.str("cal")), spec_(p.canonical()), text_(p.text()) {
     KV_CHECK_ARG(!path_.empty(), "cache scheme '", text_,
                  "': KVQuant needs its calibration: add ':cal=<file>' (write one with 'kv_study calibrate --model M "
-                 "--out FILE')");
+                 "--out FILE'), or in 'kv_study run' ':cal=auto' (the run calibrates its model)");
     KV_CHECK_ARG(path_ != kKvquantAutoCalibration, "cache scheme '", text_, "': cal=", kKvquantAutoCalibration,
                  " is resolved by 'kv_study run' (it calibrates the model into the run directory); here name a file "
                  "written by 'kv_study calibrate --model M --out FILE'");
