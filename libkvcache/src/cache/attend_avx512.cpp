@@ -322,9 +322,8 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   // The query terms interleaved per chunk as the key loop reads them: qq[c][e][r] = {hi, lo},
   // the 4 int8 of dims 32c + 4e .. + 3 (one dword each), so that every VNNI product takes its
   // broadcast from a constant offset.
-  const int64_t chunks_n = chunks;
   alignas(64) int32_t qq[8][8][NR][2];
-  for (int64_t c = 0; c < chunks_n; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     for (int e = 0; e < 8; ++e) {
       for (int r = 0; r < NR; ++r) {
         std::memcpy(&qq[c][e][r][0], qh[r] + 32 * c + 4 * e, 4);
@@ -334,7 +333,7 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   }
   TokenChunk tc[8];
   int64_t gic[8];
-  for (int64_t c = 0; c < chunks_n; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     if constexpr (!kChannel) {
       tc[c] = token_chunk(k.kf, c);
       gic[c] = 32 * c / k.kf.group;
@@ -352,7 +351,7 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
     if constexpr (kChannel) {
       for (int j = 0; j < m; ++j) pos[j] = chan_pos(k, slots[j]);
     }
-    for (int64_t c = 0; c < chunks_n; ++c) {
+    for (int64_t c = 0; c < chunks; ++c) {
       __m256i rows[16];
       if constexpr (kChannel) {
         for (int j = 0; j < 16; ++j) rows[j] = j < m ? channel_codes32(k, pos[j], c) : _mm256_setzero_si256();
