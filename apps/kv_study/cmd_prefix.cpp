@@ -3,7 +3,6 @@
 // with prefix sharing off and on, one table of what each lever saves alone and together.
 #include <sys/stat.h>
 
-#include <fstream>
 #include <iostream>
 #include <memory>
 
@@ -16,16 +15,6 @@ namespace kv_study {
 
 using namespace kvcache::study;
 
-namespace {
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  KV_CHECK_ARG(out.good(), "cannot write '", path, "'");
-  out << text;
-  KV_CHECK_ARG(out.good(), "cannot write '", path, "'");
-}
-
-}  // namespace
 
 void add_prefix_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -97,8 +86,7 @@ void add_prefix_command(CLI::App& app) {
     const std::string md = prefix_report_markdown(results);
     std::cout << md;
     if (!out->empty()) {
-      write_text(*out + "/prefix.md", md);
-      write_text(*out + "/prefix.json", prefix_results_json(results) + "\n");
+      write_prefix_files(*out, results);
       std::cerr << "kv_study prefix: wrote " << *out << "/prefix.md and prefix.json\n";
     }
   });

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Workloads with shared prefixes (prefix_workload.h): built from the default suite's tasks,
 // run over one MultiSequenceCache with sharing on and off, scored with the suite's rules.
+#include "common/file_io.h"
 #include "kvcache/study/prefix_workload.h"
 
 #include <algorithm>
@@ -356,6 +357,11 @@ std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
     arr.push_back(std::move(j));
   }
   return arr.dump(1);
+}
+
+void write_prefix_files(const std::string& dir, const std::vector<PrefixRunResult>& results) {
+  io::write_file_atomic(dir + "/prefix.md", prefix_report_markdown(results));
+  io::write_file_atomic(dir + "/prefix.json", prefix_results_json(results) + "\n");
 }
 
 }  // namespace kvcache::study

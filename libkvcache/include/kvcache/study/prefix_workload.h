@@ -136,4 +136,9 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results);
 /// The results as a JSON array (one object per PrefixRunResult, outputs included).
 std::string prefix_results_json(const std::vector<PrefixRunResult>& results);
 
+/// Writes DIR/prefix.md (prefix_report_markdown) and DIR/prefix.json (prefix_results_json),
+/// each atomically (io::write_file_atomic). @throws InvalidArgument naming a path that cannot be
+/// written.
+void write_prefix_files(const std::string& dir, const std::vector<PrefixRunResult>& results);
+
 }  // namespace kvcache::study
