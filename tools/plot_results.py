@@ -10,6 +10,10 @@ and, when the run swept budgets (`kv_study run --budgets`, summary.json "curves"
   budget_accuracy.png  accuracy vs budget, one line per method, the control's accuracy dashed
   budget_family.png    the same per task family (one panel each)
   budget_depth.png     needle accuracy vs budget per needle depth (one panel each)
+and, when the run had query-agnostic rows (`kv_study run --query-mode agnostic|both`, summary.json
+"agnostic"), kept apart from the query-aware list as the report keeps them:
+  query_modes.png               accuracy of each arm in both modes, side by side (arms run in both)
+  budget_accuracy_agnostic.png  the agnostic list's accuracy vs budget (when it swept budgets)
 
 Usage: /usr/bin/python3 tools/plot_results.py runs/x/summary.json [--out runs/x/plots]
 """
@@ -210,9 +214,40 @@ def plot_budget_depth(summary, out_path):
             lambda d: f"needle at depth {d}%", "budget (%)")
 
 
+def mode_pairs(summary):
+    """(arm, aware accuracy %, agnostic accuracy %) for every arm with an accuracy in both lists,
+    in the agnostic list's order; [] without an agnostic list."""
+    agnostic = (summary.get("agnostic") or {}).get("arms") or []
+    aware = {a["arm"]: _num(a.get("accuracy")) for a in summary.get("arms") or []}
+    pairs = []
+    for a in agnostic:
+        g, w = _num(a.get("accuracy")), aware.get(a["arm"])
+        if g is not None and w is not None:
+            pairs.append((a["arm"], 100.0 * w, 100.0 * g))
+    return pairs
+
+
+def plot_query_modes(summary, out_path):
+    pairs = mode_pairs(summary)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.0 + 0.7 * len(pairs)), 4.5))
+    xs = list(range(len(pairs)))
+    ax.bar([x - 0.2 for x in xs], [p[1] for p in pairs], width=0.4, label="query-aware (question in the prompt)")
+    ax.bar([x + 0.2 for x in xs], [p[2] for p in pairs], width=0.4, label="query-agnostic (compressed before it)")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([p[0] for p in pairs], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("task accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"Query-aware vs query-agnostic — {summary.get('model', '')}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
 def make_plots(summary_path, out_dir=None):
-    """Writes the PNGs (three, plus three budget-curve plots when the summary has curves);
-    returns their paths."""
+    """Writes the PNGs (three; three budget-curve plots when the summary has curves; the query-mode
+    plots when it has an agnostic list); returns their paths."""
     summary = load_summary(summary_path)
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(summary_path)), "plots")
     os.makedirs(out_dir, exist_ok=True)
@@ -226,6 +261,15 @@ def make_plots(summary_path, out_dir=None):
         plot_budget_family(summary, more[1])
         plot_budget_depth(summary, more[2])
         paths += more
+    agnostic = summary.get("agnostic")
+    if agnostic:
+        if mode_pairs(summary):
+            paths.append(os.path.join(out_dir, "query_modes.png"))
+            plot_query_modes(summary, paths[-1])
+        if agnostic.get("curves"):
+            paths.append(os.path.join(out_dir, "budget_accuracy_agnostic.png"))
+            view = dict(agnostic, model=f"{summary.get('model', '')}, query-agnostic")
+            plot_budget_curves(view, paths[-1])
     return paths
 
 

@@ -86,6 +86,31 @@ class PlotTest(unittest.TestCase):
                     self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
                 self.assertGreater(os.path.getsize(p), 2000)
 
+    def test_agnostic_list_adds_query_mode_plots(self):
+        s = synthetic_summary()
+        curve = {"method": "fp32+snapkv", "budgets": ["@25%", "@50%"], "budget_values": [0.25, 0.5],
+                 "arms": ["fp32+snapkv@25%", "fp32+snapkv@50%"], "accuracy": [0.4, 0.6],
+                 "family_accuracy": {}, "depth_accuracy": {}, "smallest_within_one_task": None}
+        s["agnostic"] = {"control": "fp32+full", "has_control": True, "families": [], "depths": [],
+                         "arms": [{"arm": "fp32+h2o@50%", "accuracy": 0.25},
+                                  {"arm": "fp32+full", "accuracy": 0.95, "is_control": True},
+                                  {"arm": "agnostic-only", "accuracy": 0.5},
+                                  {"arm": "int4+full", "accuracy": None}],
+                         "curves": [curve], "notes": []}
+        # Arms with an accuracy in both lists, in the agnostic list's order, as percentages.
+        self.assertEqual(plot_results.mode_pairs(s), [("fp32+h2o@50%", 70.0, 25.0), ("fp32+full", 95.0, 95.0)])
+        self.assertEqual(plot_results.mode_pairs(synthetic_summary()), [])
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "summary.json")
+            with open(path, "w") as f:
+                json.dump(s, f)
+            out = plot_results.make_plots(path)
+            self.assertEqual([os.path.basename(p) for p in out[3:]], ["query_modes.png", "budget_accuracy_agnostic.png"])
+            for p in out[3:]:
+                with open(p, "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+                self.assertGreater(os.path.getsize(p), 2000)
+
     def test_bad_input_is_an_error(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "x.json")
