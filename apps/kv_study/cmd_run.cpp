@@ -287,16 +287,27 @@ void add_generate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "generate",
       "One arm, one prompt: greedy reply through the managed cache, then the cache statistics.\n"
-      "Example: kv_study generate --arm int4+h2o@50% --prompt 'What is two plus two?'");
+      "Example: kv_study generate --arm int4+h2o@50% --prompt 'What is two plus two?'\n"
+      "Query-agnostic: kv_study generate --arm snapkv@50% --prompt '<document>' --question 'Who wrote it?' "
+      "--query-mode agnostic");
   auto model = std::make_shared<std::string>(kDefaultModel);
   auto arm = std::make_shared<std::string>("fp32+full");
   auto prompt = std::make_shared<std::string>();
   auto system = std::make_shared<std::string>("You are a helpful assistant.");
   auto max_new = std::make_shared<int64_t>(64);
   auto threads = std::make_shared<int>(2);
+  auto question = std::make_shared<std::string>();
+  auto query_mode = std::make_shared<std::string>("aware");
   cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
   cmd->add_option("--arm", *arm, "scheme+policy")->capture_default_str();
-  cmd->add_option("--prompt", *prompt, "user message")->required();
+  cmd->add_option("--prompt", *prompt, "user message (with --question: the context it asks about)")->required();
+  cmd->add_option("--question", *question,
+                  "question appended to the user message after a blank line (the part --query-mode agnostic "
+                  "feeds after the cache is compressed)");
+  cmd->add_option("--query-mode", *query_mode,
+                  "aware: the question is in the prompt when the policy compresses; agnostic: the context is "
+                  "prefilled and compressed first, then the question (needs --question)")
+      ->capture_default_str();
   cmd->add_option("--system", *system, "system message ('' for none)")->capture_default_str();
   cmd->add_option("--max-new-tokens", *max_new, "generation limit")
       ->capture_default_str()
@@ -305,19 +316,45 @@ void add_generate_command(CLI::App& app) {
       ->capture_default_str()
       ->check(IntRange(1, kMaxThreads));
   cmd->callback([=] {
+    std::vector<QueryMode> modes;
+    try {
+      modes = parse_query_modes(*query_mode);
+    } catch (const kvcache::InvalidArgument& e) {
+      throw kvcache::InvalidArgument(std::string("--query-mode: ") + e.what());
+    }
+    if (modes.size() != 1) {
+      throw kvcache::InvalidArgument("--query-mode: generate runs one mode, aware or agnostic (got '" + *query_mode +
+                                     "'; 'both' is for kv_study run)");
+    }
+    if (modes[0] == QueryMode::kAgnostic && question->empty()) {
+      throw kvcache::InvalidArgument(
+          "--query-mode agnostic needs --question: the text asked after the context (--prompt) is compressed");
+    }
     auto ev = load_evaluator(*model, *threads);
     const Arm a = ev->canonicalize(parse_arm(*arm));
     kvcache::study::Task t;
     t.id = "generate";
     if (!system->empty()) t.messages.push_back({"system", *system});
-    t.messages.push_back({"user", *prompt});
+    std::string user = *prompt;
+    if (!question->empty()) {
+      user += "\n\n";
+      t.question.message = static_cast<int64_t>(t.messages.size());
+      t.question.begin = static_cast<int64_t>(user.size());
+      user += *question;
+      t.question.end = static_cast<int64_t>(user.size());
+    }
+    t.messages.push_back({"user", user});
     t.max_new_tokens = *max_new;
-    const Generation g = ev->run_task(a, t, QueryMode::kAware);
+    const Generation g = ev->run_task(a, t, modes[0]);
     std::cout << g.output << "\n";
     std::cerr << "arm " << a.spec() << " | prompt " << g.prompt_tokens << " tokens, generated " << g.generated_tokens
               << " | tokens written " << g.cache.tokens_written << ", resident " << g.cache.tokens_resident
               << " | KV bytes resident " << g.cache.bytes_resident << ", peak " << g.cache.bytes_resident_peak
-              << " | prefill " << g.prefill_seconds << " s, decode " << g.decode_seconds << " s\n";
+              << " | prefill " << g.prefill_seconds << " s, decode " << g.decode_seconds << " s";
+    if (modes[0] == QueryMode::kAgnostic) {
+      std::cerr << " | query-agnostic: " << g.question_tokens << " question tokens fed after the compression";
+    }
+    std::cerr << "\n";
   });
 }
 

@@ -272,6 +272,23 @@ class DefaultModelTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn(b"kvcache: warning: generate: the prompt of ", r.stderr)
         self.assertIn(b"tokens is longer than the model's max_position_embeddings of 1024", r.stderr)
+        # --query-mode: one mode, agnostic needs the question; the control replies the same in
+        # both modes (nothing is compressed), and agnostic mode says how many tokens followed.
+        ctx = "Remember this. The key is 4417. The door is red. The cat sleeps on the mat."
+        r = generate("--prompt", ctx, "--query-mode", "agnostic")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(b"--query-mode agnostic needs --question", r.stderr)
+        r = generate("--prompt", ctx, "--query-mode", "both")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(b"generate runs one mode, aware or agnostic (got 'both'", r.stderr)
+        replies = {}
+        for mode in ("aware", "agnostic"):
+            r = generate("--prompt", ctx, "--question", "What is the key?", "--query-mode", mode,
+                         "--max-new-tokens", "6")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            replies[mode] = r.stdout
+            self.assertEqual(b"query-agnostic:" in r.stderr, mode == "agnostic", r.stderr)
+        self.assertEqual(replies["aware"], replies["agnostic"])
         # A scheme that validates runs (kivi r0 once validated, then failed at the first flush).
         r = generate("--prompt", "hi", "--arm", "kivi:k2:v2:g4:r0")
         self.assertEqual(r.returncode, 1)
