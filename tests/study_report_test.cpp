@@ -234,6 +234,22 @@ TEST(StudyReport, MarkdownJsonCsv) {
   EXPECT_EQ(second.rfind("int4+full,0,10,8,0,0.8,-10,-1,0.25,0.25,0.25,0.5,20,", 0), 0u) << second;
 }
 
+TEST(StudyReport, MarkdownEscapesArmNamesButJsonAndCsvKeepThem) {
+  // A per-layer arm's '*' would start emphasis in Markdown; '_' and '|' too.
+  g_order = 0;
+  std::vector<ResultRow> r;
+  for (int i = 0; i < 2; ++i) r.push_back(task_row("fp32+full", i, true, 1024));
+  for (int i = 0; i < 2; ++i) r.push_back(task_row("layers(int8*2;int4*2)+full", i, i == 0, 512));
+  const auto s = summarize(r);
+  const std::string md = summary_markdown(s);
+  EXPECT_NE(md.find("| layers(int8\\*2;int4\\*2)+full | 1/2 | 50.0% |"), std::string::npos) << md;
+  EXPECT_EQ(md.find("| layers(int8*2"), std::string::npos) << md;
+  EXPECT_NE(md.find("| fp32+full | 2/2 | 100.0% | control |"), std::string::npos) << md;
+  const auto j = nlohmann::json::parse(summary_json(s));
+  EXPECT_EQ(j["arms"][1]["arm"], "layers(int8*2;int4*2)+full");
+  EXPECT_NE(summary_csv(s).find("\nlayers(int8*2;int4*2)+full,0,2,1,"), std::string::npos) << summary_csv(s);
+}
+
 TEST(StudyReport, ModelSelectionAndWrite) {
   auto r = rows();
   auto other = r[0];

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <tuple>
@@ -44,8 +45,21 @@ std::string md_value(const ArmColumn& c, double v) {
   return "–";
 }
 
+/// `text` as literal Markdown inline text: the characters that would start emphasis or code,
+/// or end a table cell, are backslash-escaped (a per-layer arm `layers(int8*2;int4*2)+full`
+/// would otherwise print `int8` in italics). Arm names without them print unchanged.
+std::string md_text(const std::string& text) {
+  if (text.find_first_of("\\*_`|<[]") == std::string::npos) return text;
+  std::string out;
+  for (char ch : text) {
+    if (ch != 0 && std::strchr("\\*_`|<[]", ch) != nullptr) out += '\\';
+    out += ch;
+  }
+  return out;
+}
+
 std::string md_cell(const ArmColumn& c, const ArmSummary& a, const Summary& s) {
-  if (c.format == Format::kText) return column_text(c, a);
+  if (c.format == Format::kText) return md_text(column_text(c, a));
   if (c.md_cell != nullptr) return c.md_cell(a, s);
   return md_value(c, column_value(c, a, s));
 }
@@ -137,7 +151,7 @@ void write_md_keyed(std::ostream& os, const char* title, const std::vector<K>& k
   for (size_t i = 0; i < keys.size(); ++i) os << "---:|";
   os << "\n";
   for (const auto& a : s.arms) {
-    os << "| " << a.arm << " |";
+    os << "| " << md_text(a.arm) << " |";
     for (const auto& k : keys) {
       auto it = (a.*values).find(k);
       os << " " << (it == (a.*values).end() ? "–" : pct(it->second)) << " |";
@@ -184,7 +198,7 @@ void write_md_curves(std::ostream& os, const Summary& s, const std::string& pref
   os << "---|\n";
   for (const auto& c : s.curves) {
     const int i = c.smallest_within_one_task;
-    os << "| " << c.method << " |" << cells(c, c.accuracy) << " "
+    os << "| " << md_text(c.method) << " |" << cells(c, c.accuracy) << " "
        << (i >= 0 ? c.budgets[static_cast<size_t>(i)].substr(1) : std::string("–")) << " |\n";
   }
   if (!s.families.empty()) {
@@ -195,7 +209,9 @@ void write_md_curves(std::ostream& os, const Summary& s, const std::string& pref
     rule(os, 2);
     os << "\n";
     for (const auto& c : s.curves) {
-      for (const auto& f : s.families) os << "| " << c.method << " | " << f << " |" << cells(c, c.family_accuracy.at(f)) << "\n";
+      for (const auto& f : s.families) {
+        os << "| " << md_text(c.method) << " | " << f << " |" << cells(c, c.family_accuracy.at(f)) << "\n";
+      }
     }
   }
   if (!s.depths.empty()) {
@@ -207,7 +223,7 @@ void write_md_curves(std::ostream& os, const Summary& s, const std::string& pref
     os << "\n";
     for (const auto& c : s.curves) {
       for (int d : s.depths) {
-        os << "| " << c.method << " | " << d << "% |" << cells(c, c.depth_accuracy.at(d)) << "\n";
+        os << "| " << md_text(c.method) << " | " << d << "% |" << cells(c, c.depth_accuracy.at(d)) << "\n";
       }
     }
   }
@@ -248,7 +264,7 @@ void write_md_agnostic(std::ostream& os, const Summary& s) {
       if (b.arm == a.arm) aware = &b;
     }
     const bool same_tasks = aware != nullptr && aware->tasks == a.tasks;
-    os << "| " << a.arm << " | " << (aware ? pct(aware->accuracy) : "–") << " | " << pct(a.accuracy) << " | "
+    os << "| " << md_text(a.arm) << " | " << (aware ? pct(aware->accuracy) : "–") << " | " << pct(a.accuracy) << " | "
        << (same_tasks ? fmt((a.accuracy - aware->accuracy) * 100.0, "%+.1f") + " pp (" +
                             fmt(static_cast<double>(a.passed - aware->passed), "%+.0f") + ")"
                       : std::string("–"))
