@@ -185,7 +185,7 @@ TEST(Attend, RaggedHeads) {
   cache::BlockPool pool_res(cache::BlockFormat::bytes_for(*f16, 8, 4));
   cache::BlockPool pool_fb(cache::BlockFormat::bytes_for(*f32, 8, 4));
   cache::StreamSetup st;
-  st.spec = StreamSpec{q4, 3, ResidualFlush::kSliding, at::kHalf, {}, 0};
+  st.spec = StreamSpec{q4, 3, ResidualFlush::kSliding, at::kHalf, {}, 0, nullptr, false};
   st.formats.f[cache::StreamFormats::kMain] = cache::BlockFormat(*q4, 8, 4, &pool_main);
   st.formats.f[cache::StreamFormats::kResidual] = cache::BlockFormat(*f16, 8, 4, &pool_res);
   st.formats.f[cache::StreamFormats::kFallback] = cache::BlockFormat(*f32, 8, 4, &pool_fb);

@@ -223,7 +223,8 @@ void expect_finite(const CacheManager& m, const std::string& where) {
 // every step: victim and twin identical, contents finite.
 TEST(CacheHostile, RandomValidAndInvalidCalls) {
   const std::vector<std::string> quants = {"fp32", "fp16", "bf16", "int4:g4", "int2:g8:chan", "fp8:e4m3:scaled",
-                                           "kivi:k2:v4:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb8"};
+                                           "kivi:k2:v4:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb8",
+                                           "gear:b2:g4:s0.25:r1:loop1:nb8:rp2:whole"};
   const std::vector<std::string> policies = {"full",         "window@12", "sink:s2@50%",       "h2o@12",
                                              "random:seed3@12", "tova@12", "snapkv:w4@90%", "pyramid:w4:b2@90%"};
   const int64_t layers = 2, hq = 4, hkv = 2, d = 8, context = 40;

@@ -344,7 +344,8 @@ TEST(CacheManager, ResidualWindowWithPlainQuantizer) {
 // bad shape) change nothing. tests/cache_hostile_test.cpp tries many more rejected calls.
 TEST(CacheManager, RandomizedInvariants) {
   const std::vector<std::string> quants = {"fp32", "fp16", "int8", "int4:g4", "int2:g8:chan",
-                                           "fp8:e4m3:scaled", "kivi:k2:v4:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb8"};
+                                           "fp8:e4m3:scaled", "kivi:k2:v4:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb8",
+                                           "gear:b2:g4:s0.25:r1:loop1:nb8:rp2:whole"};
   const std::vector<std::string> policies = {"full", "window@12", "sink:s2@12", "h2o@12",
                                              "random:seed3@12", "tova@12", "snapkv:w4@90%",
                                              "pyramid:w4:b2@90%", "knorm:stream@12", "keydiff:stream@12",

@@ -239,6 +239,128 @@ TEST(GearCache, StoresWhatQuantizeStores) {
   EXPECT_EQ(m.stats().bytes_resident, 2 * 2 * 3 * 176);
 }
 
+// ------------------------------------------------------------ prefill rank and streaming modes
+
+/// dequantize(quantize(x)) by `q` (x [B, H, n_b, D], one block per head).
+at::Tensor round_trip(const Quantizer& q, const at::Tensor& x) { return q.dequantize(q.quantize(x)); }
+
+// rp2 beside r1 at D = 8, n_b = 8, g = 4, s = 0.25: every block reserves 2 factor columns.
+// The hand count of GearBytes (r1: 112 code bytes, 32 of them U [8, 1] and P [8, 1] fp16)
+// becomes 80 + 2 · (8 · 2 + 8 · 2) = 144 code bytes, + 16 scales + 16 zeros fp16 = 208 bytes
+// per block: 208 · 8 / 64 = 26 bits/value (22 without rp).
+TEST(GearPrefillRank, EveryBlockReservesTheLargerRank) {
+  const LayerStreams s = streams_of("gear:b2:g4:s0.25:r1:rp2:loop2:nb8", 8);
+  for (const StreamSpec* ss : {&s.key, &s.value}) {
+    ASSERT_NE(ss->prefill_quantizer, nullptr);
+    for (const Quantizer* q : {ss->quantizer.get(), ss->prefill_quantizer.get()}) {
+      const StoredLayout l = q->stored_layout(8);
+      EXPECT_EQ(l.code_bytes, 144) << q->spec();
+      EXPECT_EQ(l.group_bytes(), 208) << q->spec();
+      EXPECT_DOUBLE_EQ(q->bits_per_value(8), 26.0) << q->spec();
+    }
+    EXPECT_FALSE(ss->recompress);
+  }
+  EXPECT_EQ(s.key.prefill_quantizer->spec(), "gear:b2:g4:s0.25:r1:loop2:nb8:rp2 keys (prefill)");
+  EXPECT_EQ(s.value.quantizer->spec(), "gear:b2:g4:s0.25:r1:loop2:nb8:rp2 values");
+  // rp = r (or none): no second encoder, the layout of before.
+  for (const char* spec : {"gear:b2:g4:s0.25:r1:loop2:nb8", "gear:b2:g4:s0.25:r1:rp1:loop2:nb8"}) {
+    const LayerStreams d = streams_of(spec, 8);
+    EXPECT_EQ(d.key.prefill_quantizer, nullptr) << spec;
+    EXPECT_EQ(d.key.quantizer->stored_layout(8).group_bytes(), 176) << spec;
+  }
+  // rp below r: the blocks reserve r columns (the prompt's blocks use fewer).
+  const LayerStreams lo = streams_of("gear:b2:g4:s0.25:r2:rp1:loop2:nb8", 8);
+  EXPECT_EQ(lo.key.quantizer->stored_layout(8).group_bytes(), 208);
+  EXPECT_EQ(lo.key.prefill_quantizer->stored_layout(8).group_bytes(), 208);
+  // The rotation wraps both encoders.
+  const LayerStreams h = streams_of("had(gear:b2:g4:s0.25:r1:rp2:loop2:nb8)", 8);
+  ASSERT_NE(h.value.prefill_quantizer, nullptr);
+  EXPECT_EQ(h.value.prefill_quantizer->stored_layout(8).group_bytes(), 208);
+}
+
+// A 16-token prompt flushes two blocks encoded with rp = 2; eight decode steps flush a third
+// with r = 1. Each block reads back exactly as the plain rank's quantizer (without the
+// reserved columns) reconstructs it: the zero columns add nothing.
+TEST(GearPrefillRank, PromptBlocksUseRpDecodeBlocksUseR) {
+  const std::string spec = "gear:b2:g4:s0.25:r1:rp2:loop2:nb8";
+  CacheManager m(testing::make_config(1, 4, 2, 8, spec, "full"));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const at::Tensor k = testing::randn({1, 2, 24, 8}, gen);
+  const at::Tensor v = testing::randn({1, 2, 24, 8}, gen);
+  m.append(0, k.narrow(2, 0, 16), v.narrow(2, 0, 16), testing::positions_range(0, 16));
+  m.end_step(StepKind::kPrefillEnd);
+  for (int64_t t = 16; t < 24; ++t) {
+    m.append(0, k.narrow(2, t, 1), v.narrow(2, t, 1), testing::positions_range(t, 1));
+    m.end_step(StepKind::kDecode);
+  }
+  m.check_invariants();
+  EXPECT_EQ(m.stats().bytes_resident, 2 * 2 * 3 * 208);
+  const LayerKV kv = m.get(0);
+  const at::Tensor k16 = testing::test_rope(k, testing::positions_range(0, 24)).to(at::kHalf).to(at::kFloat);
+  const at::Tensor v16 = v.to(at::kHalf).to(at::kFloat);
+  const LayerStreams r2 = streams_of("gear:b2:g4:s0.25:r2:loop2:nb8", 8);
+  const LayerStreams r1 = streams_of("gear:b2:g4:s0.25:r1:loop2:nb8", 8);
+  for (int64_t b = 0; b < 3; ++b) {
+    const LayerStreams& want = b < 2 ? r2 : r1;
+    const LayerStreams& other = b < 2 ? r1 : r2;
+    const at::Tensor kb = k16.narrow(2, 8 * b, 8), vb = v16.narrow(2, 8 * b, 8);
+    EXPECT_EQ(max_abs_diff(kv.k.narrow(2, 8 * b, 8), round_trip(*want.key.quantizer, kb)), 0.0) << "block " << b;
+    EXPECT_EQ(max_abs_diff(kv.v.narrow(2, 8 * b, 8), round_trip(*want.value.quantizer, vb)), 0.0) << "block " << b;
+    // ... and not as the other rank does (the rank really differs).
+    EXPECT_GT(max_abs_diff(kv.k.narrow(2, 8 * b, 8), round_trip(*other.key.quantizer, kb)), 1e-4) << "block " << b;
+  }
+}
+
+// `whole`: every decode step that flushes a block first decodes and re-encodes every older
+// block (rank r). A prompt of 8 tokens (block 0, rank rp = 2) and 24 decode steps (blocks 1,
+// 2, 3 flushed at the 8th, 16th and 24th): block j is encoded once, then re-encoded 3 − j
+// times. Bytes after each flush equal the newest-n_b mode's, and each block reads back as the
+// plain loop y = Q_rp(x) or Q_r(x), then y = Q_r(y) (Q = dequantize ∘ quantize) 3 − j times.
+TEST(GearWhole, RecompressionKeepsTheBytesAndCompoundsLikeTheReferenceLoop) {
+  const std::string spec = "gear:b2:g4:s0.25:r1:rp2:loop2:nb8";
+  CacheManager whole(testing::make_config(1, 4, 2, 8, spec + ":whole", "full"));
+  CacheManager newest(testing::make_config(1, 4, 2, 8, spec, "full"));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const at::Tensor k = testing::randn({1, 2, 32, 8}, gen);
+  const at::Tensor v = testing::randn({1, 2, 32, 8}, gen);
+  for (CacheManager* m : {&whole, &newest}) {
+    m->append(0, k.narrow(2, 0, 8), v.narrow(2, 0, 8), testing::positions_range(0, 8));
+    m->end_step(StepKind::kPrefillEnd);
+  }
+  for (int64_t t = 8; t < 32; ++t) {
+    for (CacheManager* m : {&whole, &newest}) {
+      m->append(0, k.narrow(2, t, 1), v.narrow(2, t, 1), testing::positions_range(t, 1));
+      m->end_step(StepKind::kDecode);
+      m->check_invariants();
+    }
+    const int64_t blocks = (t + 1) / 8, resid = (t + 1) % 8;
+    EXPECT_EQ(whole.stats().bytes_resident, 2 * 2 * (blocks * 208 + resid * 8 * 2)) << "t = " << t;
+    EXPECT_EQ(whole.stats().bytes_resident, newest.stats().bytes_resident) << "t = " << t;
+  }
+  const LayerKV w = whole.get(0), n = newest.get(0);
+  const at::Tensor k16 = testing::test_rope(k, testing::positions_range(0, 32)).to(at::kHalf).to(at::kFloat);
+  const at::Tensor v16 = v.to(at::kHalf).to(at::kFloat);
+  const LayerStreams s = streams_of(spec + ":whole", 8);
+  EXPECT_TRUE(s.key.recompress && s.value.recompress);
+  for (int64_t b = 0; b < 4; ++b) {
+    at::Tensor yk = k16.narrow(2, 8 * b, 8), yv = v16.narrow(2, 8 * b, 8);
+    yk = round_trip(b == 0 ? *s.key.prefill_quantizer : *s.key.quantizer, yk);
+    yv = round_trip(b == 0 ? *s.value.prefill_quantizer : *s.value.quantizer, yv);
+    const at::Tensor once_k = yk;
+    for (int64_t i = 0; i < 3 - b; ++i) {
+      yk = round_trip(*s.key.quantizer, yk);
+      yv = round_trip(*s.value.quantizer, yv);
+    }
+    EXPECT_EQ(max_abs_diff(w.k.narrow(2, 8 * b, 8), yk), 0.0) << "block " << b;
+    EXPECT_EQ(max_abs_diff(w.v.narrow(2, 8 * b, 8), yv), 0.0) << "block " << b;
+    // The newest-n_b mode holds the single encoding; re-encoding changed the older blocks.
+    EXPECT_EQ(max_abs_diff(n.k.narrow(2, 8 * b, 8), once_k), 0.0) << "block " << b;
+    if (b < 3) {
+      EXPECT_GT(max_abs_diff(w.k.narrow(2, 8 * b, 8), once_k), 1e-4) << "block " << b;
+    }
+  }
+}
+
 // ------------------------------------------------------------ specs
 
 TEST(GearSpec, CanonicalFormsRoundTrip) {
@@ -247,6 +369,10 @@ TEST(GearSpec, CanonicalFormsRoundTrip) {
       {"gear:nb128:b4:r0:g32", "gear:b4:g32:s0.02:r0:loop3:nb128"},
       {"gear:s0.1:loop1:g32:nb32", "gear:b2:g32:s0.1:r2:loop1:nb32"},
       {"had:k(gear:g32)", "had:k(gear:b2:g32:s0.02:r2:loop3:nb64)"},
+      // rp equal to r and the default mode print nothing; rp4 and whole are printed.
+      {"gear:rp2:newest", "gear:b2:g64:s0.02:r2:loop3:nb64"},
+      {"gear:whole:rp4", "gear:b2:g64:s0.02:r2:loop3:nb64:rp4:whole"},
+      {"gear:r0:rp4:g32", "gear:b2:g32:s0.02:r0:loop3:nb64:rp4"},
   };
   for (const auto& c : cases) {
     const auto s = make_cache_scheme(c.first);
@@ -277,6 +403,10 @@ TEST(GearSpec, BadSpecsNameTheValue) {
               HasSubstr("cache scheme 'gear:b2:g64:s0.02:r2:loop3:nb64': values are grouped along head_dim (per KV "
                         "head), which must be divisible by g=64, got head_dim=32"));
   EXPECT_THAT(error_of([] { streams_of("gear:g4:nb8:r6", 4); }), HasSubstr("rank r=6 exceeds head_dim D=4"));
+  EXPECT_THAT(error_of([] { make_cache_scheme("gear:g8:nb8:rp9"); }),
+              HasSubstr("prefill rank rp=9 exceeds the block's nb=8"));
+  EXPECT_THAT(error_of([] { streams_of("gear:g4:nb8:r2:rp6", 4); }), HasSubstr("prefill rank rp=6 exceeds head_dim D=4"));
+  EXPECT_THAT(error_of([] { make_cache_scheme("gear:all"); }), HasSubstr("unknown field 'all'"));
   EXPECT_THAT(error_of([] { make_cache_scheme("gear:g4:nb8")->streams(CacheGeometry{1, 1, 8}, 0, 16); }),
               HasSubstr("CacheConfig::residual_length must be 0 or 8, got 16"));
   const LayerStreams st = streams_of("gear:g4:nb8", 8);

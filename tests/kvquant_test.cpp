@@ -193,6 +193,102 @@ TEST(KvquantMath, FitSetsPerChannelThresholdsAndQNorm) {
   EXPECT_NEAR(q2 / 10 - (q / 10) * (q / 10), m2 / 10 - (m / 10) * (m / 10), 1e-6);
 }
 
+// A weighted two-cluster sample: the heavy point pulls its centroid to the weighted mean.
+// x = {0, 1, 10, 11}, w = {1, 3, 1, 1}: quantile starts 0.75 and 10.25 split the clusters;
+// centroid 0 = (1·0 + 3·1)/4 = 0.75 (unweighted 0.5), centroid 1 = (10 + 11)/2 = 10.5. A
+// zero-weight point (100) joins a cluster without moving it nor the starts.
+TEST(KvquantMath, WeightedKMeansMovesTheCentroidToTheWeightedMean) {
+  const std::vector<float> x = {0, 1, 10, 11, 100};
+  const std::vector<float> w = {1, 3, 1, 1, 0};
+  EXPECT_EQ(kmeans_1d_weighted(x.data(), w.data(), 4, 2, 50), (std::vector<float>{0.75f, 10.5f}));
+  EXPECT_EQ(kmeans_1d(x.data(), 4, 2, 50), (std::vector<float>{0.5f, 10.5f}));
+  EXPECT_EQ(kmeans_1d_weighted(x.data(), w.data(), 5, 2, 50), (std::vector<float>{0.75f, 10.5f}));
+  // Unit weights: the unweighted centroids.
+  const std::vector<float> ones(5, 1.0f);
+  EXPECT_EQ(kmeans_1d_weighted(x.data(), ones.data(), 4, 2, 50), kmeans_1d(x.data(), 4, 2, 50));
+  const std::vector<float> neg = {1, -1, 1, 1};
+  EXPECT_THAT(error_of([&] { (void)kmeans_1d_weighted(x.data(), neg.data(), 4, 2, 50); }),
+              HasSubstr("weight -1 at index 1 (expected finite and >= 0)"));
+  const std::vector<float> zero(4, 0.0f);
+  EXPECT_THAT(error_of([&] { (void)kmeans_1d_weighted(x.data(), zero.data(), 4, 2, 50); }),
+              HasSubstr("every one of the 4 weights is 0"));
+}
+
+/// A weights file in the documented layout: "KVQW", u32 version, L, H_kv, D, u64 N, then per
+/// layer the keys' and the values' N·H_kv·D float32 weights.
+std::string weights_file(uint32_t L, uint32_t H, uint32_t D, uint64_t N, const std::vector<float>& w,
+                         uint32_t version = 1) {
+  std::string out = "KVQW";
+  for (uint32_t v : {version, L, H, D}) out.append(reinterpret_cast<const char*>(&v), 4);
+  out.append(reinterpret_cast<const char*>(&N), 8);
+  out.append(reinterpret_cast<const char*>(w.data()), w.size() * 4);
+  return out;
+}
+
+// The fit of FitSetsPerChannelThresholdsAndQNorm (p = 1, 2 bits) with weights from a file:
+// channel 0's keys weigh 1, channel 1's (the constant channel, five normalised 0s) weigh 0, so
+// the key codebook is the k-means of {-1, -0.5, 0, 0.5, 1} alone: starts -0.75, -0.25, 0.25,
+// 0.75 (its quantiles), midpoints go to the lower cluster: {-1, -0.5}, {0}, {0.5}, {1} →
+// {-0.75, 0, 0.5, 1}, stable. (Unweighted, the five 0s hold a centroid at 0 and others move.)
+TEST(KvquantWeights, AFileOfWeightsFeedsTheWeightedFit) {
+  at::Tensor k = at::zeros({5, 1, 2});
+  for (int i = 0; i < 5; ++i) {
+    k[i][0][0] = static_cast<float>(i);
+    k[i][0][1] = 7.0f;
+  }
+  std::vector<float> w;
+  for (int i = 0; i < 5; ++i) w.insert(w.end(), {1.0f, 0.0f});  // keys [5, 1, 2]
+  for (int i = 0; i < 10; ++i) w.push_back(1.0f);              // values
+  const std::string path = temp_path("w.kvqw");
+  write_bytes(path, weights_file(1, 1, 2, 5, w));
+  const KvquantWeights kw = load_kvquant_weights(path, 1, 5, 1, 2);
+  ASSERT_EQ(kw.keys.size(), 1u);
+  EXPECT_EQ(kw.keys[0].sizes().vec(), (std::vector<int64_t>{5, 1, 2}));
+  EXPECT_EQ(kw.keys[0][3][0][1].item<float>(), 0.0f);
+  EXPECT_EQ(kw.values[0][4][0][1].item<float>(), 1.0f);
+  KvquantFitOptions o;
+  o.bits = {2};
+  o.sparsities = {1.0};
+  const KvquantCalibration c = fit_kvquant_calibration({k}, {k.clone()}, o, "test", &kw);
+  EXPECT_EQ(c.levels[0].layers[0].key_codebooks[0].centroids, (std::vector<float>{-0.75f, 0.0f, 0.5f, 1.0f}));
+  const KvquantCalibration u = fit_kvquant_calibration({k}, {k.clone()}, o, "test");
+  EXPECT_NE(u.levels[0].layers[0].key_codebooks[0].centroids, c.levels[0].layers[0].key_codebooks[0].centroids);
+  // Unit weights everywhere: the unweighted codebooks (up to the sums' float64 rounding).
+  const KvquantWeights ones{{at::ones({5, 1, 2})}, {at::ones({5, 1, 2})}};
+  const KvquantCalibration c1 = fit_kvquant_calibration({k}, {k.clone()}, o, "test", &ones);
+  for (size_t j = 0; j < 4; ++j) {
+    EXPECT_NEAR(c1.levels[0].layers[0].key_codebooks[0].centroids[j], u.levels[0].layers[0].key_codebooks[0].centroids[j], 1e-6);
+    EXPECT_NEAR(c1.levels[0].layers[0].value_codebooks[0].centroids[j], u.levels[0].layers[0].value_codebooks[0].centroids[j], 1e-6);
+  }
+  // Errors name the file and the shapes.
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 6, 1, 2); }),
+              HasSubstr("KVQuant weights '" + path + "' are for [L=1, N=5, H_kv=1, D=2]; the calibration captured "
+                        "[L=1, N=6, H_kv=1, D=2]"));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 2, 5, 1, 2); }), HasSubstr("captured [L=2, N=5"));
+  const std::string good = read_bytes(path);
+  write_bytes(path, good.substr(0, good.size() - 4));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }),
+              HasSubstr("holds 104 bytes; its header [L=1, N=5, H_kv=1, D=2] needs exactly 108 (truncated)"));
+  write_bytes(path, good + "x");
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }), HasSubstr("(trailing bytes)"));
+  std::vector<float> bad = w;
+  bad[7] = -1.0f;  // keys [3, 0, 1]
+  write_bytes(path, weights_file(1, 1, 2, 5, bad));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }),
+              HasSubstr("layer 0 keys [3, 0, 1] is -1 (weights must be finite and >= 0)"));
+  write_bytes(path, weights_file(1, 1, 2, 5, w, 2));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }), HasSubstr("has format version 2"));
+  write_bytes(path, "not weights");
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }), HasSubstr("is not a KVQuant weights file"));
+  EXPECT_THAT(error_of([] { (void)load_kvquant_weights("/nonexistent/w.kvqw", 1, 5, 1, 2); }),
+              HasSubstr("/nonexistent/w.kvqw"));
+  // Weights of another shape than the activations (the library call).
+  const KvquantWeights small{{at::ones({4, 1, 2})}, {at::ones({5, 1, 2})}};
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &small); }),
+              HasSubstr("layer 0 key weights: expected [5, 1, 2], got [4, 1, 2]"));
+  std::remove(path.c_str());
+}
+
 // ------------------------------------------------------------ the file
 
 TEST(KvquantFile, RoundTripsExactly) {

@@ -225,6 +225,9 @@ INSTANTIATE_TEST_SUITE_P(
         ReuseCase{"had_k_kivi", "had:k(kivi:k2:v2:g8:r16)", 0, "full", 5, 32, 16, false},
         // GEAR: both streams compressed in blocks of nb = 8 tokens (outliers and factors inside).
         ReuseCase{"gear", "gear:b2:g8:s0.25:r1:loop1:nb8", 0, "full", 9, 40, 0, false},
+        // GEAR re-compressing every older block at each decode-step flush (`whole`; prompt blocks
+        // at rank rp2): the shared prefix blocks are copied before they are rewritten.
+        ReuseCase{"gear_whole", "gear:b2:g8:s0.25:r1:loop1:nb8:rp2:whole", 0, "full", 9, 40, 0, true},
         // Eviction inside the shared prefix: window frees whole blocks (no copy), random leaves
         // holes that merge (copy-on-write), KIVI's per-channel groups convert (copy-on-write).
         ReuseCase{"fp16_window", "fp16", 0, "window@44", 6, 40, 0, false},

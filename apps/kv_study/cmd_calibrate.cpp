@@ -32,6 +32,7 @@ void add_calibrate_command(CLI::App& app) {
   auto sparsity = std::make_shared<std::string>("0.99,1");
   auto iters = std::make_shared<int64_t>(50);
   auto threads = std::make_shared<int>(0);
+  auto weights = std::make_shared<std::string>();
   cmd->add_option("--model", *model, "exported model")->capture_default_str();
   cmd->add_option("--text", *text, "calibration text file (default: training-task conversations disjoint from the evaluation texts)");
   cmd->add_option("--out", *out, "calibration file to write (atomically)")->required();
@@ -49,6 +50,9 @@ void add_calibrate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--iters", *iters, "k-means iterations at most")->capture_default_str()->check(IntRange(1, 10000));
   cmd->add_option("--threads", *threads, "LibTorch threads (0: default)")->check(IntRange(0, kMaxThreads));
+  cmd->add_option("--weights", *weights,
+                  "weights file: one non-negative weight per captured key and value (docs/quantizers.md, 'KVQuant "
+                  "weights file'), for a weighted k-means (default: unweighted)");
   cmd->callback([=] {
     kvcache::study::KvquantCalibrateOptions o;
     o.model_path = *model;
@@ -57,6 +61,7 @@ void add_calibrate_command(CLI::App& app) {
     o.seqlen = *seqlen;
     o.seed = *seed;
     o.fit.max_iter = static_cast<int>(*iters);
+    o.weights = *weights;
     o.fit.bits.clear();
     for (int64_t b : parse_int_list(*bits, "--bits", 2, 4)) o.fit.bits.push_back(static_cast<int>(b));
     KV_CHECK_ARG(!o.fit.bits.empty(), "--bits needs at least one width");
@@ -78,7 +83,8 @@ void add_calibrate_command(CLI::App& app) {
     const kvcache::KvquantCalibration c = kvcache::study::calibrate_kvquant(o);
     kvcache::save_kvquant_calibration(c, *out);
     std::cerr << "kv_study calibrate: " << c.tokens << " tokens, " << c.num_layers << " layers x " << c.num_kv_heads
-              << " KV heads x head_dim " << c.head_dim << "; wrote " << *out << "\n";
+              << " KV heads x head_dim " << c.head_dim << (weights->empty() ? "" : ", weighted by " + *weights)
+              << "; wrote " << *out << "\n";
   });
 }
 

@@ -29,7 +29,7 @@
 ///     orthonormal Hadamard matrix H_D before quantization and by H_D again on read
 ///     (H_D · H_D = I, so q·k and p·v are those of the unrotated values up to quantization).
 ///     head_dim must be a power of two; the residual stays unrotated.
-///   - `gear:b<b>:g<G>:s<s>:r<r>:loop<n>:nb<N>` (GEAR, arXiv 2403.05527; defaults b2 g64 s0.02
+///   - `gear:b<b>:g<G>:s<s>:r<r>:loop<n>:nb<N>[:rp<n>][:whole]` (GEAR, arXiv 2403.05527; defaults b2 g64 s0.02
 ///     r2 loop3 nb64, printed with all six fields): every block of N tokens of a KV head is
 ///     stored as a KIVI-style b-bit base quantization (keys per channel in groups of G tokens,
 ///     values per token in groups of G channels of the head) + fp16 outliers (floor(s·len/2)
@@ -37,9 +37,15 @@
 ///     indices) + a rank-r fp16 factorization U·Pᵀ of the residual (power iteration with QR,
 ///     `loop` iterations), all in the block's StoredLayout and counted in its bytes; both
 ///     streams keep an fp16 residual of the newest < N tokens, flushed in blocks of N (the
-///     reference's "compress only the newest n_b tokens" mode; re-compressing the whole cache
-///     every n_b steps is not built and no field selects it). N a multiple of G, head_dim
-///     divisible by G, r <= min(N, head_dim).
+///     reference's "compress only the newest n_b tokens" mode). Two optional fields, printed
+///     only when set: `rp<n>`, the prefill rank (blocks flushed by an append of more than one
+///     token use rank rp, blocks flushed in decode steps rank r; every block reserves
+///     max(r, rp) columns of U and P, zero past its own rank, and they are counted in the
+///     bytes; default rp = r), and `whole` (mode; default `newest`): every time a decode step
+///     flushes a block, every older block is decoded and re-encoded with rank r (the
+///     reference scripts' re-compression of the whole, already lossy cache every n_b steps,
+///     per block instead of one whole-sequence low rank; StreamSpec::recompress).
+///     N a multiple of G, head_dim divisible by G, max(r, rp) <= min(N, head_dim).
 ///   - `layers(<scheme>*<n>;<scheme>*<n>;...)` (per-layer mixed precision, KVTuner, arXiv
 ///     2502.04420): consecutive runs of layers, the first n layers stored by the first scheme,
 ///     the next by the next (`*1` may be left out), e.g. K8V4 in the first 4 layers and K4V2
@@ -97,6 +103,18 @@ struct StreamSpec {
   /// `residual_dtype` for good (never quantized, outside the residual window), in [0,
   /// kMaxTokens]. 0: none (KVQuant's first-few fp16 option sets it).
   int64_t sink_tokens = 0;
+  /// Optional: the encoder of the blocks the residual flushes during an append of more than
+  /// one token (a prompt or prefill chunk), with exactly `quantizer`'s StoredLayout; the
+  /// blocks are decoded by `quantizer` like every other (GEAR's prefill rank rp: both encoders
+  /// reserve max(r, rp) factor columns). Null: `quantizer` encodes every block. Not combined
+  /// with head_quantizers.
+  std::shared_ptr<const Quantizer> prefill_quantizer;
+  /// Re-compression (GEAR's `whole` mode): whenever a one-token append (a decode step) makes
+  /// the residual flush, every block of the stream already in `quantizer`'s format is first
+  /// decoded and re-encoded in place by `quantizer` (same bytes; the error compounds, as the
+  /// reference re-compresses its already lossy cache). Blocks in other formats (fp32
+  /// fallback, converted survivors, sinks) are left as they are. False: blocks are encoded once.
+  bool recompress = false;
 };
 
 /// Both streams of one layer.

@@ -3,7 +3,8 @@
 /// @file kvquant.h
 /// KVQuant's calibration (KVQuant: Hooper et al., arXiv 2401.18079): per-layer, per-channel
 /// pre-RoPE key ranges and per-layer non-uniform codebooks (k-means over the normalised
-/// calibration values, unweighted: the reference code's path without Fisher information),
+/// calibration values, unweighted: the reference code's path without Fisher information, or
+/// weighted by one weight per calibration value from a file: KvquantWeights),
 /// their versioned file format (docs/quantizers.md, "KVQuant calibration file") and the fit.
 /// The `kvquant` cache scheme (cache_scheme.h) reads such a file; `kv_study calibrate` writes
 /// one from a model (study/kvquant_calibrate.h).
@@ -87,16 +88,43 @@ struct KvquantFitOptions {
   int64_t max_samples = 1 << 20;
 };
 
+/// Optional weights of a fit (the weighted k-means of KVQuant's Fisher-information path, arXiv
+/// 2401.18079 §3.2; the reference code's unweighted path is the default): one finite,
+/// non-negative weight per captured value, `keys[l]`, `values[l]` float32 `[N, H_kv, D]`, the
+/// shapes of the activations they weight. A value's weight travels with it into its layer's
+/// pool; outliers (and their weights) stay out of it, as in the unweighted fit.
+struct KvquantWeights {
+  std::vector<at::Tensor> keys, values;
+};
+
+/// The weights file format version written and accepted.
+inline constexpr uint32_t kKvquantWeightsVersion = 1;
+
+/// Reads a weights file (docs/quantizers.md, "KVQuant weights file": little-endian; magic
+/// `KVQW`, u32 version, u32 L, u32 H_kv, u32 D, u64 N, then per layer the keys' and then the
+/// values' N · H_kv · D float32 weights, token-major `[N, H_kv, D]`) for a calibration that
+/// captured `tokens` tokens of a model of `layers` layers, `heads` KV heads, `head_dim`.
+/// @throws InvalidArgument naming the path: missing or unreadable, not a regular file or above
+///         4 GiB, no magic, another version, a header of another shape (naming the expected
+///         [L, N, H_kv, D] and the one found), a size other than the header's (naming both), a
+///         negative or non-finite weight (naming its layer, stream and index).
+KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int64_t tokens, int64_t heads,
+                                    int64_t head_dim);
+
 /// Fits a calibration from captured activations: `keys[l]`, `values[l]` float32 `[N, H_kv, D]`
 /// (N calibration tokens of layer l; keys pre-RoPE). Per level p: key thresholds per channel
 /// (quantiles t, 1 − t); keys normalised with them, the non-outliers (lower <= x <= upper)
 /// pooled over the layer's heads and tokens; values: per token and head, the
 /// kvquant_tail_count(D, p) largest and smallest are outliers (select_tails()), the rest
 /// normalised by their own min/max and pooled; one k-means codebook (kmeans_1d) per layer,
-/// stream and width, with its Q-Norm correction.
-/// @throws InvalidArgument on empty input, mismatched shapes, non-finite values, bad options.
+/// stream and width, with its Q-Norm correction. `weights` (optional): the k-means is
+/// kmeans_1d_weighted() and Q-Norm matches the weighted mean and standard deviation; the
+/// thresholds (quantiles) and outlier choices stay unweighted.
+/// @throws InvalidArgument on empty input, mismatched shapes, non-finite values, bad options,
+///         weights of another shape than the activations or negative / non-finite weights.
 KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                           const KvquantFitOptions& options, const std::string& source);
+                                           const KvquantFitOptions& options, const std::string& source,
+                                           const KvquantWeights* weights = nullptr);
 
 /// Writes `c` to `path` atomically (io::write_file_atomic) in the versioned binary format of
 /// docs/quantizers.md. @throws InvalidArgument if `c` is inconsistent or the write fails.
@@ -131,5 +159,13 @@ float quantile_sorted(const std::vector<float>& sorted, double q);
 /// empty cluster keeps its centroid. Returns k centroids, ascending (equal ones possible when x
 /// has fewer than k distinct values).
 std::vector<float> kmeans_1d(const float* x, int64_t n, int k, int max_iter);
+
+/// Weighted 1-D k-means (Lloyd) over x[0, n) with weights w[0, n) (finite, >= 0, some > 0):
+/// centroids start at the (j + 0.5)/k quantiles (as kmeans_1d) of the values of positive
+/// weight; assignment as kmeans_1d; centroid = Σ w·x / Σ w of its members (float64 sums in
+/// ascending x); a cluster of zero total weight keeps its centroid. Same stop rule, ascending.
+/// E.g. x = {0, 1, 10, 11}, w = {1, 3, 1, 1}, k = 2: {0.75, 10.5} (unweighted: {0.5, 10.5}).
+/// @throws InvalidArgument if no weight is positive or a weight is negative or not finite.
+std::vector<float> kmeans_1d_weighted(const float* x, const float* w, int64_t n, int k, int max_iter);
 
 }  // namespace kvcache

@@ -221,8 +221,10 @@ void BlockList::kill(Block& b, int64_t slot) {
   --b.live;
 }
 
-void BlockList::append(uint8_t f, const float* x, const int64_t* pos, int64_t n, float tensor_scale) {
+void BlockList::append(uint8_t f, const float* x, const int64_t* pos, int64_t n, float tensor_scale,
+                       const Quantizer* encoder) {
   const BlockFormat& F = fmt(f);
+  const Quantizer* enc = encoder != nullptr ? encoder : F.quantizer;
   const int64_t d = F.head_dim;
   const float ts = f == StreamFormats::kMain ? tensor_scale : 1.0f;
   const int64_t gt = F.layout.group_tokens;
@@ -232,7 +234,7 @@ void BlockList::append(uint8_t f, const float* x, const int64_t* pos, int64_t n,
     if (!F.token_readable()) {
       // One group per block: a per-channel group is encoded (and freed) as a whole.
       Block& b = new_block(f);
-      fill(b, x + i * d, pos + i, gt, ts);
+      fill(b, x + i * d, pos + i, gt, ts, enc);
       i += gt;
       continue;
     }
@@ -244,12 +246,12 @@ void BlockList::append(uint8_t f, const float* x, const int64_t* pos, int64_t n,
     }
     const int64_t m = std::min<int64_t>(n - i, F.capacity - t->filled);
     uint8_t* data = F.pool->data(t->id);
-    EncodeStatus st = F.quantizer->encode(x + i * d, m, d, ts, F.at(data, t->filled));
+    EncodeStatus st = enc->encode(x + i * d, m, d, ts, F.at(data, t->filled));
     int64_t ok = m;
     if (st.overflow) {
       // Find the first token this format cannot hold; everything before it is written.
       ok = 0;
-      while (ok < m && !F.quantizer->encode(x + (i + ok) * d, 1, d, ts, F.at(data, t->filled + ok)).overflow) ++ok;
+      while (ok < m && !enc->encode(x + (i + ok) * d, 1, d, ts, F.at(data, t->filled + ok)).overflow) ++ok;
     }
     for (int64_t s = 0; s < ok; ++s) set_position(*t, t->filled + s, pos[i + s]);
     t->filled += static_cast<int32_t>(ok);
@@ -268,11 +270,12 @@ void BlockList::append(uint8_t f, const float* x, const int64_t* pos, int64_t n,
   }
 }
 
-void BlockList::fill(Block& b, const float* x, const int64_t* pos, int64_t m, float tensor_scale) {
+void BlockList::fill(Block& b, const float* x, const int64_t* pos, int64_t m, float tensor_scale,
+                     const Quantizer* enc) {
   const BlockFormat& F = fmt(b.format);
   const float ts = b.format == StreamFormats::kMain ? tensor_scale : 1.0f;
   const int64_t groups = F.token_readable() ? m : m / F.layout.group_tokens;
-  if (F.quantizer->encode(x, groups, F.head_dim, ts, F.at(F.pool->data(b.id), 0)).overflow) {
+  if (enc->encode(x, groups, F.head_dim, ts, F.at(F.pool->data(b.id), 0)).overflow) {
     // The format cannot hold these values finitely: store the whole block in fp32.
     const BlockFormat& fb = fmt(StreamFormats::kFallback);
     KV_INTERNAL_ASSERT(b.format != StreamFormats::kFallback && m <= fb.capacity, "fallback overflow");
@@ -288,6 +291,38 @@ void BlockList::fill(Block& b, const float* x, const int64_t* pos, int64_t m, fl
   b.filled = b.live = static_cast<int32_t>(m);
   live_ += m;
   bytes_ += block_bytes_resident(b);
+}
+
+void BlockList::reencode(uint8_t f, float tensor_scale) {
+  const BlockFormat& F = fmt(f);
+  const float ts = f == StreamFormats::kMain ? tensor_scale : 1.0f;
+  std::vector<float> rows;
+  for (Block& b : blocks_) {
+    if (b.format != f) continue;
+    rows.resize(static_cast<size_t>(b.filled * F.head_dim));
+    decode(b, rows.data(), tensor_scale);
+    make_private(b);
+    const int64_t groups = F.token_readable() ? b.filled : b.filled / F.layout.group_tokens;
+    if (!F.quantizer->encode(rows.data(), groups, F.head_dim, ts, F.at(F.pool->data(b.id), 0)).overflow) continue;
+    // The decoded rows do not fit the format again: keep them in fp32 (as fill() does).
+    const BlockFormat& fb = fmt(StreamFormats::kFallback);
+    KV_INTERNAL_ASSERT(b.filled <= fb.capacity, "reencode: fallback overflow");
+    bytes_ -= block_bytes_resident(b);
+    release(b);
+    b.format = StreamFormats::kFallback;
+    b.id = fb.pool->allocate();
+    reserved_ += fb.block_bytes;
+    (void)fb.quantizer->encode(rows.data(), b.filled, fb.head_dim, 1.0f, fb.at(fb.pool->data(b.id), 0));
+    bytes_ += block_bytes_resident(b);
+  }
+}
+
+int64_t BlockList::reencode_bound(uint8_t f) const {
+  int64_t bytes = 0;
+  for (const Block& b : blocks_) {
+    if (b.format == f && refcount(b) > 1) bytes += fmt(f).block_bytes;
+  }
+  return bytes;
 }
 
 void BlockList::pop_front(int64_t n, float* out, int64_t* out_pos, float tensor_scale) {
@@ -436,7 +471,7 @@ void BlockList::convert_group(size_t i, float tensor_scale) {
   b.format = StreamFormats::kConverted;
   b.id = C.pool->allocate();
   reserved_ += C.block_bytes;
-  fill(b, kept.data(), pos.data(), m, 1.0f);
+  fill(b, kept.data(), pos.data(), m, 1.0f, C.quantizer);
 }
 
 void BlockList::renumber_positions(int64_t& next) {

@@ -106,7 +106,18 @@ class BlockList {
   /// `pos[n]` (increasing, after every live position). For a per-channel format n must be a
   /// multiple of its group size. A group whose encoding overflows the format is stored in
   /// the fp32 fallback format instead.
-  void append(uint8_t fmt, const float* x, const int64_t* pos, int64_t n, float tensor_scale);
+  /// `encoder`: when not null, encodes the tokens instead of the format's quantizer (its
+  /// StoredLayout must be the format's; StreamSpec::prefill_quantizer); decode() still reads
+  /// them with the format's quantizer.
+  void append(uint8_t fmt, const float* x, const int64_t* pos, int64_t n, float tensor_scale,
+              const Quantizer* encoder = nullptr);
+  /// Re-compression (StreamSpec::recompress): every block of format `fmt` is decoded (all its
+  /// filled slots) and encoded again in place by the format's quantizer; a shared block is
+  /// first copied (copy-on-write). A block whose new encoding overflows moves to the fp32
+  /// fallback format, holding its decoded rows. Slots, holes and positions are unchanged.
+  void reencode(uint8_t fmt, float tensor_scale);
+  /// Upper bound of the bytes reencode(fmt) allocates: a copy of every shared block of `fmt`.
+  int64_t reencode_bound(uint8_t fmt) const;
   /// Removes the `n` oldest live tokens (token-readable blocks only), writing their decoded
   /// rows to `out` `[n, D]` and their positions to `out_pos` (either may be null).
   void pop_front(int64_t n, float* out, int64_t* out_pos, float tensor_scale);
@@ -154,7 +165,7 @@ class BlockList {
   /// Per-channel block i with dead slots: converts its survivors when the rule allows.
   void convert_group(size_t i, float tensor_scale);
   /// Encodes m tokens into slots [0, m) of the empty block `b` of format f (fallback on overflow).
-  void fill(Block& b, const float* x, const int64_t* pos, int64_t m, float tensor_scale);
+  void fill(Block& b, const float* x, const int64_t* pos, int64_t m, float tensor_scale, const Quantizer* enc);
   /// Merges block i+1 into block i (same token-readable format, fits).
   void merge_into(size_t i);
   bool mergeable(size_t i) const;

@@ -241,6 +241,16 @@ struct CacheManager::Impl {
     st.spec = spec;
     st.formats = stream_formats(*spec.quantizer, spec);
     st.head_formats.clear();
+    if (spec.prefill_quantizer) {
+      const StoredLayout a = spec.quantizer->stored_layout(cfg.head_dim);
+      const StoredLayout b = spec.prefill_quantizer->stored_layout(cfg.head_dim);
+      KV_INTERNAL_ASSERT(spec.head_quantizers.empty() && a.group_tokens == b.group_tokens &&
+                             a.code_bytes == b.code_bytes && a.meta_count == b.meta_count &&
+                             a.has_zeros == b.has_zeros && a.meta_dtype == b.meta_dtype &&
+                             a.tensor_scale == b.tensor_scale,
+                         "cache scheme '", cfg.scheme, "': the prefill encoder '", spec.prefill_quantizer->spec(),
+                         "' does not share the stored layout of '", spec.quantizer->spec(), "'");
+    }
     if (!spec.head_quantizers.empty()) {
       KV_INTERNAL_ASSERT(static_cast<int64_t>(spec.head_quantizers.size()) == cfg.num_kv_heads, "cache scheme '",
                          cfg.scheme, "' gave ", spec.head_quantizers.size(), " head quantizers for ",

@@ -4,6 +4,7 @@
 #include "kvcache/cache_scheme.h"
 
 #include <algorithm>
+#include <map>
 
 #include "cache/kvquant_scheme.h"
 #include "common/registry.h"
@@ -118,8 +119,8 @@ class KiviScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf, {}, 0};
-    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf, {}, 0};
+    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf, {}, 0, nullptr, false};
+    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf, {}, 0, nullptr, false};
     return s;
   }
 
@@ -160,20 +161,36 @@ const ParamTable& gear_table() {
                    {"r", "rank of the low-rank residual per block (0: none)", ParamDef::Kind::kInt, 2, 0, 4096, {}},
                    {"loop", "power-iteration loops", ParamDef::Kind::kInt, 3, 1, 100, {}},
                    {"nb", "streaming buffer: tokens per compressed block (a multiple of g)", ParamDef::Kind::kInt, 64,
-                    1, 65536, {}}}};
-    for (auto& p : tt.params) p.shown = true;
+                    1, 65536, {}},
+                   {"rp", "prefill rank: blocks compressed by an append of more than one token (the prompt) use rp, "
+                          "blocks compressed in decode steps r; every block reserves max(r, rp) factor columns "
+                          "(counted); -1: r",
+                    ParamDef::Kind::kInt, -1, -1, 4096, {}},
+                   {"mode", "streaming mode: newest (compress each full buffer of nb tokens once) or whole (also "
+                            "decode and re-encode every compressed block each time a decode step compresses a "
+                            "buffer, every nb steps: the reference scripts' re-compression of the whole cache)",
+                    ParamDef::Kind::kChoice, 0, 0, 0, {"newest", "whole"}}}};
+    for (size_t i = 0; i < 6; ++i) tt.params[i].shown = true;
     tt.params[0].allowed = widths;
     return tt;
   }();
   return t;
 }
 
-/// GEAR's two streams, compressing the newest nb tokens whenever the fp16 buffer holds nb
-/// (the reference's stream_grouping mode; its re-compression of the whole cache every nb
-/// steps is not built).
+/// GEAR's canonical spec: rp equal to r is the default (printed only when it differs).
+std::string gear_canonical(const ParsedSpec& p) {
+  std::map<std::string, double> nums;
+  for (const char* k : {"b", "g", "s", "r", "loop", "nb"}) nums[k] = p.num(k);
+  nums["rp"] = p.num("rp") == p.num("r") ? -1 : p.num("rp");
+  return canonical_spec(gear_table(), nums, {{"mode", p.choice("mode")}});
+}
+
+/// GEAR's two streams, compressing the newest nb tokens whenever the fp16 buffer holds nb;
+/// blocks compressed by a multi-token append (the prompt) encoded with rank rp, those of decode
+/// steps with r; `whole`: each decode-step compression also re-encodes every older block.
 class GearScheme final : public CacheScheme {
  public:
-  explicit GearScheme(const ParsedSpec& p) : spec_(p.canonical()) {
+  explicit GearScheme(const ParsedSpec& p) : spec_(gear_canonical(p)) {
     quant::GearParams g;
     g.bits = static_cast<int>(p.integer("b"));
     g.group = p.integer("g");
@@ -181,8 +198,18 @@ class GearScheme final : public CacheScheme {
     g.rank = p.integer("r");
     g.loop = p.integer("loop");
     g.block = p.integer("nb");
+    const int64_t rp = p.integer("rp") < 0 ? g.rank : p.integer("rp");
+    g.stored_rank = std::max(g.rank, rp);
     key_ = std::make_shared<quant::GearQuantizer>(g, quant::GearStream::kKey, spec_, p.text());
     value_ = std::make_shared<quant::GearQuantizer>(g, quant::GearStream::kValue, spec_, p.text());
+    if (rp != g.rank) {
+      quant::GearParams gp = g;
+      gp.rank = rp;
+      key_prefill_ = std::make_shared<quant::GearQuantizer>(gp, quant::GearStream::kKey, spec_, p.text(), " (prefill)");
+      value_prefill_ =
+          std::make_shared<quant::GearQuantizer>(gp, quant::GearStream::kValue, spec_, p.text(), " (prefill)");
+    }
+    whole_ = p.choice("mode") == "whole";
     block_ = g.block;
     group_ = g.group;
   }
@@ -200,15 +227,19 @@ class GearScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0};
-    s.value = {value_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0};
+    s.key = {key_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0, nullptr, false};
+    s.value = {value_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0, nullptr, false};
+    s.key.prefill_quantizer = key_prefill_;
+    s.value.prefill_quantizer = value_prefill_;
+    s.key.recompress = s.value.recompress = whole_;
     return s;
   }
 
  private:
   std::string spec_;
   int64_t block_ = 0, group_ = 0;
-  std::shared_ptr<const Quantizer> key_, value_;
+  bool whole_ = false;
+  std::shared_ptr<const Quantizer> key_, value_, key_prefill_, value_prefill_;
 };
 
 // ---------------------------------------------------------------- Hadamard rotation
@@ -232,7 +263,11 @@ class RotationScheme final : public CacheScheme {
                  "': the Hadamard rotation cannot wrap '", inner_->spec(),
                  "', whose per-channel ranges are calibrated on the unrotated channels");
     s.key.quantizer = rotated(s.key.quantizer);
-    if (values_) s.value.quantizer = rotated(s.value.quantizer);
+    if (s.key.prefill_quantizer) s.key.prefill_quantizer = rotated(s.key.prefill_quantizer);
+    if (values_) {
+      s.value.quantizer = rotated(s.value.quantizer);
+      if (s.value.prefill_quantizer) s.value.prefill_quantizer = rotated(s.value.prefill_quantizer);
+    }
     return s;
   }
 

@@ -42,6 +42,10 @@ void LayerStore::write_stream(HeadStream& s, const StreamSetup& st, float scale,
   // residual dtype and stay there (older than every other token, so the order holds).
   const int64_t ns = std::min<int64_t>(n, std::max<int64_t>(0, st.spec.sink_tokens - s.written));
   s.written += n;
+  // A multi-token append (a prompt or prefill chunk) encodes with the prefill encoder; a
+  // one-token append (a decode step) that flushes re-compresses the older blocks first.
+  const Quantizer* enc = n > 1 ? st.spec.prefill_quantizer.get() : nullptr;
+  const bool recompress = n == 1 && st.spec.recompress;
   if (ns > 0) {
     s.quant.append(StreamFormats::kResidual, x, pos, ns, 1.0f);
     x += ns * head_dim_;
@@ -50,7 +54,8 @@ void LayerStore::write_stream(HeadStream& s, const StreamSetup& st, float scale,
     if (n == 0) return;
   }
   if (st.direct()) {
-    s.quant.append(StreamFormats::kMain, x, pos, n, scale);
+    if (recompress) s.quant.reencode(StreamFormats::kMain, scale);
+    s.quant.append(StreamFormats::kMain, x, pos, n, scale, enc);
     return;
   }
   // Through the residual: new tokens are stored in the residual dtype first; the flush rule
@@ -62,7 +67,8 @@ void LayerStore::write_stream(HeadStream& s, const StreamSetup& st, float scale,
   std::vector<float> rows(static_cast<size_t>(m * head_dim_));
   std::vector<int64_t> p(static_cast<size_t>(m));
   s.resid.pop_front(m, rows.data(), p.data(), 1.0f);
-  s.quant.append(StreamFormats::kMain, rows.data(), p.data(), m, scale);
+  if (recompress) s.quant.reencode(StreamFormats::kMain, scale);
+  s.quant.append(StreamFormats::kMain, rows.data(), p.data(), m, scale, enc);
 }
 
 void LayerStore::write(int64_t h, const float* k, const float* v, const int64_t* pos, int64_t n) {
@@ -101,10 +107,17 @@ int64_t LayerStore::write_bound(int64_t n) const {
     const int64_t ns = std::min<int64_t>(n, std::max<int64_t>(0, st.spec.sink_tokens - s.written));
     const int64_t sinks = s.quant.append_bound(StreamFormats::kResidual, ns);
     const int64_t m = n - ns;
-    if (st.direct()) return sinks + s.quant.append_bound(StreamFormats::kMain, m);
+    // Re-compression copies the shared blocks it re-encodes.
+    const bool recompress = n == 1 && st.spec.recompress;
+    if (st.direct()) {
+      return sinks + s.quant.append_bound(StreamFormats::kMain, m) +
+             (recompress && m > 0 ? s.quant.reencode_bound(StreamFormats::kMain) : 0);
+    }
     const int64_t r = s.resid.live() + m;
+    const int64_t flushed = st.flush_count(r);
     return sinks + s.resid.append_bound(StreamFormats::kResidual, m) +
-           s.quant.append_bound(StreamFormats::kMain, st.flush_count(r));
+           s.quant.append_bound(StreamFormats::kMain, flushed) +
+           (recompress && flushed > 0 ? s.quant.reencode_bound(StreamFormats::kMain) : 0);
   };
   int64_t bytes = 0;
   for (size_t h = 0; h < k_.size(); ++h) bytes += stream(k_[h], *ks_) + stream(v_[h], *vs_);

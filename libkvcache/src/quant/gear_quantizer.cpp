@@ -116,14 +116,16 @@ void load_fp16(const uint8_t* src, int64_t n, float* dst) {
 }  // namespace
 
 GearQuantizer::GearQuantizer(const GearParams& p, GearStream stream, std::string scheme_spec,
-                             const std::string& written)
-    : p_(p), stream_(stream), scheme_spec_(std::move(scheme_spec)) {
+                             const std::string& written, std::string role)
+    : p_(p), stream_(stream), scheme_spec_(std::move(scheme_spec)), role_(std::move(role)) {
   const std::string& text = written.empty() ? scheme_spec_ : written;
   KV_CHECK_ARG(p_.block >= p_.group && p_.block % p_.group == 0, "cache scheme '", text,
                "': the block nb=", p_.block, " must be a positive multiple of the group size g=", p_.group,
                " (keys are quantized per channel in whole groups of g tokens of a block)");
   KV_CHECK_ARG(p_.rank >= 0 && p_.rank <= p_.block, "cache scheme '", text, "': rank r=", p_.rank,
                " exceeds the block's nb=", p_.block, " tokens");
+  KV_CHECK_ARG(p_.stored() >= p_.rank && p_.stored() <= p_.block, "cache scheme '", text, "': prefill rank rp=",
+               p_.stored(), " exceeds the block's nb=", p_.block, " tokens");
   KV_CHECK_ARG(p_.loop >= 1, "cache scheme '", text, "': loop=", p_.loop, " must be >= 1");
   KV_CHECK_ARG(p_.sparsity >= 0 && p_.sparsity < 1, "cache scheme '", text, "': s=", p_.sparsity,
                " must be in [0, 1)");
@@ -138,7 +140,7 @@ GearQuantizer::GearQuantizer(const GearParams& p, GearStream stream, std::string
   }
 }
 
-std::string GearQuantizer::spec() const { return scheme_spec_ + " " + stream_name(stream_); }
+std::string GearQuantizer::spec() const { return scheme_spec_ + " " + stream_name(stream_) + role_; }
 
 int64_t GearQuantizer::per_side(int64_t head_dim) const {
   return gear::outliers_per_side(p_.sparsity, stream_ == GearStream::kKey ? p_.block : head_dim);
@@ -156,12 +158,13 @@ GearQuantizer::Offsets GearQuantizer::offsets(int64_t d) const {
   o.per_side = per_side(d);
   o.n_out = outliers_per_block(d);
   o.rank = p_.rank;
+  o.stored_rank = p_.stored();
   o.base_code = 0;
   o.out_vals = o.base_groups * bl.code_bytes;
   o.out_idx = o.out_vals + 2 * o.n_out;
   o.u = o.out_idx + 2 * o.n_out;
-  o.p = o.u + 2 * p_.block * o.rank;
-  o.total = o.p + 2 * d * o.rank;
+  o.p = o.u + 2 * p_.block * o.stored_rank;
+  o.total = o.p + 2 * d * o.stored_rank;
   return o;
 }
 
@@ -173,7 +176,8 @@ StoredLayout GearQuantizer::do_stored_layout(int64_t head_dim) const {
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(where + ": the base quantizer '" + base_->spec() + "' fails: " + e.what());
   }
-  KV_CHECK_ARG(p_.rank <= head_dim, where, ": rank r=", p_.rank, " exceeds head_dim D=", head_dim);
+  KV_CHECK_ARG(p_.stored() <= head_dim, where, ": ", p_.stored() == p_.rank ? "rank r=" : "prefill rank rp=",
+               p_.stored(), " exceeds head_dim D=", head_dim);
   KV_CHECK_ARG(head_dim <= 65536, where, ": head_dim D=", head_dim, " exceeds 65536 (outlier channel indices are uint16)");
   const Offsets o = offsets(head_dim);
   StoredLayout l;
@@ -227,7 +231,11 @@ EncodeStatus GearQuantizer::encode_block(const float* x, int64_t d, const Offset
   EncodeStatus s = base_->encode(filtered.data(), o.base_groups, d, 1.0f, out);
   bool overflow = store_fp16(out_vals.data(), o.n_out, out.codes + o.out_vals);
   if (o.n_out > 0) std::memcpy(out.codes + o.out_idx, out_idx.data(), static_cast<size_t>(o.n_out) * 2);
-  // 3. The residual E = X − (Q + S) and its rank-r approximation.
+  // 3. The residual E = X − (Q + S) and its rank-r approximation (zero columns up to R).
+  if (o.stored_rank > o.rank) {
+    std::memset(out.codes + o.u, 0, static_cast<size_t>(2 * nb * o.stored_rank));
+    std::memset(out.codes + o.p, 0, static_cast<size_t>(2 * d * o.stored_rank));
+  }
   if (o.rank > 0) {
     std::vector<float> rec(static_cast<size_t>(n));
     base_->decode(ConstGroupBuffers{out.codes, out.scales, out.zeros}, o.base_groups, d, 1.0f, rec.data());
@@ -237,8 +245,16 @@ EncodeStatus GearQuantizer::encode_block(const float* x, int64_t d, const Offset
     for (int64_t i = 0; i < n; ++i) rec[static_cast<size_t>(i)] = x[i] - rec[static_cast<size_t>(i)];
     std::vector<float> u(static_cast<size_t>(nb * o.rank)), p(static_cast<size_t>(d * o.rank));
     gear::low_rank(rec.data(), nb, d, o.rank, p_.loop, u.data(), p.data());
-    overflow = store_fp16(u.data(), nb * o.rank, out.codes + o.u) || overflow;
-    overflow = store_fp16(p.data(), d * o.rank, out.codes + o.p) || overflow;
+    const int64_t R = o.stored_rank;
+    std::vector<float> us(static_cast<size_t>(nb * R), 0.0f), ps(static_cast<size_t>(d * R), 0.0f);
+    for (int64_t i = 0; i < nb; ++i) {
+      for (int64_t j = 0; j < o.rank; ++j) us[static_cast<size_t>(i * R + j)] = u[static_cast<size_t>(i * o.rank + j)];
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      for (int64_t j = 0; j < o.rank; ++j) ps[static_cast<size_t>(i * R + j)] = p[static_cast<size_t>(i * o.rank + j)];
+    }
+    overflow = store_fp16(us.data(), nb * R, out.codes + o.u) || overflow;
+    overflow = store_fp16(ps.data(), d * R, out.codes + o.p) || overflow;
   }
   s.overflow = s.overflow || overflow;
   return s;
@@ -259,8 +275,10 @@ void GearQuantizer::decode_block(ConstGroupBuffers in, int64_t d, const Offsets&
       out[flat] = vals[static_cast<size_t>(e)];
     }
   }
-  if (o.rank > 0) {
-    const int64_t r = o.rank;
+  if (o.stored_rank > 0) {
+    // Every stored column: a block encoded with a lower rank holds zeros past it (+0, so the
+    // sums are those of its own rank).
+    const int64_t r = o.stored_rank;
     std::vector<float> u(static_cast<size_t>(nb * r)), p(static_cast<size_t>(d * r));
     load_fp16(in.codes + o.u, nb * r, u.data());
     load_fp16(in.codes + o.p, d * r, p.data());

@@ -14,8 +14,10 @@
 ///      2^b − 1 levels (the reference's outlier path uses b² − 1, equal at b = 2 and 4);
 ///   3. L, a rank-r approximation of the residual E = X − (Q + S) (outlier positions hold
 ///      their fp16 values, so their error is their fp16 rounding), by power iteration with
-///      QR (gear::low_rank), stored as fp16 factors U [n_b, r] and P [D, r]: L = U · Pᵀ,
-///      added to every entry on read.
+///      QR (gear::low_rank), stored as fp16 factors U [n_b, R] and P [D, R]: L = U · Pᵀ,
+///      added to every entry on read. R = GearParams::stored() >= r: the columns past r are
+///      zero (the scheme's prefill rank rp > r reserves them in every block, counted in the
+///      bytes).
 ///
 /// Stored layout (StoredLayout; one group = one block of n_b tokens, group_tokens = n_b):
 ///   codes (code_bytes per block, byte offsets in this order; fp16 values as IEEE binary16 bits,
@@ -24,8 +26,8 @@
 ///     outlier vals n_out fp16   (keys: channel-major, D × 2k; values: token-major, n_b × 2k;
 ///                               within a row the k largest in selection order, then the k smallest)
 ///     outlier idx  n_out uint16 (token index in the block for keys, channel index for values)
-///     U            n_b × r fp16, row-major
-///     P            D × r fp16, row-major
+///     U            n_b × R fp16, row-major (R = stored rank; columns r..R−1 zero)
+///     P            D × R fp16, row-major
 ///   scales, zeros: nb/gt × the base quantizer's meta_count fp16 each (its group minimum and scale).
 /// quantize() stores exactly these bytes for every (b, h) and block: codes uint8
 /// [B, H_kv, T/n_b, code_bytes], scales/zeros fp16 [B, H_kv, T/n_b, meta_count]; T must be a
@@ -33,8 +35,9 @@
 /// the base metadata) is reported by encode() as an overflow (the cache then stores it in its
 /// fp32 fallback) and rejected by quantize() with InvalidArgument.
 ///
-/// spec(): `gear:...` (the scheme's canonical spec) followed by ` keys` or ` values`: the
-/// stream of a scheme, not a standalone quantizer (make_quantizer does not take it).
+/// spec(): `gear:...` (the scheme's canonical spec) followed by ` keys` or ` values` (and the
+/// role, ` (prefill)` for the encoder of prefill blocks): the stream of a scheme, not a
+/// standalone quantizer (make_quantizer does not take it).
 
 #include <cstdint>
 #include <memory>
@@ -52,6 +55,12 @@ struct GearParams {
   int64_t rank = 2;        ///< r: rank of the low-rank residual, >= 0 (0: none)
   int64_t loop = 3;        ///< power-iteration loops, >= 1
   int64_t block = 64;      ///< n_b: tokens per compressed block (the streaming buffer), multiple of g
+  /// Factor columns every block reserves, >= rank (the scheme's max(r, rp), so that blocks
+  /// encoded with the prefill rank rp and with the decode rank r share one StoredLayout);
+  /// -1: rank. A block encoded with rank r < stored_rank writes zeros in its last
+  /// stored_rank − r columns of U and P, so decode() reads the same columns for both.
+  int64_t stored_rank = -1;
+  int64_t stored() const { return stored_rank < 0 ? rank : stored_rank; }
 };
 
 enum class GearStream { kKey, kValue };
@@ -82,9 +91,12 @@ class GearQuantizer final : public Quantizer {
  public:
   /// `scheme_spec`: the canonical spec of the gear scheme (spec()); `written`: the scheme spec
   /// as the user wrote it, for construction errors (empty: scheme_spec).
+  /// `p.rank` is the rank this quantizer encodes with, `p.stored()` the columns its layout
+  /// reserves; `role` is appended to spec() (e.g. " (prefill)": the scheme's second encoder).
   /// @throws InvalidArgument if the base quantizer cannot be built from `p` (g not a multiple
   ///         of 8/b, or of 8 for b = 3), n_b not a multiple of g, or r > n_b.
-  GearQuantizer(const GearParams& p, GearStream stream, std::string scheme_spec, const std::string& written = "");
+  GearQuantizer(const GearParams& p, GearStream stream, std::string scheme_spec, const std::string& written = "",
+                std::string role = "");
 
   std::string spec() const override;
   /// (code_bytes + meta bytes) · 8 / (n_b · D): codes, metadata, outliers and factors.
@@ -113,7 +125,7 @@ class GearQuantizer final : public Quantizer {
   /// Byte offsets inside one block's codes.
   struct Offsets {
     int64_t base_groups = 0, base_code = 0, out_vals = 0, out_idx = 0, u = 0, p = 0, total = 0;
-    int64_t n_out = 0, per_side = 0, rank = 0, base_meta = 0;
+    int64_t n_out = 0, per_side = 0, rank = 0, stored_rank = 0, base_meta = 0;
   };
   Offsets offsets(int64_t head_dim) const;
   EncodeStatus encode_block(const float* x, int64_t d, const Offsets& o, GroupBuffers out) const;
@@ -122,6 +134,7 @@ class GearQuantizer final : public Quantizer {
   GearParams p_;
   GearStream stream_;
   std::string scheme_spec_;
+  std::string role_;
   std::shared_ptr<const Quantizer> base_;
 };
 

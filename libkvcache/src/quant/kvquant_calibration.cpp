@@ -60,16 +60,19 @@ int nearest(const std::vector<float>& c, float y) {
 
 /// Q-Norm of codebook `c` over samples `y`: the affine map that gives the dequantised samples
 /// the mean and standard deviation of `y`.
-void fit_qnorm(KvquantCodebook& cb, const std::vector<float>& y) {
-  double s = 0, s2 = 0, q = 0, q2 = 0;
-  for (float v : y) {
+void fit_qnorm(KvquantCodebook& cb, const std::vector<float>& y, const std::vector<float>* w = nullptr) {
+  double s = 0, s2 = 0, q = 0, q2 = 0, sw = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const float v = y[i];
+    const double a = w == nullptr ? 1.0 : (*w)[i];
     const double r = cb.centroids[static_cast<size_t>(nearest(cb.centroids, v))];
-    s += v;
-    s2 += static_cast<double>(v) * v;
-    q += r;
-    q2 += r * r;
+    s += a * v;
+    s2 += a * static_cast<double>(v) * v;
+    q += a * r;
+    q2 += a * r * r;
+    sw += a;
   }
-  const double n = static_cast<double>(y.size());
+  const double n = w == nullptr ? static_cast<double>(y.size()) : sw;
   const double mu = s / n, mq = q / n;
   const double sd = std::sqrt(std::max(0.0, s2 / n - mu * mu));
   const double sq = std::sqrt(std::max(0.0, q2 / n - mq * mq));
@@ -87,10 +90,13 @@ std::vector<float> subsample(const std::vector<float>& y, int64_t cap) {
   return out;
 }
 
-KvquantCodebook fit_codebook(const std::vector<float>& pool, int bits, const KvquantFitOptions& o) {
+KvquantCodebook fit_codebook(const std::vector<float>& pool, int bits, const KvquantFitOptions& o,
+                             const std::vector<float>* weights = nullptr) {
   KvquantCodebook cb;
   cb.bits = bits;
-  if (pool.empty()) {
+  const bool weighted = weights != nullptr && std::any_of(weights->begin(), weights->end(), [](float a) { return a > 0; });
+  if (pool.empty() || (weights != nullptr && !weighted)) {
+    // (A weighted pool whose weights are all zero carries no information either.)
     // Every calibration value was an outlier (cannot happen for p > 0.9 and D >= 2): a
     // uniform grid keeps the codebook usable.
     const int k = 1 << bits;
@@ -98,6 +104,18 @@ KvquantCodebook fit_codebook(const std::vector<float>& pool, int bits, const Kvq
     return cb;
   }
   const std::vector<float> y = subsample(pool, o.max_samples);
+  if (weights != nullptr) {
+    const std::vector<float> w = subsample(*weights, o.max_samples);  // the same stride
+    if (!std::any_of(w.begin(), w.end(), [](float a) { return a > 0; })) {
+      // Only zero weights left after the subsample: the unweighted fit of those values.
+      cb.centroids = kmeans_1d(y.data(), static_cast<int64_t>(y.size()), 1 << bits, o.max_iter);
+      fit_qnorm(cb, y);
+      return cb;
+    }
+    cb.centroids = kmeans_1d_weighted(y.data(), w.data(), static_cast<int64_t>(y.size()), 1 << bits, o.max_iter);
+    fit_qnorm(cb, y, &w);
+    return cb;
+  }
   cb.centroids = kmeans_1d(y.data(), static_cast<int64_t>(y.size()), 1 << bits, o.max_iter);
   fit_qnorm(cb, y);
   return cb;
@@ -244,6 +262,51 @@ std::vector<float> kmeans_1d(const float* x, int64_t n, int k, int max_iter) {
   return c;
 }
 
+std::vector<float> kmeans_1d_weighted(const float* x, const float* w, int64_t n, int k, int max_iter) {
+  KV_CHECK_ARG(n >= 1 && k >= 1 && max_iter >= 1, "kmeans_1d_weighted: needs n >= 1, k >= 1, max_iter >= 1, got ",
+               n, ", ", k, ", ", max_iter);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] < x[b]; });
+  std::vector<float> xs(static_cast<size_t>(n)), ws(static_cast<size_t>(n)), positive;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = w[order[static_cast<size_t>(i)]];
+    KV_CHECK_ARG(std::isfinite(a) && a >= 0, "kmeans_1d_weighted: weight ", a, " at index ",
+                 order[static_cast<size_t>(i)], " (expected finite and >= 0)");
+    xs[static_cast<size_t>(i)] = x[order[static_cast<size_t>(i)]];
+    ws[static_cast<size_t>(i)] = a;
+    if (a > 0) positive.push_back(xs[static_cast<size_t>(i)]);
+  }
+  KV_CHECK_ARG(!positive.empty(), "kmeans_1d_weighted: every one of the ", n, " weights is 0");
+  std::vector<float> c(static_cast<size_t>(k));
+  for (int j = 0; j < k; ++j) c[static_cast<size_t>(j)] = quantile_sorted(positive, (j + 0.5) / k);
+  std::vector<int> assign(static_cast<size_t>(n), -1);
+  for (int it = 0; it < max_iter; ++it) {
+    bool changed = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const int a = nearest(c, xs[static_cast<size_t>(i)]);
+      changed = changed || a != assign[static_cast<size_t>(i)];
+      assign[static_cast<size_t>(i)] = a;
+    }
+    if (!changed) break;
+    // Sorted values: each cluster is a contiguous run.
+    int64_t start = 0;
+    for (int j = 0; j < k; ++j) {
+      int64_t end = start;
+      double sw = 0, swx = 0;
+      while (end < n && assign[static_cast<size_t>(end)] == j) {
+        sw += ws[static_cast<size_t>(end)];
+        swx += static_cast<double>(ws[static_cast<size_t>(end)]) * xs[static_cast<size_t>(end)];
+        ++end;
+      }
+      if (sw > 0) c[static_cast<size_t>(j)] = static_cast<float>(swx / sw);
+      start = end;
+    }
+    std::sort(c.begin(), c.end());
+  }
+  return c;
+}
+
 // ---------------------------------------------------------------- KvquantCalibration
 const KvquantLevel& KvquantCalibration::level(double p) const {
   for (const auto& l : levels) {
@@ -309,7 +372,8 @@ void KvquantCalibration::check(const std::string& what) const {
 
 // ---------------------------------------------------------------- fit
 KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                           const KvquantFitOptions& o, const std::string& source) {
+                                           const KvquantFitOptions& o, const std::string& source,
+                                           const KvquantWeights* weights) {
   KV_CHECK_ARG(!keys.empty() && keys.size() == values.size(), "fit_kvquant_calibration: ", keys.size(),
                " key layers and ", values.size(), " value layers (expected the same number, >= 1)");
   KV_CHECK_ARG(o.max_iter >= 1 && o.max_samples >= 0, "fit_kvquant_calibration: max_iter must be >= 1 and "
@@ -338,6 +402,27 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
     K[l] = keys[l].to(at::kFloat).contiguous();
     V[l] = values[l].to(at::kFloat).contiguous();
   }
+  std::vector<at::Tensor> WK, WV;  // the weights, float32 contiguous (empty: unweighted)
+  if (weights != nullptr) {
+    KV_CHECK_ARG(weights->keys.size() == keys.size() && weights->values.size() == keys.size(),
+                 "fit_kvquant_calibration: weights for ", weights->keys.size(), " key and ", weights->values.size(),
+                 " value layers, the activations have ", keys.size());
+    for (size_t l = 0; l < keys.size(); ++l) {
+      const at::Tensor* ws[2] = {&weights->keys[l], &weights->values[l]};
+      const at::Tensor* xs[2] = {&K[l], &V[l]};
+      for (int i = 0; i < 2; ++i) {
+        KV_CHECK_ARG(ws[i]->defined() && ws[i]->sizes() == xs[i]->sizes(), "fit_kvquant_calibration: layer ", l,
+                     i == 0 ? " key" : " value", " weights: expected ", xs[i]->sizes(), ", got ",
+                     ws[i]->defined() ? ws[i]->sizes() : at::IntArrayRef{});
+        const at::Tensor wf = ws[i]->to(at::kFloat).contiguous();
+        KV_CHECK_ARG(at::isfinite(wf).all().item<bool>() && (wf >= 0).all().item<bool>(),
+                     "fit_kvquant_calibration: layer ", l, i == 0 ? " key" : " value",
+                     " weights must be finite and >= 0");
+        (i == 0 ? WK : WV).push_back(wf);
+      }
+    }
+  }
+  const bool weighted = weights != nullptr;
   for (double p : ps) {
     KvquantLevel lv;
     lv.sparsity = p;
@@ -348,7 +433,8 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
       const float* kp = K[l].data_ptr<float>();
       lc.key_lower.resize(static_cast<size_t>(H * D));
       lc.key_upper.resize(static_cast<size_t>(H * D));
-      std::vector<float> kpool;
+      std::vector<float> kpool, kw;
+      const float* kwp = weighted ? WK[l].data_ptr<float>() : nullptr;
       for (int64_t c = 0; c < H * D; ++c) {
         std::vector<float> col(static_cast<size_t>(N));
         for (int64_t i = 0; i < N; ++i) col[static_cast<size_t>(i)] = kp[i * H * D + c];
@@ -358,14 +444,17 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
         lc.key_lower[static_cast<size_t>(c)] = lo;
         lc.key_upper[static_cast<size_t>(c)] = hi;
         const float off = 0.5f * (hi + lo), rng = 0.5f * (hi - lo);
-        for (float x : col) {
+        for (int64_t i = 0; i < N; ++i) {
+          const float x = col[static_cast<size_t>(i)];
           if (x < lo || x > hi) continue;  // an outlier: stored exactly, not in the codebook
           kpool.push_back(rng > 0 ? (x - off) / rng : 0.0f);
+          if (weighted) kw.push_back(kwp[i * H * D + c]);
         }
       }
       const float* vp = V[l].data_ptr<float>();
       const int64_t kt = kvquant_tail_count(D, p);
-      std::vector<float> vpool;
+      std::vector<float> vpool, vw;
+      const float* vwp = weighted ? WV[l].data_ptr<float>() : nullptr;
       std::vector<char> out(static_cast<size_t>(D));
       for (int64_t r = 0; r < N * H; ++r) {
         const float* row = vp + r * D;
@@ -380,12 +469,14 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
         if (mn > mx) continue;  // every entry an outlier: nothing dense to pool
         const float off = 0.5f * (mx + mn), rng = 0.5f * (mx - mn);
         for (int64_t d = 0; d < D; ++d) {
-          if (!out[static_cast<size_t>(d)]) vpool.push_back(rng > 0 ? (row[d] - off) / rng : 0.0f);
+          if (out[static_cast<size_t>(d)]) continue;
+          vpool.push_back(rng > 0 ? (row[d] - off) / rng : 0.0f);
+          if (weighted) vw.push_back(vwp[r * D + d]);
         }
       }
       for (int b : cal.bits) {
-        lc.key_codebooks.push_back(fit_codebook(kpool, b, o));
-        lc.value_codebooks.push_back(fit_codebook(vpool, b, o));
+        lc.key_codebooks.push_back(fit_codebook(kpool, b, o, weighted ? &kw : nullptr));
+        lc.value_codebooks.push_back(fit_codebook(vpool, b, o, weighted ? &vw : nullptr));
       }
       lv.layers.push_back(std::move(lc));
     }
@@ -428,6 +519,57 @@ void save_kvquant_calibration(const KvquantCalibration& c, const std::string& pa
   const uint64_t h = fnv1a(w.str().data(), w.str().size());
   w.put<uint64_t>(h);
   io::write_file_atomic(path, w.str());
+}
+
+KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int64_t tokens, int64_t heads,
+                                    int64_t head_dim) {
+  KV_CHECK(little_endian(), UnsupportedError, "KVQuant weights files are little-endian; this host is not");
+  io::check_readable_file(path, "KVQuant weights");
+  std::error_code ec;
+  KV_CHECK_ARG(std::filesystem::is_regular_file(path, ec), "KVQuant weights '", path, "' is not a regular file");
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  KV_CHECK_ARG(!ec && size <= (uintmax_t{1} << 32), "KVQuant weights '", path, "': ", size,
+               " bytes is larger than any weights file read here (at most 4 GiB)");
+  std::ifstream in(path, std::ios::binary);
+  KV_CHECK_ARG(in.good(), "cannot open KVQuant weights '", path, "'");
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  constexpr size_t kHeader = 4 + 4 * 4 + 8;
+  KV_CHECK_ARG(data.size() >= 4 && std::memcmp(data.data(), "KVQW", 4) == 0, "'", path,
+               "' is not a KVQuant weights file (no 'KVQW' magic; docs/quantizers.md, \"KVQuant weights file\")");
+  KV_CHECK_ARG(data.size() >= kHeader, "KVQuant weights '", path, "' is truncated: ", data.size(),
+               " bytes, shorter than its ", kHeader, "-byte header");
+  uint32_t h32[4];
+  uint64_t n64 = 0;
+  std::memcpy(h32, data.data() + 4, sizeof h32);
+  std::memcpy(&n64, data.data() + 20, sizeof n64);
+  KV_CHECK_ARG(h32[0] == kKvquantWeightsVersion, "KVQuant weights '", path, "' has format version ", h32[0],
+               "; this build reads version ", kKvquantWeightsVersion);
+  KV_CHECK_ARG(h32[1] == layers && n64 == static_cast<uint64_t>(tokens) && h32[2] == heads && h32[3] == head_dim,
+               "KVQuant weights '", path, "' are for [L=", h32[1], ", N=", n64, ", H_kv=", h32[2], ", D=", h32[3],
+               "]; the calibration captured [L=", layers, ", N=", tokens, ", H_kv=", heads, ", D=", head_dim,
+               "] (one weight per captured key and value)");
+  const int64_t per = tokens * heads * head_dim;
+  const uintmax_t want = kHeader + static_cast<uintmax_t>(layers) * 2u * static_cast<uintmax_t>(per) * 4u;
+  KV_CHECK_ARG(data.size() == want, "KVQuant weights '", path, "' holds ", data.size(), " bytes; its header [L=",
+               layers, ", N=", tokens, ", H_kv=", heads, ", D=", head_dim, "] needs exactly ", want,
+               data.size() < want ? " (truncated)" : " (trailing bytes)");
+  KvquantWeights w;
+  const char* p = data.data() + kHeader;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int s = 0; s < 2; ++s) {
+      at::Tensor t = at::empty({tokens, heads, head_dim}, at::kFloat);
+      std::memcpy(t.data_ptr<float>(), p, static_cast<size_t>(per) * 4);
+      p += per * 4;
+      const float* f = t.data_ptr<float>();
+      for (int64_t i = 0; i < per; ++i) {
+        KV_CHECK_ARG(std::isfinite(f[i]) && f[i] >= 0, "KVQuant weights '", path, "': layer ", l,
+                     s == 0 ? " keys" : " values", " [", i / (heads * head_dim), ", ", i / head_dim % heads, ", ",
+                     i % head_dim, "] is ", f[i], " (weights must be finite and >= 0)");
+      }
+      (s == 0 ? w.keys : w.values).push_back(std::move(t));
+    }
+  }
+  return w;
 }
 
 KvquantCalibration load_kvquant_calibration(const std::string& path) {

@@ -122,9 +122,13 @@ KvquantCalibration calibrate_kvquant(const KvquantCalibrateOptions& o) {
     K.push_back(at::cat(ks[l], 0));
     V.push_back(at::cat(vs[l], 0));
   }
-  return fit_kvquant_calibration(K, V, o.fit,
-                                 o.model_path + (o.text.empty() ? " on training-task conversations, seed " + std::to_string(o.seed)
-                                                                : std::string(" on --text")));
+  std::string source =
+      o.model_path + (o.text.empty() ? " on training-task conversations, seed " + std::to_string(o.seed)
+                                     : std::string(" on --text"));
+  if (o.weights.empty()) return fit_kvquant_calibration(K, V, o.fit, source);
+  const KvquantWeights w = load_kvquant_weights(o.weights, c.num_hidden_layers, K[0].size(0), K[0].size(1),
+                                                K[0].size(2));
+  return fit_kvquant_calibration(K, V, o.fit, source + ", weighted by " + o.weights, &w);
 }
 
 }  // namespace kvcache::study

@@ -53,11 +53,16 @@ struct KvquantCalibrateOptions {
   int64_t tokens = 8192;      ///< calibration tokens of the default conversations (at least)
   int64_t seqlen = 512;       ///< tokens per forward (capped at max_position_embeddings)
   KvquantFitOptions fit;
+  /// Optional weights file (`--weights`; load_kvquant_weights(), docs/quantizers.md "KVQuant
+  /// weights file"): one weight per captured value, for the captured [L, N, H_kv, D] (N: the
+  /// calibration tokens, printed by a run without weights). Empty: the unweighted fit.
+  std::string weights;
 };
 
 /// Runs the model over the calibration text and fits the calibration.
 /// @throws InvalidArgument if the model cannot be loaded, the text has fewer than 2 tokens,
-///         or an option is out of range.
+///         an option is out of range, or the weights file does not fit the capture
+///         (load_kvquant_weights()'s errors, naming the file and both shapes).
 KvquantCalibration calibrate_kvquant(const KvquantCalibrateOptions& options);
 
 }  // namespace kvcache::study
