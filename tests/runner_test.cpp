@@ -725,6 +725,9 @@ TEST_P(RunnerModels, PoolFullInTheBatchDropsOneSequenceAndTheOthersFinishAsWitho
     EXPECT_EQ(r.status, GenerationStatus::kRefused);
     EXPECT_STREQ(to_string(r.status), "refused");
     EXPECT_TRUE(r.tokens.empty());
+    EXPECT_EQ(r.computed_prompt_tokens, 15) << "3 prefill steps of 5 completed; the 4th needed a 5th page";
+    EXPECT_EQ(got.results[0].computed_prompt_tokens, 13);
+    EXPECT_EQ(got.results[1].computed_prompt_tokens, 9);
     EXPECT_FALSE(r.logits.defined());
     EXPECT_EQ(r.decode_steps, 0);
     EXPECT_THAT(r.error, HasSubstr("sequence 2 needs up to"));
@@ -754,6 +757,7 @@ TEST_P(RunnerModels, PoolFullInTheBatchDropsOneSequenceAndTheOthersFinishAsWitho
     EXPECT_EQ(r.status, GenerationStatus::kPreempted);
     EXPECT_STREQ(to_string(r.status), "preempted");
     ASSERT_EQ(r.tokens.size(), 4u);
+    EXPECT_EQ(r.computed_prompt_tokens, 12);
     EXPECT_EQ(r.decode_steps, 3);
     EXPECT_EQ(r.logits.size(0), 4);
     EXPECT_EQ(r.tokens, std::vector<int64_t>(ref.results[2].tokens.begin(), ref.results[2].tokens.begin() + 4));

@@ -207,7 +207,7 @@ at::Tensor Runner::prefill(const std::vector<int64_t>& ids, KVCache& cache, int6
 }
 
 at::Tensor Runner::prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
-                                int64_t first_min) const {
+                                int64_t first_min, int64_t* computed) const {
   const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t c = chunk_size == 0 ? n : chunk_size;
   at::Tensor logits;
@@ -216,6 +216,7 @@ at::Tensor Runner::prefill_from(const std::vector<int64_t>& ids, int64_t start, 
     logits = forward_step(model_, ids_tensor(ids.data() + s, t), cache,
                           s + t == n ? StepKind::kPrefillEnd : StepKind::kPrefill, LogitsFor::kLastToken);
     s += t;
+    if (computed != nullptr) *computed += t;
   }
   return logits.view({-1});
 }
@@ -289,15 +290,18 @@ at::Tensor Runner::begin_and_prefill(const std::vector<int64_t>& prompt, const G
     // Query-agnostic: the context alone is prefilled (compression acts at its end), then the
     // question token by token as decode steps.
     const std::vector<int64_t> context(prompt.begin(), prompt.begin() + opt.question_start);
-    logits = prefill_from(context, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+    logits = prefill_from(context, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step,
+                          &r.computed_prompt_tokens);
     for (int64_t i = opt.question_start; i < r.prompt_tokens; ++i) {
       logits = forward_step(model_, ids_tensor(&prompt[static_cast<size_t>(i)], 1), cache, StepKind::kDecode,
                             LogitsFor::kLastToken)
                    .view({-1});
+      ++r.computed_prompt_tokens;
     }
     r.question_tokens = r.prompt_tokens - opt.question_start;
   } else {
-    logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+    logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step,
+                          &r.computed_prompt_tokens);
   }
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return logits;

@@ -76,6 +76,10 @@ struct GenerationResult {
   /// Prompt tokens the cache already held (KVCache::begin_request, prefix caching): their
   /// prefill was skipped; prefill computed prompt_tokens − cached_prompt_tokens tokens.
   int64_t cached_prompt_tokens = 0;
+  /// Prompt tokens whose forward steps completed (the question's decode steps included):
+  /// prompt_tokens − cached_prompt_tokens, fewer for a request that left a batch during its
+  /// prefill (GenerationStatus::kRefused).
+  int64_t computed_prompt_tokens = 0;
   int64_t decode_steps = 0;   ///< single-token forwards of the reply (= N - 1)
   /// Prompt tokens fed as decode steps after the context (GenerationOptions::question_start):
   /// prompt_tokens − question_start, or 0.
@@ -200,9 +204,10 @@ class Runner {
 
  private:
   /// Ingests ids[start:] at positions cache.next_position(layer) onward: the first step at
-  /// least `first_min` tokens, then steps of `chunk_size` (0 = the rest in one step).
+  /// least `first_min` tokens, then steps of `chunk_size` (0 = the rest in one step); adds each
+  /// completed step's tokens to *computed (when not null).
   at::Tensor prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
-                          int64_t first_min) const;
+                          int64_t first_min, int64_t* computed = nullptr) const;
 
   /// The batch's caches: one per `item` ("prompt", "token"; `n` of them), none null, none
   /// twice, each fitting the model.
