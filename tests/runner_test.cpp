@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -625,6 +626,162 @@ TEST_P(RunnerModels, SequencesLeaveTheBatchAtTheirOwnEos) {
   // The cache of a stopped sequence received no token after its EOS (the last is not fed back).
   EXPECT_EQ(managers[1]->next_position(0),
             static_cast<int64_t>(prompts[1].size() + batch[1].tokens.size()) - 1);
+}
+
+/// Bytes of one page of `c` in a MultiSequenceCache (a block of block_tokens tokens in every
+/// (layer, KV head, stream) list), measured: one prompt of block_tokens tokens.
+int64_t page_bytes(const Runner& runner, const CacheConfig& c, int64_t token) {
+  MultiSequenceConfig mc;
+  mc.model = c;
+  mc.capacity_bytes = int64_t{1} << 30;
+  mc.prefix_sharing = false;
+  MultiSequenceCache pool(mc);
+  Sequence& s = pool.add_sequence();
+  const std::vector<int64_t> ids(static_cast<size_t>(c.block_tokens), token);
+  s.begin_request(ids, c.block_tokens + 1);
+  runner.prefill(ids, s);
+  return pool.stats().bytes_in_use;
+}
+
+/// The batch of PoolFullInTheBatch in a pool of `pages` pages (1 GiB when 0) under `rule`.
+struct PoolRun {
+  std::vector<GenerationResult> results;
+  PrefixCounters counters;
+  PoolStats stats;
+};
+
+PoolRun run_in_pool(const Runner& runner, const CacheConfig& c, const std::vector<std::vector<int64_t>>& prompts,
+                    const GenerationOptions& o, int64_t capacity, PoolFullRule rule, bool sharing) {
+  MultiSequenceConfig mc;
+  mc.model = c;
+  mc.capacity_bytes = capacity;
+  mc.prefix_sharing = sharing;
+  mc.when_full = rule;
+  MultiSequenceCache pool(mc);
+  std::vector<KVCache*> seqs;
+  for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
+  PoolRun r;
+  r.results = runner.generate_batch(prompts, o, seqs);
+  pool.check_invariants();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    // A sequence that left the batch was finished by the runner: it holds nothing.
+    if (r.results[i].status != GenerationStatus::kOk) {
+      EXPECT_EQ(pool.sequence(static_cast<int64_t>(i)).stats().bytes_reserved, 0);
+    }
+    pool.sequence(static_cast<int64_t>(i)).finish();
+  }
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().running_sequences, 0);
+  EXPECT_EQ(pool.stats().bytes_in_use, pool.stats().bytes_cached) << "only the index holds blocks";
+  pool.reclaim(std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(pool.stats().bytes_in_use, 0) << "every reference count is back to zero";
+  pool.check_invariants();
+  r.counters = pool.counters();
+  r.stats = pool.stats();
+  return r;
+}
+
+TEST_P(RunnerModels, PoolFullInTheBatchDropsOneSequenceAndTheOthersFinishAsWithoutPressure) {
+  // A pool of 11 pages (fp32, blocks of 4 tokens, no prefix sharing), 12 new tokens each (11
+  // fed back). kRefuse: prompts of 13, 9 and 24 tokens: the first two prefill 4 + 3 pages, the
+  // third's prefill (steps of 5) is refused when it needs its 5th page (7 + 4 = 11 held); it
+  // leaves with nothing generated, its 4 pages go back, and the two others grow to 6 + 5 = 11
+  // pages and finish. kPreemptNewest: prompts of 13, 9 and 12 tokens (4 + 3 + 3 pages; the third
+  // takes the 11th page in decode step 1); in step 4 the first (13 + 4 = 17 tokens) needs a 5th
+  // page: the newest request, the third, is preempted and leaves with the 4 tokens it had; the
+  // others finish. In both, the sequences that stay generate the tokens of the same batch in a
+  // pool with room, the counters are exact, and the pool is consistent, every reference count
+  // back to zero once all end (with prefix sharing on, too: the refused prompt's published
+  // blocks are reclaimed for the others' growth).
+  const TestModel& m = GetParam().get();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  CacheConfig c = m.lm->cache_config();
+  c.scheme = "fp32";
+  c.policy = "full";
+  c.block_tokens = 4;
+  const int64_t page = page_bytes(runner, c, m.prompt[1]);
+  ASSERT_GT(page, 0);
+  GenerationOptions o = greedy(12, 5);
+  o.stop_at_eos = false;
+  const std::vector<int64_t> a(m.prompt.begin(), m.prompt.begin() + 13);
+  const std::vector<int64_t> b(m.prompt.begin() + 3, m.prompt.begin() + 12);
+  std::vector<int64_t> c24, c12;
+  for (int64_t i = 0; i < 24; ++i) c24.push_back(m.prompt[static_cast<size_t>((i * 5 + 2) % 15)]);
+  c12.assign(c24.begin(), c24.begin() + 12);
+  const int64_t roomy = int64_t{1} << 30;
+
+  for (bool sharing : {false, true}) {
+    const std::vector<std::vector<int64_t>> prompts = {a, b, c24};
+    const PoolRun ref = run_in_pool(runner, c, prompts, o, roomy, PoolFullRule::kRefuse, sharing);
+    const PoolRun got = run_in_pool(runner, c, prompts, o, 11 * page, PoolFullRule::kRefuse, sharing);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(got.results[i].status, GenerationStatus::kOk) << i << ": " << got.results[i].error;
+      EXPECT_EQ(got.results[i].error, "");
+      EXPECT_EQ(got.results[i].tokens, ref.results[i].tokens) << "sequence " << i << " sharing " << sharing;
+      EXPECT_EQ(got.results[i].decode_steps, 11);
+    }
+    const GenerationResult& r = got.results[2];
+    EXPECT_EQ(r.status, GenerationStatus::kRefused);
+    EXPECT_STREQ(to_string(r.status), "refused");
+    EXPECT_TRUE(r.tokens.empty());
+    EXPECT_EQ(r.computed_prompt_tokens, 15) << "3 prefill steps of 5 completed; the 4th needed a 5th page";
+    EXPECT_EQ(got.results[0].computed_prompt_tokens, 13);
+    EXPECT_EQ(got.results[1].computed_prompt_tokens, 9);
+    EXPECT_FALSE(r.logits.defined());
+    EXPECT_EQ(r.decode_steps, 0);
+    EXPECT_THAT(r.error, HasSubstr("sequence 2 needs up to"));
+    EXPECT_THAT(r.error, HasSubstr("capacity_bytes = " + std::to_string(11 * page)));
+    EXPECT_THAT(r.error, HasSubstr("kRefuse"));
+    EXPECT_EQ(got.counters.refusals, 1) << "sharing " << sharing;
+    EXPECT_EQ(got.counters.preemptions, 0);
+    EXPECT_EQ(ref.counters.refusals, 0);
+    EXPECT_EQ(got.stats.bytes_in_use_peak, 11 * page) << "sharing " << sharing;
+    if (!sharing) {
+      EXPECT_EQ(ref.stats.bytes_in_use_peak, (6 + 5 + 9) * page);
+      EXPECT_EQ(got.counters.blocks_reclaimed, 0);
+    } else {
+      EXPECT_GT(got.counters.blocks_reclaimed, 0) << "the refused prompt's cached blocks made room";
+    }
+  }
+  {
+    const std::vector<std::vector<int64_t>> prompts = {a, b, c12};
+    const PoolRun ref = run_in_pool(runner, c, prompts, o, roomy, PoolFullRule::kPreemptNewest, false);
+    const PoolRun got = run_in_pool(runner, c, prompts, o, 11 * page, PoolFullRule::kPreemptNewest, false);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(got.results[i].status, GenerationStatus::kOk) << i << ": " << got.results[i].error;
+      EXPECT_EQ(got.results[i].tokens, ref.results[i].tokens) << "sequence " << i;
+      EXPECT_EQ(got.results[i].decode_steps, 11);
+    }
+    const GenerationResult& r = got.results[2];
+    EXPECT_EQ(r.status, GenerationStatus::kPreempted);
+    EXPECT_STREQ(to_string(r.status), "preempted");
+    ASSERT_EQ(r.tokens.size(), 4u);
+    EXPECT_EQ(r.computed_prompt_tokens, 12);
+    EXPECT_EQ(r.decode_steps, 3);
+    EXPECT_EQ(r.logits.size(0), 4);
+    EXPECT_EQ(r.tokens, std::vector<int64_t>(ref.results[2].tokens.begin(), ref.results[2].tokens.begin() + 4));
+    EXPECT_THAT(r.error, HasSubstr("sequence 2 was preempted"));
+    EXPECT_THAT(r.error, HasSubstr("when sequence 0 needed up to"));
+    EXPECT_THAT(r.error, HasSubstr("capacity_bytes = " + std::to_string(11 * page)));
+    EXPECT_EQ(got.counters.preemptions, 1);
+    EXPECT_EQ(got.counters.refusals, 0);
+    EXPECT_EQ(got.stats.bytes_in_use_peak, 11 * page);
+    EXPECT_EQ(ref.stats.bytes_in_use_peak, (6 + 5 + 6) * page);
+  }
+  // decode_step_batch keeps throwing: it has no results to mark.
+  {
+    MultiSequenceConfig mc;
+    mc.model = c;
+    mc.capacity_bytes = page;
+    mc.prefix_sharing = false;
+    MultiSequenceCache pool(mc);
+    Sequence& s = pool.add_sequence();
+    const std::vector<int64_t> four(a.begin(), a.begin() + 4);
+    s.begin_request(four, 8);
+    runner.prefill(four, s);
+    EXPECT_THROW(runner.decode_step_batch({a[5]}, {&s}), PoolFullError);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, RunnerModels,

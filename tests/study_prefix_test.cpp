@@ -200,3 +200,62 @@ TEST(StudyPrefix, EvictionBesideSharedBlocksCopiesOnWriteAndCostsAccuracy) {
   EXPECT_THAT(md, ::testing::HasSubstr("copied on write"));
   EXPECT_THAT(prefix_results_json({on}), ::testing::HasSubstr("\"blocks_copied\": " + std::to_string(on.counters.blocks_copied)));
 }
+
+TEST(StudyPrefix, APoolTooSmallEndsRequestsEarlyCountedAndSharingMakesItFit) {
+  // fp32+full, 4 requests behind one system prompt, and a session: a pool of half the peak the
+  // workload needs without sharing (measured in a 1 GiB pool). Without sharing some requests
+  // meet the full pool: the system prompt's batch loses the newest (refused in its prefill, or
+  // preempted in decode for an older one: PoolFullRule::kPreemptNewest), the session's longest
+  // requests are refused; each is counted (a refused request is one refusal of the pool) and
+  // scored as failed; run() checked the pool's invariants. With sharing the batch's peak is
+  // below the half (the system prompt is held once): nothing ends early and the replies are
+  // those of the roomy pool.
+  const std::string pt = default_model();
+  SKIP_WITHOUT_DEFAULT_MODEL(pt);
+  const auto wls = generate_prefix_workloads(1234, 1, 4);
+  const Arm arm = runner().canonicalize(parse_arm("fp32+full"));
+  for (const PrefixWorkload& wl : wls) {
+    const PrefixRunResult roomy_off = runner().run(wl, arm, false);
+    const PrefixRunResult roomy_on = runner().run(wl, arm, true);
+    EXPECT_EQ(roomy_off.preempted + roomy_off.refused, 0);
+    PrefixRunOptions o;
+    o.model_path = default_model();
+    o.threads = 1;
+    o.block_tokens = 16;
+    o.prefill_chunk = 64;
+    o.pool_bytes = roomy_off.peak_pool_bytes / 2;
+    o.when_full = PoolFullRule::kPreemptNewest;
+    const PrefixWorkloadRunner small(o);
+    const PrefixRunResult off = small.run(wl, arm, false);
+    EXPECT_GT(off.preempted + off.refused, 0) << wl.id;
+    EXPECT_EQ(off.refused, off.counters.refusals) << wl.id;
+    EXPECT_LE(off.preempted, off.counters.preemptions) << wl.id;
+    EXPECT_LE(off.peak_pool_bytes, o.pool_bytes) << wl.id;
+    if (wl.concurrent) {
+      // Every reply passes in the roomy pool; those that ended early fail, the others are the same.
+      EXPECT_EQ(roomy_off.passed, roomy_off.scored) << wl.id;
+      EXPECT_EQ(off.passed, roomy_off.passed - off.preempted - off.refused) << wl.id;
+    }
+    const std::string md = prefix_report_markdown({off});
+    EXPECT_THAT(md, ::testing::HasSubstr(" | " + std::to_string(off.preempted) + " | " + std::to_string(off.refused) +
+                                         " |\n"));
+    EXPECT_THAT(prefix_results_json({off}), ::testing::HasSubstr("\"refused\": " + std::to_string(off.refused)));
+    if (wl.concurrent) {
+      ASSERT_LT(roomy_on.peak_pool_bytes, o.pool_bytes) << wl.id;
+      const PrefixRunResult on = small.run(wl, arm, true);
+      EXPECT_EQ(on.preempted + on.refused, 0) << wl.id;
+      EXPECT_EQ(on.counters.preemptions + on.counters.refusals, 0) << wl.id;
+      EXPECT_EQ(on.outputs, roomy_on.outputs) << wl.id;
+      EXPECT_EQ(on.passed, roomy_on.passed) << wl.id;
+    }
+  }
+  PrefixRunOptions bad;
+  bad.model_path = default_model();
+  bad.pool_bytes = 0;
+  try {
+    PrefixWorkloadRunner r(bad);
+    ADD_FAILURE() << "pool_bytes 0 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("pool_bytes must be >= 1, got 0"));
+  }
+}

@@ -32,6 +32,8 @@ void add_prefix_command(CLI::App& app) {
   auto chunk = std::make_shared<int64_t>(64);
   auto seed = std::make_shared<int64_t>(static_cast<int64_t>(kDefaultSuiteSeed));
   auto threads = std::make_shared<int>(1);
+  auto pool_mib = std::make_shared<double>(1024.0);
+  auto when_full = std::make_shared<std::string>("preempt");
   cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
   cmd->add_option("--configs", *configs, "arms: a comma list, a file or an arm set (as `run`)")->capture_default_str();
   cmd->add_option("--out", *out, "directory for prefix.md and prefix.json (default: print only)");
@@ -46,6 +48,16 @@ void add_prefix_command(CLI::App& app) {
       ->capture_default_str()
       ->check(IntRange(0, kvcache::kMaxTokens));
   cmd->add_option("--seed", *seed, "suite seed the workloads are built from")->capture_default_str();
+  cmd->add_option("--pool-mib", *pool_mib,
+                  "capacity of each run's block pool in MiB (a small one shows the pool-full path: requests preempted "
+                  "or refused, counted in the table)")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0 / 1024.0, 1024.0 * 1024.0));
+  cmd->add_option("--when-full", *when_full,
+                  "what a request that does not fit does: preempt (the newest request yields, vLLM's order) or "
+                  "refuse (the request that needs room ends)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"preempt", "refuse"}));
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
       ->capture_default_str()
       ->check(IntRange(1, kMaxThreads));
@@ -61,6 +73,8 @@ void add_prefix_command(CLI::App& app) {
     po.threads = *threads;
     po.block_tokens = *block;
     po.prefill_chunk = *chunk;
+    po.pool_bytes = static_cast<int64_t>(*pool_mib * 1024.0 * 1024.0);
+    po.when_full = *when_full == "refuse" ? kvcache::PoolFullRule::kRefuse : kvcache::PoolFullRule::kPreemptNewest;
     const PrefixWorkloadRunner runner(po);
     std::vector<Arm> canon;
     for (const Arm& a : arms) canon.push_back(runner.canonicalize(a));
@@ -79,7 +93,9 @@ void add_prefix_command(CLI::App& app) {
           std::cerr << "kv_study prefix: " << w.id << " " << a.spec() << " sharing " << (sharing ? "on" : "off")
                     << ": " << r.passed << "/" << r.scored << " passed, computed " << r.computed_tokens << " of "
                     << r.prompt_tokens << " prompt tokens, peak pool " << r.peak_pool_bytes << " B, " << r.seconds
-                    << " s\n";
+                    << " s";
+          if (r.preempted + r.refused > 0) std::cerr << ", " << r.preempted << " preempted, " << r.refused << " refused";
+          std::cerr << "\n";
         }
       }
     }

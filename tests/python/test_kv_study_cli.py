@@ -494,5 +494,33 @@ class DefaultModelTest(unittest.TestCase):
         self.assertIn("block_tokens = 16 must be a multiple of the key quantizer's group of 32", r.stderr)
 
 
+    def test_prefix_pool_full_path_is_counted(self):
+        """`kv_study prefix --pool-mib 4`: 8 fp32 requests behind one system prompt need about 8.5
+        MiB without sharing, so some end early (refused, or preempted for an older request),
+        counted in the table and the JSON and scored as failed, while the others pass; with
+        sharing all fit. A --when-full outside preempt|refuse is refused, naming it."""
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--workloads", "1", "--requests", "8",
+                                "--block-tokens", "32", "--configs", "fp32+full", "--pool-mib", "4", "--out", d],
+                               capture_output=True, text=True, timeout=300, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("| sharing ratio | preempted | refused |", r.stdout)
+            with open(os.path.join(d, "prefix.json")) as f:
+                runs = json.load(f)
+        off, on = runs[0], runs[1]
+        self.assertEqual((off["sharing"], on["sharing"]), (False, True))
+        self.assertGreater(off["preempted"] + off["refused"], 0)
+        self.assertEqual(off["refused"], off["pool_refusals"])
+        self.assertLessEqual(off["preempted"], off["pool_preemptions"])
+        self.assertLessEqual(off["peak_pool_bytes"], 4 << 20)
+        self.assertEqual(off["passed"], off["scored"] - off["preempted"] - off["refused"])
+        self.assertEqual((on["preempted"], on["refused"], on["pool_preemptions"], on["pool_refusals"]), (0, 0, 0, 0))
+        self.assertEqual(on["passed"], on["scored"])
+        r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--when-full", "drop"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("drop", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()

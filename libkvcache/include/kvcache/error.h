@@ -40,6 +40,22 @@ class CapacityError : public Error {
   using Error::Error;
 };
 
+/// A MultiSequenceCache's pool has no room (kvcache/multi_sequence_cache.h, PoolFullRule):
+/// the call was refused (preempted() false: nothing changed, the message gives the bytes
+/// needed, free, in use and the capacity), or the sequence was preempted earlier to make room
+/// for an older request (preempted() true: its blocks went back to the pool; the message names
+/// who needed how many bytes). Runner::generate_batch catches it per sequence: that sequence
+/// leaves the batch with GenerationResult::status set, the others go on.
+class PoolFullError : public CapacityError {
+ public:
+  PoolFullError(const std::string& what, bool preempted) : CapacityError(what), preempted_(preempted) {}
+  /// true: the sequence was preempted (PoolFullRule::kPreemptNewest); false: this call was refused.
+  bool preempted() const { return preempted_; }
+
+ private:
+  bool preempted_ = false;
+};
+
 /// Violated internal invariant: a bug in libkvcache, not a user error.
 class InternalError : public Error {
  public:

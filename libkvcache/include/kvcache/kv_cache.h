@@ -63,6 +63,11 @@ class KVCache {
   virtual at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) = 0;
   /// Ends a forward step of kind `step`.
   virtual void end_step(StepKind step) = 0;
+  /// Ends the current request where it stands (possibly mid-step) and gives back what it holds
+  /// in a shared pool; the next request starts with reset()/begin_request(). The runner calls it
+  /// on a sequence that leaves a batch on PoolFullError (Runner::generate_batch). Default:
+  /// nothing (a cache that owns its storage keeps it for the next request). Never throws.
+  virtual void finish() {}
 };
 
 }  // namespace kvcache

@@ -63,12 +63,13 @@ namespace kvcache {
 
 /// What a call that does not fit does, after the cache reclaimed what no sequence uses.
 enum class PoolFullRule {
-  /// The call throws CapacityError and changes nothing; the caller ends a request
+  /// The call throws PoolFullError (a CapacityError) and changes nothing; the caller ends a request
   /// (Sequence::finish) or waits, and retries.
   kRefuse,
   /// Preempt running requests that began after the caller's, newest first (vLLM's recompute
   /// preemption order: the latest arrival yields), until the call fits: each preempted
-  /// sequence gives back its blocks, and every later call on it throws CapacityError saying so
+  /// sequence gives back its blocks, and every later call on it throws PoolFullError
+  /// (preempted() true) saying so
   /// until it begins a new request. When the caller is the newest request, it is refused.
   kPreemptNewest,
 };
@@ -176,15 +177,17 @@ class Sequence final : public KVCache {
   /// Starts a request without a prompt: nothing reused, nothing published (CacheManager::reset).
   void reset(int64_t context_length) override;
   /// Ends the request: its blocks go back to the pool (what it published stays cached).
-  void finish();
+  /// Valid at any point, mid-step or after preemption (clears preempted()).
+  void finish() override;
   /// True after preemption, until begin_request()/reset()/finish().
   bool preempted() const;
   /// The current request's prefix match (all zero without begin_request()).
   const PrefixMatch& prefix() const;
 
-  /// As CacheManager (the same checks and guarantees), plus: CapacityError when the pool has
-  /// no room (PoolFullRule) or this sequence was preempted; InvalidArgument when the first step
-  /// after a reused prefix appends fewer than min_first_step tokens.
+  /// As CacheManager (the same checks and guarantees), plus: PoolFullError (a CapacityError)
+  /// when the pool has no room (PoolFullRule; preempted() false, the call changed nothing) or
+  /// this sequence was preempted (preempted() true); InvalidArgument when the first step after
+  /// a reused prefix appends fewer than min_first_step tokens.
   int64_t next_position(int64_t layer) const override;
   void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override;
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) override;

@@ -152,8 +152,11 @@ struct Sequence::State final : cache::StepHooks {
   void before_append(int64_t bytes) override;
   void before_evict(int64_t bytes) override;
   void check_live(const char* fn) const {
-    KV_CHECK(!preempted, CapacityError, fn, ": sequence ", id, " was preempted (", preempted_why,
-             "); start its request again with begin_request()");
+    if (preempted) {
+      throw PoolFullError(detail::str_cat(fn, ": sequence ", id, " was preempted (", preempted_why,
+                                          "); start its request again with begin_request()"),
+                          /*preempted=*/true);
+    }
   }
 };
 
@@ -219,10 +222,12 @@ struct MultiSequenceCache::Impl {
   }
 
   void preempt(Sequence::State& v, const Sequence::State& who, int64_t bytes) {
+    std::string why = detail::str_cat("the pool was full when sequence ", who.id, " needed up to ", bytes, " B: ",
+                                      free_bytes(), " B free of capacity_bytes = ", cfg.capacity_bytes, ", ", in_use(),
+                                      " B in use; PoolFullRule::kPreemptNewest preempts the newest request first");
     end_request(v);
     v.preempted = true;
-    v.preempted_why = detail::str_cat("the pool was full when sequence ", who.id, " needed up to ", bytes,
-                                      " B; PoolFullRule::kPreemptNewest preempts the newest request first");
+    v.preempted_why = std::move(why);
     v.serial = -1;
     ++counters.preemptions;
     log::logger().info("MultiSequenceCache: preempted sequence {} for sequence {} ({} B needed)", v.id, who.id, bytes);
@@ -250,13 +255,14 @@ struct MultiSequenceCache::Impl {
     ++counters.refusals;
     int64_t running = 0;
     for (auto& q : seqs) running += q->s_->m->stats().bytes_reserved > 0;
-    throw CapacityError(detail::str_cat(
+    throw PoolFullError(detail::str_cat(
         "MultiSequenceCache: sequence ", s.id, " needs up to ", bytes, " B of new blocks but only ", free_bytes(),
         " B of the pool's capacity_bytes = ", cfg.capacity_bytes, " are free (", in_use(), " B in use by ", running,
         " running sequences and the prefix index; no unused cached prefix is left to reclaim",
         cfg.when_full == PoolFullRule::kPreemptNewest ? ", and no request newer than this one is left to preempt"
                                                       : "; PoolFullRule::kRefuse",
-        "): end a request (Sequence::finish) and retry, or raise capacity_bytes"));
+        "): end a request (Sequence::finish) and retry, or raise capacity_bytes"),
+                        /*preempted=*/false);
   }
 
   // ---- prefix index -------------------------------------------------------------------

@@ -80,6 +80,34 @@ at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& c
   return model.head(h).to(at::kFloat);
 }
 
+/// A sequence that left a batch on PoolFullError (generate_batch).
+struct Left {
+  bool left = false;
+  bool preempted = false;
+  std::string what;
+};
+
+/// Runs `fn` (calls on `cache`). Without `left`, an exception passes through. With it, a
+/// PoolFullError ends the cache's request where it stands (KVCache::finish: its blocks go back
+/// to the pool) and is recorded in *left. @return whether `fn` completed.
+template <class Fn>
+bool guarded(Fn&& fn, KVCache& cache, Left* left) {
+  if (left == nullptr) {
+    fn();
+    return true;
+  }
+  try {
+    fn();
+    return true;
+  } catch (const PoolFullError& e) {
+    left->left = true;
+    left->preempted = e.preempted();
+    left->what = e.what();
+    cache.finish();
+    return false;
+  }
+}
+
 /// One decode step of B sequences together, sequence b in caches[b] (all distinct), ids
 /// `[B, 1]` int64. The dense layers (embed, qkv, finish, head) run once for the batch; each
 /// sequence appends its own K/V and attends over its own cache at its own position (ragged:
@@ -88,8 +116,16 @@ at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& c
 /// fp32) and q is rotated afterwards with each sequence's position in one `rope` call, the
 /// batch laid out along the T axis (`[1, H_q, B, D]`): RoPE is elementwise in (position,
 /// dimension), so every sequence's q is what qkv at its position gives.
+///
+/// `left` null: a cache's exception passes through (the batch stops mid-step). Otherwise
+/// `left` has B entries: a row whose cache throws PoolFullError (refused, or preempted by
+/// another row's call) is recorded there and its request ended; from then on its cache is not
+/// called, its row of the dense layers carries zeros for attention, and its logits row means
+/// nothing. The batch keeps its B rows through the step, so the other rows' dense layers run
+/// the same GEMMs as without the failure.
 /// @return logits `[B, V]` float32.
-at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, const std::vector<KVCache*>& caches) {
+at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, const std::vector<KVCache*>& caches,
+                                std::vector<Left>* left = nullptr) {
   const auto B = static_cast<int64_t>(caches.size());
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor h = model.embed(ids);
@@ -97,8 +133,15 @@ at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, co
   const at::Tensor zero = at::zeros({1}, long_opts);
   std::vector<int64_t> p(static_cast<size_t>(B));
   std::vector<at::Tensor> outs(static_cast<size_t>(B));
+  auto left_of = [&left](int64_t b) -> Left* { return left == nullptr ? nullptr : &(*left)[static_cast<size_t>(b)]; };
+  auto gone = [&left](int64_t b) { return left != nullptr && (*left)[static_cast<size_t>(b)].left; };
+  at::Tensor no_attention;  // [1, H_q, 1, D] zeros for a row that left
   for (int64_t l = 0; l < L; ++l) {
-    for (int64_t b = 0; b < B; ++b) p[static_cast<size_t>(b)] = caches[static_cast<size_t>(b)]->next_position(l);
+    for (int64_t b = 0; b < B; ++b) {
+      KVCache& c = *caches[static_cast<size_t>(b)];
+      auto& pb = p[static_cast<size_t>(b)];
+      if (gone(b) || !guarded([&] { pb = c.next_position(l); }, c, left_of(b))) pb = 0;
+    }
     const at::Tensor pos = at::tensor(at::ArrayRef<int64_t>(p), long_opts);
     QKV x = model.qkv(l, h, zero);
     // [B, H_q, 1, D] -> [1, H_q, B, D]: the batch on the token axis, one position per row.
@@ -106,12 +149,24 @@ at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, co
     for (int64_t b = 0; b < B; ++b) {
       KVCache& c = *caches[static_cast<size_t>(b)];
       const at::Tensor pb = pos.slice(0, b, b + 1);
-      c.append(l, x.k.slice(0, b, b + 1), x.v.slice(0, b, b + 1), pb);
-      outs[static_cast<size_t>(b)] = c.attend(l, q.slice(0, b, b + 1).contiguous(), pb);
+      at::Tensor& out = outs[static_cast<size_t>(b)];
+      const bool ok = !gone(b) && guarded(
+                                      [&] {
+                                        c.append(l, x.k.slice(0, b, b + 1), x.v.slice(0, b, b + 1), pb);
+                                        out = c.attend(l, q.slice(0, b, b + 1).contiguous(), pb);
+                                      },
+                                      c, left_of(b));
+      if (!ok) {
+        if (!no_attention.defined()) no_attention = at::zeros({1, q.size(1), 1, q.size(3)}, at::kFloat);
+        out = no_attention;
+      }
     }
     h = model.finish(l, h, at::cat(outs, 0).to(h.scalar_type()));
   }
-  for (KVCache* c : caches) c->end_step(StepKind::kDecode);
+  for (int64_t b = 0; b < B; ++b) {
+    KVCache& c = *caches[static_cast<size_t>(b)];
+    if (!gone(b)) guarded([&] { c.end_step(StepKind::kDecode); }, c, left_of(b));
+  }
   return model.head(h).to(at::kFloat).view({B, -1});
 }
 
@@ -121,6 +176,18 @@ at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
 }
 
 }  // namespace
+
+const char* to_string(GenerationStatus status) {
+  switch (status) {
+    case GenerationStatus::kOk:
+      return "ok";
+    case GenerationStatus::kRefused:
+      return "refused";
+    case GenerationStatus::kPreempted:
+      return "preempted";
+  }
+  return "?";
+}
 
 double ScoreResult::perplexity() const {
   KV_CHECK_ARG(logprobs.defined() && logprobs.numel() > 0, "ScoreResult::perplexity: no log-probs");
@@ -140,7 +207,7 @@ at::Tensor Runner::prefill(const std::vector<int64_t>& ids, KVCache& cache, int6
 }
 
 at::Tensor Runner::prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
-                                int64_t first_min) const {
+                                int64_t first_min, int64_t* computed) const {
   const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t c = chunk_size == 0 ? n : chunk_size;
   at::Tensor logits;
@@ -149,6 +216,7 @@ at::Tensor Runner::prefill_from(const std::vector<int64_t>& ids, int64_t start, 
     logits = forward_step(model_, ids_tensor(ids.data() + s, t), cache,
                           s + t == n ? StepKind::kPrefillEnd : StepKind::kPrefill, LogitsFor::kLastToken);
     s += t;
+    if (computed != nullptr) *computed += t;
   }
   return logits.view({-1});
 }
@@ -222,15 +290,18 @@ at::Tensor Runner::begin_and_prefill(const std::vector<int64_t>& prompt, const G
     // Query-agnostic: the context alone is prefilled (compression acts at its end), then the
     // question token by token as decode steps.
     const std::vector<int64_t> context(prompt.begin(), prompt.begin() + opt.question_start);
-    logits = prefill_from(context, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+    logits = prefill_from(context, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step,
+                          &r.computed_prompt_tokens);
     for (int64_t i = opt.question_start; i < r.prompt_tokens; ++i) {
       logits = forward_step(model_, ids_tensor(&prompt[static_cast<size_t>(i)], 1), cache, StepKind::kDecode,
                             LogitsFor::kLastToken)
                    .view({-1});
+      ++r.computed_prompt_tokens;
     }
     r.question_tokens = r.prompt_tokens - opt.question_start;
   } else {
-    logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step);
+    logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step,
+                          &r.computed_prompt_tokens);
   }
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return logits;
@@ -276,18 +347,31 @@ std::vector<GenerationResult> Runner::generate_batch(const std::vector<std::vect
   std::vector<GenerationResult> results(n);
   std::vector<std::vector<at::Tensor>> kept(n);
   std::vector<at::Tensor> last(n);  // [V] logits that choose each sequence's next token
+  // A sequence that meets a full pool leaves the batch: its result says why, the others go on.
+  auto leave = [&results](size_t i, const Left& why) {
+    GenerationResult& r = results[i];
+    r.status = why.preempted ? GenerationStatus::kPreempted : GenerationStatus::kRefused;
+    r.error = why.what;
+  };
   // Prefill: each prompt on its own (ragged lengths and cached prefixes), in order, so a later
   // prompt can reuse the blocks an earlier one of the batch published.
+  std::vector<size_t> active;
   for (size_t i = 0; i < n; ++i) {
-    last[i] = begin_and_prefill(prompts[i], opt, *caches[i], detail::str_cat("Runner::generate_batch: prompt ", i),
-                                results[i]);
+    Left why;
+    const bool ok = guarded(
+        [&] {
+          last[i] = begin_and_prefill(prompts[i], opt, *caches[i],
+                                      detail::str_cat("Runner::generate_batch: prompt ", i), results[i]);
+        },
+        *caches[i], &why);
+    if (ok) {
+      active.push_back(i);
+    } else {
+      leave(i, why);
+    }
   }
-  std::vector<size_t> active(n);
   std::vector<int64_t> next(n);
-  for (size_t i = 0; i < n; ++i) {
-    active[i] = i;
-    next[i] = last[i].argmax().item<int64_t>();
-  }
+  for (size_t i : active) next[i] = last[i].argmax().item<int64_t>();
   auto t1 = clock::now();
   while (true) {
     // Choose every active sequence's token; those that end leave the batch.
@@ -310,26 +394,35 @@ std::vector<GenerationResult> Runner::generate_batch(const std::vector<std::vect
     }
     active.swap(still);
     if (active.empty()) break;
+    std::vector<Left> left(active.size());
     const at::Tensor logits = forward_decode_batch(
         model_,
         at::tensor(at::ArrayRef<int64_t>(ids), at::TensorOptions().dtype(at::kLong))
             .view({static_cast<int64_t>(ids.size()), 1}),
-        step_caches);
+        step_caches, &left);
     const at::Tensor chosen = logits.argmax(-1).contiguous();  // one host read per step for the batch
     const int64_t* chosen_ids = chosen.data_ptr<int64_t>();
     const auto t2 = clock::now();
     const double dt = std::chrono::duration<double>(t2 - t1).count();
     t1 = t2;
+    still.clear();
     for (size_t b = 0; b < active.size(); ++b) {
       const size_t i = active[b];
+      if (left[b].left) {
+        leave(i, left[b]);  // its tokens so far stand; the last one was not fed back
+        continue;
+      }
+      still.push_back(i);
       next[i] = chosen_ids[b];
       last[i] = logits[static_cast<int64_t>(b)];
       ++results[i].decode_steps;
       results[i].decode_seconds += dt;
     }
+    active.swap(still);
+    if (active.empty()) break;
   }
   for (size_t i = 0; i < n; ++i) {
-    if (opt.keep_logits) results[i].logits = at::stack(kept[i]);
+    if (opt.keep_logits && !kept[i].empty()) results[i].logits = at::stack(kept[i]);
   }
   return results;
 }

@@ -127,6 +127,7 @@ struct PrefixWorkloadRunner::Impl {
         chat(ChatTemplate::detect(model.config().model_type, model.extra_file("tokenizer_config.json"))) {
     KV_CHECK_ARG(o.block_tokens >= 1, "PrefixRunOptions: block_tokens must be >= 1, got ", o.block_tokens);
     KV_CHECK_ARG(o.prefill_chunk >= 0, "PrefixRunOptions: prefill_chunk must be >= 0, got ", o.prefill_chunk);
+    KV_CHECK_ARG(o.pool_bytes >= 1, "PrefixRunOptions: pool_bytes must be >= 1, got ", o.pool_bytes);
     eos = model.config().eos_token_ids;
     if (auto im_end = tokenizer.find_added_token("<|im_end|>")) {
       if (std::find(eos.begin(), eos.end(), im_end->id) == eos.end()) eos.push_back(im_end->id);
@@ -173,8 +174,9 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
   KV_CHECK_ARG(!workload.requests.empty(), "PrefixWorkloadRunner::run: workload '", workload.id, "' has no requests");
   MultiSequenceConfig mc;
   mc.model = impl_->config_for(arm);
-  mc.capacity_bytes = int64_t{1} << 30;
+  mc.capacity_bytes = impl_->opt.pool_bytes;
   mc.prefix_sharing = sharing;
+  mc.when_full = impl_->opt.when_full;
   mc.allow_inexact_reuse = impl_->opt.allow_inexact_reuse;
   MultiSequenceCache pool(mc);
 
@@ -210,7 +212,10 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
       go.max_new_tokens = workload.requests[i].task.max_new_tokens;
       go.prefill_chunk = impl_->opt.prefill_chunk;
       go.eos_token_ids = impl_->eos;
-      gens.push_back(impl_->runner.generate(prompts[i], go, seq));
+      // A batch of one: bit-identical to generate(), and a request that meets a full pool ends
+      // with its result marked (refused: one sequence has no newer request to preempt) while
+      // the session goes on with the next.
+      gens.push_back(impl_->runner.generate_batch({prompts[i]}, go, {&seq}).front());
       res.sharing_ratio = std::max(res.sharing_ratio, pool.stats().sharing_ratio);
     }
   }
@@ -223,11 +228,13 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
     const std::string out = impl_->tokenizer.decode_lenient(toks, /*skip_special=*/true);
     res.outputs.push_back(out);
     res.prompt_tokens += gens[i].prompt_tokens;
-    res.computed_tokens += gens[i].prompt_tokens - gens[i].cached_prompt_tokens;
+    res.computed_tokens += gens[i].computed_prompt_tokens;
     res.generated_tokens += static_cast<int64_t>(toks.size());
+    res.preempted += gens[i].status == GenerationStatus::kPreempted;
+    res.refused += gens[i].status == GenerationStatus::kRefused;
     if (req.scored) {
       ++res.scored;
-      if (score_output(req.task.rule, out)) ++res.passed;
+      if (gens[i].status == GenerationStatus::kOk && score_output(req.task.rule, out)) ++res.passed;
     }
   }
   res.peak_pool_bytes = pool.stats().bytes_in_use_peak;
@@ -242,7 +249,7 @@ struct Agg {
   PrefixFamily family = PrefixFamily::kSystemPrompt;
   std::string arm;
   bool sharing = false;
-  int64_t workloads = 0, requests = 0, scored = 0, passed = 0, prompt = 0, computed = 0;
+  int64_t workloads = 0, requests = 0, scored = 0, passed = 0, prompt = 0, computed = 0, preempted = 0, refused = 0;
   double peak_sum = 0, seconds = 0, ratio = 0;
   PrefixCounters c;
   double mean_peak_kib() const { return workloads == 0 ? 0 : peak_sum / static_cast<double>(workloads) / 1024.0; }
@@ -280,6 +287,8 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
     a->passed += r.passed;
     a->prompt += r.prompt_tokens;
     a->computed += r.computed_tokens;
+    a->preempted += r.preempted;
+    a->refused += r.refused;
     a->peak_sum += static_cast<double>(r.peak_pool_bytes);
     a->seconds += r.seconds;
     a->ratio = std::max(a->ratio, r.sharing_ratio);
@@ -295,23 +304,24 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
      << "Per family, arm and sharing, summed over the workloads (peak pool KiB: the mean of each workload's "
         "peak; sharing ratio: the highest sampled).\n\n"
      << "| family | arm | sharing | workloads | requests | accuracy | peak pool KiB | prompt tokens | prefill computed "
-        "| seconds | queried | hit | hit rate | blocks shared | copied on write | reclaimed | sharing ratio |\n"
-     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        "| seconds | queried | hit | hit rate | blocks shared | copied on write | reclaimed | sharing ratio | preempted | refused |\n"
+     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Agg& a : rows) {
     md << "| " << to_string(a.family) << " | " << a.arm << " | " << (a.sharing ? "on" : "off") << " | "
        << a.workloads << " | " << a.requests << " | " << fmt("%.1f%%", a.accuracy()) << " (" << a.passed << "/"
        << a.scored << ") | " << fmt("%.1f", a.mean_peak_kib()) << " | " << a.prompt << " | " << a.computed << " | "
        << fmt("%.2f", a.seconds) << " | " << a.c.prompt_tokens_queried << " | " << a.c.prompt_tokens_hit << " | "
        << fmt("%.3f", a.c.hit_rate()) << " | " << a.c.blocks_shared << " | " << a.c.blocks_copied << " | "
-       << a.c.blocks_reclaimed << " | " << fmt("%.2f", a.ratio) << " |\n";
+       << a.c.blocks_reclaimed << " | " << fmt("%.2f", a.ratio) << " | " << a.preempted << " | " << a.refused
+       << " |\n";
   }
   // Composition: every (arm, sharing) against the first arm without sharing, per family.
   md << "\n### What each lever saves, alone and together\n\n"
      << "Peak pool bytes and prefill tokens computed relative to the family's first arm without sharing "
         "(measured, not multiplied out).\n\n"
      << "| family | arm | sharing | accuracy | peak pool KiB | × peak of the baseline | prefill computed | × prefill of "
-        "the baseline | copied on write |\n"
-     << "|---|---|---|---:|---:|---:|---:|---:|---:|\n";
+        "the baseline | copied on write | preempted / refused |\n"
+     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Agg& a : rows) {
     const Agg* base = nullptr;
     for (const Agg& b : rows) {
@@ -325,7 +335,8 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
         base != nullptr && base->computed > 0 ? static_cast<double>(a.computed) / static_cast<double>(base->computed) : 0;
     md << "| " << to_string(a.family) << " | " << a.arm << " | " << (a.sharing ? "on" : "off") << " | "
        << fmt("%.1f%%", a.accuracy()) << " | " << fmt("%.1f", a.mean_peak_kib()) << " | " << fmt("%.3f", peak_x)
-       << " | " << a.computed << " | " << fmt("%.3f", pre_x) << " | " << a.c.blocks_copied << " |\n";
+       << " | " << a.computed << " | " << fmt("%.3f", pre_x) << " | " << a.c.blocks_copied << " | " << a.preempted
+       << " / " << a.refused << " |\n";
   }
   return md.str();
 }
@@ -353,6 +364,10 @@ std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
     j["blocks_shared"] = r.counters.blocks_shared;
     j["blocks_copied"] = r.counters.blocks_copied;
     j["blocks_reclaimed"] = r.counters.blocks_reclaimed;
+    j["preempted"] = r.preempted;
+    j["refused"] = r.refused;
+    j["pool_preemptions"] = r.counters.preemptions;
+    j["pool_refusals"] = r.counters.refusals;
     j["outputs"] = r.outputs;
     arr.push_back(std::move(j));
   }

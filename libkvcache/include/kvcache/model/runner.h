@@ -48,6 +48,21 @@ struct GenerationOptions {
   int64_t question_start = 0;
 };
 
+/// How a request of Runner::generate_batch() ended.
+enum class GenerationStatus {
+  kOk,        ///< ran to max_new_tokens or its EOS id
+  /// Its cache refused a call for want of room (PoolFullError, preempted() false: a
+  /// MultiSequenceCache under PoolFullRule::kRefuse, or the newest request under
+  /// kPreemptNewest): it left the batch there.
+  kRefused,
+  /// An older request's call took its blocks (PoolFullRule::kPreemptNewest; PoolFullError,
+  /// preempted() true): it left the batch at its next call.
+  kPreempted,
+};
+
+/// "ok", "refused", "preempted".
+const char* to_string(GenerationStatus status);
+
 /// What Runner::generate() returns.
 struct GenerationResult {
   /// New token ids in order (greedy argmax), at most max_new_tokens.
@@ -61,6 +76,10 @@ struct GenerationResult {
   /// Prompt tokens the cache already held (KVCache::begin_request, prefix caching): their
   /// prefill was skipped; prefill computed prompt_tokens − cached_prompt_tokens tokens.
   int64_t cached_prompt_tokens = 0;
+  /// Prompt tokens whose forward steps completed (the question's decode steps included):
+  /// prompt_tokens − cached_prompt_tokens, fewer for a request that left a batch during its
+  /// prefill (GenerationStatus::kRefused).
+  int64_t computed_prompt_tokens = 0;
   int64_t decode_steps = 0;   ///< single-token forwards of the reply (= N - 1)
   /// Prompt tokens fed as decode steps after the context (GenerationOptions::question_start):
   /// prompt_tokens − question_start, or 0.
@@ -70,6 +89,13 @@ struct GenerationResult {
   /// Wall time of the decode_steps forwards (incl. argmax). In generate_batch(): of the batched
   /// steps this sequence took part in (shared with the others of the step).
   double decode_seconds = 0.0;
+  /// kOk, or (generate_batch() only) why the request left the batch early. Then `tokens` holds
+  /// what it generated before (empty if it left during its prefill; the last one was never fed
+  /// back), `logits` their rows, and its cache's request was ended (KVCache::finish).
+  GenerationStatus status = GenerationStatus::kOk;
+  /// The PoolFullError's message when status != kOk: who needed how many bytes, the bytes free,
+  /// in use and the pool's capacity_bytes. Empty for kOk.
+  std::string error;
 };
 
 /// What Runner::score() returns.
@@ -124,7 +150,9 @@ class Runner {
   /// @throws InvalidArgument on an empty prompt, ids out of range, max_new_tokens outside
   ///         [1, kMaxTokens], prefill_chunk < 0, question_start outside [0, prompt length), a
   ///         cache that does not fit the model, or one whose begin_request() claims the whole
-  ///         prompt (no logits would be computed) or, with question_start > 0, the whole context.
+  ///         prompt (no logits would be computed) or, with question_start > 0, the whole context;
+  ///         PoolFullError (a CapacityError) from a MultiSequenceCache without room: the request
+  ///         stops mid-step (Sequence::finish() it, or begin another).
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options,
                             KVCache& cache) const;
 
@@ -138,6 +166,18 @@ class Runner {
   /// position (ragged lengths without padding: attention is the cache's, per sequence). A
   /// sequence leaves the batch at max_new_tokens or its EOS id; the others go on.
   ///
+  /// Pool full (the rule; docs/model-runner.md, "Batched decode"): when a sequence's cache
+  /// throws PoolFullError — its call refused (MultiSequenceCache, PoolFullRule::kRefuse, or
+  /// the newest request under kPreemptNewest), or the sequence preempted by an older one's call
+  /// (kPreemptNewest) — that sequence leaves the batch where it stands: in its prefill, or in a
+  /// decode step (the step's other rows go on; its own row is dropped). Its request is ended at
+  /// once (KVCache::finish: its blocks go back to the pool, so the others can use them), and its
+  /// result says so (GenerationResult::status kRefused / kPreempted, `error` the message with
+  /// the pool's numbers, `tokens` those generated before). It is not recomputed: resubmit it
+  /// (a later generate_batch / generate) when the pool has room. Nothing is dropped silently,
+  /// and the sequences that stay generate what they generate without the pressure (their
+  /// caches receive the same calls). Other exceptions still stop the batch.
+  ///
   /// A sequence generates in a batch what it generates alone: its cache receives the same
   /// appends at the same positions and steps. The greedy tokens are identical (tested for fp32
   /// and deterministic quantizers); the decode logits agree to float rounding only (fp32:
@@ -148,8 +188,9 @@ class Runner {
   /// @return one GenerationResult per prompt, in order.
   /// @throws InvalidArgument if prompts.size() != caches.size(), the batch is empty, a cache
   ///         is null or given twice, or as generate() for prompt i (the message names it);
-  ///         CapacityError from a cache (MultiSequenceCache pool full, PoolFullRule): the batch
-  ///         stops there, its caches mid-step; begin new requests on them.
+  ///         any error of a cache other than PoolFullError (e.g. CapacityError for a budget that
+  ///         does not fit the context): the batch stops there, its caches mid-step; begin new
+  ///         requests on them.
   std::vector<GenerationResult> generate_batch(const std::vector<std::vector<int64_t>>& prompts,
                                                const GenerationOptions& options,
                                                const std::vector<KVCache*>& caches) const;
@@ -163,9 +204,10 @@ class Runner {
 
  private:
   /// Ingests ids[start:] at positions cache.next_position(layer) onward: the first step at
-  /// least `first_min` tokens, then steps of `chunk_size` (0 = the rest in one step).
+  /// least `first_min` tokens, then steps of `chunk_size` (0 = the rest in one step); adds each
+  /// completed step's tokens to *computed (when not null).
   at::Tensor prefill_from(const std::vector<int64_t>& ids, int64_t start, KVCache& cache, int64_t chunk_size,
-                          int64_t first_min) const;
+                          int64_t first_min, int64_t* computed = nullptr) const;
 
   /// The batch's caches: one per `item` ("prompt", "token"; `n` of them), none null, none
   /// twice, each fitting the model.

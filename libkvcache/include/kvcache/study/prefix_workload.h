@@ -21,7 +21,9 @@
 ///     reply the rule set in turn 1 constrains) is scored, by the task's rule. The requests run
 ///     one after another on one sequence.
 /// (Few-shot prompts with shared examples are not a family: the default model was never trained
-/// on them, so their score would measure the model, not the cache.)
+/// on them and the control fails them — 4/24 and 1/24 with worked examples of the suite's own
+/// task types, measured in docs/study.md, "Prefix sharing" — so their score would measure the
+/// model, not the cache.)
 
 #include <cstdint>
 #include <memory>
@@ -77,6 +79,13 @@ struct PrefixRunOptions {
   /// pyramid): MultiSequenceConfig::allow_inexact_reuse. Such a request does not compute what
   /// it computes alone (the policy never sees the skipped prefix's attention).
   bool allow_inexact_reuse = true;
+  /// The pool's capacity in bytes (MultiSequenceConfig::capacity_bytes), ≥ 1. The default, 1 GiB,
+  /// holds every workload; a smaller one shows the pool-full path (when_full).
+  int64_t pool_bytes = int64_t{1} << 30;
+  /// What a call that does not fit does (MultiSequenceConfig::when_full). A request that meets
+  /// a full pool ends early — refused, or preempted for an older one — and is scored as failed
+  /// (its reply is what it generated before); PrefixRunResult counts them.
+  PoolFullRule when_full = PoolFullRule::kPreemptNewest;
 };
 
 /// One workload under one arm, with sharing on or off.
@@ -89,7 +98,7 @@ struct PrefixRunResult {
   int64_t scored = 0;    ///< requests scored
   int64_t passed = 0;    ///< scored requests whose reply satisfies the rule
   int64_t prompt_tokens = 0;    ///< Σ prompt tokens
-  int64_t computed_tokens = 0;  ///< Σ prompt tokens the requests' prefill computed
+  int64_t computed_tokens = 0;  ///< Σ prompt tokens the requests' prefill computed (GenerationResult::computed_prompt_tokens)
   int64_t generated_tokens = 0; ///< Σ new tokens
   int64_t peak_pool_bytes = 0;  ///< PoolStats::bytes_in_use_peak over the workload
   /// Highest PoolStats::sharing_ratio sampled while requests held their blocks (after each
@@ -97,6 +106,10 @@ struct PrefixRunResult {
   double sharing_ratio = 0;
   double seconds = 0;           ///< wall time of the workload's requests (prefill + decode)
   PrefixCounters counters;      ///< the pool's counters after the workload
+  /// Requests that ended early for want of room (GenerationStatus::kPreempted / kRefused; a
+  /// session runs each request as a batch of one). Their replies are scored as failed;
+  /// computed_tokens counts the prefill steps they completed.
+  int64_t preempted = 0, refused = 0;
   std::vector<std::string> outputs;  ///< each request's reply, in order
 };
 
@@ -115,10 +128,12 @@ class PrefixWorkloadRunner {
   /// The prompt token ids of a request (its messages rendered by the model's chat template with
   /// the generation prompt, special tokens parsed).
   std::vector<int64_t> encode(const Task& task) const;
-  /// Runs `workload` under `arm` in a fresh MultiSequenceCache (capacity: 1 GiB; blocks of
-  /// block_tokens; prefix_sharing = `sharing`): greedy replies stopped at the model's EOS ids;
+  /// Runs `workload` under `arm` in a fresh MultiSequenceCache (capacity: pool_bytes; blocks of
+  /// block_tokens; prefix_sharing = `sharing`; when_full): greedy replies stopped at the model's
+  /// EOS ids; a request that meets a full pool ends early and is counted (preempted, refused);
   /// then the pool's invariants (MultiSequenceCache::check_invariants).
-  /// @throws as Runner::generate_batch / generate; InternalError if the pool is inconsistent.
+  /// @throws as Runner::generate_batch (PoolFullError is counted, not thrown);
+  ///         InternalError if the pool is inconsistent.
   PrefixRunResult run(const PrefixWorkload& workload, const Arm& arm, bool sharing) const;
 
  private:
@@ -129,7 +144,8 @@ class PrefixWorkloadRunner {
 /// The report table (markdown): one row per (family, arm, sharing) in first-seen order, summed
 /// over workloads — accuracy (passed / scored), peak pool KiB (the mean over workloads of each
 /// workload's peak), prompt and computed prefill tokens, seconds, prompt tokens queried/hit,
-/// hit rate, blocks shared / copied on write / reclaimed, the highest sharing ratio — then, per
+/// hit rate, blocks shared / copied on write / reclaimed, the highest sharing ratio, requests
+/// preempted / refused for want of room — then, per
 /// (family, arm), what sharing saves: peak pool bytes and prefill tokens with / without.
 std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results);
 
