@@ -253,13 +253,34 @@ inline __m512 meta16(const uint8_t* base, const int32_t* slots, int m, int64_t m
 
 // ---------------------------------------------------------------- q·k
 
-/// Rounds 16 floats to int8 (half to even, the default MXCSR mode; clamped to ±127) at `dst`;
-/// returns them as floats.
+/// Rounds 16 floats to int8 (half to even, the default MXCSR mode) at `dst`; returns them as
+/// floats. Callers pass |x| ≤ 127·(1 + 2^-22) (a term of the two-term split: its scale is the
+/// chunk's max / 127), so the rounded value is within ±127 and the saturating narrowing never
+/// saturates: the same as clamping to ±127.
 inline __m512 round_to_int8(__m512 x, int8_t* dst) {
-  const __m512i lim = _mm512_set1_epi32(127);
-  const __m512i i = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(x), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(i));
+  const __m512i i = _mm512_cvtps_epi32(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(i));
   return _mm512_cvtepi32_ps(i);
+}
+
+/// Eight horizontal reductions at once: lane r of the result (r < 8) is v[r]'s 16 lanes reduced
+/// with `op`, in the pairing _mm512_reduce_{max,add}_ps uses (lanes i ⊕ i+8, then i ⊕ i+4, i ⊕ i+2,
+/// i ⊕ i+1), so each sum is the one that reduction gives, bit for bit. 23 shuffles and ops
+/// instead of 8 × 8.
+template <class Op>
+inline __m512 reduce8(const __m512 (&v)[8], Op op) {
+  __m512 u[4], w[2];
+  for (int k = 0; k < 4; ++k) {  // u[k]: lanes 0-7 = v[2k] (i ⊕ i+8), lanes 8-15 = v[2k+1]
+    u[k] = op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  }
+  for (int k = 0; k < 2; ++k) {  // w[k]: quarter e = v[4k + e] reduced to 4 lanes (i ⊕ i+4)
+    w[k] = op(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88), _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+  }
+  // Quarter e: lanes 0,1 = v[e] (i ⊕ i+2), lanes 2,3 = v[4 + e].
+  const __m512 x = op(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 y = op(x, _mm512_shuffle_ps(x, x, _MM_SHUFFLE(2, 3, 0, 1)));  // i ⊕ i+1
+  // v[e] at lane 4e, v[4 + e] at lane 4e + 2.
+  return _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8, 4, 0), y);
 }
 
 /// Integer keys: for 16 keys at a time, u8 codes × the two int8 terms of the query (VNNI), per
@@ -270,65 +291,71 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   const int64_t mc = k.kf.meta_count;
   const uint8_t* sc = k.block + k.kf.scales_offset;
   const uint8_t* ze = k.block + k.kf.zeros_offset;
-  // Per-channel keys: fold the channel scales into the query (w = q ⊙ s), split w per chunk
-  // into two int8 terms as prepare() splits q, and add Σ_d q_d z_d once per row.
-  alignas(64) int8_t wh[NR][256], wl[NR][256];
+  // The query terms of chunk c, row r at qt[c] + 64·r (32 high, then 32 low: QueryView::qt), so
+  // that every VNNI product takes its broadcast from a constant offset of one pointer per chunk.
+  const int8_t* qt[8];
   float ws[NR][8], wz[NR];
-  const int8_t* qh[NR];
-  const int8_t* ql[NR];
   const float* qs[NR];
   const float* qsum[NR];
+  // Per-channel keys: fold the channel scales into the query (w = q ⊙ s), split w per chunk
+  // into two int8 terms as prepare() splits q (written in QueryView::qt's layout), and add
+  // Σ_d q_d z_d once per row.
+  alignas(64) int8_t wt[kChannel ? 8 : 1][NR][2][32];
   if constexpr (kChannel) {
-    __m512 sv[16], zv[16];
-    for (int64_t i = 0; i < d / 16; ++i) {
-      sv[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32 * i)));
-      zv[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ze + 32 * i)));
-    }
-    for (int r = 0; r < NR; ++r) {
-      const float* qf = q.qf + (r0 + r) * d;
-      __m512 z = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 q0 = _mm512_loadu_ps(qf + 32 * c), q1 = _mm512_loadu_ps(qf + 32 * c + 16);
-        const __m512 w0 = _mm512_mul_ps(q0, sv[2 * c]), w1 = _mm512_mul_ps(q1, sv[2 * c + 1]);
-        z = _mm512_fmadd_ps(q0, zv[2 * c], _mm512_fmadd_ps(q1, zv[2 * c + 1], z));
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
-        const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-        // Terms by multiplying with the reciprocals (one scalar division each per chunk and row,
-        // not four vector ones: the fold runs once per block and was a third of this kernel's
-        // time); the test's formula rounds the same products (two_term_rounded, attend_fused_test).
-        const __m512 sc_v = _mm512_set1_ps(scale), inv = _mm512_set1_ps(1.0f / scale),
-                     inv_step = _mm512_set1_ps(1.0f / (scale / kLowSteps));
+    __m512 zr[NR];
+    for (int r = 0; r < NR; ++r) zr[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 64 * c)));
+      const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 64 * c + 32)));
+      const __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ze + 64 * c)));
+      const __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ze + 64 * c + 32)));
+      __m512 w[NR][2], amax[8];
+      for (int r = 0; r < 8; ++r) amax[r] = _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) {
+        const float* qf = q.qf + (r0 + r) * d + 32 * c;
+        const __m512 q0 = _mm512_loadu_ps(qf), q1 = _mm512_loadu_ps(qf + 16);
+        w[r][0] = _mm512_mul_ps(q0, s0);
+        w[r][1] = _mm512_mul_ps(q1, s1);
+        zr[r] = _mm512_fmadd_ps(q0, z0, _mm512_fmadd_ps(q1, z1, zr[r]));
+        amax[r] = _mm512_max_ps(_mm512_abs_ps(w[r][0]), _mm512_abs_ps(w[r][1]));
+      }
+      // The rows' chunk scales and their reciprocals, eight rows per vector: terms by
+      // multiplying with the reciprocals (the fold runs once per block; the test's formula
+      // rounds the same products: two_term_rounded, attend_fused_test).
+      const __m512 m = reduce8(amax, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+      const __m512 scale = _mm512_mask_div_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                              m, _mm512_set1_ps(127.0f));
+      alignas(64) float sa[16], inv[16], inv_step[16];
+      _mm512_store_ps(sa, scale);
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), scale));
+      _mm512_store_ps(inv_step, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(scale, _mm512_set1_ps(kLowSteps))));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 sc_v = _mm512_set1_ps(sa[r]), iv = _mm512_set1_ps(inv[r]), is = _mm512_set1_ps(inv_step[r]);
+        int8_t* hi = wt[c][r][0];
+        int8_t* lo = wt[c][r][1];
         // The low term from w − scale·hi with one rounding (an explicit FMA: the contraction
         // the compiler would otherwise choose per call site is fixed here).
-        const __m512 h0 = round_to_int8(_mm512_mul_ps(w0, inv), wh[r] + 32 * c);
-        const __m512 h1 = round_to_int8(_mm512_mul_ps(w1, inv), wh[r] + 32 * c + 16);
-        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h0, w0), inv_step), wl[r] + 32 * c);
-        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h1, w1), inv_step), wl[r] + 32 * c + 16);
-        ws[r][c] = scale;
+        const __m512 h0 = round_to_int8(_mm512_mul_ps(w[r][0], iv), hi);
+        const __m512 h1 = round_to_int8(_mm512_mul_ps(w[r][1], iv), hi + 16);
+        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h0, w[r][0]), is), lo);
+        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h1, w[r][1]), is), lo + 16);
+        ws[r][c] = sa[r];
       }
-      wz[r] = _mm512_reduce_add_ps(z);
-      qh[r] = wh[r];
-      ql[r] = wl[r];
+      qt[c] = wt[c][0][0];
+    }
+    __m512 zpad[8];
+    for (int r = 0; r < 8; ++r) zpad[r] = r < NR ? zr[r] : _mm512_setzero_ps();
+    alignas(64) float zs[16];
+    _mm512_store_ps(zs, reduce8(zpad, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+    for (int r = 0; r < NR; ++r) {
+      wz[r] = zs[r];
       qs[r] = ws[r];
     }
   } else {
+    for (int64_t c = 0; c < chunks; ++c) qt[c] = q.qt + (c * q.rows + r0) * 64;
     for (int r = 0; r < NR; ++r) {
-      qh[r] = q.qh + (r0 + r) * d;
-      ql[r] = q.ql + (r0 + r) * d;
       qs[r] = q.qs + (r0 + r) * chunks;
       qsum[r] = q.qsum + (r0 + r) * chunks;
-    }
-  }
-  // The query terms interleaved per chunk as the key loop reads them: qq[c][e][r] = {hi, lo},
-  // the 4 int8 of dims 32c + 4e .. + 3 (one dword each), so that every VNNI product takes its
-  // broadcast from a constant offset.
-  alignas(64) int32_t qq[8][8][NR][2];
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int e = 0; e < 8; ++e) {
-      for (int r = 0; r < NR; ++r) {
-        std::memcpy(&qq[c][e][r][0], qh[r] + 32 * c + 4 * e, 4);
-        std::memcpy(&qq[c][e][r][1], ql[r] + 32 * c + 4 * e, 4);
-      }
     }
   }
   TokenChunk tc[8];
@@ -367,12 +394,15 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
       transpose_16x8(rows, kt);
       __m512i ah[NR], al[NR];
       for (int r = 0; r < NR; ++r) ah[r] = al[r] = _mm512_setzero_si512();
-      const int32_t(*qc)[NR][2] = qq[c];
+      const int8_t* qc = qt[c];
 #pragma GCC unroll 8
       for (int e = 0; e < 8; ++e) {
         for (int r = 0; r < NR; ++r) {
-          ah[r] = _mm512_dpbusd_epi32(ah[r], kt[e], _mm512_set1_epi32(qc[e][r][0]));
-          al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(qc[e][r][1]));
+          int32_t hi, lo;
+          std::memcpy(&hi, qc + 64 * r + 4 * e, 4);
+          std::memcpy(&lo, qc + 64 * r + 32 + 4 * e, 4);
+          ah[r] = _mm512_dpbusd_epi32(ah[r], kt[e], _mm512_set1_epi32(hi));
+          al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(lo));
         }
       }
       // Σ q'·c / qs = ah + al / kLowSteps (int32 sums, exact in float up to 2^24).

@@ -82,8 +82,7 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
   KV_INTERNAL_ASSERT(d % 32 == 0 && d <= 256, "fused::prepare: head_dim ", d);
   const int64_t chunks = d / 32;
   out.qf.resize(static_cast<size_t>(rows * d));
-  out.qh.resize(static_cast<size_t>(rows * d));
-  out.ql.resize(static_cast<size_t>(rows * d));
+  out.qt.resize(static_cast<size_t>(2 * rows * d));
   out.qs.resize(static_cast<size_t>(rows * chunks));
   out.qsum.resize(static_cast<size_t>(rows * chunks));
   for (int64_t r = 0; r < rows; ++r) {
@@ -97,8 +96,8 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
       }
       const float qs = amax > 0.0f ? amax / 127.0f : 1.0f;
       const float step = qs / kLowSteps;
-      int8_t* qh = out.qh.data() + r * d + c * 32;
-      int8_t* ql = out.ql.data() + r * d + c * 32;
+      int8_t* qh = out.qt.data() + (c * rows + r) * 64;  // QueryView::qt: [chunk][row][hi, lo][32]
+      int8_t* ql = qh + 32;
       float sum = 0.0f;
       for (int i = 0; i < 32; ++i) {
         const float hi = std::clamp(std::nearbyint(qf[i] / qs), -127.0f, 127.0f);
@@ -113,7 +112,7 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
       out.qsum[static_cast<size_t>(r * chunks + c)] = sum;
     }
   }
-  out.view = QueryView{rows, d, out.qf.data(), out.qh.data(), out.ql.data(), out.qs.data(), out.qsum.data()};
+  out.view = QueryView{rows, d, out.qf.data(), out.qt.data(), out.qs.data(), out.qsum.data()};
 }
 
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {

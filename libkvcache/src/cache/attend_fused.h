@@ -48,7 +48,7 @@ bool available();
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
   std::vector<float> qf, qs, qsum;
-  std::vector<int8_t> qh, ql;
+  std::vector<int8_t> qt;
   QueryView view;
 };
 

@@ -36,12 +36,14 @@ struct RawTokens {
 /// qh = round(q/qs) and ql = round((q − qs·qh)·kLowSteps/qs), qs = max|q|/127 over the chunk
 /// (1 for a zero chunk). |q − q'| ≤ max|q|/(2·127·kLowSteps) ≈ 1.6e-5·max|q|: below fp16's
 /// rounding, so integer keys are read with VNNI at float accuracy.
+/// The terms are laid out as the VNNI loop reads them (chunk-major, then row: the 32 high
+/// terms, then the 32 low terms), so that the kernel broadcasts them from constant offsets of
+/// one base pointer per chunk and builds no table per block.
 inline constexpr float kLowSteps = 254.0f;
 struct QueryView {
   int64_t rows = 0, d = 0;
   const float* qf = nullptr;    ///< `[rows, d]` q / √D
-  const int8_t* qh = nullptr;   ///< `[rows, d]` high parts
-  const int8_t* ql = nullptr;   ///< `[rows, d]` low parts
+  const int8_t* qt = nullptr;   ///< `[d/32, rows, 2, 32]` the chunk's high terms, then its low terms
   const float* qs = nullptr;    ///< `[rows, d/32]` chunk scales
   const float* qsum = nullptr;  ///< `[rows, d/32]` Σ q' over the chunk (of the rounded query)
 };
