@@ -168,6 +168,28 @@ TEST(KVzipCache, ABareManagerWithoutTheReplayFailsAtTheNextStep) {
   f.begin_replay();
   EXPECT_THROW(f.begin_replay(), InvalidArgument);
   EXPECT_THROW(f.end_step(StepKind::kDecode), InvalidArgument);
+  EXPECT_THROW(f.end_step(StepKind::kReplayEnd), InvalidArgument);  // layer 0 appended nothing
+  // A replay on caches whose policies asked for none (h2o needs every step's attention) only
+  // computes attention: no plan, nothing stored.
+  CacheManager h(t::make_config(1, 4, 2, 8, "fp32", "h2o@6", 12));
+  for (CacheManager* c : {&f, &h}) {
+    if (c == &h) {
+      c->append(0, t::randn({1, 2, 8, 8}, gen), t::randn({1, 2, 8, 8}, gen), t::positions_range(0, 8));
+      (void)c->attend(0, t::randn({1, 4, 8, 8}, gen), t::positions_range(0, 8));
+      c->end_step(StepKind::kPrefillEnd);
+      c->begin_replay();
+    }
+    const t::Snapshot before(*c);
+    const int64_t p0 = c->next_position(0);
+    c->append(0, t::randn({1, 2, 3, 8}, gen), t::randn({1, 2, 3, 8}, gen), t::positions_range(p0, 3));
+    EXPECT_THROW(c->append(0, t::randn({1, 2, 3, 8}, gen), t::randn({1, 2, 3, 8}, gen), t::positions_range(p0, 3)),
+                 InvalidArgument);  // one append per layer and replay step
+    EXPECT_THROW((void)c->attend(0, t::randn({1, 4, 2, 8}, gen), t::positions_range(p0, 2)), InvalidArgument);
+    (void)c->attend(0, t::randn({1, 4, 3, 8}, gen), t::positions_range(p0, 3));
+    c->end_step(StepKind::kReplayEnd);
+    before.expect_unchanged(*c, "after a replay its policy did not ask for");
+    c->check_invariants();
+  }
 }
 
 // GQA 14 query heads over 2 KV heads (groups of 7), 2 layers, a 10-token context stored in int8

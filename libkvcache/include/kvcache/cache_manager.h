@@ -140,8 +140,9 @@ class CacheManager final : public KVCache {
   /// of the step's queries over the resident keys (decoded from their blocks) and the step's own
   /// keys (causal), handing the policy the probabilities over the resident keys reduced as
   /// replay_need().attention says (KVzip: max over the GQA group and the rows). end_step drops
-  /// the replay's tokens (bytes, counters, positions and peaks are as before the step) and
-  /// plans as any step (KVzip compresses at kReplayEnd). Cost: O(H_q · T_new · (T_res + T_new) · D)
+  /// the replay's tokens (bytes, counters, positions and peaks are as before the step) and, when
+  /// the policy asked for the replay, plans as any step (KVzip compresses at kReplayEnd; a
+  /// policy that asked for none is neither planned nor told of the step). Cost: O(H_q · T_new · (T_res + T_new) · D)
   /// per layer, with a `[G, T_new, T_res + T_new]` float32 probability tensor per KV head.
   /// @throws InvalidArgument inside a step (after an append or attention observation), or when a
   ///         replay step is already open.

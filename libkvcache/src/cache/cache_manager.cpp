@@ -220,6 +220,7 @@ struct CacheManager::Impl {
     bool attended = false;
   };
   bool replaying = false;
+  bool replay_plans = false;  ///< the policy asked for the replay (else its end plans nothing)
   std::vector<ReplayLayer> replay;
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
@@ -427,6 +428,7 @@ struct CacheManager::Impl {
                    " is inside a step (tokens appended or attention observed); call begin_replay() after end_step()");
     }
     replaying = true;
+    replay_plans = policy->replay_need().any();
     replay.assign(layers.size(), ReplayLayer{});
   }
 
@@ -716,6 +718,12 @@ struct CacheManager::Impl {
                      "layer ", i, " appended ", replay[i].pos.size(), " replay tokens",
                      replay[i].attended ? "" : " and did not attend", " but layer 0 appended ", replay[0].pos.size(),
                      " (every layer must append and attend the replay step's tokens)");
+      }
+      if (!replay_plans) {
+        // A replay the policy did not ask for only computed attention: nothing to plan.
+        replaying = false;
+        replay.clear();
+        return;
       }
     }
     const int64_t n0 = layers[0].step_new;
