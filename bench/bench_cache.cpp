@@ -114,6 +114,44 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
   state.counters["reserved_per_token"] = static_cast<double>(s.bytes_reserved) / resident;
 }
 
+// KVzip's context replay (docs/policies.md): its cost is not per decode step (kvzip decodes as
+// `full` does, so it has no BM_DecodeStep row) but one extra prefill per request. One replay step
+// of 512 tokens over T resident tokens of one layer: begin_replay + append (held aside) + attend
+// (plain per-head softmax over the decoded blocks and the chunk, the max-reduced mass to the
+// policy) + end_step(kReplay) (drops the chunk). `us_per_replay_token` = the step / 512.
+void BM_ReplayStep(benchmark::State& state, const std::string& quant) {
+  at::set_num_threads(1);
+  const int64_t t = state.range(0), chunk = 512;
+  kvcache::CacheConfig c;
+  c.num_layers = 1;
+  c.num_q_heads = kHq;
+  c.num_kv_heads = kHkv;
+  c.head_dim = kD;
+  c.scheme = quant;
+  c.policy = "kvzip@" + std::to_string(4 * t);  // = context: the replay scores, nothing is evicted
+  c.rope = rope;
+  c.context_length = 4 * t;
+  kvcache::CacheManager m(c);
+  m.append(0, at::randn({1, kHkv, t, kD}), at::randn({1, kHkv, t, kD}), at::arange(0, t, at::kLong));
+  m.end_step(kvcache::StepKind::kPrefillEnd);
+  const auto k = at::randn({1, kHkv, chunk, kD}), v = at::randn({1, kHkv, chunk, kD});
+  const auto q = at::randn({1, kHq, chunk, kD});
+  const auto pos = at::arange(t, t + chunk, at::kLong);
+  double us = 0;
+  for (auto _ : state) {
+    const double t0 = thread_cpu_us();
+    m.begin_replay();
+    m.append(0, k, v, pos);
+    benchmark::DoNotOptimize(m.attend(0, q, pos).data_ptr());
+    m.end_step(kvcache::StepKind::kReplay);
+    us += thread_cpu_us() - t0;
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["resident"] = static_cast<double>(m.tokens(0).max_resident());
+  state.counters["replay_step_us"] = us / n;
+  state.counters["us_per_replay_token"] = us / n / static_cast<double>(chunk);
+}
+
 void register_all() {
   const std::vector<std::string> quants = {"fp16", "int8", "int4", "kivi:k2:v2:g32:r128"};
   const std::vector<std::string> policies = {"full",  "window",  "sink",     "h2o", "random", "snapkv", "tova",
@@ -129,6 +167,13 @@ void register_all() {
       // decode compresses every 512 steps: exactly two compressions, amortized over the interval.
       if (p == "decode") b->Iterations(1024);
     }
+  }
+  for (const std::string q : {"fp16", "int8"}) {
+    benchmark::RegisterBenchmark(("BM_ReplayStep/" + q + "/kvzip").c_str(),
+                                 [q](benchmark::State& s) { BM_ReplayStep(s, q); })
+        ->Arg(4096)
+        ->Arg(32768)
+        ->Unit(benchmark::kMillisecond);
   }
 }
 

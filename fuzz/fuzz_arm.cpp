@@ -55,6 +55,20 @@ void run_request(const Arm& arm) {
     const int64_t n = std::min(kChunk, kPrompt - done);
     if (!step(n, done + n == kPrompt ? StepKind::kPrefillEnd : StepKind::kPrefill)) return;
   }
+  if (m->replay_need().any()) {
+    // KVzip: the context replay the runner runs after the prompt (one 8-token chunk, not stored).
+    const bool replayed = fuzz::accepts("replay", [&] {
+      const at::Tensor positions = kvcache::testing::positions_range(pos, 8);
+      m->begin_replay();
+      for (int64_t l = 0; l < kLayers; ++l) {
+        m->append(l, kvcache::testing::randn({1, kKvHeads, 8, kHeadDim}, gen),
+                  kvcache::testing::randn({1, kKvHeads, 8, kHeadDim}, gen), positions);
+        (void)m->attend(l, kvcache::testing::randn({1, kQHeads, 8, kHeadDim}, gen), positions);
+      }
+      m->end_step(StepKind::kReplayEnd);
+    });
+    if (!replayed) return;
+  }
   for (int64_t i = 0; i < kDecode; ++i) {
     if (!step(1, StepKind::kDecode)) return;
   }

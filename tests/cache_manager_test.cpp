@@ -352,7 +352,8 @@ TEST(CacheManager, RandomizedInvariants) {
                                              "expected:s2:stream@12", "expected:s2:n8@90%", "adakv:h2o@12",
                                              "adakv:knorm:stream@12", "adakv:snapkv:w4@90%", "duo:s2:r6:w4@24",
                                              "decode:i3:b2:keydiff@12", "decode:i4:b2:prefill:adakv:expected:s2@12",
-                                             "perlayer(h2o@8;h2o@12)", "perlayer(full;snapkv:w4@90%)"};
+                                             "perlayer(h2o@8;h2o@12)", "perlayer(full;snapkv:w4@90%)",
+                                             "kvzip:s2@90%", "adakv:kvzip:s2@90%"};
   // Policies that hold every head within the budget after every step, and those that hold the
   // layer's total within H_kv × budget (head-wise).
   auto starts = [](const std::string& p, const char* head) { return p.rfind(head, 0) == 0; };
@@ -410,6 +411,24 @@ TEST(CacheManager, RandomizedInvariants) {
           }
           m.end_step(testing::step_kind(steps == 2));
           m.check_invariants();
+          if (steps == 2 && m.replay_need().any()) {
+            // KVzip's context replay: two chunks of random tokens at the positions after the
+            // context; the first changes nothing, the last compresses.
+            for (const StepKind kind : {StepKind::kReplay, StepKind::kReplayEnd}) {
+              const Snapshot before(m);
+              const int64_t r = 1 + static_cast<int64_t>(rng() % 5);
+              m.begin_replay();
+              for (int64_t l = 0; l < 2; ++l) {
+                const int64_t p0 = m.next_position(l);
+                m.append(l, testing::randn({1, 2, r, 8}, gen), testing::randn({1, 2, r, 8}, gen), positions_range(p0, r));
+                (void)m.attend(l, testing::randn({1, 4, r, 8}, gen), positions_range(p0, r));
+              }
+              m.end_step(kind);
+              m.check_invariants();
+              if (kind == StepKind::kReplay) before.expect_unchanged(m, where + " after a replay chunk");
+            }
+            EXPECT_FALSE(m.replay_need().any()) << where;
+          }
           written += n;
           ++steps;
           const auto st = m.tokens(1).stats;
@@ -417,7 +436,11 @@ TEST(CacheManager, RandomizedInvariants) {
           if (per_head_bound(policy)) {
             EXPECT_LE(st.tokens_resident, 12) << where;
           }
-          if (starts(policy, "adakv") && policy.find("snapkv") == std::string::npos) {
+          if (starts(policy, "kvzip") && steps >= 3) {  // compressed after the replay
+            EXPECT_LE(st.tokens_resident, 36) << where;
+          }
+          if (starts(policy, "adakv") && policy.find("snapkv") == std::string::npos &&
+              policy.find("kvzip") == std::string::npos) {
             const auto t = m.tokens(1);
             EXPECT_LE(t.resident(0) + t.resident(1), 2 * 12) << where;
           }

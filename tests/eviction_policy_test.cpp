@@ -68,7 +68,7 @@ TEST(EvictionPolicyFactory, RegisteredTablesAndErrors) {
   std::vector<std::string> heads;
   for (const auto& t : registered_policies()) heads.push_back(t.head);
   EXPECT_EQ(heads, (std::vector<std::string>{"full", "window", "sink", "h2o", "random", "snapkv", "tova",
-                                             "pyramid", "knorm", "keydiff", "expected", "duo", "adakv", "decode",
+                                             "pyramid", "knorm", "keydiff", "expected", "duo", "kvzip", "adakv", "decode",
                                              "perlayer"}));
   try {
     make_eviction_policy("lru@50%");

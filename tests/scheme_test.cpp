@@ -49,12 +49,12 @@ TEST(SpecRegistry, OneListOfUniqueHeadsInKindOrder) {
   EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "kivi",
                                              "kvquant", "had", "gear", "layers", "full", "window", "sink", "h2o",
                                              "random", "snapkv", "tova", "pyramid", "knorm", "keydiff", "expected", "duo",
-                                             "adakv", "decode", "perlayer"}));
+                                             "kvzip", "adakv", "decode", "perlayer"}));
   EXPECT_TRUE(std::is_sorted(kinds.begin(), kinds.end()));  // quantizers, then schemes, then policies
   // The per-kind lists are slices of the one list.
   EXPECT_EQ(registered_quantizers().size(), 8u);
   EXPECT_EQ(registered_cache_schemes().size(), 5u);
-  EXPECT_EQ(registered_policies().size(), 15u);
+  EXPECT_EQ(registered_policies().size(), 16u);
   EXPECT_FALSE(registered_specs()[8].wrapper);   // kivi
   EXPECT_FALSE(registered_specs()[9].wrapper);   // kvquant
   EXPECT_TRUE(registered_specs()[10].wrapper);   // had

@@ -107,13 +107,13 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   EXPECT_EQ(parse_arm_list("default").size(), default_arms().size());
   EXPECT_EQ(sets[1].name, "evict2026");
   const auto arms = parse_arm_list(" evict2026 ");
-  ASSERT_EQ(arms.size(), 17u);
+  ASSERT_EQ(arms.size(), 18u);
   EXPECT_EQ(arms[0], control_arm());
   for (const auto& a : arms) {
     EXPECT_EQ(make_eviction_policy(a.policy)->spec(), a.policy) << a.spec();
   }
   for (const auto& a : with_budget(arms, "25%")) EXPECT_NO_THROW(make_eviction_policy(a.policy)) << a.spec();
-  for (const std::string head : {"knorm", "keydiff", "expected", "adakv", "duo", "decode"}) {
+  for (const std::string head : {"knorm", "keydiff", "expected", "adakv", "duo", "decode", "kvzip"}) {
     bool found = false;
     for (const auto& a : arms) found = found || a.policy.rfind(head, 0) == 0;
     EXPECT_TRUE(found) << head << " is in no arm of evict2026";

@@ -67,7 +67,7 @@ TEST(StudySchema, EachRowMetricOnceWithAUnit) {
     cache_fields += m.cache_field != nullptr;
     EXPECT_EQ(find_row_metric(m.key), &m);
   }
-  EXPECT_EQ(keys.size(), 29u);
+  EXPECT_EQ(keys.size(), 31u);
   EXPECT_EQ(cache_fields, 7);  // every CacheStats counter
   EXPECT_EQ(find_row_metric("no_such_metric"), nullptr);
   EXPECT_STREQ(find_row_metric("peak_bytes")->unit, "bytes");
@@ -247,8 +247,8 @@ TEST(StudySchema, WritersAgreeCellForCell) {
       }
     }
   }
-  EXPECT_EQ(files_columns, 25u);
-  EXPECT_EQ(header.size(), 25u + 2 + 2);  // + acc_needle, acc_summary, needle_d10, needle_d20
+  EXPECT_EQ(files_columns, 26u);
+  EXPECT_EQ(header.size(), 26u + 2 + 2);  // + acc_needle, acc_summary, needle_d10, needle_d20
   // Markdown prints the same numbers in its own format.
   EXPECT_NE(md.find("| fp32+full | 3/4 | 75.0% | control | 2.5 | 1.00 | 11.5 | 7.0 | 0 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| int2+h2o@50% | 0/4 | 0.0% | -75.0 pp (-3) | – | – | – | – | 4 |"), std::string::npos) << md;

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace kvcache {
@@ -31,8 +32,14 @@ struct AttentionNeed {
   /// Query rows (query tokens of the step, counted from its end) whose attention is needed:
   /// 0 = none, kAllRows = every row, n > 0 = the last min(n, T_q) rows.
   int64_t rows = 0;
-  /// Keep one row per query token (SnapKV's observation window) or their sum (H2O).
+  /// Keep one row per query token (SnapKV's observation window) or their sum (H2O; with
+  /// kMax: their maximum).
   bool per_row = false;
+  /// How the G query heads of a KV group (and, without per_row, the selected rows and the
+  /// batch) are reduced: kMeanSum = mean over the group, sum over rows and batch (H2O, SnapKV);
+  /// kMax = max over the group, the rows and the batch (KVzip's replay score).
+  enum class Reduce { kMeanSum, kMax };
+  Reduce reduce = Reduce::kMeanSum;
 
   bool any() const { return rows != 0; }
   /// Rows selected among T_q query tokens.
@@ -41,7 +48,7 @@ struct AttentionNeed {
 
 /// Attention mass of a step's query rows over one layer's resident keys, reduced to KV
 /// heads: for KV head h, the mean over its G query heads of the softmax probabilities (sum
-/// over the batch). `heads[h]` is row-major `[rows, T_h]` float32, keys in cache order
+/// over the batch), or with AttentionNeed::Reduce::kMax their max over the group (and batch). `heads[h]` is row-major `[rows, T_h]` float32, keys in cache order
 /// (oldest first), T_h = the tokens head h holds; rows = the selected query rows in order
 /// (per_row) or 1 (their sum).
 struct AttentionMass {
@@ -55,8 +62,27 @@ struct AttentionMass {
   at::Tensor to_tensor() const;
 };
 
+/// What a policy needs from a context replay (EvictionPolicy::replay_need()): KVzip (Kim et al.,
+/// arXiv 2505.23416) scores the cached context by the attention that a replay of it — an
+/// instruction ("Repeat the previous context exactly.") followed by the context's own tokens,
+/// in chunks — pays to each cached token. The runner feeds each chunk as `instruction ids +
+/// context chunk` through a replay step (CacheManager::begin_replay(), StepKind::kReplay /
+/// kReplayEnd) after the context's prefill; the replay's K/V are never stored.
+struct ReplayNeed {
+  /// Context tokens per replay step (> 0); 0 = no replay needed.
+  int64_t chunk = 0;
+  /// Text fed before every chunk (the runner encodes it with the model's tokenizer).
+  std::string instruction;
+  /// The attention of the replay's query rows over the resident keys that the policy observes
+  /// in each replay step (KVzip: every row, max over rows and the GQA group).
+  AttentionNeed attention;
+
+  bool any() const { return chunk > 0; }
+};
+
 /// Reduces attention probabilities `[B, H_q, T_q, T]` (float32, finite, rows of a softmax)
-/// to what `need` selects over `num_kv_heads` KV heads: the mass attend() would hand over.
+/// to what `need` selects over `num_kv_heads` KV heads: the mass attend() would hand over
+/// (need.reduce: mean over the group and sum over rows, or max over both).
 /// @throws InvalidArgument on a bad rank/dtype, H_q not a multiple of num_kv_heads, or
 ///         non-finite / negative probabilities (the message names the first bad index).
 AttentionMass reduce_attention(const at::Tensor& probs, int64_t num_kv_heads, const AttentionNeed& need);

@@ -130,6 +130,24 @@ class CacheManager final : public KVCache {
   ///         policy's protected tokens.
   void end_step(StepKind step) override;
 
+  /// The context replay the policy needs (EvictionPolicy::replay_need(); KVzip).
+  ReplayNeed replay_need() const override;
+
+  /// Starts a replay step (KVzip's context replay, docs/cache-manager.md "Replay steps"): until
+  /// end_step(kReplay or kReplayEnd), each layer's append() holds its tokens aside instead of
+  /// storing them — positions must continue the context exactly (next_position(layer) + i,
+  /// which does not advance) — and attend() computes, per KV head, the plain softmax attention
+  /// of the step's queries over the resident keys (decoded from their blocks) and the step's own
+  /// keys (causal), handing the policy the probabilities over the resident keys reduced as
+  /// replay_need().attention says (KVzip: max over the GQA group and the rows). end_step drops
+  /// the replay's tokens (bytes, counters, positions and peaks are as before the step) and, when
+  /// the policy asked for the replay, plans as any step (KVzip compresses at kReplayEnd; a
+  /// policy that asked for none is neither planned nor told of the step). Cost: O(H_q · T_new · (T_res + T_new) · D)
+  /// per layer, with a `[G, T_new, T_res + T_new]` float32 probability tensor per KV head.
+  /// @throws InvalidArgument inside a step (after an append or attention observation), or when a
+  ///         replay step is already open.
+  void begin_replay() override;
+
   /// Position to give the next appended token of `layer`: the last written position + 1,
   /// or the physical length in PositionMode::kRerotate. O(1).
   int64_t next_position(int64_t layer) const override;

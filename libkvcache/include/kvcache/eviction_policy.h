@@ -19,7 +19,9 @@
 ///     least as large as the resident length evicts nothing.
 ///   - Attention reaches a policy as AttentionMass (kvcache/attention.h): per KV head, the
 ///     MEAN over the G = H_q / H_kv query heads of each group (query head h → KV head h / G)
-///     and the SUM over batch rows, for the query rows its attention_need() selects.
+///     and the SUM over batch rows, for the query rows its attention_need() selects — or, in
+///     the replay steps of a policy whose replay_need() asks for one (KVzip), the MAX over the
+///     group and the replay's query rows (AttentionNeed::Reduce::kMax).
 ///   - Keys and values reach a policy through EvictionContext::view (kvcache/layer_view.h), a
 ///     read-only view that decodes the stored blocks on demand; query rows through
 ///     query_need() / observe_queries(). Policies never change K/V.
@@ -95,6 +97,14 @@ class EvictionPolicy {
   virtual AttentionNeed attention_need() const { return {}; }
   /// Shorthand for attention_need().any().
   bool needs_attention() const { return attention_need().any(); }
+
+  /// Whether the policy needs a context replay after the context's prefill (KVzip): the runner
+  /// asks after the prefill's kPrefillEnd step (Runner::generate: the prompt's end in
+  /// query-aware mode, GenerationOptions::question_start in query-agnostic mode) and, when
+  /// any(), runs the replay steps (CacheManager::begin_replay(), end_step(kReplay /
+  /// kReplayEnd)); in those steps the policy observes ReplayNeed::attention instead of
+  /// attention_need(), and plans at kReplayEnd only. Default: none.
+  virtual ReplayNeed replay_need() const { return {}; }
 
   /// The step's attention over the resident keys of `layer`, as attention_need() selected.
   /// @throws InvalidArgument on a layer out of range, a head count other than H_kv, or

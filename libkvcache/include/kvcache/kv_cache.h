@@ -19,7 +19,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvcache/attention.h"
 #include "kvcache/cache_config.h"
+#include "kvcache/error.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
@@ -68,6 +70,17 @@ class KVCache {
   /// on a sequence that leaves a batch on PoolFullError (Runner::generate_batch). Default:
   /// nothing (a cache that owns its storage keeps it for the next request). Never throws.
   virtual void finish() {}
+
+  /// The context replay the cache's eviction policy needs now (EvictionPolicy::replay_need();
+  /// KVzip). Default: none.
+  virtual ReplayNeed replay_need() const { return {}; }
+  /// Starts a replay step: the step's appends are held aside (attend() sees them, causally,
+  /// after every resident token) and dropped at its end_step(kReplay / kReplayEnd); nothing is
+  /// stored and next_position() does not advance (CacheManager::begin_replay()).
+  /// @throws UnsupportedError by default (a cache that runs no replay reports no replay_need()).
+  virtual void begin_replay() {
+    throw UnsupportedError("this KVCache does not run context-replay steps (its replay_need() is none)");
+  }
 };
 
 }  // namespace kvcache

@@ -38,6 +38,11 @@ enum class StepKind {
   kPrefill,     ///< a prompt chunk that is not the last one
   kPrefillEnd,  ///< the last chunk of the prompt (SnapKV / PyramidKV compress here)
   kDecode,      ///< one generated token
+  /// A context-replay chunk (KVzip, arXiv 2505.23416): extra query tokens run over the cached
+  /// context without being stored (CacheManager::begin_replay(), docs/cache-manager.md); not
+  /// the last chunk of the replay.
+  kReplay,
+  kReplayEnd,  ///< the last chunk of a context replay (KVzip compresses here)
 };
 
 }  // namespace kvcache

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 #include "kvcache/error.h"
 
@@ -58,9 +59,17 @@ AttentionMass reduce_attention(const at::Tensor& probs, int64_t num_kv_heads, co
         i[1].item<int64_t>(), ", ", i[2].item<int64_t>(), ", ", i[3].item<int64_t>(), "]"));
   }
   const int64_t g = hq / num_kv_heads;
-  // [B, H_q, n, T] → sum over B → [H_kv, G, n, T] → mean over G → [H_kv, n, T].
-  auto red = probs.narrow(2, tq - n, n).sum(0).view({num_kv_heads, g, n, t}).mean(1);
-  if (!need.per_row) red = red.sum(1, /*keepdim=*/true);
+  at::Tensor red;
+  if (need.reduce == AttentionNeed::Reduce::kMax) {
+    // [B, H_q, n, T] → max over B → [H_kv, G, n, T] → max over G → [H_kv, n, T] (→ max over rows).
+    red = std::get<0>(probs.narrow(2, tq - n, n).max(0)).reshape({num_kv_heads, g, n, t});
+    red = std::get<0>(red.max(1));
+    if (!need.per_row) red = std::get<0>(red.max(1, /*keepdim=*/true));
+  } else {
+    // [B, H_q, n, T] → sum over B → [H_kv, G, n, T] → mean over G → [H_kv, n, T].
+    red = probs.narrow(2, tq - n, n).sum(0).view({num_kv_heads, g, n, t}).mean(1);
+    if (!need.per_row) red = red.sum(1, /*keepdim=*/true);
+  }
   red = red.contiguous();
   AttentionMass m;
   m.rows = red.size(1);

@@ -10,6 +10,8 @@
 #include <map>
 #include <numeric>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include "cache/attend.h"
 #include "cache/block_layer_view.h"
@@ -29,6 +31,8 @@ namespace kvcache {
 namespace {
 
 constexpr int64_t kMaxBlockTokens = 4096;
+/// Query rows of a replay step attended at a time (bounds its [G, rows, T] probabilities).
+constexpr int64_t kReplayRows = 128;
 /// Largest position kPreRoPE storage records cos/sin for (a table of D floats per position).
 constexpr int64_t kMaxPreRopePosition = int64_t{1} << 22;
 
@@ -208,6 +212,16 @@ struct CacheManager::Impl {
   cache::RopeTable rope_table;  ///< kPreRoPE: rotation on read; policies: pre-RoPE queries, mean rotation
   std::vector<LayerState> layers;
   CacheStats total;
+  /// A replay step (begin_replay() .. end_step(kReplay / kReplayEnd)): per layer, the step's
+  /// tokens held aside, never stored.
+  struct ReplayLayer {
+    at::Tensor k, v;            ///< `[H_kv, n, D]` float32, k post-RoPE
+    std::vector<int64_t> pos;   ///< their positions (next_position(layer) + i)
+    bool attended = false;
+  };
+  bool replaying = false;
+  bool replay_plans = false;  ///< the policy asked for the replay (else its end plans nothing)
+  std::vector<ReplayLayer> replay;
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
   static int64_t store_fallback_bytes(const cache::StreamSetup& st) {
@@ -330,6 +344,10 @@ struct CacheManager::Impl {
     static constexpr const char* fn = "CacheManager::append";
     auto& l = layer_at(layer, fn);
     const int64_t hkv = cfg.num_kv_heads, d = cfg.head_dim;
+    if (replaying) {
+      replay_append(layer, k_in, v_in, positions);
+      return;
+    }
     auto check_kv = [&](const at::Tensor& t, const char* name) {
       KV_CHECK_ARG(t.defined() && t.dim() == 4 && t.size(0) == 1 && t.size(1) == hkv && t.size(3) == d &&
                        is_float_input(t) && t.device().is_cpu(),
@@ -410,8 +428,148 @@ struct CacheManager::Impl {
     sample(l);
   }
 
+  // ---------------------------------------------------------------- replay steps
+  void begin_replay() {
+    static constexpr const char* fn = "CacheManager::begin_replay";
+    KV_CHECK_ARG(!replaying, fn, ": a replay step is already open; end it with end_step(kReplay or kReplayEnd)");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& l = layers[i];
+      KV_CHECK_ARG(l.step_new == 0 && !l.observed && !l.queried, fn, ": layer ", i,
+                   " is inside a step (tokens appended or attention observed); call begin_replay() after end_step()");
+    }
+    replaying = true;
+    replay_plans = policy->replay_need().any();
+    replay.assign(layers.size(), ReplayLayer{});
+  }
+
+  /// append() in a replay step: checked as append() checks, then held aside (post-RoPE).
+  void replay_append(int64_t layer, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& positions) {
+    static constexpr const char* fn = "CacheManager::append (replay step)";
+    const auto& l = layers[static_cast<size_t>(layer)];
+    auto& r = replay[static_cast<size_t>(layer)];
+    const int64_t hkv = cfg.num_kv_heads, d = cfg.head_dim;
+    for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_in, "k"}, {&v_in, "v"}}) {
+      KV_CHECK_ARG(t->defined() && t->dim() == 4 && t->size(0) == 1 && t->size(1) == hkv && t->size(2) >= 1 &&
+                       t->size(3) == d && is_float_input(*t) && t->device().is_cpu(),
+                   fn, ": ", name, " must be a CPU float32/float16/bfloat16 tensor [B=1, H_kv=", hkv,
+                   ", T_new >= 1, D=", d, "], got ", shape_str(*t));
+    }
+    KV_CHECK_ARG(k_in.sizes() == v_in.sizes(), fn, ": k ", k_in.sizes(), " and v ", v_in.sizes(), " differ");
+    KV_CHECK_ARG(r.pos.empty(), fn, ": layer ", layer, " already appended its replay tokens in this step");
+    const int64_t n = k_in.size(2);
+    KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
+                     positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+                 fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
+    const at::Tensor pos = positions.contiguous();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    const int64_t first = next_position(l);
+    for (int64_t i = 0; i < n; ++i) {
+      KV_CHECK_ARG(pp[i] == first + i, fn, ": replay positions continue the context: next_position(", layer,
+                   ") + i = ", first + i, " expected, got ", pp[i], " at index ", i);
+    }
+    check_finite(k_in, fn, "k");
+    check_finite(v_in, fn, "v");
+    at::Tensor k = rope(k_in.to(at::kFloat).contiguous(), pos);
+    check_finite(k, fn, "rope(k)");
+    r.k = k[0].contiguous();
+    r.v = v_in.to(at::kFloat)[0].contiguous();
+    r.pos.assign(pp, pp + n);
+  }
+
+  /// attend() in a replay step: per KV head, the plain softmax attention of the step's queries
+  /// over [resident keys (decoded, post-RoPE), the step's own keys (causal)]; the policy gets
+  /// the probabilities over the resident keys reduced as its ReplayNeed::attention says.
+  at::Tensor replay_attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+    static constexpr const char* fn = "CacheManager::attend (replay step)";
+    const auto& l = layers[static_cast<size_t>(layer)];
+    auto& r = replay[static_cast<size_t>(layer)];
+    const int64_t hq = cfg.num_q_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim, g = hq / hkv;
+    const int64_t n = static_cast<int64_t>(r.pos.size());
+    KV_CHECK_ARG(n > 0, fn, ": layer ", layer, " appended no replay tokens in this step (append, then attend)");
+    KV_CHECK_ARG(!r.attended, fn, ": layer ", layer, " already attended in this replay step");
+    KV_CHECK_ARG(q.defined() && q.dim() == 4 && q.size(0) == 1 && q.size(1) == hq && q.size(2) == n &&
+                     q.size(3) == d && is_float_input(q) && q.device().is_cpu(),
+                 fn, ": q must be a CPU float tensor [B=1, H_q=", hq, ", T_q=", n, " (the replay tokens), D=", d,
+                 "], got ", shape_str(q));
+    KV_CHECK_ARG(q_positions.defined() && q_positions.dim() == 1 && q_positions.size(0) == n &&
+                     q_positions.scalar_type() == at::kLong && q_positions.device().is_cpu(),
+                 fn, ": q_positions must be a CPU int64 tensor [T_q=", n, "], got ", shape_str(q_positions));
+    const at::Tensor qp = q_positions.contiguous();
+    for (int64_t i = 0; i < n; ++i) {
+      KV_CHECK_ARG(qp.data_ptr<int64_t>()[i] == r.pos[static_cast<size_t>(i)], fn,
+                   ": q_positions must be the replay tokens' positions; expected ", r.pos[static_cast<size_t>(i)],
+                   " at index ", i, ", got ", qp.data_ptr<int64_t>()[i]);
+    }
+    check_finite(q, fn, "q");
+    const at::Tensor qf = q.to(at::kFloat).contiguous();
+    const AttentionNeed need = policy->replay_need().attention;
+    const int64_t rows = need.any() ? need.selected(n) : 0;
+    AttentionMass mass;
+    if (need.any()) {
+      mass.rows = need.per_row ? rows : 1;
+      mass.heads.resize(static_cast<size_t>(hkv));
+    }
+    at::Tensor out = at::empty({1, hq, n, d}, at::kFloat);
+    const at::Tensor qpos = at::tensor(r.pos, at::kLong);
+    for (int64_t h = 0; h < hkv; ++h) {
+      std::vector<float> kr, vr;
+      const auto& ks = l.store->k(h);
+      const auto& vs = l.store->v(h);
+      ks.quant.live_rows(kr, l.store->k_scale());
+      ks.resid.live_rows(kr, 1.0f);
+      vs.quant.live_rows(vr, l.store->v_scale());
+      vs.resid.live_rows(vr, 1.0f);
+      const auto kpos = ks.positions();
+      const auto t = static_cast<int64_t>(kpos.size());
+      if (pre_rope()) {
+        for (int64_t j = 0; j < t; ++j) rope_table.rotate(kr.data() + j * d, kpos[static_cast<size_t>(j)]);
+      }
+      const at::Tensor kres = at::from_blob(kr.data(), {t, d}, at::kFloat);
+      const at::Tensor vres = at::from_blob(vr.data(), {t, d}, at::kFloat);
+      const at::Tensor kall = at::cat({kres, r.k[h]}, 0);  // [t + n, D]
+      const at::Tensor vall = at::cat({vres, r.v[h]}, 0);
+      const at::Tensor kp = at::cat({at::tensor(kpos, at::kLong), qpos}, 0);
+      const at::Tensor kt = kall.t();
+      // Query rows in tiles of kReplayRows: the probabilities are [G, tile, t + n] at a time.
+      std::vector<at::Tensor> parts;  // the tiles' reduced mass over the resident keys
+      for (int64_t r0 = 0; r0 < n; r0 += kReplayRows) {
+        const int64_t m = std::min(kReplayRows, n - r0);
+        const at::Tensor qg = qf[0].narrow(0, h * g, g).narrow(1, r0, m);  // [G, m, D]
+        at::Tensor sc = at::matmul(qg, kt).mul_(1.0 / std::sqrt(static_cast<double>(d)));  // [G, m, t + n]
+        sc.masked_fill_(kp.view({1, 1, t + n}).gt(qpos.narrow(0, r0, m).view({1, m, 1})),
+                        -std::numeric_limits<float>::infinity());
+        const at::Tensor p = at::softmax(sc, -1);
+        out[0].narrow(0, h * g, g).narrow(1, r0, m).copy_(at::matmul(p, vall));
+        // Selected rows (the last `rows` of the step) within this tile.
+        const int64_t lo = std::max(r0, n - rows), hi = r0 + m;
+        if (!need.any() || t == 0 || lo >= hi) continue;
+        at::Tensor pr = p.narrow(1, lo - r0, hi - lo).narrow(2, 0, t);  // [G, rows in tile, t]
+        if (need.reduce == AttentionNeed::Reduce::kMax) {
+          pr = std::get<0>(pr.max(0));
+          if (!need.per_row) pr = std::get<0>(pr.max(0, /*keepdim=*/true));
+        } else {
+          pr = pr.mean(0);
+          if (!need.per_row) pr = pr.sum(0, /*keepdim=*/true);
+        }
+        parts.push_back(pr);
+      }
+      if (!need.any() || t == 0) continue;
+      at::Tensor red = at::cat(parts, 0);  // [rows, t] (per_row) or [tiles, t]
+      if (!need.per_row) {
+        red = need.reduce == AttentionNeed::Reduce::kMax ? std::get<0>(red.max(0, /*keepdim=*/true))
+                                                         : red.sum(0, /*keepdim=*/true);
+      }
+      red = red.contiguous();
+      mass.heads[static_cast<size_t>(h)].assign(red.data_ptr<float>(), red.data_ptr<float>() + red.numel());
+    }
+    r.attended = true;
+    if (need.any()) policy->observe(layer, mass);
+    return out;
+  }
+
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
     auto& l = layer_at(layer, "CacheManager::attend");
+    if (replaying) return replay_attend(layer, q, q_positions);
     const AttentionNeed need = l.observed ? AttentionNeed{} : policy->attention_need();
     const QueryNeed qneed = l.queried ? QueryNeed{} : policy->query_need();
     AttentionMass mass;
@@ -463,6 +621,7 @@ struct CacheManager::Impl {
   void observe_queries(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
     static constexpr const char* fn = "CacheManager::observe_queries";
     auto& l = layer_at(layer, fn);
+    KV_CHECK_ARG(!replaying, fn, ": a replay step hands the policy no query rows; end it first");
     const int64_t hq = cfg.num_q_heads, d = cfg.head_dim;
     KV_CHECK_ARG(q.defined() && q.dim() == 4 && q.size(0) == 1 && q.size(1) == hq && q.size(2) >= 1 &&
                      q.size(3) == d && is_float_input(q) && q.device().is_cpu(),
@@ -515,6 +674,7 @@ struct CacheManager::Impl {
   void observe_attention(int64_t layer, const at::Tensor& probs) {
     static constexpr const char* fn = "CacheManager::observe_attention";
     auto& l = layer_at(layer, fn);
+    KV_CHECK_ARG(!replaying, fn, ": a replay step computes its attention in attend(); end it first");
     const int64_t t = l.store->max_resident();
     for (int64_t h = 0; h < cfg.num_kv_heads; ++h) {
       KV_CHECK_ARG(l.store->resident(h) == t, fn, ": KV head ", h, " of layer ", layer, " holds ", l.store->resident(h),
@@ -554,9 +714,28 @@ struct CacheManager::Impl {
   }
 
   void end_step(StepKind step) {
-    KV_CHECK_ARG(step == StepKind::kPrefill || step == StepKind::kPrefillEnd || step == StepKind::kDecode,
+    const bool replay_kind = step == StepKind::kReplay || step == StepKind::kReplayEnd;
+    KV_CHECK_ARG(replay_kind || step == StepKind::kPrefill || step == StepKind::kPrefillEnd ||
+                     step == StepKind::kDecode,
                  "CacheManager::end_step: step kind ", static_cast<int>(step),
-                 " is none of kPrefill, kPrefillEnd, kDecode");
+                 " is none of kPrefill, kPrefillEnd, kDecode, kReplay, kReplayEnd");
+    KV_CHECK_ARG(replay_kind == replaying, "CacheManager::end_step: ",
+                 replaying ? "a replay step (begin_replay()) must end with kReplay or kReplayEnd"
+                           : "kReplay / kReplayEnd ends a replay step; call begin_replay() before its appends");
+    if (replaying) {
+      for (size_t i = 0; i < replay.size(); ++i) {
+        KV_CHECK_ARG(replay[i].pos.size() == replay[0].pos.size() && replay[i].attended, "CacheManager::end_step: ",
+                     "layer ", i, " appended ", replay[i].pos.size(), " replay tokens",
+                     replay[i].attended ? "" : " and did not attend", " but layer 0 appended ", replay[0].pos.size(),
+                     " (every layer must append and attend the replay step's tokens)");
+      }
+      if (!replay_plans) {
+        // A replay the policy did not ask for only computed attention: nothing to plan.
+        replaying = false;
+        replay.clear();
+        return;
+      }
+    }
     const int64_t n0 = layers[0].step_new;
     for (int64_t i = 1; i < cfg.num_layers; ++i) {
       KV_CHECK_ARG(layers[static_cast<size_t>(i)].step_new == n0, "CacheManager::end_step: layer ", i, " appended ",
@@ -606,6 +785,10 @@ struct CacheManager::Impl {
       l.step_new = 0;
       l.observed = false;
       l.queried = false;
+    }
+    if (replaying) {
+      replaying = false;  // the replay's tokens are dropped: nothing of them was stored
+      replay.clear();
     }
   }
 
@@ -696,6 +879,8 @@ void CacheManager::reset(int64_t context_length) {
   make_eviction_policy(im.cfg.policy)->reset(context_length, shape);
   im.policy->reset(context_length, shape);
   im.cfg.context_length = context_length;
+  im.replaying = false;
+  im.replay.clear();
   for (auto& l : im.layers) {
     l.store->clear();
     l.written = l.step_new = 0;
@@ -725,6 +910,10 @@ void CacheManager::observe_queries(int64_t layer, const at::Tensor& q, const at:
 }
 
 void CacheManager::end_step(StepKind step) { impl_->end_step(step); }
+
+ReplayNeed CacheManager::replay_need() const { return impl_->policy->replay_need(); }
+
+void CacheManager::begin_replay() { impl_->begin_replay(); }
 
 int64_t CacheManager::next_position(int64_t layer) const {
   return impl_->next_position(impl_->layer_at(layer, "CacheManager::next_position"));

@@ -589,6 +589,8 @@ Sequence& MultiSequenceCache::add_sequence(CacheConfig config) {
                  " but the cache's sequences have ", theirs, " (MultiSequenceConfig::model)");
   }
   config.rope = g.rope;
+  KV_CHECK_ARG(!make_eviction_policy(config.policy)->replay_need().any(), "MultiSequenceCache::add_sequence: policy '",
+               config.policy, "' scores by a context replay (KVzip), which a Sequence does not run; use a CacheManager");
   auto st = std::make_unique<Sequence::State>();
   st->cache = impl_.get();
   st->id = impl_->next_id;

@@ -219,6 +219,7 @@ const std::vector<Registration>& registrations() {
       plain<FullPolicy>(),   plain<WindowPolicy>(),     plain<SinkPolicy>(),         plain<H2OPolicy>(),
       plain<RandomPolicy>(), plain<SnapKVPolicy>(),     plain<TovaPolicy>(),         plain<PyramidKVPolicy>(),
       plain<KnormPolicy>(),  plain<KeyDiffPolicy>(),    plain<ExpectedAttentionPolicy>(), plain<DuoAttentionPolicy>(),
+      plain<KVzipPolicy>(),
       wrapper<AdaKVPolicy>(), wrapper<DecodeCompressionPolicy>(),
   };
   return regs;

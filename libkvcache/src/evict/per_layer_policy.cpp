@@ -175,6 +175,9 @@ std::unique_ptr<EvictionPolicy> make_per_layer_policy(const std::string& text) {
     } catch (const InvalidArgument& e) {
       throw InvalidArgument(detail::str_cat(where, ": ", e.what()));
     }
+    KV_CHECK_ARG(!r.policy->replay_need().any(), where, ": '", r.policy->spec(),
+                 "' scores by a context replay, which perlayer(...) does not run; give it every layer ('",
+                 r.policy->spec(), "')");
     const std::string canonical = r.policy->spec();
     if (spec_head(canonical) != "full") {
       KV_CHECK_ARG(common.empty() || body_of(canonical) == common, where, ": the runs must be one policy with their "

@@ -355,6 +355,48 @@ class ExpectedAttentionPolicy final : public ScheduledScorer {
   std::vector<Stats> stats_;  ///< per layer
 };
 
+/// `kvzip:s<n>:c<N>@B`: KVzip (Kim et al., arXiv 2505.23416; methods.md b.13), query-agnostic.
+/// After the context's prefill the runner replays it (ReplayNeed): "Repeat the previous context
+/// exactly." followed by the context, in chunks of at most c tokens, as replay steps over the
+/// cache. The score of a cached (KV head, token) pair = the MAX over every replay query row
+/// and over the GQA group's query heads of its attention probability (the softmax over the
+/// resident keys and the chunk's own keys). At kReplayEnd every layer keeps, per KV head, its
+/// first s tokens (sinks) + the top-scored ones up to budget − (context_length − the layer's
+/// logical length) (the decode reserve, as SnapKV); ties keep the more recent token. A step
+/// other than a replay after the prompt's kPrefillEnd throws (the replay is missing).
+class KVzipPolicy final : public ScorerPolicy {
+ public:
+  static const ParamTable& table();
+  /// The instruction fed before every replay chunk.
+  static const char* instruction();
+  KVzipPolicy(const ParsedSpec& spec, Budget budget);
+  int64_t layer_budget(int64_t layer) const override;
+  /// Until the compression: every row, max over rows and group; none after it.
+  ReplayNeed replay_need() const override;
+  /// At kReplayEnd: the tokens the layer keeps; throws after a kPrefillEnd not followed by a
+  /// replay.
+  std::optional<int64_t> compression_target(const EvictionContext& ctx) const override;
+  /// The max replay attention; the sinks +inf. @throws InvalidArgument without replay scores.
+  TokenScores score(const EvictionContext& ctx) const override;
+  bool scores_any_step() const override { return false; }
+  void on_step_end(const EvictionContext& ctx) override;
+  /// Replay scores of `layer` so far, per KV head (one per resident token; empty before the replay).
+  const std::vector<std::vector<float>>& scores(int64_t layer) const { return scores_.at(static_cast<size_t>(layer)); }
+  int64_t sinks() const { return sinks_; }
+  int64_t chunk() const { return chunk_; }
+  bool compressed() const { return done_; }
+
+ protected:
+  void on_reset() override;
+  void do_observe(int64_t layer, const AttentionMass& mass) override;
+
+ private:
+  int64_t sinks_, chunk_;
+  bool awaiting_ = false;  ///< the prompt ended (kPrefillEnd on every layer); the replay has not
+  bool done_ = false;      ///< compressed at kReplayEnd
+  std::vector<std::vector<std::vector<float>>> scores_;  ///< per layer, per KV head
+};
+
 /// `adakv:a<α>:<scorer>`: AdaKV (Feng et al., arXiv 2407.11550; kvpress AdaKVPress) over any
 /// scorer: when the scorer compresses a layer to n tokens per head, AdaKV keeps the same total
 /// H_kv·n, distributed across the layer's KV heads: every head first keeps its ⌊α·n⌋
@@ -368,6 +410,7 @@ class AdaKVPolicy final : public ScorerPolicy {
   int64_t layer_budget(int64_t layer) const override { return inner_->layer_budget(layer); }
   AttentionNeed attention_need() const override { return inner_->attention_need(); }
   QueryNeed query_need() const override { return inner_->query_need(); }
+  ReplayNeed replay_need() const override { return inner_->replay_need(); }
   std::optional<int64_t> compression_target(const EvictionContext& ctx) const override {
     return inner_->compression_target(ctx);
   }

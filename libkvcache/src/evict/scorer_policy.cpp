@@ -137,7 +137,7 @@ const ParamTable& AdaKVPolicy::table() {
 AdaKVPolicy::AdaKVPolicy(const ParsedSpec& spec, Budget budget, std::unique_ptr<EvictionPolicy> inner)
     : ScorerPolicy(spec, budget, wrapped(inner, "adakv")), alpha_(spec.num("a")) {
   auto* scorer = dynamic_cast<ScorerPolicy*>(inner.get());
-  KV_CHECK_ARG(scorer != nullptr, "adakv wraps a scorer (h2o, snapkv, pyramid, tova, knorm, keydiff, expected, or "
+  KV_CHECK_ARG(scorer != nullptr, "adakv wraps a scorer (h2o, snapkv, pyramid, tova, knorm, keydiff, expected, kvzip, or "
                "decode:...:<scorer>); '", inner->spec(), "' keeps tokens by position and has no per-token scores");
   KV_CHECK_ARG(!scorer->head_wise(), "adakv around '", inner->spec(), "', which is already head-wise");
   (void)inner.release();
@@ -233,7 +233,8 @@ DecodeCompressionPolicy::DecodeCompressionPolicy(const ParsedSpec& spec, Budget 
   KV_CHECK_ARG(!scorer->decode_scheduled(), "decode around '", inner->spec(),
                "', which already compresses on a decode-time schedule");
   KV_CHECK_ARG(scorer->scores_any_step(), "decode compresses during decoding, but '", inner->spec(),
-               "' scores only at the end of the prompt (its observation window); wrap h2o, tova, knorm, keydiff or "
+               "' scores only at the end of the prompt (its observation window or context replay); wrap h2o, tova, knorm, "
+               "keydiff or "
                "expected");
   (void)inner.release();
   inner_.reset(scorer);

@@ -51,10 +51,10 @@ void check_cache_fits(const CacheConfig& c, const ModelConfig& m, const char* fn
                "); build it from CausalLM::cache_config()");
 }
 
-enum class LogitsFor { kLastToken, kAllTokens };
+enum class LogitsFor { kLastToken, kAllTokens, kNone };
 
 /// One forward step of `ids` `[1, T]` int64 through every layer with `cache`.
-/// @return logits `[1, T, V]` (kAllTokens) or `[1, 1, V]` (kLastToken) float32.
+/// @return logits `[1, T, V]` (kAllTokens) or `[1, 1, V]` (kLastToken) float32; undefined (kNone).
 at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& cache, StepKind step,
                         LogitsFor which) {
   const int64_t T = ids.size(1);
@@ -76,6 +76,7 @@ at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& c
     h = model.finish(l, h, cache.attend(l, x.q, pos).to(h.scalar_type()));
   }
   cache.end_step(step);
+  if (which == LogitsFor::kNone) return {};
   if (which == LogitsFor::kLastToken && T > 1) h = h.slice(/*dim=*/1, T - 1, T);
   return model.head(h).to(at::kFloat);
 }
@@ -292,6 +293,7 @@ at::Tensor Runner::begin_and_prefill(const std::vector<int64_t>& prompt, const G
     const std::vector<int64_t> context(prompt.begin(), prompt.begin() + opt.question_start);
     logits = prefill_from(context, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step,
                           &r.computed_prompt_tokens);
+    replay_context(context, opt, cache, r);
     for (int64_t i = opt.question_start; i < r.prompt_tokens; ++i) {
       logits = forward_step(model_, ids_tensor(&prompt[static_cast<size_t>(i)], 1), cache, StepKind::kDecode,
                             LogitsFor::kLastToken)
@@ -302,9 +304,36 @@ at::Tensor Runner::begin_and_prefill(const std::vector<int64_t>& prompt, const G
   } else {
     logits = prefill_from(prompt, reuse.cached_tokens, cache, opt.prefill_chunk, reuse.min_first_step,
                           &r.computed_prompt_tokens);
+    replay_context(prompt, opt, cache, r);
   }
-  r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count() - r.replay_seconds;
   return logits;
+}
+
+void Runner::replay_context(const std::vector<int64_t>& context, const GenerationOptions& opt, KVCache& cache,
+                            GenerationResult& r) const {
+  const ReplayNeed need = cache.replay_need();
+  if (!need.any()) return;
+  std::vector<int64_t> prefix = opt.replay_prefix;
+  if (prefix.empty() && !need.instruction.empty()) {
+    prefix = Tokenizer::from_texts(model_.tokenizer_files()).encode(need.instruction, SpecialTokens::kParse,
+                                                                    PostProcess::kSkip);
+  }
+  check_token_ids(prefix, model_.config().vocab_size, "Runner::generate: replay_prefix");
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto n = static_cast<int64_t>(context.size());
+  std::vector<int64_t> ids;
+  for (int64_t s = 0; s < n; s += need.chunk) {
+    const int64_t t = std::min(need.chunk, n - s);
+    ids.assign(prefix.begin(), prefix.end());
+    ids.insert(ids.end(), context.begin() + s, context.begin() + s + t);
+    cache.begin_replay();
+    (void)forward_step(model_, ids_tensor(ids.data(), static_cast<int64_t>(ids.size())), cache,
+                       s + t == n ? StepKind::kReplayEnd : StepKind::kReplay, LogitsFor::kNone);
+    ++r.replay_steps;
+    r.replay_tokens += static_cast<int64_t>(ids.size());
+  }
+  r.replay_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 GenerationResult Runner::generate(const std::vector<int64_t>& prompt, const GenerationOptions& opt,

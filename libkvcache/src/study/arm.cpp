@@ -65,7 +65,8 @@ std::vector<ArmSet> arm_sets() {
       {"evict2026",
        "the 2024-2026 eviction methods at a 50% budget beside the control and SnapKV/H2O/TOVA: Knorm, KeyDiff and "
        "Expected Attention once at the prompt's end and streaming, AdaKV head-wise budgets over Expected Attention / "
-       "SnapKV / H2O / Knorm, DuoAttention (heads identified on the fly), decode-time compression (docs/policies.md)",
+       "SnapKV / H2O / Knorm, DuoAttention (heads identified on the fly), decode-time compression, KVzip (context replay; its extra prefill in "
+       "'replay prefill s') (docs/policies.md)",
        {
            {"fp32", "full"},
            {"fp32", "snapkv@50%"},
@@ -84,6 +85,7 @@ std::vector<ArmSet> arm_sets() {
            {"fp32", "duo:s16:r48@50%"},
            {"fp32", "decode:i8:b4:expected@50%"},
            {"fp32", "decode:i8:b4:prefill:expected@50%"},
+           {"fp32", "kvzip@50%"},
        }},
       {"deepdive",
        "the quantization deep-dive, all with full: the control, int8 and fp8 (e4m3), KIVI-2/4, GEAR-2 (the "

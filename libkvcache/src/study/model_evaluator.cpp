@@ -122,6 +122,8 @@ class ModelArmEvaluator : public ArmEvaluator {
     go.prefill_chunk = opt_.prefill_chunk;
     go.eos_token_ids = eos_;
     go.question_start = question_start;
+    const ReplayNeed replay = cache.replay_need();
+    if (replay.any()) go.replay_prefix = tokenizer_.encode(replay.instruction, SpecialTokens::kParse, PostProcess::kSkip);
     const GenerationResult r = runner_.generate(ids, go, cache);
     Generation g;
     g.output = tokenizer_.decode_lenient(r.tokens, /*skip_special=*/true);
@@ -131,6 +133,8 @@ class ModelArmEvaluator : public ArmEvaluator {
     g.rss_growth_peak = rss.peak_growth();
     g.prefill_seconds = r.prefill_seconds;
     g.decode_seconds = r.decode_seconds;
+    g.replay_seconds = r.replay_seconds;
+    g.replay_tokens = r.replay_tokens;
     g.span_resident = span_resident(task, msgs, rendered, cache);
     g.question_tokens = r.question_tokens;
     return g;

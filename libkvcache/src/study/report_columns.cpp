@@ -94,6 +94,8 @@ const std::vector<ArmColumn>& arm_columns() {
             "prefill_s", 1.0, F::kFixed, 1, "prefill tok/s", &S::prefill_tps),
         agg("decode_tps", "tokens/s", "Σ generated tokens / Σ decode seconds", A::kRatioOfSums, "generated_tokens",
             "decode_s", 1.0, F::kFixed, 1, "decode tok/s", &S::decode_tps),
+        agg("replay_s_mean", "s", "mean context-replay seconds per task (KVzip's extra prefill; not in prefill tok/s or time)",
+            A::kMeanMeasured, "replay_s", "", 1.0, F::kFixed, 3, "replay prefill s", nullptr),
         agg("total_seconds", "s", "Σ prefill + decode seconds", A::kSumMeasured, "prefill_s", "decode_s", 1.0,
             F::kFixed, 1, "time (s)", &S::total_seconds),
         ArmColumn{"reserved_per_stored", "ratio", "reserved_kib_mean / peak_kib_mean (Markdown only)", A::kDerived, "",

@@ -69,6 +69,8 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       row.set("generated_tokens", static_cast<double>(g.generated_tokens));
       row.set("prefill_s", g.prefill_seconds);
       row.set("decode_s", g.decode_seconds);
+      row.set("replay_s", g.replay_seconds);
+      row.set("replay_tokens", static_cast<double>(g.replay_tokens));
       if (g.span_resident >= 0) row.set("span_resident", g.span_resident);
       if (g.rss_growth_peak >= 0) row.set("rss_growth_peak_bytes", static_cast<double>(g.rss_growth_peak));
       if (item.mode == QueryMode::kAgnostic) row.set("question_tokens", static_cast<double>(g.question_tokens));

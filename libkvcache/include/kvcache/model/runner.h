@@ -12,6 +12,10 @@
 ///     (q, k, v) = model.qkv(l, h, p); cache.append(l, k, v, p);
 ///     h = model.finish(l, h, cache.attend(l, q, p));
 ///   then cache.end_step(kind) once (StepKind::kPrefill / kPrefillEnd / kDecode).
+///   When the cache's policy needs a context replay (KVCache::replay_need(), KVzip), generate()
+///   runs it right after the context's kPrefillEnd step: per chunk of ≤ ReplayNeed::chunk
+///   context tokens, cache.begin_replay(), one step of (replay_prefix + chunk) at positions
+///   continuing the context, end_step(kReplay, or kReplayEnd for the last chunk).
 ///
 /// generate() and score() run one sequence (batch 1); generate_batch() decodes several
 /// sequences together, one forward per step for the batch. Greedy decoding is deterministic.
@@ -46,6 +50,10 @@ struct GenerationOptions {
   /// sees them, and greedy decoding starts from the last question token's logits. 0: the whole
   /// prompt is prefilled (query-aware). Must be < the prompt's length when > 0.
   int64_t question_start = 0;
+  /// Token ids fed before every chunk of a context replay (KVzip, KVCache::replay_need()):
+  /// normally ReplayNeed::instruction encoded by the caller's tokenizer (raw ids, no BOS);
+  /// empty: the runner encodes it with the model's tokenizer (CausalLM::tokenizer_files()).
+  std::vector<int64_t> replay_prefix;
 };
 
 /// How a request of Runner::generate_batch() ended.
@@ -84,8 +92,15 @@ struct GenerationResult {
   /// Prompt tokens fed as decode steps after the context (GenerationOptions::question_start):
   /// prompt_tokens − question_start, or 0.
   int64_t question_tokens = 0;
-  /// Wall time of the prompt: the prefill, plus the question's decode steps if any.
+  /// Wall time of the prompt: the prefill, plus the question's decode steps if any; without
+  /// the context replay (replay_seconds).
   double prefill_seconds = 0.0;
+  /// The context replay the cache's policy asked for (KVzip; docs/model-runner.md "Context
+  /// replay"): replay steps run, tokens they fed (instruction + context, summed over the
+  /// steps), and their wall time (incl. the compression at the last step). 0 without a replay.
+  int64_t replay_steps = 0;
+  int64_t replay_tokens = 0;
+  double replay_seconds = 0.0;
   /// Wall time of the decode_steps forwards (incl. argmax). In generate_batch(): of the batched
   /// steps this sequence took part in (shared with the others of the step).
   double decode_seconds = 0.0;
@@ -219,6 +234,9 @@ class Runner {
   /// cached_prompt_tokens, prefill_seconds of `r`. @return logits `[V]` of the last prompt token.
   at::Tensor begin_and_prefill(const std::vector<int64_t>& prompt, const GenerationOptions& options, KVCache& cache,
                                const std::string& fn, GenerationResult& r) const;
+  /// The context replay of `context` if cache.replay_need() asks for one; fills replay_* of `r`.
+  void replay_context(const std::vector<int64_t>& context, const GenerationOptions& options, KVCache& cache,
+                      GenerationResult& r) const;
 
   CausalLM model_;
 };

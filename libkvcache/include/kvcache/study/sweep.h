@@ -62,6 +62,10 @@ struct Generation {
   int64_t rss_growth_peak = -1;
   double prefill_seconds = 0;
   double decode_seconds = 0;
+  /// The context replay of a policy that asks for one (KVzip): its wall time (not in
+  /// prefill_seconds) and the tokens it fed; 0 without one.
+  double replay_seconds = 0;
+  int64_t replay_tokens = 0;
   /// Fraction of the task's load-bearing span tokens (Task::span mapped through the chat
   /// template and tokenizer) still resident in the cache after prefill, averaged over layers and
   /// KV heads; < 0 if not measured.
