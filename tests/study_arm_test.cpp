@@ -28,14 +28,17 @@ TEST(StudyArm, ParseForms) {
   EXPECT_THROW(parse_arm("a+b+c"), InvalidArgument);
 }
 
-TEST(StudyArm, DefaultListIsTheSeedsTwelvePlusSix) {
+TEST(StudyArm, DefaultListIsTheSeedsTwelveThenSixThenTheNewerMethods) {
   const auto arms = default_arms();
-  ASSERT_EQ(arms.size(), 18u);
+  ASSERT_EQ(arms.size(), 26u);
   const std::vector<std::string> want = {
       "fp32+full", "fp16+full", "fp8:e4m3+full", "int8+full", "int4+full", "int2+full",
       "fp32+window@50%", "fp32+sink@50%", "fp32+h2o@50%", "fp32+random@50%", "int8+sink@50%", "int4+h2o@50%",
       "bf16+full", "fp8:e5m2+full", "kivi:k2:v2:g32:r128+full", "kivi:k4:v4:g32:r128+full",
-      "fp32+snapkv@50%", "fp32+tova@50%"};
+      "fp32+snapkv@50%", "fp32+tova@50%",
+      "fp32+keydiff@50%", "fp32+knorm@50%", "fp32+expected@50%", "fp32+adakv:expected@50%",
+      "fp32+adakv:snapkv@50%", "fp32+duo:s16:r48@50%", "fp32+decode:i8:b4:expected@50%", "fp32+kvzip@50%"};
+  ASSERT_EQ(want.size(), arms.size());
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(arms[i].spec(), want[i]);
   EXPECT_EQ(arms[0], control_arm());
 }

@@ -166,7 +166,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--tasks", *tasks_file, "read tasks from this JSONL file instead of --suite/--seed");
   cmd->add_option("--configs", *configs,
                   "arms: comma list, a file with one per line, or an arm set's name (default, evict2026, deepdive), "
-                  "'scheme+policy' (e.g. int4+h2o@50%); default: the 18 default arms (kv_study list)");
+                  "'scheme+policy' (e.g. int4+h2o@50%); default: the default arm set (kv_study list)");
   cmd->add_option("--budget", *budget, "override the budget of every evicting arm: tokens (256) or percent (25%)");
   cmd->add_option("--budgets", *budgets,
                   "ratio sweep: run every evicting arm at each of these budgets (e.g. 25%,50%,75%,87.5%; arms "

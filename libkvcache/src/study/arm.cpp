@@ -56,12 +56,16 @@ std::vector<Arm> default_arms() {
       {"fp32", "random@50%"},     {"int8", "sink@50%"},      {"int4", "h2o@50%"},
       {"bf16", "full"},           {"fp8:e5m2", "full"},      {"kivi:k2:v2:g32:r128", "full"},
       {"kivi:k4:v4:g32:r128", "full"}, {"fp32", "snapkv@50%"}, {"fp32", "tova@50%"},
+      // The 2024-2026 eviction methods (docs/policies.md), at the same 50% budget on fp32.
+      {"fp32", "keydiff@50%"},    {"fp32", "knorm@50%"},     {"fp32", "expected@50%"},
+      {"fp32", "adakv:expected@50%"}, {"fp32", "adakv:snapkv@50%"}, {"fp32", "duo:s16:r48@50%"},
+      {"fp32", "decode:i8:b4:expected@50%"}, {"fp32", "kvzip@50%"},
   };
 }
 
 std::vector<ArmSet> arm_sets() {
   return {
-      {"default", "the 18 default arms of the study (README's table)", default_arms()},
+      {"default", "the 26 default arms of the study (README's table)", default_arms()},
       {"evict2026",
        "the 2024-2026 eviction methods at a 50% budget beside the control and SnapKV/H2O/TOVA: Knorm, KeyDiff and "
        "Expected Attention once at the prompt's end and streaming, AdaKV head-wise budgets over Expected Attention / "
