@@ -2,6 +2,9 @@
 // The reconstruction-error table through quantizer.h, on synthetic K/V with outlier channels.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/study/quant_error.h"
@@ -52,6 +55,43 @@ TEST(StudyQuantError, PerChannelKeysWinOnOutlierChannels) {
   EXPECT_THROW(measure_reconstruction("int4:g128:chan", s), InvalidArgument);
   EXPECT_THROW(measure_reconstruction("int5", s), InvalidArgument);
   EXPECT_THROW(measure_reconstruction("int4", {}), InvalidArgument);
+}
+
+TEST(StudyQuantError, AttentionErrorOfTheSchemeIsTheReferenceOverItsReconstruction) {
+  const auto s = samples();
+  const auto fp32 = measure_reconstruction("fp32", s);
+  EXPECT_EQ(fp32.attn_out_rel_err, 0);
+  EXPECT_EQ(fp32.attn_prob_rel_err, 0);
+  // The mean over samples of attention_error over the quantize-dequantize round trip, with the
+  // tokens cut to whole per-channel groups (96 tokens, g64: the first 64).
+  for (const std::string spec : {"int4", "int2:g32", "kivi:k2:v2:g32:r128", "int4:g64:chan"}) {
+    const auto r = measure_reconstruction(spec, s);
+    const auto scheme = make_cache_scheme(spec);
+    const LayerStreams st = scheme->streams(CacheGeometry{1, 2, 64}, 0, 0);
+    const int64_t t = spec == "int4:g64:chan" ? 64 : 96;
+    double out = 0, prob = 0;
+    for (const auto& x : s) {
+      const auto k = x.k.narrow(2, 0, t).contiguous();
+      const auto v = x.v.narrow(2, 0, t).contiguous();
+      const auto e = attention_error(x.q.narrow(2, 0, t), k, v,
+                                     st.key.quantizer->dequantize(st.key.quantizer->quantize(k)),
+                                     st.value.quantizer->dequantize(st.value.quantizer->quantize(v)), true);
+      out += e.out_rel_fro / 2;
+      prob += e.prob_rel_fro / 2;
+    }
+    EXPECT_DOUBLE_EQ(r.attn_out_rel_err, out) << spec;
+    EXPECT_DOUBLE_EQ(r.attn_prob_rel_err, prob) << spec;
+    EXPECT_GT(r.attn_out_rel_err, 0) << spec;
+  }
+  // Fewer bits, more attention error; per-channel keys beat per-token keys on outlier channels.
+  EXPECT_LT(measure_reconstruction("int8", s).attn_out_rel_err, measure_reconstruction("int4", s).attn_out_rel_err);
+  EXPECT_LT(measure_reconstruction("int2:g32:chan", s).attn_prob_rel_err,
+            measure_reconstruction("int2:g32", s).attn_prob_rel_err);
+  // Queries that are not one per token: not measured.
+  auto last = s;
+  for (auto& x : last) x.q = x.q.narrow(2, 95, 1);
+  EXPECT_TRUE(std::isnan(measure_reconstruction("int4", last).attn_out_rel_err));
+  EXPECT_EQ(measure_reconstruction("int4", last).key_rel_err, measure_reconstruction("int4", s).key_rel_err);
 }
 
 TEST(StudyQuantError, Tables) {

@@ -160,7 +160,11 @@ class ModelArmEvaluator : public ArmEvaluator {
   }
 
   ReconstructionResult reconstruction(const std::string& quant) override {
-    return measure_reconstruction(quant, capture_qkv(), model_.config().num_hidden_layers);
+    // Keys a scheme stores before RoPE (KVQuant) are rotated as the cache rotates them on read.
+    const KeyRope rope = [this](const at::Tensor& k_pre) {
+      return model_.rope(k_pre.to(at::kFloat), at::arange(k_pre.size(2), at::kLong));
+    };
+    return measure_reconstruction(quant, capture_qkv(), model_.config().num_hidden_layers, rope);
   }
 
   CacheGeometry geometry() const override {

@@ -12,20 +12,23 @@
 namespace kvcache::study {
 namespace {
 
+/// `x` cut to a whole number of the quantizer's token groups (per-channel groups run along tokens).
+at::Tensor whole_groups(const Quantizer& q, const at::Tensor& x) {
+  const int64_t g = q.stored_layout(x.size(3)).group_tokens;
+  if (g <= 1) return x;
+  const int64_t keep = x.size(2) / g * g;
+  KV_CHECK_ARG(keep > 0, "quantizer '", q.spec(), "' groups ", g, " tokens per channel but the sample has only ",
+               x.size(2), " tokens");
+  return x.narrow(2, 0, keep);
+}
+
 /// Squared-error accumulator of one stream (K or V) over samples.
 struct Pooled {
   double err2 = 0;
   double ref2 = 0;
   double max_abs = 0;
   void add(const Quantizer& q, at::Tensor x) {
-    const int64_t g = q.stored_layout(x.size(3)).group_tokens;
-    if (g > 1) {
-      // Groups run along tokens: keep a whole number of groups.
-      const int64_t keep = x.size(2) / g * g;
-      KV_CHECK_ARG(keep > 0, "quantizer '", q.spec(), "' groups ", g, " tokens per channel but the sample has only ",
-                   x.size(2), " tokens");
-      x = x.narrow(2, 0, keep);
-    }
+    x = whole_groups(q, x);
     const auto e = reconstruction_error(q, x);
     const double n2 = std::pow(x.to(at::kDouble).norm().item<double>(), 2);
     err2 += e.rel_fro * e.rel_fro * n2;
@@ -61,15 +64,35 @@ ReconstructionResult measure_reconstruction(const std::string& quant, const std:
   double bits = 0;
   // A scheme that stores keys before RoPE (KVQuant) quantizes the pre-RoPE keys.
   const bool pre_rope = scheme->required_key_storage() == KeyStorage::kPreRoPE;
+  bool attn_ok = !pre_rope || static_cast<bool>(rope);
+  AttentionError attn_sum;
   for (const auto& s : samples) {
     KV_CHECK_ARG(!pre_rope || s.k_pre.defined(), "measure_reconstruction('", quant,
                  "'): the scheme stores pre-RoPE keys, and these samples hold none (capture them from a model)");
     const LayerStreams st = scheme->streams(geometry, s.layer, 0);
-    k.add(*st.key.quantizer, pre_rope ? s.k_pre : s.k);
+    const at::Tensor& k_in = pre_rope ? s.k_pre : s.k;
+    k.add(*st.key.quantizer, k_in);
     v.add(*st.value.quantizer, s.v);
     bits += 0.5 * (st.key.quantizer->bits_per_value(d) + st.value.quantizer->bits_per_value(d));
+    // The scheme's attention error: the tokens both streams can encode (whole token groups),
+    // one query per token, causal.
+    attn_ok = attn_ok && s.q.defined() && s.q.size(2) == s.k.size(2);
+    if (!attn_ok) continue;
+    const int64_t t = std::min(whole_groups(*st.key.quantizer, k_in).size(2), whole_groups(*st.value.quantizer, s.v).size(2));
+    const at::Tensor kt = k_in.narrow(2, 0, t).contiguous();
+    const at::Tensor vt = s.v.narrow(2, 0, t).contiguous();
+    at::Tensor k_hat = st.key.quantizer->dequantize(st.key.quantizer->quantize(kt));
+    const at::Tensor v_hat = st.value.quantizer->dequantize(st.value.quantizer->quantize(vt));
+    if (pre_rope) k_hat = rope(k_hat).to(at::kFloat);
+    const auto e = attention_error(s.q.narrow(2, 0, t), s.k.narrow(2, 0, t), vt, k_hat, v_hat, /*causal=*/true);
+    attn_sum.out_rel_fro += e.out_rel_fro;
+    attn_sum.prob_rel_fro += e.prob_rel_fro;
   }
   ReconstructionResult r;
+  if (attn_ok) {
+    r.attn_out_rel_err = attn_sum.out_rel_fro / static_cast<double>(samples.size());
+    r.attn_prob_rel_err = attn_sum.prob_rel_fro / static_cast<double>(samples.size());
+  }
   r.bits_per_value = bits / static_cast<double>(samples.size());
   r.key_rel_err = k.rel();
   r.value_rel_err = v.rel();

@@ -287,6 +287,8 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
     q.bits_per_value = r->value("bits_per_value");
     q.key_rel_err = r->value("key_rel_err");
     q.value_rel_err = r->value("value_rel_err");
+    q.attn_out_rel_err = r->value("attn_out_rel_err");
+    q.attn_prob_rel_err = r->value("attn_prob_rel_err");
     q.error = r->error;
     s.reconstruction.push_back(q);
   }

@@ -353,13 +353,17 @@ std::string summary_markdown(const Summary& s) {
 
   if (!s.reconstruction.empty()) {
     os << "\n## Quantizer reconstruction error (K/V captured from the model)\n\n";
-    os << "| quantizer | bits/value | key rel. error | value rel. error |\n|---|---:|---:|---:|\n";
+    os << "Attention error: causal attention of the captured queries over the scheme's reconstructed K/V "
+          "against the exact ones (relative Frobenius error of the output and of the probabilities).\n\n";
+    os << "| quantizer | bits/value | key rel. error | value rel. error | attention output error | attention probs "
+          "error |\n|---|---:|---:|---:|---:|---:|\n";
     for (const auto& q : s.reconstruction) {
       if (!q.error.empty()) {
-        os << "| " << q.quant << " | – | – | – (" << q.error << ") |\n";
+        os << "| " << md_text(q.quant) << " | – | – | – | – | – (" << q.error << ") |\n";
       } else {
-        os << "| " << q.quant << " | " << fmt(q.bits_per_value, "%.2f") << " | " << fmt(q.key_rel_err, "%.4f") << " | "
-           << fmt(q.value_rel_err, "%.4f") << " |\n";
+        os << "| " << md_text(q.quant) << " | " << fmt(q.bits_per_value, "%.2f") << " | " << fmt(q.key_rel_err, "%.4f")
+           << " | " << fmt(q.value_rel_err, "%.4f") << " | " << fmt(q.attn_out_rel_err, "%.4f") << " | "
+           << fmt(q.attn_prob_rel_err, "%.4f") << " |\n";
       }
     }
   }
@@ -411,7 +415,8 @@ std::string summary_json(const Summary& s) {
   oj rec = oj::array();
   for (const auto& q : s.reconstruction) {
     rec.push_back(oj{{"quant", q.quant}, {"bits_per_value", jnum(q.bits_per_value)}, {"key_rel_err", jnum(q.key_rel_err)},
-                     {"value_rel_err", jnum(q.value_rel_err)}, {"error", q.error}});
+                     {"value_rel_err", jnum(q.value_rel_err)}, {"attn_out_rel_err", jnum(q.attn_out_rel_err)},
+                     {"attn_prob_rel_err", jnum(q.attn_prob_rel_err)}, {"error", q.error}});
   }
   j["reconstruction"] = rec;
   oj att = oj::array();

@@ -2,6 +2,7 @@
 #include "kvcache/study/sweep.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -58,6 +59,10 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       row.set("value_rel_err", r.value_rel_err);
       row.set("key_max_abs", r.key_max_abs);
       row.set("value_max_abs", r.value_max_abs);
+      if (std::isfinite(r.attn_out_rel_err)) {
+        row.set("attn_out_rel_err", r.attn_out_rel_err);
+        row.set("attn_prob_rel_err", r.attn_prob_rel_err);
+      }
       break;
     }
     case ItemKind::kTask: {

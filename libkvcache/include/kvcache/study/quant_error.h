@@ -5,6 +5,8 @@
 /// error) and the deep-dive's attention-error table, on K/V captured from a model or on a
 /// synthetic layer with outlier key channels (`kv_study quant`).
 
+#include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -19,7 +21,17 @@ struct ReconstructionResult {
   double value_rel_err = 0;
   double key_max_abs = 0;     ///< max |K - K_hat|
   double value_max_abs = 0;
+  /// Attention error of the scheme itself (the deep-dive's "attention error" per arm): causal
+  /// attention of each sample's queries over (K_hat, V_hat) against (K, V), relative Frobenius
+  /// errors of the output and of the probabilities, the mean over samples (as
+  /// scheme_attention_error). Keys a scheme stores before RoPE are rotated by `rope` first; NaN
+  /// when no `rope` was given for such a scheme, or a sample's queries are not one per token.
+  double attn_out_rel_err = std::nan("");
+  double attn_prob_rel_err = std::nan("");
 };
+
+/// Applies the model's RoPE to pre-RoPE keys `[B, H_kv, T, D]` at positions 0 .. T-1.
+using KeyRope = std::function<at::Tensor(const at::Tensor& k_pre)>;
 
 /// Quantize-dequantize every sample's K and V with `quant` and measure the error (through
 /// quantizer.h's reconstruction_error). `quant` is any CacheConfig::scheme value, resolved as the
@@ -31,7 +43,7 @@ struct ReconstructionResult {
 /// it); 0: one more than the highest sample layer.
 /// @throws InvalidArgument for a bad spec, no samples, or samples shorter than one group.
 ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples,
-                                            int64_t num_layers = 0);
+                                            int64_t num_layers = 0, const KeyRope& rope = {});
 
 /// The specs `kv_study quant` tabulates: every registered quantizer with default fields, then
 /// int4/int2 with g32 per token and per channel, then KIVI-2 and KIVI-4 (g32, r128).

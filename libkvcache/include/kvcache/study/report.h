@@ -26,6 +26,7 @@
 /// in summary.csv (column query_mode).
 
 #include <cstdint>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -66,6 +67,8 @@ struct ArmSummary {
 struct ReconstructionSummary {
   std::string quant;
   double bits_per_value = 0, key_rel_err = 0, value_rel_err = 0;
+  /// The scheme's attention error (ReconstructionResult::attn_*; NaN when not measured).
+  double attn_out_rel_err = std::nan(""), attn_prob_rel_err = std::nan("");
   std::string error;
 };
 
