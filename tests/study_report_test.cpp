@@ -74,7 +74,8 @@ std::vector<ResultRow> rows() {
   rec.arm = "int4";
   rec.task = "recon";
   rec.model = "m1";
-  rec.values = {{"bits_per_value", 4.5}, {"key_rel_err", 0.12}, {"value_rel_err", 0.08}};
+  rec.values = {{"bits_per_value", 4.5}, {"key_rel_err", 0.12}, {"value_rel_err", 0.08}, {"attn_out_rel_err", 0.05},
+                {"attn_prob_rel_err", 0.03}};
   out.push_back(rec);
   for (int bits : {2, 4}) {
     ResultRow a;
@@ -203,9 +204,9 @@ TEST(StudyReport, MarkdownJsonCsv) {
   EXPECT_NE(md.find("| arm | 5% | 35% | 65% | 95% |"), std::string::npos) << md;
   EXPECT_NE(md.find("| fp32+h2o@50% | 100.0% | 100.0% | 100.0% | 0.0% |"), std::string::npos) << md;
   EXPECT_NE(md.find("| int2+full | 50.0% | – | – | – | – | – |"), std::string::npos) << md;
-  EXPECT_NE(md.find("| int4 | 4.50 | 0.1200 | 0.0800 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| int4 | 4.50 | 0.1200 | 0.0800 | 0.0500 | 0.0300 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| per-channel K + per-token V (KIVI) | 0.3000 | 0.2000 | 0.0500 | 0.0300 |"), std::string::npos) << md;
-  EXPECT_NE(md.find("| int4+full | 190.0 | 20.0 | 7.5 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| int4+full | 190.0 | 20.0 | 0.000 | 7.5 |"), std::string::npos) << md;  // no replay: 0 s
   EXPECT_NE(md.find("`int4+full`"), std::string::npos);
   // Stored 0.25 KiB, reserved 0.5 KiB (2×), RSS growth 20 KiB (the measured tasks' mean).
   EXPECT_NE(md.find("| arm | stored peak KiB | reserved peak KiB | RSS growth peak KiB | reserved / stored |"),
@@ -222,6 +223,8 @@ TEST(StudyReport, MarkdownJsonCsv) {
   EXPECT_TRUE(j["arms"][3]["ppl_stream"].is_null());
   EXPECT_EQ(j["recommendations"][0]["arm"], "int4+full");
   EXPECT_DOUBLE_EQ(j["attention"][0]["bits"]["2"]["out_rel_err"].get<double>(), 0.3);
+  EXPECT_DOUBLE_EQ(j["reconstruction"][0]["attn_out_rel_err"].get<double>(), 0.05);
+  EXPECT_DOUBLE_EQ(j["reconstruction"][0]["attn_prob_rel_err"].get<double>(), 0.03);
 
   const std::string csv = summary_csv(s);
   std::istringstream in(csv);
