@@ -47,7 +47,7 @@ std::string f(double v, const char* fmt) {
 }  // namespace
 
 ReconstructionResult measure_reconstruction(const std::string& quant, const std::vector<QkvSample>& samples,
-                                            int64_t num_layers) {
+                                            int64_t num_layers, const KeyRope& rope) {
   KV_CHECK_ARG(!samples.empty(), "measure_reconstruction('", quant, "'): no K/V samples");
   // Resolved as the CacheManager resolves CacheConfig::scheme, per sample layer (KIVI:
   // int<k>:g<G>:chan keys, int<v>:g<G> values; had(...): the rotated quantizers).
