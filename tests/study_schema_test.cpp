@@ -67,7 +67,7 @@ TEST(StudySchema, EachRowMetricOnceWithAUnit) {
     cache_fields += m.cache_field != nullptr;
     EXPECT_EQ(find_row_metric(m.key), &m);
   }
-  EXPECT_EQ(keys.size(), 31u);
+  EXPECT_EQ(keys.size(), 33u);
   EXPECT_EQ(cache_fields, 7);  // every CacheStats counter
   EXPECT_EQ(find_row_metric("no_such_metric"), nullptr);
   EXPECT_STREQ(find_row_metric("peak_bytes")->unit, "bytes");
