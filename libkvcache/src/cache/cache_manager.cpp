@@ -224,6 +224,24 @@ struct CacheManager::Impl {
   std::vector<ReplayLayer> replay;
 
   bool pre_rope() const { return cfg.key_storage == KeyStorage::kPreRoPE; }
+  /// KV head h of `l` decoded into float32 rows [t, D]: its live keys (rotated when stored
+  /// pre-RoPE) into kr, values into vr (quantized blocks, then the residual); returns the
+  /// tokens' positions. The float copy get() and the replay's plain attention read.
+  std::vector<int64_t> decode_head(const LayerState& l, int64_t h, std::vector<float>& kr,
+                                   std::vector<float>& vr) const {
+    const auto& ks = l.store->k(h);
+    const auto& vs = l.store->v(h);
+    ks.quant.live_rows(kr, l.store->k_scale());
+    ks.resid.live_rows(kr, 1.0f);
+    vs.quant.live_rows(vr, l.store->v_scale());
+    vs.resid.live_rows(vr, 1.0f);
+    std::vector<int64_t> pos = ks.positions();
+    if (pre_rope()) {
+      const int64_t d = cfg.head_dim;
+      for (size_t j = 0; j < pos.size(); ++j) rope_table.rotate(kr.data() + static_cast<int64_t>(j) * d, pos[j]);
+    }
+    return pos;
+  }
   static int64_t store_fallback_bytes(const cache::StreamSetup& st) {
     return st.formats.f[cache::StreamFormats::kFallback].block_bytes;
   }
@@ -513,17 +531,8 @@ struct CacheManager::Impl {
     const at::Tensor qpos = at::tensor(r.pos, at::kLong);
     for (int64_t h = 0; h < hkv; ++h) {
       std::vector<float> kr, vr;
-      const auto& ks = l.store->k(h);
-      const auto& vs = l.store->v(h);
-      ks.quant.live_rows(kr, l.store->k_scale());
-      ks.resid.live_rows(kr, 1.0f);
-      vs.quant.live_rows(vr, l.store->v_scale());
-      vs.resid.live_rows(vr, 1.0f);
-      const auto kpos = ks.positions();
+      const std::vector<int64_t> kpos = decode_head(l, h, kr, vr);
       const auto t = static_cast<int64_t>(kpos.size());
-      if (pre_rope()) {
-        for (int64_t j = 0; j < t; ++j) rope_table.rotate(kr.data() + j * d, kpos[static_cast<size_t>(j)]);
-      }
       const at::Tensor kres = at::from_blob(kr.data(), {t, d}, at::kFloat);
       const at::Tensor vres = at::from_blob(vr.data(), {t, d}, at::kFloat);
       const at::Tensor kall = at::cat({kres, r.k[h]}, 0);  // [t + n, D]
@@ -948,16 +957,7 @@ LayerKV CacheManager::get(int64_t layer) const {
   out.positions = at::empty({hkv, t}, at::kLong);
   for (int64_t h = 0; h < hkv; ++h) {
     std::vector<float> kr, vr;
-    const auto& ks = l.store->k(h);
-    const auto& vs = l.store->v(h);
-    ks.quant.live_rows(kr, l.store->k_scale());
-    ks.resid.live_rows(kr, 1.0f);
-    vs.quant.live_rows(vr, l.store->v_scale());
-    vs.resid.live_rows(vr, 1.0f);
-    const auto pos = ks.positions();
-    if (im.pre_rope()) {
-      for (int64_t j = 0; j < t; ++j) im.rope_table.rotate(kr.data() + j * d, pos[static_cast<size_t>(j)]);
-    }
+    const std::vector<int64_t> pos = im.decode_head(l, h, kr, vr);
     std::copy(kr.begin(), kr.end(), out.k.data_ptr<float>() + h * t * d);
     std::copy(vr.begin(), vr.end(), out.v.data_ptr<float>() + h * t * d);
     std::copy(pos.begin(), pos.end(), out.positions.data_ptr<int64_t>() + h * t);
