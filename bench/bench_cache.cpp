@@ -64,19 +64,24 @@ std::string policy_spec(const std::string& head, int64_t t) {
   return head + b;
 }
 
-void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std::string& policy) {
-  at::set_num_threads(1);
-  const int64_t t = state.range(0);
+/// One layer of Qwen2.5-0.5B shapes holding T resident tokens, for a context of 4T.
+kvcache::CacheConfig one_layer_config(const std::string& quant, const std::string& policy, int64_t t) {
   kvcache::CacheConfig c;
   c.num_layers = 1;
   c.num_q_heads = kHq;
   c.num_kv_heads = kHkv;
   c.head_dim = kD;
   c.scheme = quant;
-  c.policy = policy_spec(policy, t);
+  c.policy = policy;
   c.rope = rope;
   c.context_length = 4 * t;
-  kvcache::CacheManager m(c);
+  return c;
+}
+
+void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std::string& policy) {
+  at::set_num_threads(1);
+  const int64_t t = state.range(0);
+  kvcache::CacheManager m(one_layer_config(quant, policy_spec(policy, t), t));
   // Prefill exactly T tokens (no eviction), observing one query row per chunk.
   const int64_t chunk = 4096;
   for (int64_t p = 0; p < t; p += chunk) {
@@ -122,16 +127,8 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
 void BM_ReplayStep(benchmark::State& state, const std::string& quant) {
   at::set_num_threads(1);
   const int64_t t = state.range(0), chunk = 512;
-  kvcache::CacheConfig c;
-  c.num_layers = 1;
-  c.num_q_heads = kHq;
-  c.num_kv_heads = kHkv;
-  c.head_dim = kD;
-  c.scheme = quant;
-  c.policy = "kvzip@" + std::to_string(4 * t);  // = context: the replay scores, nothing is evicted
-  c.rope = rope;
-  c.context_length = 4 * t;
-  kvcache::CacheManager m(c);
+  // Budget = the context: the replay scores, nothing is evicted.
+  kvcache::CacheManager m(one_layer_config(quant, "kvzip@" + std::to_string(4 * t), t));
   m.append(0, at::randn({1, kHkv, t, kD}), at::randn({1, kHkv, t, kD}), at::arange(0, t, at::kLong));
   m.end_step(kvcache::StepKind::kPrefillEnd);
   const auto k = at::randn({1, kHkv, chunk, kD}), v = at::randn({1, kHkv, chunk, kD});

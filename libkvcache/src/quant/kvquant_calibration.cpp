@@ -227,6 +227,37 @@ float quantile_sorted(const std::vector<float>& sorted, double q) {
   return static_cast<float>(sorted[lo] + frac * (static_cast<double>(sorted[hi]) - sorted[lo]));
 }
 
+namespace {
+/// Lloyd iterations over sorted values `xs` from the centroids `c`: assign each value to its
+/// nearest centroid; stop when no assignment changes or after `max_iter` rounds; else each
+/// non-empty cluster — a contiguous run [start, end) of the sorted values — gets
+/// `mean(start, end, centroid)`, and the centroids are re-sorted.
+template <typename Mean>
+std::vector<float> lloyd_sorted(const std::vector<float>& xs, std::vector<float> c, int max_iter, Mean mean) {
+  const auto n = static_cast<int64_t>(xs.size());
+  const auto k = static_cast<int>(c.size());
+  std::vector<int> assign(static_cast<size_t>(n), -1);
+  for (int it = 0; it < max_iter; ++it) {
+    bool changed = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const int a = nearest(c, xs[static_cast<size_t>(i)]);
+      changed = changed || a != assign[static_cast<size_t>(i)];
+      assign[static_cast<size_t>(i)] = a;
+    }
+    if (!changed) break;
+    int64_t start = 0;
+    for (int j = 0; j < k; ++j) {
+      int64_t end = start;
+      while (end < n && assign[static_cast<size_t>(end)] == j) ++end;
+      if (end > start) mean(start, end, c[static_cast<size_t>(j)]);
+      start = end;
+    }
+    std::sort(c.begin(), c.end());
+  }
+  return c;
+}
+}  // namespace
+
 std::vector<float> kmeans_1d(const float* x, int64_t n, int k, int max_iter) {
   KV_CHECK_ARG(n >= 1 && k >= 1 && max_iter >= 1, "kmeans_1d: needs n >= 1, k >= 1, max_iter >= 1, got ", n, ", ", k,
                ", ", max_iter);
@@ -235,31 +266,12 @@ std::vector<float> kmeans_1d(const float* x, int64_t n, int k, int max_iter) {
   std::vector<float> c(static_cast<size_t>(k));
   for (int j = 0; j < k; ++j) c[static_cast<size_t>(j)] = quantile_sorted(sorted, (j + 0.5) / k);
   const Eigen::Map<const Eigen::ArrayXf> data(sorted.data(), static_cast<Eigen::Index>(n));
-  std::vector<int> assign(static_cast<size_t>(n), -1);
-  for (int it = 0; it < max_iter; ++it) {
-    bool changed = false;
-    for (int64_t i = 0; i < n; ++i) {
-      const int a = nearest(c, sorted[static_cast<size_t>(i)]);
-      changed = changed || a != assign[static_cast<size_t>(i)];
-      assign[static_cast<size_t>(i)] = a;
-    }
-    if (!changed) break;
-    // The data are sorted, so each cluster is a contiguous run: its mean is one Eigen segment sum.
-    int64_t start = 0;
-    for (int j = 0; j < k; ++j) {
-      int64_t end = start;
-      while (end < n && assign[static_cast<size_t>(end)] == j) ++end;
-      if (end > start) {
-        const double sum = data.segment(static_cast<Eigen::Index>(start), static_cast<Eigen::Index>(end - start))
-                               .cast<double>()
-                               .sum();
-        c[static_cast<size_t>(j)] = static_cast<float>(sum / static_cast<double>(end - start));
-      }
-      start = end;
-    }
-    std::sort(c.begin(), c.end());
-  }
-  return c;
+  // Each cluster's mean is one Eigen segment sum.
+  return lloyd_sorted(sorted, std::move(c), max_iter, [&](int64_t start, int64_t end, float& centroid) {
+    const double sum =
+        data.segment(static_cast<Eigen::Index>(start), static_cast<Eigen::Index>(end - start)).cast<double>().sum();
+    centroid = static_cast<float>(sum / static_cast<double>(end - start));
+  });
 }
 
 std::vector<float> kmeans_1d_weighted(const float* x, const float* w, int64_t n, int k, int max_iter) {
@@ -280,31 +292,15 @@ std::vector<float> kmeans_1d_weighted(const float* x, const float* w, int64_t n,
   KV_CHECK_ARG(!positive.empty(), "kmeans_1d_weighted: every one of the ", n, " weights is 0");
   std::vector<float> c(static_cast<size_t>(k));
   for (int j = 0; j < k; ++j) c[static_cast<size_t>(j)] = quantile_sorted(positive, (j + 0.5) / k);
-  std::vector<int> assign(static_cast<size_t>(n), -1);
-  for (int it = 0; it < max_iter; ++it) {
-    bool changed = false;
-    for (int64_t i = 0; i < n; ++i) {
-      const int a = nearest(c, xs[static_cast<size_t>(i)]);
-      changed = changed || a != assign[static_cast<size_t>(i)];
-      assign[static_cast<size_t>(i)] = a;
+  // Each cluster's weighted mean; a cluster of zero weight keeps its centroid.
+  return lloyd_sorted(xs, std::move(c), max_iter, [&](int64_t start, int64_t end, float& centroid) {
+    double sw = 0, swx = 0;
+    for (int64_t i = start; i < end; ++i) {
+      sw += ws[static_cast<size_t>(i)];
+      swx += static_cast<double>(ws[static_cast<size_t>(i)]) * xs[static_cast<size_t>(i)];
     }
-    if (!changed) break;
-    // Sorted values: each cluster is a contiguous run.
-    int64_t start = 0;
-    for (int j = 0; j < k; ++j) {
-      int64_t end = start;
-      double sw = 0, swx = 0;
-      while (end < n && assign[static_cast<size_t>(end)] == j) {
-        sw += ws[static_cast<size_t>(end)];
-        swx += static_cast<double>(ws[static_cast<size_t>(end)]) * xs[static_cast<size_t>(end)];
-        ++end;
-      }
-      if (sw > 0) c[static_cast<size_t>(j)] = static_cast<float>(swx / sw);
-      start = end;
-    }
-    std::sort(c.begin(), c.end());
-  }
-  return c;
+    if (sw > 0) centroid = static_cast<float>(swx / sw);
+  });
 }
 
 // ---------------------------------------------------------------- KvquantCalibration
