@@ -13,6 +13,8 @@
 //   BM_Copy                         memcpy of 256 MiB: STREAM-style copy bandwidth (2·N/t), the
 //                                   denominator of every `floor_ms` (bytes a step must read /
 //                                   copy bandwidth), measured in the same run
+//   BM_Read                         a sum over 256 MiB (N/t): what one thread can read, the
+//                                   denominator of `read_floor_ms` (a decode step only reads)
 //   BM_Memory/<spec>                24 layers × T = 32,768 tokens appended to a fresh cache: the
 //                                   process's resident-set growth against bytes_reserved and
 //                                   bytes_resident (MB)
@@ -49,6 +51,7 @@ namespace {
 
 constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
 double g_copy_gbps = 0;        ///< measured at start-up
+double g_read_gbps = 0;        ///< measured at start-up
 int64_t g_block_tokens = 0;    ///< --block_tokens=N (0: the default)
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) {
@@ -106,6 +109,43 @@ void floor_counters(benchmark::State& state, double bytes_per_step) {
   state.counters["GB_per_s"] = benchmark::Counter(bytes_per_step * static_cast<double>(state.iterations()) / 1e9,
                                                   benchmark::Counter::kIsRate);
   if (g_copy_gbps > 0) state.counters["floor_ms"] = bytes_per_step / (g_copy_gbps * 1e9) * 1e3;
+  if (g_read_gbps > 0) state.counters["read_floor_ms"] = bytes_per_step / (g_read_gbps * 1e9) * 1e3;
+}
+
+/// One pass summing n bytes as 64-bit words (integer adds: the compiler vectorises them), four
+/// accumulators so the adds never bound the loop.
+uint64_t read_sum(const std::vector<uint64_t>& a) {
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (size_t i = 0; i + 4 <= a.size(); i += 4) {
+    s0 += a[i];
+    s1 += a[i + 1];
+    s2 += a[i + 2];
+    s3 += a[i + 3];
+  }
+  return s0 + s1 + s2 + s3;
+}
+
+void BM_Read(benchmark::State& state) {
+  at::set_num_threads(1);
+  std::vector<uint64_t> a((size_t{256} << 20) / sizeof(uint64_t), 1);
+  for (auto _ : state) benchmark::DoNotOptimize(read_sum(a));
+  state.counters["read_GBps"] = benchmark::Counter(static_cast<double>(a.size() * sizeof(uint64_t)) *
+                                                       static_cast<double>(state.iterations()) / 1e9,
+                                                   benchmark::Counter::kIsRate);
+}
+
+/// BM_Read's rate, measured at start-up with a wall clock (best of 5), N bytes per pass.
+double measure_read_gbps() {
+  std::vector<uint64_t> a((size_t{256} << 20) / sizeof(uint64_t), 1);
+  benchmark::DoNotOptimize(read_sum(a));
+  double best = 0;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(read_sum(a));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(a.size() * sizeof(uint64_t)) / s / 1e9);
+  }
+  return best;
 }
 
 void BM_Copy(benchmark::State& state) {
@@ -218,6 +258,7 @@ const std::vector<std::string>& specs() {
 
 void register_all() {
   benchmark::RegisterBenchmark("BM_Copy", BM_Copy)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("BM_Read", BM_Read)->Unit(benchmark::kMillisecond)->UseRealTime();
   for (int64_t t : {4096, 32768}) {
     for (int64_t threads : {1, 2}) {
       benchmark::RegisterBenchmark("BM_AttendBaseline", BM_AttendBaseline)
@@ -260,7 +301,9 @@ int main(int argc, char** argv) {
   argc = static_cast<int>(args.size());
   argv = args.data();
   g_copy_gbps = measure_copy_gbps();
-  std::fprintf(stderr, "copy bandwidth (STREAM convention, 1 thread): %.1f GB/s\n", g_copy_gbps);
+  g_read_gbps = measure_read_gbps();
+  std::fprintf(stderr, "copy bandwidth (STREAM convention, 1 thread): %.1f GB/s; read bandwidth (1 thread): %.1f GB/s\n",
+               g_copy_gbps, g_read_gbps);
   register_all();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
