@@ -259,3 +259,44 @@ TEST(StudyPrefix, APoolTooSmallEndsRequestsEarlyCountedAndSharingMakesItFit) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("pool_bytes must be >= 1, got 0"));
   }
 }
+
+// block_tokens 0 picks, per arm, 16 rounded up to the arm's token groups (KIVI g32 keys: 32);
+// a given value that is not such a multiple is refused naming the flag, the arm and the group.
+TEST(StudyPrefix, AutomaticBlockTokensFollowEachArmsTokenGroups) {
+  SKIP_WITHOUT_DEFAULT_MODEL(default_model());
+  CacheConfig c;
+  c.num_layers = 2;
+  c.num_q_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 64;
+  c.scheme = "fp32";
+  EXPECT_EQ(c.block_tokens_multiple(), 1);
+  c.scheme = "int4:g32:chan";
+  EXPECT_EQ(c.block_tokens_multiple(), 32);
+  c.scheme = "kivi:k2:v2:g32:r128";
+  EXPECT_EQ(c.block_tokens_multiple(), 32);
+  c.scheme = "layers(fp32*1;int8:g16:chan*1)";
+  EXPECT_EQ(c.block_tokens_multiple(), 16);
+
+  const Arm kivi = parse_arm("kivi:k2:v2:g32:r128+full");
+  try {
+    (void)runner().canonicalize(kivi);  // block_tokens 16
+    ADD_FAILURE() << "block_tokens 16 was accepted for KIVI g32";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("block tokens (--block-tokens) = 16 is not a multiple of arm "
+                                               "'kivi:k2:v2:g32:r128+full''s quantizer group of 32 tokens"));
+  }
+  PrefixRunOptions o;
+  o.model_path = default_model();
+  o.threads = 1;
+  o.prefill_chunk = 64;
+  ASSERT_EQ(o.block_tokens, 0);
+  const PrefixWorkloadRunner automatic(o);
+  const auto wls = generate_prefix_workloads(1234, 1, 2);
+  const PrefixRunResult k = automatic.run(wls.front(), automatic.canonicalize(kivi), true);
+  EXPECT_EQ(k.block_tokens, 32);
+  EXPECT_EQ(k.preempted + k.refused, 0);
+  const PrefixRunResult f = automatic.run(wls.front(), automatic.canonicalize(parse_arm("fp32+full")), true);
+  EXPECT_EQ(f.block_tokens, 16);
+  EXPECT_THAT(prefix_results_json({f}), ::testing::HasSubstr("\"block_tokens\": 16"));
+}

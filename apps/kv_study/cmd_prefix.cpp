@@ -28,7 +28,7 @@ void add_prefix_command(CLI::App& app) {
   auto out = std::make_shared<std::string>();
   auto workloads = std::make_shared<int64_t>(3);
   auto requests = std::make_shared<int64_t>(8);
-  auto block = std::make_shared<int64_t>(16);
+  auto block = std::make_shared<int64_t>(0);
   auto chunk = std::make_shared<int64_t>(64);
   auto seed = std::make_shared<int64_t>(static_cast<int64_t>(kDefaultSuiteSeed));
   auto threads = std::make_shared<int>(1);
@@ -41,9 +41,11 @@ void add_prefix_command(CLI::App& app) {
   cmd->add_option("--requests", *requests, "requests behind each system prompt")
       ->capture_default_str()
       ->check(IntRange(1, 14));
-  cmd->add_option("--block-tokens", *block, "tokens per pool block (the sharing granularity)")
+  cmd->add_option("--block-tokens", *block,
+                  "tokens per pool block (the sharing granularity); 0: 16, rounded up per arm to a multiple of its "
+                  "quantizer's token groups (32 for KIVI's g32)")
       ->capture_default_str()
-      ->check(IntRange(1, 4096));
+      ->check(IntRange(0, 4096));
   cmd->add_option("--prefill-chunk", *chunk, "prompt tokens per prefill step (0: whole prompt)")
       ->capture_default_str()
       ->check(IntRange(0, kvcache::kMaxTokens));

@@ -488,10 +488,13 @@ class DefaultModelTest(unittest.TestCase):
             self.assertEqual(on["computed_tokens"], on["prompt_tokens"] - on["prompt_tokens_hit"])
             self.assertEqual(off["computed_tokens"], off["prompt_tokens"])
             self.assertEqual(on["outputs"], off["outputs"])
-        r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--configs", "kivi:k2:v2:g32:r128"],
+        # The default block size follows each arm's token groups; a given one must fit them.
+        r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--block-tokens", "16",
+                            "--configs", "kivi:k2:v2:g32:r128"],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
         self.assertNotEqual(r.returncode, 0)
-        self.assertIn("block_tokens = 16 must be a multiple of the key quantizer's group of 32", r.stderr)
+        self.assertIn("block tokens (--block-tokens) = 16 is not a multiple of arm 'kivi:k2:v2:g32:r128+full''s "
+                      "quantizer group of 32 tokens: pass a multiple of 32, or 0 to choose per arm", r.stderr)
 
 
     def test_prefix_pool_full_path_is_counted(self):

@@ -68,6 +68,11 @@ struct CacheConfig {
   void validate() const;
   /// block_tokens resolved (0 → the default for this config's scheme).
   int64_t resolved_block_tokens() const;
+  /// What block_tokens must be a multiple of: the lcm, in tokens, of the groups the scheme's
+  /// key and value quantizers encode together along the tokens (1 when every stream is per
+  /// token; 32 for `kivi:…:g32`, whose keys are per channel over groups of 32 tokens).
+  /// @throws InvalidArgument if the scheme spec is unknown or does not fit head_dim.
+  int64_t block_tokens_multiple() const;
 };
 
 /// Memory and token counters, measured from what is stored.

@@ -170,8 +170,12 @@ void CacheConfig::validate() const {
 
 int64_t CacheConfig::resolved_block_tokens() const {
   if (block_tokens > 0) return block_tokens;
-  const int64_t g = group_lcm(resolve_streams(*make_cache_scheme(scheme), *this), head_dim);
+  const int64_t g = block_tokens_multiple();
   return (kDefaultBlockTokens + g - 1) / g * g;
+}
+
+int64_t CacheConfig::block_tokens_multiple() const {
+  return group_lcm(resolve_streams(*make_cache_scheme(scheme), *this), head_dim);
 }
 
 int64_t LayerTokens::max_resident() const {

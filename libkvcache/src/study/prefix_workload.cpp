@@ -125,7 +125,8 @@ struct PrefixWorkloadRunner::Impl {
         runner(model),
         tokenizer(Tokenizer::from_texts(model.tokenizer_files())),
         chat(ChatTemplate::detect(model.config().model_type, model.extra_file("tokenizer_config.json"))) {
-    KV_CHECK_ARG(o.block_tokens >= 1, "PrefixRunOptions: block_tokens must be >= 1, got ", o.block_tokens);
+    KV_CHECK_ARG(o.block_tokens >= 0, "PrefixRunOptions: block_tokens must be >= 0 (0: automatic), got ",
+                 o.block_tokens);
     KV_CHECK_ARG(o.prefill_chunk >= 0, "PrefixRunOptions: prefill_chunk must be >= 0, got ", o.prefill_chunk);
     KV_CHECK_ARG(o.pool_bytes >= 1, "PrefixRunOptions: pool_bytes must be >= 1, got ", o.pool_bytes);
     eos = model.config().eos_token_ids;
@@ -142,6 +143,14 @@ struct PrefixWorkloadRunner::Impl {
     cfg.scheme = arm.scheme;
     cfg.policy = arm.policy;
     cfg.block_tokens = opt.block_tokens;
+    const int64_t g = cfg.block_tokens_multiple();
+    if (cfg.block_tokens == 0) {
+      cfg.block_tokens = (kAutoBlockTokens + g - 1) / g * g;
+    } else {
+      KV_CHECK_ARG(cfg.block_tokens % g == 0, "block tokens (--block-tokens) = ", cfg.block_tokens,
+                   " is not a multiple of arm '", arm.scheme, "+", arm.policy, "''s quantizer group of ", g,
+                   " tokens: pass a multiple of ", g, ", or 0 to choose per arm");
+    }
     return cfg;
   }
 };
@@ -186,6 +195,7 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
   res.arm = arm.spec();
   res.sharing = sharing;
   res.requests = static_cast<int64_t>(workload.requests.size());
+  res.block_tokens = mc.model.block_tokens;
   std::vector<std::vector<int64_t>> prompts;
   int64_t max_new = 1;
   for (const PrefixRequest& r : workload.requests) {
@@ -350,6 +360,7 @@ std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
     j["arm"] = r.arm;
     j["sharing"] = r.sharing;
     j["requests"] = r.requests;
+    j["block_tokens"] = r.block_tokens;
     j["scored"] = r.scored;
     j["passed"] = r.passed;
     j["prompt_tokens"] = r.prompt_tokens;

@@ -69,11 +69,18 @@ struct PrefixWorkload {
 /// @throws InvalidArgument if count is outside [1, 7] or requests outside [1, 14].
 std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t count, int64_t requests);
 
+/// PrefixRunOptions::block_tokens = 0 starts from this many tokens per block.
+constexpr int64_t kAutoBlockTokens = 16;
+
 /// Options of PrefixWorkloadRunner.
 struct PrefixRunOptions {
   std::string model_path;     ///< exported model (.pt, model ABI v1) with its tokenizer
   int threads = 0;            ///< intra-op threads for LibTorch (0: leave as is)
-  int64_t block_tokens = 16;  ///< tokens per block of the pool: the granularity of sharing
+  /// Tokens per block of the pool, the granularity of sharing. 0 (the default): per arm,
+  /// kAutoBlockTokens rounded up to a multiple of the arm's groups along the tokens
+  /// (CacheConfig::block_tokens_multiple: 16 for per-token schemes, 32 for KIVI's g32). A
+  /// positive value is used as given and must be such a multiple.
+  int64_t block_tokens = 0;
   int64_t prefill_chunk = 64; ///< prompt tokens per prefill step
   /// Reuse prefixes for policies that read attention during prefill (h2o, tova, snapkv,
   /// pyramid): MultiSequenceConfig::allow_inexact_reuse. Such a request does not compute what
@@ -95,6 +102,7 @@ struct PrefixRunResult {
   std::string arm;       ///< canonical "scheme+policy"
   bool sharing = false;
   int64_t requests = 0;
+  int64_t block_tokens = 0;  ///< tokens per pool block this run used (PrefixRunOptions::block_tokens resolved)
   int64_t scored = 0;    ///< requests scored
   int64_t passed = 0;    ///< scored requests whose reply satisfies the rule
   int64_t prompt_tokens = 0;    ///< Σ prompt tokens
