@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -195,7 +197,24 @@ double ScoreResult::perplexity() const {
   return std::exp(-logprobs.to(at::kDouble).mean().item<double>());
 }
 
-Runner::Runner(CausalLM model) : model_(std::move(model)) {}
+struct Runner::ReplayIds {
+  std::mutex mu;
+  std::map<std::string, std::vector<int64_t>> ids;  ///< instruction text -> its token ids
+};
+
+Runner::Runner(CausalLM model) : replay_ids_(std::make_shared<ReplayIds>()), model_(std::move(model)) {}
+
+const std::vector<int64_t>& Runner::replay_instruction_ids(const std::string& instruction) const {
+  const std::lock_guard<std::mutex> lock(replay_ids_->mu);
+  auto it = replay_ids_->ids.find(instruction);
+  if (it == replay_ids_->ids.end()) {
+    it = replay_ids_->ids
+             .emplace(instruction, Tokenizer::from_texts(model_.tokenizer_files())
+                                       .encode(instruction, SpecialTokens::kParse, PostProcess::kSkip))
+             .first;
+  }
+  return it->second;  // std::map nodes never move
+}
 
 const CausalLM& Runner::model() const { return model_; }
 
@@ -316,8 +335,7 @@ void Runner::replay_context(const std::vector<int64_t>& context, const Generatio
   if (!need.any()) return;
   std::vector<int64_t> prefix = opt.replay_prefix;
   if (prefix.empty() && !need.instruction.empty()) {
-    prefix = Tokenizer::from_texts(model_.tokenizer_files()).encode(need.instruction, SpecialTokens::kParse,
-                                                                    PostProcess::kSkip);
+    prefix = replay_instruction_ids(need.instruction);
   }
   check_token_ids(prefix, model_.config().vocab_size, "Runner::generate: replay_prefix");
   const auto t0 = std::chrono::steady_clock::now();

@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -237,6 +238,13 @@ class Runner {
   /// The context replay of `context` if cache.replay_need() asks for one; fills replay_* of `r`.
   void replay_context(const std::vector<int64_t>& context, const GenerationOptions& options, KVCache& cache,
                       GenerationResult& r) const;
+
+  /// The replay instruction's token ids (ReplayNeed::instruction), encoded once per text with
+  /// the model's tokenizer: building a Tokenizer parses its vocabulary and merges. Shared by
+  /// copies of the Runner (same model); guarded for concurrent generate() calls.
+  struct ReplayIds;
+  std::shared_ptr<ReplayIds> replay_ids_;
+  const std::vector<int64_t>& replay_instruction_ids(const std::string& instruction) const;
 
   CausalLM model_;
 };
