@@ -134,18 +134,26 @@ void BM_Read(benchmark::State& state) {
                                                    benchmark::Counter::kIsRate);
 }
 
-/// BM_Read's rate, measured at start-up with a wall clock (best of 5), N bytes per pass.
-double measure_read_gbps() {
-  std::vector<uint64_t> a((size_t{256} << 20) / sizeof(uint64_t), 1);
-  benchmark::DoNotOptimize(read_sum(a));
+/// GB/s of `pass` (which moves `bytes` bytes), timed with a wall clock at start-up: one warm-up
+/// pass, then the best of 5 (the counters of BM_Read/BM_Copy are not readable from other
+/// benchmarks).
+template <class Pass>
+double best_gbps(double bytes, Pass&& pass) {
+  pass();
   double best = 0;
   for (int r = 0; r < 5; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(read_sum(a));
+    pass();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, static_cast<double>(a.size() * sizeof(uint64_t)) / s / 1e9);
+    best = std::max(best, bytes / s / 1e9);
   }
   return best;
+}
+
+/// BM_Read's rate: N bytes per pass.
+double measure_read_gbps() {
+  std::vector<uint64_t> a((size_t{256} << 20) / sizeof(uint64_t), 1);
+  return best_gbps(static_cast<double>(a.size() * sizeof(uint64_t)), [&] { benchmark::DoNotOptimize(read_sum(a)); });
 }
 
 void BM_Copy(benchmark::State& state) {
@@ -161,21 +169,14 @@ void BM_Copy(benchmark::State& state) {
                                                    benchmark::Counter::kIsRate);
 }
 
-/// BM_Copy's rate, measured here once more with a wall clock (the counter is not readable
-/// from other benchmarks): STREAM copy convention, 2·N bytes per memcpy of N.
+/// BM_Copy's rate: STREAM copy convention, 2·N bytes per memcpy of N.
 double measure_copy_gbps() {
   const size_t n = size_t{256} << 20;
   std::vector<char> a(n, 1), b(n, 2);
-  std::memcpy(b.data(), a.data(), n);
-  double best = 0;
-  for (int r = 0; r < 5; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
+  return best_gbps(2.0 * static_cast<double>(n), [&] {
     std::memcpy(b.data(), a.data(), n);
     benchmark::DoNotOptimize(b.data());
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, 2.0 * static_cast<double>(n) / s / 1e9);
-  }
-  return best;
+  });
 }
 
 void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
