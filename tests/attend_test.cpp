@@ -252,6 +252,52 @@ TEST(Attend, RaggedHeads) {
   }
 }
 
+// The tile kernels (q·k over float32 rows, the online softmax, p·v) are built once per vector
+// width — 16 lanes (AVX-512), 8 (AVX2), 4 (baseline) — and the widest the CPU runs is used.
+// Every width this CPU runs is held to the reference, at the head dims that take the vector
+// kernels (16, 32, 64, 128; other dims take a plain loop), with tiles that are not a multiple
+// of any width (blocks of 5 tokens, 1 .. 21-token chunks), causal masking inside prefill
+// chunks, holes (h2o) and 7 query heads per KV head. fp32 and int3 are read as rows through
+// these kernels on every CPU (int3 has no fused kernel; fp32 rows are read in place).
+TEST(Attend, EveryTileWidthMatchesTheReference) {
+  EXPECT_TRUE(cache::use_tile_lanes(0));
+  const int widest = cache::tile_lanes();
+  EXPECT_TRUE(widest == 4 || widest == 8 || widest == 16) << widest;
+  int ran = 0;
+  for (int lanes : {4, 8, 16}) {
+    if (!cache::use_tile_lanes(lanes)) {
+      EXPECT_GT(lanes, widest) << "a width narrower than the widest must run";
+      continue;
+    }
+    EXPECT_EQ(cache::tile_lanes(), lanes);
+    ++ran;
+    uint64_t seed = 900 + static_cast<uint64_t>(lanes);
+    for (int64_t d : {16, 32, 64, 128}) {
+      for (const char* quant : {"fp32", "int3"}) {
+        for (const char* policy : {"full", "h2o@24"}) {
+          auto c = make_config(1, 14, 2, d, quant, policy);
+          c.block_tokens = 5;
+          CacheManager m(c);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+          int64_t pos = 0;
+          for (int64_t n : {21, 1, 9, 1, 1}) {
+            m.append(0, testing::randn({1, 2, n, d}, gen), testing::randn({1, 2, n, d}, gen), positions_range(pos, n));
+            const std::string where = std::string(quant) + "+" + policy + " lanes " + std::to_string(lanes) + " d " +
+                                      std::to_string(d) + " at " + std::to_string(pos);
+            expect_attend_matches_reference(m, 0, testing::randn({1, 14, n, d}, gen), positions_range(pos, n), where);
+            m.end_step(n > 1 ? StepKind::kPrefill : StepKind::kDecode);
+            pos += n;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(cache::use_tile_lanes(0));
+  EXPECT_EQ(cache::tile_lanes(), widest);
+  EXPECT_GE(ran, 1);
+  EXPECT_THROW(cache::use_tile_lanes(12), InvalidArgument);
+}
+
 TEST(Attend, ValidatesItsArguments) {
   CacheManager m(make_config(2, 4, 2, 8, "fp16", "full"));
   m.append(0, at::zeros({1, 2, 3, 8}), at::zeros({1, 2, 3, 8}), positions_range(0, 3));

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The generic block-by-block attention (attend.h). Compiled with -fopenmp-simd (SIMD
 // reductions, no OpenMP runtime) and -ffp-contract=fast (FMAs in the dot products); the
-// tile kernels are multiversioned like the quantizer kernels (KV_TARGET_CLONES).
+// tile kernels are built once per vector width, each with its ISA enabled (TileKernels).
 #include "cache/attend.h"
 #include "cache/attend_fused.h"
 
@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "kvcache/error.h"
@@ -54,71 +55,133 @@ KV_ALWAYS_INLINE float exp_nonpos(float x) {
   return live ? y * p2 : 0.0f;
 }
 
-// ---- SIMD building blocks (GCC/Clang vector extensions: every ISA clone gets its own code) --
-typedef float v16f __attribute__((vector_size(64)));
+// ---- SIMD building blocks (GCC/Clang vector extensions), templated on the lane count W ----
+// Each ISA gets the width of its registers: W = 16 for AVX-512, 8 for AVX2, 4 for baseline
+// x86-64 and other targets. A vector type wider than the target's registers is lowered by the
+// compiler to element moves through the stack: with one 16-lane source for every clone, the
+// AVX2 build of tile_pv spent its time in stack stores and lane inserts, and the generic path
+// ran 2.6× slower than the float32 baseline on an AVX2-only AMD EPYC (docs/performance.md,
+// "Without AVX-512"). The kernels' entry points (TileKernels) are compiled once per width
+// with that ISA's target attribute and picked for the running CPU once.
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<4> {
+  typedef float f __attribute__((vector_size(16)));
+  typedef int32_t i __attribute__((vector_size(16)));
+};
+template <>
+struct VecOf<8> {
+  typedef float f __attribute__((vector_size(32)));
+  typedef int32_t i __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<16> {
+  typedef float f __attribute__((vector_size(64)));
+  typedef int32_t i __attribute__((vector_size(64)));
+};
+template <int W>
+using vf = typename VecOf<W>::f;
+template <int W>
+using vi = typename VecOf<W>::i;
 
-KV_ALWAYS_INLINE v16f load16(const float* p) {
-  v16f v;
+template <int W>
+KV_ALWAYS_INLINE vf<W> vload(const float* p) {
+  vf<W> v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-KV_ALWAYS_INLINE void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-KV_ALWAYS_INLINE v16f splat16(float x) { return v16f{} + x; }
-
-/// Lanes 0..7: adjacent pair sums of a; lanes 8..15: of b.
-KV_ALWAYS_INLINE v16f pair_sums(v16f a, v16f b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+template <int W>
+KV_ALWAYS_INLINE void vstore(float* p, vf<W> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <int W>
+KV_ALWAYS_INLINE vf<W> vsplat(float x) {
+  return vf<W>{} + x;
 }
 
-/// Lane j of the result = the sum of the 16 lanes of v[j] (a fixed tree: 15 shuffle-add pairs
-/// for 16 sums instead of 16 serial reductions).
-KV_ALWAYS_INLINE v16f hsum16(v16f* v) {
-  for (int w = 8; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) v[i] = pair_sums(v[2 * i], v[2 * i + 1]);
+/// exp_nonpos lane by lane, as vector operations (the same steps, so the same value per lane).
+template <int W>
+KV_ALWAYS_INLINE vf<W> vexp_nonpos(vf<W> x) {
+  const vi<W> live = x > vsplat<W>(-87.3f);
+  const vf<W> xc = live ? x : vsplat<W>(-87.3f);
+  const vf<W> t = xc * 1.44269504088896341f + 12582912.0f;
+  const vf<W> n = t - 12582912.0f;
+  const vi<W> ni = __builtin_bit_cast(vi<W>, t) - 0x4B400000;
+  vf<W> r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const vf<W> z = r * r;
+  vf<W> y = vsplat<W>(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const vi<W> e = (ni + 127) << 23;
+  const vf<W> p2 = __builtin_bit_cast(vf<W>, e);
+  return live ? y * p2 : vf<W>{};
+}
+
+/// Lanes [0, W/2): adjacent pair sums of a; lanes [W/2, W): of b.
+template <int W, size_t... I>
+KV_ALWAYS_INLINE vf<W> pair_sums_impl(vf<W> a, vf<W> b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, (2 * I)...) + __builtin_shufflevector(a, b, (2 * I + 1)...);
+}
+template <int W>
+KV_ALWAYS_INLINE vf<W> pair_sums(vf<W> a, vf<W> b) {
+  return pair_sums_impl<W>(a, b, std::make_index_sequence<W>{});
+}
+
+/// Lane j of the result = the sum of the W lanes of v[j] (a fixed tree: W − 1 shuffle-add
+/// pairs for W sums instead of W serial reductions).
+template <int W>
+KV_ALWAYS_INLINE vf<W> hsum(vf<W>* v) {
+  for (int w = W / 2; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) v[i] = pair_sums<W>(v[2 * i], v[2 * i + 1]);
   }
   return v[0];
 }
 
-/// s[r·ld + j] = (q_r · k_j) · scale for r < nr, j < n; D = 16·C.
-template <int C>
+/// s[r·ld + j] = (q_r · k_j) · scale for r < nr, j < n; D = W·C.
+template <int W, int C>
 KV_ALWAYS_INLINE void scores_vec(const float* q, int64_t nr, const float* const* krows, int64_t n, float scale,
                                  float* s, int64_t ld) {
-  constexpr int64_t D = 16 * C;
+  constexpr int64_t D = W * C;
   for (int64_t r = 0; r < nr; ++r) {
-    v16f qr[C];
-    for (int c = 0; c < C; ++c) qr[c] = load16(q + r * D + 16 * c);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - j0);
-      v16f acc[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        v16f a{};
+    vf<W> qr[C];
+    for (int c = 0; c < C; ++c) qr[c] = vload<W>(q + r * D + W * c);
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      const int64_t m = std::min<int64_t>(W, n - j0);
+      vf<W> acc[W];
+      for (int64_t j = 0; j < W; ++j) {
+        vf<W> a{};
         if (j < m) {
           const float* k = krows[j0 + j];
-          for (int c = 0; c < C; ++c) a += qr[c] * load16(k + 16 * c);
+          for (int c = 0; c < C; ++c) a += qr[c] * vload<W>(k + W * c);
         }
         acc[j] = a;
       }
-      const v16f sums = hsum16(acc) * scale;
-      if (m == 16) {
-        store16(s + r * ld + j0, sums);
+      const vf<W> sums = hsum<W>(acc) * scale;
+      if (m == W) {
+        vstore<W>(s + r * ld + j0, sums);
       } else {
-        float tmp[16];
-        store16(tmp, sums);
+        float tmp[W];
+        vstore<W>(tmp, sums);
         std::memcpy(s + r * ld + j0, tmp, static_cast<size_t>(m) * sizeof(float));
       }
     }
   }
 }
 
-/// s[r·ld + j] = (q_r · k_j) · scale for r < nr, j < n.
-KV_TARGET_CLONES void tile_scores(const float* __restrict q, int64_t nr, const float* const* krows, int64_t n,
-                                  int64_t d, float scale, float* __restrict s, int64_t ld) {
+template <int W>
+KV_ALWAYS_INLINE void tile_scores_w(const float* __restrict q, int64_t nr, const float* const* krows, int64_t n,
+                                    int64_t d, float scale, float* __restrict s, int64_t ld) {
   switch (d) {
-    case 16: return scores_vec<1>(q, nr, krows, n, scale, s, ld);
-    case 32: return scores_vec<2>(q, nr, krows, n, scale, s, ld);
-    case 64: return scores_vec<4>(q, nr, krows, n, scale, s, ld);
-    case 128: return scores_vec<8>(q, nr, krows, n, scale, s, ld);
+    case 16: return scores_vec<W, 16 / W>(q, nr, krows, n, scale, s, ld);
+    case 32: return scores_vec<W, 32 / W>(q, nr, krows, n, scale, s, ld);
+    case 64: return scores_vec<W, 64 / W>(q, nr, krows, n, scale, s, ld);
+    case 128: return scores_vec<W, 128 / W>(q, nr, krows, n, scale, s, ld);
     default: break;
   }
   for (int64_t r = 0; r < nr; ++r) {
@@ -142,44 +205,44 @@ void tile_mask(float* s, int64_t ld, int64_t nr, int64_t n, const int64_t* kpos,
   }
 }
 
-/// Largest and sum of n floats with 16-lane vectors (a fixed reduction tree).
+/// Largest of n floats with W-lane vectors (a fixed reduction tree).
+template <int W>
 KV_ALWAYS_INLINE float vmax(const float* x, int64_t n) {
-  v16f m = splat16(kNegInf);
+  vf<W> m = vsplat<W>(kNegInf);
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const v16f v = load16(x + j);
+  for (; j + W <= n; j += W) {
+    const vf<W> v = vload<W>(x + j);
     m = v > m ? v : m;
   }
   float r = kNegInf;
-  for (int i = 0; i < 16; ++i) r = m[i] > r ? m[i] : r;
+  for (int i = 0; i < W; ++i) r = m[i] > r ? m[i] : r;
   for (; j < n; ++j) r = x[j] > r ? x[j] : r;
   return r;
 }
 
 /// Online-softmax step of rows r < nr over a tile's scores (masked: −inf): turns s into
 /// p = exp(s − m_new) in place, rescales the row's accumulator and sum by exp(m_old − m_new).
-KV_TARGET_CLONES void tile_softmax(float* __restrict s, int64_t ld, int64_t nr, int64_t n, int64_t d,
-                                   float* __restrict m, float* __restrict l, float* __restrict acc) {
+template <int W>
+KV_ALWAYS_INLINE void tile_softmax_w(float* __restrict s, int64_t ld, int64_t nr, int64_t n, int64_t d,
+                                     float* __restrict m, float* __restrict l, float* __restrict acc) {
   for (int64_t r = 0; r < nr; ++r) {
     float* __restrict sr = s + r * ld;
-    const float mt = vmax(sr, n);
+    const float mt = vmax<W>(sr, n);
     if (mt == kNegInf) {  // every key of the tile is hidden from this row
       for (int64_t j = 0; j < n; ++j) sr[j] = 0.0f;
       continue;
     }
     const float mn = m[r] > mt ? m[r] : mt;
     const float corr = m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mn);
-    v16f sum16{};
+    vf<W> sumv{};
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      v16f v = load16(sr + j) - mn;
-      v16f e;
-      for (int i = 0; i < 16; ++i) e[i] = exp_nonpos(v[i]);
-      store16(sr + j, e);
-      sum16 += e;
+    for (; j + W <= n; j += W) {
+      const vf<W> e = vexp_nonpos<W>(vload<W>(sr + j) - mn);
+      vstore<W>(sr + j, e);
+      sumv += e;
     }
     float sum = 0.0f;
-    for (int i = 0; i < 16; ++i) sum += sum16[i];
+    for (int i = 0; i < W; ++i) sum += sumv[i];
     for (; j < n; ++j) {
       sr[j] = exp_nonpos(sr[j] - mn);
       sum += sr[j];
@@ -194,30 +257,31 @@ KV_TARGET_CLONES void tile_softmax(float* __restrict s, int64_t ld, int64_t nr, 
   }
 }
 
-/// acc_r += Σ_j p_j · v_j with the row in registers; D = 16·C.
-template <int C>
+/// acc_r += Σ_j p_j · v_j with the row in registers; D = W·C.
+template <int W, int C>
 KV_ALWAYS_INLINE void accumulate_vec(float* ar, const float* p, int64_t n, const float* const* vrows) {
-  v16f a[C];
-  for (int c = 0; c < C; ++c) a[c] = load16(ar + 16 * c);
+  vf<W> a[C];
+  for (int c = 0; c < C; ++c) a[c] = vload<W>(ar + W * c);
   for (int64_t j = 0; j < n; ++j) {
-    const v16f pj = splat16(p[j]);
+    const vf<W> pj = vsplat<W>(p[j]);
     const float* v = vrows[j];
-    for (int c = 0; c < C; ++c) a[c] += pj * load16(v + 16 * c);
+    for (int c = 0; c < C; ++c) a[c] += pj * vload<W>(v + W * c);
   }
-  for (int c = 0; c < C; ++c) store16(ar + 16 * c, a[c]);
+  for (int c = 0; c < C; ++c) vstore<W>(ar + W * c, a[c]);
 }
 
 /// acc_r += Σ_j p[r·ld + j] · v_j for rows r < nr.
-KV_TARGET_CLONES void tile_pv(const float* __restrict p, int64_t ld, int64_t nr, int64_t n, const float* const* vrows,
-                              int64_t d, float* __restrict acc) {
+template <int W>
+KV_ALWAYS_INLINE void tile_pv_w(const float* __restrict p, int64_t ld, int64_t nr, int64_t n,
+                                const float* const* vrows, int64_t d, float* __restrict acc) {
   for (int64_t r = 0; r < nr; ++r) {
     const float* __restrict pr = p + r * ld;
     float* __restrict ar = acc + r * d;
     switch (d) {
-      case 16: accumulate_vec<1>(ar, pr, n, vrows); continue;
-      case 32: accumulate_vec<2>(ar, pr, n, vrows); continue;
-      case 64: accumulate_vec<4>(ar, pr, n, vrows); continue;
-      case 128: accumulate_vec<8>(ar, pr, n, vrows); continue;
+      case 16: accumulate_vec<W, 16 / W>(ar, pr, n, vrows); continue;
+      case 32: accumulate_vec<W, 32 / W>(ar, pr, n, vrows); continue;
+      case 64: accumulate_vec<W, 64 / W>(ar, pr, n, vrows); continue;
+      case 128: accumulate_vec<W, 128 / W>(ar, pr, n, vrows); continue;
       default: break;
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -228,6 +292,78 @@ KV_TARGET_CLONES void tile_pv(const float* __restrict p, int64_t ld, int64_t nr,
       for (int64_t i = 0; i < d; ++i) ar[i] += pj * v[i];
     }
   }
+}
+
+// ---- The tile kernels' entry points, one set per ISA (picked once: tile_kernels()) ----------
+using ScoresFn = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float, float*, int64_t);
+using SoftmaxFn = void (*)(float*, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
+using PvFn = void (*)(const float*, int64_t, int64_t, int64_t, const float* const*, int64_t, float*);
+struct TileKernels {
+  ScoresFn scores;
+  SoftmaxFn softmax;
+  PvFn pv;
+  int lanes;
+};
+
+#define KV_TILE_KERNELS(SUFFIX, ATTR, W)                                                                   \
+  ATTR void tile_scores_##SUFFIX(const float* q, int64_t nr, const float* const* krows, int64_t n, int64_t d, \
+                                 float scale, float* s, int64_t ld) {                                       \
+    tile_scores_w<W>(q, nr, krows, n, d, scale, s, ld);                                                     \
+  }                                                                                                         \
+  ATTR void tile_softmax_##SUFFIX(float* s, int64_t ld, int64_t nr, int64_t n, int64_t d, float* m, float* l, \
+                                  float* acc) {                                                             \
+    tile_softmax_w<W>(s, ld, nr, n, d, m, l, acc);                                                          \
+  }                                                                                                         \
+  ATTR void tile_pv_##SUFFIX(const float* p, int64_t ld, int64_t nr, int64_t n, const float* const* vrows,   \
+                             int64_t d, float* acc) {                                                       \
+    tile_pv_w<W>(p, ld, nr, n, vrows, d, acc);                                                              \
+  }
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__ELF__) && !defined(KVCACHE_NO_TARGET_CLONES)
+#define KV_TILE_MULTI_ISA 1
+// The features of x86-64-v4 and v3 (KV_TARGET_CLONES' levels) that code of this kind uses,
+// named as both GCC's and Clang's __builtin_cpu_supports know them, so that what a build may
+// use is exactly what pick_tile_kernels() asks of the CPU.
+#define KV_TILE_V3_FEATURES "avx2,fma,bmi,bmi2,popcnt"
+#define KV_TILE_V4_FEATURES "avx512f,avx512bw,avx512dq,avx512vl,avx512cd," KV_TILE_V3_FEATURES
+KV_TILE_KERNELS(v4, __attribute__((target(KV_TILE_V4_FEATURES))), 16)
+KV_TILE_KERNELS(v3, __attribute__((target(KV_TILE_V3_FEATURES))), 8)
+#endif
+KV_TILE_KERNELS(base, , 4)
+#undef KV_TILE_KERNELS
+
+constexpr TileKernels kBaseKernels{tile_scores_base, tile_softmax_base, tile_pv_base, 4};
+
+/// The widest set of kernels this CPU runs, or the one of `lanes` (0: the widest).
+TileKernels pick_tile_kernels(int lanes) {
+#if defined(KV_TILE_MULTI_ISA)
+  __builtin_cpu_init();
+  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
+                  __builtin_cpu_supports("popcnt");
+  const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                  __builtin_cpu_supports("avx512cd");
+  if (v4 && (lanes == 0 || lanes == 16)) return {tile_scores_v4, tile_softmax_v4, tile_pv_v4, 16};
+  if (v3 && (lanes == 0 || lanes == 8)) return {tile_scores_v3, tile_softmax_v3, tile_pv_v3, 8};
+#endif
+  return kBaseKernels;
+}
+
+TileKernels& tile_kernels() {
+  static TileKernels k = pick_tile_kernels(0);
+  return k;
+}
+
+void tile_scores(const float* q, int64_t nr, const float* const* krows, int64_t n, int64_t d, float scale, float* s,
+                 int64_t ld) {
+  tile_kernels().scores(q, nr, krows, n, d, scale, s, ld);
+}
+void tile_softmax(float* s, int64_t ld, int64_t nr, int64_t n, int64_t d, float* m, float* l, float* acc) {
+  tile_kernels().softmax(s, ld, nr, n, d, m, l, acc);
+}
+void tile_pv(const float* p, int64_t ld, int64_t nr, int64_t n, const float* const* vrows, int64_t d, float* acc) {
+  tile_kernels().pv(p, ld, nr, n, vrows, d, acc);
 }
 
 /// p = exp(s − m_r) / l_r for the tile's scores of rows r < nr, added (× w) into
@@ -619,6 +755,17 @@ void attend_head(const AttendArgs& a, int64_t h) {
 }
 
 }  // namespace
+
+int tile_lanes() { return tile_kernels().lanes; }
+
+bool use_tile_lanes(int lanes) {
+  KV_CHECK_ARG(lanes == 0 || lanes == 4 || lanes == 8 || lanes == 16, "use_tile_lanes: lanes must be 0, 4, 8 or 16, got ",
+               lanes);
+  const TileKernels k = pick_tile_kernels(lanes);
+  if (lanes != 0 && k.lanes != lanes) return false;
+  tile_kernels() = k;
+  return true;
+}
 
 void attend_generic(const AttendArgs& a) {
   const int64_t hkv = a.layer->num_heads();

@@ -45,4 +45,15 @@ struct AttendArgs {
 /// Runs attention for every KV head (at::parallel_for over heads when the work is large).
 void attend_generic(const AttendArgs& args);
 
+/// Lanes of the float32 vectors the generic path's tile kernels (q·k over rows, the online
+/// softmax, p·v) use on this CPU: 16 (AVX-512), 8 (AVX2 + FMA) or 4 (baseline). Each width is
+/// its own build of the same source with that ISA enabled, chosen once for the running CPU.
+int tile_lanes();
+
+/// Makes the tile kernels of `lanes` lanes the ones used (tests and benchmarks: each width is
+/// held to the same reference); 0 picks the widest again. Not thread-safe: call while no
+/// attention runs. Returns false (and changes nothing) if this CPU cannot run that width.
+/// @throws InvalidArgument if lanes is not 0, 4, 8 or 16.
+bool use_tile_lanes(int lanes);
+
 }  // namespace kvcache::cache
