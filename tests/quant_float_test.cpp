@@ -3,8 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <vector>
+
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "quant/cast_kernels.h"
+#include "quant/simd.h"
 #include "quant_test_util.h"
 
 namespace kvcache {
@@ -20,6 +25,32 @@ TEST(FloatQuantizers, Fp32IsIdentity) {
   EXPECT_EQ(qt.nbytes(), x.numel() * 4);
   EXPECT_TRUE(at::equal(q->dequantize(qt), x));
   EXPECT_NE(qt.codes.data_ptr(), x.data_ptr());
+}
+
+// Every binary16 bit pattern (zeros, subnormals, normals, ±Inf, NaNs) widens to the float32
+// ATen's c10::Half gives, bit for bit, through the vectorized kernel (fp16_to_fp32, each ISA
+// build of it) and the scalar helper. The kernel's loop must vectorize for this to be fast, and
+// a change made for that (the normal/subnormal choice) must keep every value.
+TEST(FloatQuantizers, Fp16WidensEveryBitPatternExactly) {
+  std::vector<uint16_t> h(65536);
+  for (uint32_t i = 0; i < 65536; ++i) h[i] = static_cast<uint16_t>(i);
+  std::vector<float> out(65536, -1.0f);
+  quant::fp16_to_fp32(h.data(), 65536, out.data());
+  int64_t wrong = 0;
+  for (uint32_t i = 0; i < 65536; ++i) {
+    c10::Half half;
+    half.x = h[i];
+    const float want = static_cast<float>(half);
+    uint32_t a, b, c;
+    const float scalar = quant::fp16_to_float(h[i]);
+    std::memcpy(&a, &out[i], 4);
+    std::memcpy(&b, &want, 4);
+    std::memcpy(&c, &scalar, 4);
+    wrong += (a != b) + (c != b);
+    if (a != b || c != b) ADD_FAILURE() << "fp16 bits 0x" << std::hex << i << ": kernel 0x" << a << ", scalar 0x" << c << ", ATen 0x" << b;
+    if (wrong > 10) break;
+  }
+  EXPECT_EQ(wrong, 0);
 }
 
 TEST(FloatQuantizers, Fp16AndBf16AreRoundToNearestEvenCasts) {

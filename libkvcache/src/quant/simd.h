@@ -66,15 +66,19 @@ KV_ALWAYS_INLINE uint16_t fp16_bits(float f) {
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
 }
 
-/// IEEE binary16 bits → float32 (exact). Branch-free (FP16's fp16_ieee_to_fp32_value).
+/// IEEE binary16 bits → float32 (exact). Branch-free (FP16's fp16_ieee_to_fp32_value), with
+/// the choice between the normal and subnormal results made by a bit mask, not `?:`: GCC turns
+/// a conditional between two float results into a branch it may not if-convert (the float
+/// operations could trap), and the loops over it then stay scalar (fp16 decode of a cache
+/// block ran element by element in the AVX2 build).
 KV_ALWAYS_INLINE float fp16_to_float(uint16_t h) {
   const uint32_t w = static_cast<uint32_t>(h) << 16;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
-  const float normalized = bits_float((two_w >> 4) + (0xe0u << 23)) * bits_float(0x07800000u);  // × 2^-112
-  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t result = sign | (two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized));
-  return bits_float(result);
+  const uint32_t normalized = float_bits(bits_float((two_w >> 4) + (0xe0u << 23)) * bits_float(0x07800000u));  // × 2^-112
+  const uint32_t denormalized = float_bits(bits_float((two_w >> 17) | (126u << 23)) - 0.5f);
+  const uint32_t subnormal = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones for zero / subnormal
+  return bits_float(sign | (denormalized & subnormal) | (normalized & ~subnormal));
 }
 
 /// 1 if binary16 bits `h` are ±Inf or NaN.
