@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvcache/error.h"
+#include "kvcache/study/task_suite.h"
 #include "model_test_util.h"
 
 using namespace kvcache;
@@ -57,6 +58,26 @@ int64_t expected_hit(const std::vector<std::vector<int64_t>>& prompts, size_t i,
   return best / block * block;
 }
 
+/// The instruction tasks of the default suite's 512 length class, in suite order (the tasks the
+/// system_prompt and fewshot families are built from).
+std::vector<Task> instruction_512(uint64_t seed) {
+  std::vector<Task> out;
+  for (const Task& t : generate_suite("default", seed)) {
+    if (t.family == TaskFamily::kInstruction && t.context_target == 512) out.push_back(t);
+  }
+  return out;
+}
+
+/// A hand-built instruction task: system prompt, user turn "Question: <q>", rule.
+Task hand_instruction(const std::string& id, const std::string& question, ScoringRule rule) {
+  Task t;
+  t.id = id;
+  t.family = TaskFamily::kInstruction;
+  t.messages = {{"system", "You are a helpful assistant."}, {"user", "Here is a note.\n\nIt is a calm day.\n\nQuestion: " + question}};
+  t.rule = std::move(rule);
+  return t;
+}
+
 }  // namespace
 
 TEST(StudyPrefix, SystemPromptRequestsShareTheSystemPromptAndNoteAndDifferInTheQuestion) {
@@ -78,6 +99,9 @@ TEST(StudyPrefix, SystemPromptRequestsShareTheSystemPromptAndNoteAndDifferInTheQ
       EXPECT_EQ(r.task.rule.kind, first.rule.kind);  // the shared instruction scores every reply
       EXPECT_EQ(r.task.rule.arg, first.rule.arg);
       EXPECT_EQ(r.task.max_new_tokens, first.max_new_tokens);
+      // The reference: the asked question's answer in the shared instruction's style.
+      EXPECT_TRUE(score_output(r.task.rule, r.task.answer)) << r.task.answer;
+      EXPECT_FALSE(r.task.answer.empty());
       const std::string& user = r.task.messages[1].content;
       const size_t q = user.rfind("\n\nQuestion: ");
       ASSERT_NE(q, std::string::npos);
@@ -110,6 +134,47 @@ TEST(StudyPrefix, MultiTurnRequestsReSendTheHistory) {
     EXPECT_EQ(msgs[prev.size()].content, wl.requests[k - 1].task.answer);
   }
   EXPECT_EQ(wl.requests.back().task.messages.back().content, "Goodbye!");
+}
+
+TEST(StudyPrefix, InstructionReplyStylesAnotherTasksAnswer) {
+  const Task sky = hand_instruction("sky", "What colour is the sky?", {RuleKind::kUppercase, ""});
+  const Task bees = hand_instruction("bees", "What do bees make?", {RuleKind::kEndsWith, "mango"});
+  const Task moo = hand_instruction("moo", "What animal says moo?", {RuleKind::kStartsWith, "tiger"});
+  EXPECT_EQ(instruction_reply(sky, sky), "THE SKY IS BLUE.");
+  EXPECT_EQ(instruction_reply(bees, sky), "BEES MAKE HONEY.");
+  EXPECT_EQ(instruction_reply(sky, bees), "The sky is blue, mango.");
+  EXPECT_EQ(instruction_reply(sky, moo), "Tiger, the sky is blue.");
+  EXPECT_EQ(instruction_reply(moo, moo), "Tiger, a cow says moo.");
+  // On the suite: a task's own style of its own question is its reference answer.
+  for (const Task& t : instruction_512(1234)) EXPECT_EQ(instruction_reply(t, t), t.answer) << t.id;
+}
+
+TEST(StudyPrefix, InstructionReplyErrorsNameTheTask) {
+  auto message = [](const Task& q, const Task& s) -> std::string {
+    try {
+      return "no InvalidArgument: " + instruction_reply(q, s);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+  };
+  const Task sky = hand_instruction("sky", "What colour is the sky?", {RuleKind::kUppercase, ""});
+  Task needle = sky;
+  needle.id = "a-needle";
+  needle.family = TaskFamily::kNeedle;
+  EXPECT_THAT(message(needle, sky), ::testing::HasSubstr("task 'a-needle' is a needle task, expected an instruction task"));
+  EXPECT_THAT(message(sky, needle), ::testing::HasSubstr("task 'a-needle' is a needle task, expected an instruction task"));
+  const Task odd = hand_instruction("odd", "What is the access code?", {RuleKind::kUppercase, ""});
+  EXPECT_THAT(message(odd, sky), ::testing::HasSubstr("the question of task 'odd', \"What is the access code?\", is not one "
+                                                      "of the suite's 12 questions"));
+  Task none = sky;
+  none.id = "no-question";
+  none.messages.back().content = "Here is a note.";
+  EXPECT_THAT(message(none, sky), ::testing::HasSubstr("task 'no-question' has no \"Question: \" in its last user turn"));
+  Task word = sky;
+  word.id = "word-rule";
+  word.rule = {RuleKind::kWord, "blue"};
+  EXPECT_THAT(message(sky, word), ::testing::HasSubstr("task 'word-rule' has a word rule, expected uppercase, ends_with "
+                                                       "or starts_with"));
 }
 
 TEST(StudyPrefix, BadArgumentsAreNamed) {

@@ -73,9 +73,8 @@ std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t cou
       r.task = base;
       r.task.id = wl.id + "-q" + std::to_string(i);
       r.task.messages.back().content = note + split_question(other).second;
-      // The reply the rule wants is the other task's answer under this task's instruction; the
-      // rule is what scores it, so the reference is left out.
-      r.task.answer.clear();
+      // The reply the rule wants: the other task's answer under this task's instruction.
+      r.task.answer = instruction_reply(other, base);
       wl.requests.push_back(std::move(r));
     }
     // One limit for the batch (generate_batch takes one): the largest of the questions'.
