@@ -82,7 +82,7 @@ Task hand_instruction(const std::string& id, const std::string& question, Scorin
 
 TEST(StudyPrefix, SystemPromptRequestsShareTheSystemPromptAndNoteAndDifferInTheQuestion) {
   const auto wls = generate_prefix_workloads(1234, 2, 4);
-  ASSERT_EQ(wls.size(), 4u);
+  ASSERT_EQ(wls.size(), 6u);  // system_prompt ×2, multiturn ×2, fewshot ×2
   for (size_t w = 0; w < 2; ++w) {
     const PrefixWorkload& wl = wls[w];
     EXPECT_EQ(wl.family, PrefixFamily::kSystemPrompt);
@@ -116,7 +116,7 @@ TEST(StudyPrefix, SystemPromptRequestsShareTheSystemPromptAndNoteAndDifferInTheQ
 
 TEST(StudyPrefix, MultiTurnRequestsReSendTheHistory) {
   const auto wls = generate_prefix_workloads(1234, 1, 1);
-  ASSERT_EQ(wls.size(), 2u);
+  ASSERT_EQ(wls.size(), 3u);
   const PrefixWorkload& wl = wls[1];
   EXPECT_EQ(wl.family, PrefixFamily::kMultiTurn);
   EXPECT_FALSE(wl.concurrent);
@@ -177,6 +177,114 @@ TEST(StudyPrefix, InstructionReplyErrorsNameTheTask) {
                                                        "or starts_with"));
 }
 
+TEST(StudyPrefix, FewShotRequestsShareTheInstructionAndWorkedExamplesAndDifferInTheLastTurn) {
+  const std::vector<Task> instr = instruction_512(1234);
+  ASSERT_EQ(instr.size(), 14u);
+  const auto wls = generate_prefix_workloads(1234, 2, 4);
+  ASSERT_EQ(wls.size(), 6u);
+  for (size_t w = 0; w < 2; ++w) {
+    const PrefixWorkload& wl = wls[4 + w];
+    const Task& base = instr[w];
+    EXPECT_EQ(wl.id, "fewshot-" + base.id);
+    EXPECT_EQ(wl.family, PrefixFamily::kFewShot);
+    EXPECT_EQ(to_string(wl.family), "fewshot");
+    EXPECT_TRUE(wl.concurrent);
+    ASSERT_EQ(wl.requests.size(), 4u);
+    const auto& first = wl.requests[0].task.messages;
+    // [instruction][example question][example reply][note + question]
+    ASSERT_EQ(first.size(), 4u);
+    EXPECT_EQ(first[0].role, "system");
+    EXPECT_EQ(first[0].content, base.messages[0].content);
+    const Task& ex = instr[(w + 1) % 14];
+    const std::string& ex_user = ex.messages.back().content;
+    EXPECT_EQ(first[1].role, "user");
+    EXPECT_EQ(first[1].content, ex_user.substr(ex_user.rfind("\n\nQuestion: ") + 2));  // the question alone
+    EXPECT_THAT(first[1].content, ::testing::StartsWith("Question: "));
+    EXPECT_EQ(first[2].role, "assistant");
+    EXPECT_EQ(first[2].content, instruction_reply(ex, base));
+    EXPECT_TRUE(score_output(base.rule, first[2].content)) << first[2].content;
+    std::vector<std::string> last;
+    for (size_t i = 0; i < wl.requests.size(); ++i) {
+      const PrefixRequest& r = wl.requests[i];
+      const Task& other = instr[(w + 2 + i) % 14];
+      EXPECT_TRUE(r.scored);
+      ASSERT_EQ(r.task.messages.size(), 4u);
+      for (size_t m = 0; m < 3; ++m) {
+        EXPECT_EQ(r.task.messages[m].role, first[m].role);
+        EXPECT_EQ(r.task.messages[m].content, first[m].content) << wl.id << " request " << i << " message " << m;
+      }
+      EXPECT_EQ(r.task.messages[3].role, "user");
+      EXPECT_EQ(r.task.messages[3].content, other.messages.back().content);  // note + question
+      EXPECT_EQ(r.task.rule.kind, base.rule.kind);  // the base instruction scores every reply
+      EXPECT_EQ(r.task.rule.arg, base.rule.arg);
+      EXPECT_EQ(r.task.answer, instruction_reply(other, base));
+      EXPECT_TRUE(score_output(r.task.rule, r.task.answer)) << r.task.answer;
+      EXPECT_EQ(r.task.max_new_tokens, wl.requests[0].task.max_new_tokens);
+      EXPECT_GE(r.task.max_new_tokens, approx_tokens(r.task.answer) + 8);
+      last.push_back(r.task.messages[3].content);
+    }
+    std::sort(last.begin(), last.end());
+    EXPECT_EQ(std::unique(last.begin(), last.end()), last.end()) << "last turns repeat in " << wl.id;
+  }
+}
+
+TEST(StudyPrefix, SameAsBaselineCountsScoredRepliesEqualToTheBaselineRun) {
+  auto run = [](const std::string& wl, PrefixFamily f, const std::string& arm, bool sharing,
+                std::vector<std::string> outputs, std::vector<bool> scored) {
+    PrefixRunResult r;
+    r.workload = wl;
+    r.family = f;
+    r.arm = arm;
+    r.sharing = sharing;
+    r.requests = static_cast<int64_t>(outputs.size());
+    r.scored = std::count(scored.begin(), scored.end(), true);
+    r.outputs = std::move(outputs);
+    r.request_scored = std::move(scored);
+    return r;
+  };
+  const auto sp = PrefixFamily::kSystemPrompt;
+  const auto mt = PrefixFamily::kMultiTurn;
+  const std::vector<PrefixRunResult> results = {
+      run("a", sp, "fp32+full", false, {"X", "Y", "Z"}, {true, true, true}),  // the system_prompt baseline
+      run("a", sp, "fp32+full", true, {"X", "Y", "W"}, {true, true, true}),   // 2
+      run("a", sp, "int4+full", false, {"X", "Q", "Z"}, {true, true, true}),  // 2: against fp32+full, not itself
+      run("b", sp, "int4+full", true, {"X", "Y", "Z"}, {true, true, true}),   // no fp32+full run of "b"
+      run("m", mt, "int4+full", false, {"a", "b", "c"}, {false, false, true}),  // multiturn's baseline: int4+full
+      run("m", mt, "int4+full", true, {"a", "x", "c"}, {false, false, true}),   // 1: unscored replies not counted
+      run("m", mt, "fp32+full", true, {"a", "b", "y"}, {false, false, true}),   // 0
+  };
+  const std::vector<std::optional<int64_t>> same = same_as_baseline(results);
+  ASSERT_EQ(same.size(), results.size());
+  EXPECT_EQ(same[0], std::optional<int64_t>(3));
+  EXPECT_EQ(same[1], std::optional<int64_t>(2));
+  EXPECT_EQ(same[2], std::optional<int64_t>(2));
+  EXPECT_EQ(same[3], std::nullopt);
+  EXPECT_EQ(same[4], std::optional<int64_t>(1));
+  EXPECT_EQ(same[5], std::optional<int64_t>(1));
+  EXPECT_EQ(same[6], std::optional<int64_t>(0));
+
+  const std::string md = prefix_report_markdown(results);
+  EXPECT_THAT(md, ::testing::HasSubstr("| accuracy | same reply as baseline |"));
+  // Both tables: the int4+full off row sums workload "a" only; int4+full on has no baseline run.
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | fp32+full | on | 1 | 3 | 0.0% (0/3) | 2/3 (66.7%) |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | int4+full | on | 1 | 3 | 0.0% (0/3) | n/a |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("| multiturn | fp32+full | on | 0.0% | 0/1 (0.0%) |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | fp32+full | off | 0.0% | 3/3 (100.0%) |"));
+  const std::string json = prefix_results_json(results);
+  EXPECT_THAT(json, ::testing::HasSubstr("\"same_as_baseline\": 2"));
+  EXPECT_THAT(json, ::testing::HasSubstr("\"same_as_baseline\": null"));
+
+  std::vector<PrefixRunResult> bad = {results[0]};
+  bad[0].request_scored.pop_back();
+  try {
+    (void)same_as_baseline(bad);
+    ADD_FAILURE() << "a result with 3 outputs and 2 flags was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("run of workload 'a' under 'fp32+full' has 3 outputs but 2 "
+                                               "request_scored flags"));
+  }
+}
+
 TEST(StudyPrefix, BadArgumentsAreNamed) {
   auto message = [](int64_t count, int64_t requests) -> std::string {
     try {
@@ -230,7 +338,8 @@ TEST(StudyPrefix, CountersOnTheScriptedWorkloadsAreExact) {
     EXPECT_EQ(on.counters.blocks_reclaimed, 0);
     EXPECT_EQ(on.outputs, off.outputs) << wl.id;
     EXPECT_EQ(on.passed, off.passed) << wl.id;
-    EXPECT_EQ(on.scored, wl.family == PrefixFamily::kSystemPrompt ? 4 : 1);
+    EXPECT_EQ(on.scored, wl.family == PrefixFamily::kMultiTurn ? 1 : 4);
+    EXPECT_EQ(same_as_baseline({off, on}), (std::vector<std::optional<int64_t>>{on.scored, on.scored})) << wl.id;
     if (wl.concurrent) {
       EXPECT_LT(on.peak_pool_bytes, off.peak_pool_bytes) << wl.id;
       EXPECT_GT(on.sharing_ratio, 1.0) << wl.id;
@@ -239,6 +348,48 @@ TEST(StudyPrefix, CountersOnTheScriptedWorkloadsAreExact) {
       EXPECT_EQ(on.peak_pool_bytes, off.peak_pool_bytes) << wl.id;
     }
   }
+}
+
+TEST(StudyPrefix, FewShotControlFollowsTheInstructionAndSharingReusesTheExamples) {
+  // fp32+full on the first fewshot workload (8 requests behind the instruction and its worked
+  // example): the control follows the base instruction on every request — the family scores
+  // the cache, not the model. The requests' prompts share at least the examples' tokens; with
+  // sharing each request after the first computes only what follows the whole blocks it shares
+  // (exact counts from the token ids), and the replies are the same as without.
+  const std::string pt = default_model();
+  SKIP_WITHOUT_DEFAULT_MODEL(pt);
+  const auto wls = generate_prefix_workloads(1234, 1, 8);
+  ASSERT_EQ(wls.size(), 3u);
+  const PrefixWorkload& wl = wls[2];
+  ASSERT_EQ(wl.family, PrefixFamily::kFewShot);
+  Task shared = wl.requests[0].task;
+  shared.messages.pop_back();  // [instruction][example question][example reply]
+  const std::vector<int64_t> shared_ids = runner().encode(shared);
+  std::vector<std::vector<int64_t>> prompts;
+  int64_t total = 0, hit = 0;
+  for (const PrefixRequest& r : wl.requests) {
+    prompts.push_back(runner().encode(r.task));
+    total += static_cast<int64_t>(prompts.back().size());
+    // Up to the generation prompt's role ("assistant" there, "user" here), the same tokens.
+    EXPECT_EQ(common_prefix(prompts.back(), shared_ids), static_cast<int64_t>(shared_ids.size()) - 2) << r.task.id;
+  }
+  for (size_t i = 1; i < prompts.size(); ++i) {
+    EXPECT_GE(common_prefix(prompts[i], prompts[0]), static_cast<int64_t>(shared_ids.size()) - 2);
+    EXPECT_LT(common_prefix(prompts[i], prompts[0]), static_cast<int64_t>(prompts[i].size()));  // last turns differ
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) hit += expected_hit(prompts, i, 16);
+  EXPECT_GE(hit, (static_cast<int64_t>(shared_ids.size()) - 2) / 16 * 16 * 7);
+  const Arm arm = runner().canonicalize(parse_arm("fp32+full"));
+  const PrefixRunResult off = runner().run(wl, arm, false);
+  const PrefixRunResult on = runner().run(wl, arm, true);
+  EXPECT_EQ(off.scored, 8);
+  EXPECT_EQ(off.passed, 8) << ::testing::PrintToString(off.outputs);
+  EXPECT_EQ(on.passed, 8);
+  EXPECT_EQ(on.outputs, off.outputs);
+  EXPECT_EQ(off.computed_tokens, total);
+  EXPECT_EQ(on.computed_tokens, total - hit);
+  EXPECT_EQ(on.counters.prompt_tokens_hit, hit);
+  EXPECT_EQ(same_as_baseline({off, on}), (std::vector<std::optional<int64_t>>{8, 8}));
 }
 
 TEST(StudyPrefix, EvictionBesideSharedBlocksCopiesOnWriteAndCostsAccuracy) {
@@ -305,7 +456,9 @@ TEST(StudyPrefix, APoolTooSmallEndsRequestsEarlyCountedAndSharingMakesItFit) {
     EXPECT_THAT(md, ::testing::HasSubstr(" | " + std::to_string(off.preempted) + " | " + std::to_string(off.refused) +
                                          " |\n"));
     EXPECT_THAT(prefix_results_json({off}), ::testing::HasSubstr("\"refused\": " + std::to_string(off.refused)));
-    if (wl.concurrent) {
+    if (wl.family == PrefixFamily::kSystemPrompt) {
+      // (A few-shot request shares its instruction and examples, not its note: its peak with
+      // sharing stays above half of the peak without.)
       ASSERT_LT(roomy_on.peak_pool_bytes, o.pool_bytes) << wl.id;
       const PrefixRunResult on = small.run(wl, arm, true);
       EXPECT_EQ(on.preempted + on.refused, 0) << wl.id;
