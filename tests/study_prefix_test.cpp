@@ -230,7 +230,7 @@ TEST(StudyPrefix, FewShotRequestsShareTheInstructionAndWorkedExamplesAndDifferIn
 
 TEST(StudyPrefix, SameAsBaselineCountsScoredRepliesEqualToTheBaselineRun) {
   auto run = [](const std::string& wl, PrefixFamily f, const std::string& arm, bool sharing,
-                std::vector<std::string> outputs, std::vector<bool> scored) {
+                std::vector<std::string> outputs, std::vector<bool> scored, std::vector<bool> completed = {}) {
     PrefixRunResult r;
     r.workload = wl;
     r.family = f;
@@ -238,41 +238,54 @@ TEST(StudyPrefix, SameAsBaselineCountsScoredRepliesEqualToTheBaselineRun) {
     r.sharing = sharing;
     r.requests = static_cast<int64_t>(outputs.size());
     r.scored = std::count(scored.begin(), scored.end(), true);
+    r.request_completed = completed.empty() ? std::vector<bool>(outputs.size(), true) : std::move(completed);
     r.outputs = std::move(outputs);
     r.request_scored = std::move(scored);
     return r;
   };
   const auto sp = PrefixFamily::kSystemPrompt;
   const auto mt = PrefixFamily::kMultiTurn;
+  const std::vector<bool> all = {true, true, true};
   const std::vector<PrefixRunResult> results = {
-      run("a", sp, "fp32+full", false, {"X", "Y", "Z"}, {true, true, true}),  // the system_prompt baseline
-      run("a", sp, "fp32+full", true, {"X", "Y", "W"}, {true, true, true}),   // 2
-      run("a", sp, "int4+full", false, {"X", "Q", "Z"}, {true, true, true}),  // 2: against fp32+full, not itself
-      run("b", sp, "int4+full", true, {"X", "Y", "Z"}, {true, true, true}),   // no fp32+full run of "b"
+      run("a", sp, "fp32+full", false, {"X", "Y", "Z"}, all),  // the system_prompt baseline
+      run("a", sp, "fp32+full", true, {"X", "Y", "W"}, all),   // 2 of 3
+      run("a", sp, "int4+full", false, {"X", "Q", "Z"}, all),  // 2 of 3: against fp32+full, not itself
+      run("b", sp, "int4+full", true, {"X", "Y", "Z"}, all),   // no fp32+full run of "b"
       run("m", mt, "int4+full", false, {"a", "b", "c"}, {false, false, true}),  // multiturn's baseline: int4+full
-      run("m", mt, "int4+full", true, {"a", "x", "c"}, {false, false, true}),   // 1: unscored replies not counted
-      run("m", mt, "fp32+full", true, {"a", "b", "y"}, {false, false, true}),   // 0
+      run("m", mt, "int4+full", true, {"a", "x", "c"}, {false, false, true}),   // 1 of 1: unscored replies left out
+      run("m", mt, "fp32+full", true, {"a", "b", "y"}, {false, false, true}),   // 0 of 1
+      // Requests that ended early (cut short) are compared in neither run.
+      run("c", sp, "fp32+full", false, {"X", "", "Z"}, all, {true, false, true}),  // 2 of 2
+      run("c", sp, "int4+full", true, {"", "", "Z"}, all, {false, true, true}),    // 1 of 1
+      run("b", sp, "fp32+h2o@50%", true, {"X", "Y", "Z"}, all),                    // no baseline run
   };
-  const std::vector<std::optional<int64_t>> same = same_as_baseline(results);
+  const std::vector<std::optional<BaselineAgreement>> same = same_as_baseline(results);
   ASSERT_EQ(same.size(), results.size());
-  EXPECT_EQ(same[0], std::optional<int64_t>(3));
-  EXPECT_EQ(same[1], std::optional<int64_t>(2));
-  EXPECT_EQ(same[2], std::optional<int64_t>(2));
-  EXPECT_EQ(same[3], std::nullopt);
-  EXPECT_EQ(same[4], std::optional<int64_t>(1));
-  EXPECT_EQ(same[5], std::optional<int64_t>(1));
-  EXPECT_EQ(same[6], std::optional<int64_t>(0));
+  const std::vector<std::pair<int64_t, int64_t>> want = {{3, 3}, {2, 3}, {2, 3}, {-1, -1}, {1, 1},
+                                                         {1, 1}, {0, 1}, {2, 2}, {1, 1},   {-1, -1}};
+  for (size_t k = 0; k < results.size(); ++k) {
+    if (want[k].first < 0) {
+      EXPECT_FALSE(same[k].has_value()) << "result " << k;
+      continue;
+    }
+    ASSERT_TRUE(same[k].has_value()) << "result " << k;
+    EXPECT_EQ(same[k]->same, want[k].first) << "result " << k;
+    EXPECT_EQ(same[k]->compared, want[k].second) << "result " << k;
+  }
 
   const std::string md = prefix_report_markdown(results);
   EXPECT_THAT(md, ::testing::HasSubstr("| accuracy | same reply as baseline |"));
-  // Both tables: the int4+full off row sums workload "a" only; int4+full on has no baseline run.
+  // Summed over the row's runs that have a baseline run; "n/a" where none has.
   EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | fp32+full | on | 1 | 3 | 0.0% (0/3) | 2/3 (66.7%) |"));
-  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | int4+full | on | 1 | 3 | 0.0% (0/3) | n/a |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | int4+full | on | 2 | 6 | 0.0% (0/6) | 1/1 (100.0%) |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | fp32+h2o@50% | on | 1 | 3 | 0.0% (0/3) | n/a |"));
+  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | fp32+full | off | 0.0% | 5/5 (100.0%) |"));
   EXPECT_THAT(md, ::testing::HasSubstr("| multiturn | fp32+full | on | 0.0% | 0/1 (0.0%) |"));
-  EXPECT_THAT(md, ::testing::HasSubstr("| system_prompt | fp32+full | off | 0.0% | 3/3 (100.0%) |"));
   const std::string json = prefix_results_json(results);
   EXPECT_THAT(json, ::testing::HasSubstr("\"same_as_baseline\": 2"));
+  EXPECT_THAT(json, ::testing::HasSubstr("\"compared_with_baseline\": 3"));
   EXPECT_THAT(json, ::testing::HasSubstr("\"same_as_baseline\": null"));
+  EXPECT_THAT(json, ::testing::HasSubstr("\"compared_with_baseline\": null"));
 
   std::vector<PrefixRunResult> bad = {results[0]};
   bad[0].request_scored.pop_back();
@@ -281,7 +294,7 @@ TEST(StudyPrefix, SameAsBaselineCountsScoredRepliesEqualToTheBaselineRun) {
     ADD_FAILURE() << "a result with 3 outputs and 2 flags was accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("run of workload 'a' under 'fp32+full' has 3 outputs but 2 "
-                                               "request_scored flags"));
+                                               "request_scored and 3 request_completed flags"));
   }
 }
 
@@ -339,7 +352,11 @@ TEST(StudyPrefix, CountersOnTheScriptedWorkloadsAreExact) {
     EXPECT_EQ(on.outputs, off.outputs) << wl.id;
     EXPECT_EQ(on.passed, off.passed) << wl.id;
     EXPECT_EQ(on.scored, wl.family == PrefixFamily::kMultiTurn ? 1 : 4);
-    EXPECT_EQ(same_as_baseline({off, on}), (std::vector<std::optional<int64_t>>{on.scored, on.scored})) << wl.id;
+    for (const auto& a : same_as_baseline({off, on})) {
+      ASSERT_TRUE(a.has_value());
+      EXPECT_EQ(a->compared, on.scored) << wl.id;
+      EXPECT_EQ(a->same, on.scored) << wl.id;  // exact reuse: sharing on replies as off
+    }
     if (wl.concurrent) {
       EXPECT_LT(on.peak_pool_bytes, off.peak_pool_bytes) << wl.id;
       EXPECT_GT(on.sharing_ratio, 1.0) << wl.id;
@@ -389,7 +406,10 @@ TEST(StudyPrefix, FewShotControlFollowsTheInstructionAndSharingReusesTheExamples
   EXPECT_EQ(off.computed_tokens, total);
   EXPECT_EQ(on.computed_tokens, total - hit);
   EXPECT_EQ(on.counters.prompt_tokens_hit, hit);
-  EXPECT_EQ(same_as_baseline({off, on}), (std::vector<std::optional<int64_t>>{8, 8}));
+  const auto agree = same_as_baseline({off, on});
+  ASSERT_TRUE(agree[1].has_value());
+  EXPECT_EQ(agree[1]->compared, 8);
+  EXPECT_EQ(agree[1]->same, 8);
 }
 
 TEST(StudyPrefix, EvictionBesideSharedBlocksCopiesOnWriteAndCostsAccuracy) {
@@ -451,6 +471,11 @@ TEST(StudyPrefix, APoolTooSmallEndsRequestsEarlyCountedAndSharingMakesItFit) {
       // Every reply passes in the roomy pool; those that ended early fail, the others are the same.
       EXPECT_EQ(roomy_off.passed, roomy_off.scored) << wl.id;
       EXPECT_EQ(off.passed, roomy_off.passed - off.preempted - off.refused) << wl.id;
+      // Against the roomy pool's replies: those that ended early are not compared, the others agree.
+      const auto agree = same_as_baseline({roomy_off, off});
+      ASSERT_TRUE(agree[1].has_value());
+      EXPECT_EQ(agree[1]->compared, off.scored - off.preempted - off.refused) << wl.id;
+      EXPECT_EQ(agree[1]->same, agree[1]->compared) << wl.id;
     }
     const std::string md = prefix_report_markdown({off});
     EXPECT_THAT(md, ::testing::HasSubstr(" | " + std::to_string(off.preempted) + " | " + std::to_string(off.refused) +

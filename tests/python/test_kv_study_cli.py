@@ -493,6 +493,7 @@ class DefaultModelTest(unittest.TestCase):
             self.assertEqual(off["computed_tokens"], off["prompt_tokens"])
             self.assertEqual(on["outputs"], off["outputs"])
             self.assertEqual((off["same_as_baseline"], on["same_as_baseline"]), (off["scored"], on["scored"]))
+            self.assertEqual((off["compared_with_baseline"], on["compared_with_baseline"]), (off["scored"], on["scored"]))
         # The default block size follows each arm's token groups; a given one must fit them.
         r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--block-tokens", "16",
                             "--configs", "kivi:k2:v2:g32:r128"],
@@ -522,6 +523,9 @@ class DefaultModelTest(unittest.TestCase):
         self.assertLessEqual(off["preempted"], off["pool_preemptions"])
         self.assertLessEqual(off["peak_pool_bytes"], 4 << 20)
         self.assertEqual(off["passed"], off["scored"] - off["preempted"] - off["refused"])
+        # The baseline itself: its requests that ended early are compared with nothing.
+        self.assertEqual(off["compared_with_baseline"], off["scored"] - off["preempted"] - off["refused"])
+        self.assertEqual(off["same_as_baseline"], off["compared_with_baseline"])
         self.assertEqual((on["preempted"], on["refused"], on["pool_preemptions"], on["pool_refusals"]), (0, 0, 0, 0))
         self.assertEqual(on["passed"], on["scored"])
         r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--when-full", "drop"],

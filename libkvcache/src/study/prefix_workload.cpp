@@ -284,6 +284,7 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
     const std::string out = impl_->tokenizer.decode_lenient(toks, /*skip_special=*/true);
     res.outputs.push_back(out);
     res.request_scored.push_back(req.scored);
+    res.request_completed.push_back(gens[i].status == GenerationStatus::kOk);
     res.prompt_tokens += gens[i].prompt_tokens;
     res.computed_tokens += gens[i].computed_prompt_tokens;
     res.generated_tokens += static_cast<int64_t>(toks.size());
@@ -300,13 +301,14 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
   return res;
 }
 
-std::vector<std::optional<int64_t>> same_as_baseline(const std::vector<PrefixRunResult>& results) {
+std::vector<std::optional<BaselineAgreement>> same_as_baseline(const std::vector<PrefixRunResult>& results) {
   auto check = [](const PrefixRunResult& r) {
-    KV_CHECK_ARG(r.outputs.size() == r.request_scored.size(), "same_as_baseline: run of workload '", r.workload,
-                 "' under '", r.arm, "' has ", r.outputs.size(), " outputs but ", r.request_scored.size(),
-                 " request_scored flags, expected as many");
+    KV_CHECK_ARG(r.outputs.size() == r.request_scored.size() && r.outputs.size() == r.request_completed.size(),
+                 "same_as_baseline: run of workload '", r.workload, "' under '", r.arm, "' has ", r.outputs.size(),
+                 " outputs but ", r.request_scored.size(), " request_scored and ", r.request_completed.size(),
+                 " request_completed flags, expected as many");
   };
-  std::vector<std::optional<int64_t>> out;
+  std::vector<std::optional<BaselineAgreement>> out;
   for (const PrefixRunResult& r : results) {
     check(r);
     const PrefixRunResult* first = nullptr;  // the family's first run without sharing: its arm is the baseline
@@ -330,9 +332,13 @@ std::vector<std::optional<int64_t>> same_as_baseline(const std::vector<PrefixRun
     KV_CHECK_ARG(base->outputs.size() == r.outputs.size(), "same_as_baseline: run of workload '", r.workload,
                  "' under '", r.arm, "' has ", r.outputs.size(), " outputs, its baseline under '", base->arm,
                  "' has ", base->outputs.size(), ", expected as many");
-    int64_t same = 0;
-    for (size_t i = 0; i < r.outputs.size(); ++i) same += r.request_scored[i] && r.outputs[i] == base->outputs[i];
-    out.emplace_back(same);
+    BaselineAgreement a;
+    for (size_t i = 0; i < r.outputs.size(); ++i) {
+      if (!r.request_scored[i] || !r.request_completed[i] || !base->request_completed[i]) continue;
+      ++a.compared;
+      a.same += r.outputs[i] == base->outputs[i];
+    }
+    out.emplace_back(a);
   }
   return out;
 }
@@ -344,7 +350,7 @@ struct Agg {
   std::string arm;
   bool sharing = false;
   int64_t workloads = 0, requests = 0, scored = 0, passed = 0, prompt = 0, computed = 0, preempted = 0, refused = 0;
-  int64_t same = 0, same_of = 0;  ///< Σ same_as_baseline, Σ scored, over the runs with a baseline run
+  int64_t same = 0, compared = 0;  ///< Σ BaselineAgreement over the runs with a baseline run
   double peak_sum = 0, seconds = 0, ratio = 0;
   PrefixCounters c;
   double mean_peak_kib() const { return workloads == 0 ? 0 : peak_sum / static_cast<double>(workloads) / 1024.0; }
@@ -358,17 +364,17 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
-/// "24/24 (100.0%)", or "n/a" when no run of the row has a baseline run.
+/// "same/compared (pct)", e.g. "24/24 (100.0%)", or "n/a" when no run of the row has a baseline run.
 std::string same_cell(const Agg& a) {
   if (!a.has_baseline) return "n/a";
-  const double pct = a.same_of == 0 ? 0 : 100.0 * static_cast<double>(a.same) / static_cast<double>(a.same_of);
-  return std::to_string(a.same) + "/" + std::to_string(a.same_of) + " (" + fmt("%.1f%%", pct) + ")";
+  const double pct = a.compared == 0 ? 0 : 100.0 * static_cast<double>(a.same) / static_cast<double>(a.compared);
+  return std::to_string(a.same) + "/" + std::to_string(a.compared) + " (" + fmt("%.1f%%", pct) + ")";
 }
 
 }  // namespace
 
 std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) {
-  const std::vector<std::optional<int64_t>> same = same_as_baseline(results);
+  const std::vector<std::optional<BaselineAgreement>> same = same_as_baseline(results);
   std::vector<Agg> rows;
   auto find = [&rows](PrefixFamily f, const std::string& arm, bool sharing) -> Agg* {
     for (Agg& a : rows) {
@@ -392,8 +398,8 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
     a->passed += r.passed;
     if (same[k].has_value()) {
       a->has_baseline = true;
-      a->same += *same[k];
-      a->same_of += r.scored;
+      a->same += same[k]->same;
+      a->compared += same[k]->compared;
     }
     a->prompt += r.prompt_tokens;
     a->computed += r.computed_tokens;
@@ -456,7 +462,7 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
 }
 
 std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
-  const std::vector<std::optional<int64_t>> same = same_as_baseline(results);
+  const std::vector<std::optional<BaselineAgreement>> same = same_as_baseline(results);
   nlohmann::json arr = nlohmann::json::array();
   for (size_t k = 0; k < results.size(); ++k) {
     const PrefixRunResult& r = results[k];
@@ -469,7 +475,8 @@ std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
     j["block_tokens"] = r.block_tokens;
     j["scored"] = r.scored;
     j["passed"] = r.passed;
-    j["same_as_baseline"] = same[k].has_value() ? nlohmann::json(*same[k]) : nlohmann::json(nullptr);
+    j["same_as_baseline"] = same[k].has_value() ? nlohmann::json(same[k]->same) : nlohmann::json(nullptr);
+    j["compared_with_baseline"] = same[k].has_value() ? nlohmann::json(same[k]->compared) : nlohmann::json(nullptr);
     j["prompt_tokens"] = r.prompt_tokens;
     j["computed_tokens"] = r.computed_tokens;
     j["generated_tokens"] = r.generated_tokens;

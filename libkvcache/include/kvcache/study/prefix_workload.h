@@ -142,6 +142,8 @@ struct PrefixRunResult {
   int64_t preempted = 0, refused = 0;
   std::vector<std::string> outputs;  ///< each request's reply, in order
   std::vector<bool> request_scored;  ///< each request's PrefixRequest::scored, in order (as outputs)
+  /// Each request ended normally (GenerationStatus::kOk: not preempted, not refused), in order.
+  std::vector<bool> request_completed;
 };
 
 /// Runs prefix workloads on one exported model (the model and tokenizer load once).
@@ -172,21 +174,29 @@ class PrefixWorkloadRunner {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Agreement with the baseline's replies, per result: the number of its scored requests whose
-/// output equals the output of the same request (same index) of the same workload's baseline
-/// run — the run of that workload under the family's baseline arm (the arm of the family's
-/// first result in `results` with sharing off, as the composition table's baseline) with
-/// sharing off. std::nullopt where that run is not in `results`. The baseline run itself reads
-/// all of its scored requests; fp32 with sharing on should too (exact reuse), a lossy arm shows
-/// its drift — where the model's accuracy is low this still says what the cache changed.
-/// @throws InvalidArgument naming the workload and arm if a result's outputs and
-///         request_scored differ in length, or differ from its baseline's in length.
-std::vector<std::optional<int64_t>> same_as_baseline(const std::vector<PrefixRunResult>& results);
+/// One run's agreement with its baseline run (same_as_baseline).
+struct BaselineAgreement {
+  int64_t compared = 0;  ///< scored requests that ended normally in both runs
+  int64_t same = 0;      ///< of those, the requests whose reply equals the baseline's
+};
+
+/// Agreement with the baseline's replies, per result: of its scored requests that ended
+/// normally (request_completed) in it and in its baseline run, how many replied exactly what
+/// the same request (same index) replied in the baseline run — the run of the same workload
+/// under the family's baseline arm (the arm of the family's first result in `results` with
+/// sharing off, as the composition table's baseline) with sharing off. A request that ended
+/// early in either run (its reply cut short) is left out of both counts. std::nullopt where
+/// that baseline run is not in `results`. The baseline run reads same = compared; fp32 with
+/// sharing on should too (exact reuse); a lossy arm shows its drift — where the model's
+/// accuracy is low this still says what the cache changed.
+/// @throws InvalidArgument naming the workload and arm if a result's outputs, request_scored
+///         and request_completed differ in length, or its outputs from its baseline's.
+std::vector<std::optional<BaselineAgreement>> same_as_baseline(const std::vector<PrefixRunResult>& results);
 
 /// The report table (markdown): one row per (family, arm, sharing) in first-seen order, summed
-/// over workloads — accuracy (passed / scored), same reply as baseline (same_as_baseline summed
-/// over the row's runs that have a baseline run, over their scored requests: "24/24 (100.0%)";
-/// "n/a" when none has), peak pool KiB (the mean over workloads of each
+/// over workloads — accuracy (passed / scored), same reply as baseline (same_as_baseline's same /
+/// compared summed over the row's runs that have a baseline run: "24/24 (100.0%)"; "n/a" when
+/// none has), peak pool KiB (the mean over workloads of each
 /// workload's peak), prompt and computed prefill tokens, seconds, prompt tokens queried/hit,
 /// hit rate, blocks shared / copied on write / reclaimed, the highest sharing ratio, requests
 /// preempted / refused for want of room — then, per
@@ -195,7 +205,8 @@ std::vector<std::optional<int64_t>> same_as_baseline(const std::vector<PrefixRun
 std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results);
 
 /// The results as a JSON array (one object per PrefixRunResult, outputs included;
-/// "same_as_baseline": same_as_baseline's count, or null where the baseline run is missing).
+/// "same_as_baseline" and "compared_with_baseline": same_as_baseline's same and compared, or
+/// null where the baseline run is missing).
 std::string prefix_results_json(const std::vector<PrefixRunResult>& results);
 
 /// Writes DIR/prefix.md (prefix_report_markdown) and DIR/prefix.json (prefix_results_json),
