@@ -287,8 +287,9 @@ TEST(StudyPrefix, SameAsBaselineCountsScoredRepliesEqualToTheBaselineRun) {
   EXPECT_THAT(json, ::testing::HasSubstr("\"same_as_baseline\": null"));
   EXPECT_THAT(json, ::testing::HasSubstr("\"compared_with_baseline\": null"));
 
-  std::vector<PrefixRunResult> bad = {results[0]};
-  bad[0].request_scored.pop_back();
+  // A malformed run is refused even where it is only the baseline of an earlier one.
+  std::vector<PrefixRunResult> bad = {results[1], results[0]};
+  bad[1].request_scored.pop_back();
   try {
     (void)same_as_baseline(bad);
     ADD_FAILURE() << "a result with 3 outputs and 2 flags was accepted";

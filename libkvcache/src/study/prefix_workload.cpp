@@ -302,15 +302,14 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
 }
 
 std::vector<std::optional<BaselineAgreement>> same_as_baseline(const std::vector<PrefixRunResult>& results) {
-  auto check = [](const PrefixRunResult& r) {
+  for (const PrefixRunResult& r : results) {  // every run first: a baseline may come after the runs it serves
     KV_CHECK_ARG(r.outputs.size() == r.request_scored.size() && r.outputs.size() == r.request_completed.size(),
                  "same_as_baseline: run of workload '", r.workload, "' under '", r.arm, "' has ", r.outputs.size(),
                  " outputs but ", r.request_scored.size(), " request_scored and ", r.request_completed.size(),
                  " request_completed flags, expected as many");
-  };
+  }
   std::vector<std::optional<BaselineAgreement>> out;
   for (const PrefixRunResult& r : results) {
-    check(r);
     const PrefixRunResult* first = nullptr;  // the family's first run without sharing: its arm is the baseline
     for (const PrefixRunResult& b : results) {
       if (b.family == r.family && !b.sharing) {
