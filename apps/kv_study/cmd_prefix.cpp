@@ -19,9 +19,11 @@ using namespace kvcache::study;
 void add_prefix_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "prefix",
-      "Shared-prefix workloads (one system prompt behind many concurrent requests; multi-turn sessions that\n"
-      "re-send their history) over one block pool, every arm with prefix sharing off and on: accuracy, peak pool\n"
-      "bytes, prefill tokens computed, time and the prefix cache's counters (docs/study.md, \"Prefix sharing\").\n"
+      "Shared-prefix workloads (system_prompt: one system prompt behind many concurrent requests; multiturn:\n"
+      "sessions that re-send their history; fewshot: one instruction and its worked examples behind many\n"
+      "concurrent requests) over one block pool, every arm with prefix sharing off and on: accuracy, replies\n"
+      "equal to the baseline arm's, peak pool bytes, prefill tokens computed, time and the prefix cache's\n"
+      "counters (docs/study.md, \"Prefix sharing\").\n"
       "Example: kv_study prefix --configs fp32+full,int4+full,fp32+h2o@50%,int4+h2o@50% --out runs/prefix");
   auto model = std::make_shared<std::string>(kDefaultModel);
   auto configs = std::make_shared<std::string>("fp32+full,int4+full,fp32+h2o@50%,int4+h2o@50%");
@@ -38,7 +40,7 @@ void add_prefix_command(CLI::App& app) {
   cmd->add_option("--configs", *configs, "arms: a comma list, a file or an arm set (as `run`)")->capture_default_str();
   cmd->add_option("--out", *out, "directory for prefix.md and prefix.json (default: print only)");
   cmd->add_option("--workloads", *workloads, "workloads per family")->capture_default_str()->check(IntRange(1, 7));
-  cmd->add_option("--requests", *requests, "requests behind each system prompt")
+  cmd->add_option("--requests", *requests, "requests behind each system prompt and each few-shot prefix")
       ->capture_default_str()
       ->check(IntRange(1, 14));
   cmd->add_option("--block-tokens", *block,

@@ -468,7 +468,8 @@ class DefaultModelTest(unittest.TestCase):
     def test_prefix_workloads_write_their_table(self):
         """`kv_study prefix`: every arm with sharing off and on, the table printed and written
         (prefix.md, prefix.json with one object per run); sharing computes fewer prefill tokens
-        and reuses prompt tokens; a scheme this model cannot run is refused before any run."""
+        and reuses prompt tokens, and gives fp32's replies unchanged (same_as_baseline: every
+        scored one); a scheme this model cannot run is refused before any run."""
         with tempfile.TemporaryDirectory() as d:
             r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--workloads", "1", "--requests", "3",
                                 "--configs", "fp32+full", "--out", d], capture_output=True, text=True, timeout=300,
@@ -476,18 +477,23 @@ class DefaultModelTest(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stderr)
             self.assertIn("| system_prompt | fp32+full | on |", r.stdout)
             self.assertIn("What each lever saves", r.stdout)
+            self.assertIn("| fewshot | fp32+full | on |", r.stdout)
+            self.assertIn("| accuracy | same reply as baseline |", r.stdout)
             with open(os.path.join(d, "prefix.md")) as f:
                 self.assertEqual(f.read(), r.stdout)
             with open(os.path.join(d, "prefix.json")) as f:
                 runs = json.load(f)
         self.assertEqual([(x["family"], x["sharing"]) for x in runs],
-                         [("system_prompt", False), ("system_prompt", True), ("multiturn", False), ("multiturn", True)])
-        for off, on in ((runs[0], runs[1]), (runs[2], runs[3])):
+                         [("system_prompt", False), ("system_prompt", True), ("multiturn", False), ("multiturn", True),
+                          ("fewshot", False), ("fewshot", True)])
+        for off, on in ((runs[0], runs[1]), (runs[2], runs[3]), (runs[4], runs[5])):
             self.assertEqual(off["prompt_tokens_hit"], 0)
             self.assertGreater(on["prompt_tokens_hit"], 0)
             self.assertEqual(on["computed_tokens"], on["prompt_tokens"] - on["prompt_tokens_hit"])
             self.assertEqual(off["computed_tokens"], off["prompt_tokens"])
             self.assertEqual(on["outputs"], off["outputs"])
+            self.assertEqual((off["same_as_baseline"], on["same_as_baseline"]), (off["scored"], on["scored"]))
+            self.assertEqual((off["compared_with_baseline"], on["compared_with_baseline"]), (off["scored"], on["scored"]))
         # The default block size follows each arm's token groups; a given one must fit them.
         r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--block-tokens", "16",
                             "--configs", "kivi:k2:v2:g32:r128"],
@@ -517,6 +523,9 @@ class DefaultModelTest(unittest.TestCase):
         self.assertLessEqual(off["preempted"], off["pool_preemptions"])
         self.assertLessEqual(off["peak_pool_bytes"], 4 << 20)
         self.assertEqual(off["passed"], off["scored"] - off["preempted"] - off["refused"])
+        # The baseline itself: its requests that ended early are compared with nothing.
+        self.assertEqual(off["compared_with_baseline"], off["scored"] - off["preempted"] - off["refused"])
+        self.assertEqual(off["same_as_baseline"], off["compared_with_baseline"])
         self.assertEqual((on["preempted"], on["refused"], on["pool_preemptions"], on["pool_refusals"]), (0, 0, 0, 0))
         self.assertEqual(on["passed"], on["scored"])
         r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--when-full", "drop"],

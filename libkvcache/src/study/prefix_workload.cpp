@@ -45,10 +45,24 @@ std::pair<std::string, std::string> split_question(const Task& t) {
           user.substr(at + std::char_traits<char>::length(kQuestionMark))};
 }
 
+/// Worked examples before each few-shot request. Each is an instruction task's question alone
+/// ("Question: <q>", without its note) and its answer in the base task's style: the variant the
+/// control follows on the default model (docs/study.md, "Prefix sharing": with the examples'
+/// notes, or with 2 or 3 examples, fp32+full fails more requests).
+constexpr int64_t kFewShotExamples = 1;
+
 }  // namespace
 
 std::string to_string(PrefixFamily family) {
-  return family == PrefixFamily::kSystemPrompt ? "system_prompt" : "multiturn";
+  switch (family) {
+    case PrefixFamily::kSystemPrompt:
+      return "system_prompt";
+    case PrefixFamily::kMultiTurn:
+      return "multiturn";
+    case PrefixFamily::kFewShot:
+      return "fewshot";
+  }
+  return "unknown";
 }
 
 std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t count, int64_t requests) {
@@ -73,9 +87,8 @@ std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t cou
       r.task = base;
       r.task.id = wl.id + "-q" + std::to_string(i);
       r.task.messages.back().content = note + split_question(other).second;
-      // The reply the rule wants is the other task's answer under this task's instruction; the
-      // rule is what scores it, so the reference is left out.
-      r.task.answer.clear();
+      // The reply the rule wants: the other task's answer under this task's instruction.
+      r.task.answer = instruction_reply(other, base);
       wl.requests.push_back(std::move(r));
     }
     // One limit for the batch (generate_batch takes one): the largest of the questions'.
@@ -106,6 +119,39 @@ std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t cou
       }
       wl.requests.push_back(std::move(r));
     }
+    out.push_back(std::move(wl));
+  }
+  for (int64_t w = 0; w < count; ++w) {
+    const Task& base = instr[static_cast<size_t>(w)];
+    PrefixWorkload wl;
+    wl.id = "fewshot-" + base.id;
+    wl.family = PrefixFamily::kFewShot;
+    wl.concurrent = true;
+    std::vector<Message> shared = {base.messages.front()};  // the instruction
+    for (int64_t e = 1; e <= kFewShotExamples; ++e) {
+      const Task& ex = instr[static_cast<size_t>((w + e) % 14)];
+      shared.push_back({"user", "Question: " + split_question(ex).second});
+      shared.push_back({"assistant", instruction_reply(ex, base)});
+    }
+    int64_t limit = 1;
+    for (int64_t i = 0; i < requests; ++i) {
+      const Task& other = instr[static_cast<size_t>((w + kFewShotExamples + 1 + i) % 14)];
+      PrefixRequest r;
+      r.task = base;
+      r.task.id = wl.id + "-q" + std::to_string(i);
+      r.task.messages = shared;
+      r.task.messages.push_back({"user", other.messages.back().content});
+      r.task.answer = instruction_reply(other, base);
+      r.task.approx_tokens = approx_tokens(render_chatml(r.task.messages, /*add_generation_prompt=*/true));
+      // The spans keep pointing at the instruction (message 0) and at the question, now in the
+      // last message.
+      r.task.question = other.question;
+      r.task.question.message = static_cast<int64_t>(r.task.messages.size()) - 1;
+      limit = std::max(limit, approx_tokens(r.task.answer) + 8);
+      wl.requests.push_back(std::move(r));
+    }
+    // One limit for the batch, as system_prompt: the largest of the references' (+ 8).
+    for (PrefixRequest& r : wl.requests) r.task.max_new_tokens = limit;
     out.push_back(std::move(wl));
   }
   return out;
@@ -237,6 +283,8 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
       toks.resize(static_cast<size_t>(req.task.max_new_tokens));
     const std::string out = impl_->tokenizer.decode_lenient(toks, /*skip_special=*/true);
     res.outputs.push_back(out);
+    res.request_scored.push_back(req.scored);
+    res.request_completed.push_back(gens[i].status == GenerationStatus::kOk);
     res.prompt_tokens += gens[i].prompt_tokens;
     res.computed_tokens += gens[i].computed_prompt_tokens;
     res.generated_tokens += static_cast<int64_t>(toks.size());
@@ -253,6 +301,47 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
   return res;
 }
 
+std::vector<std::optional<BaselineAgreement>> same_as_baseline(const std::vector<PrefixRunResult>& results) {
+  for (const PrefixRunResult& r : results) {  // every run first: a baseline may come after the runs it serves
+    KV_CHECK_ARG(r.outputs.size() == r.request_scored.size() && r.outputs.size() == r.request_completed.size(),
+                 "same_as_baseline: run of workload '", r.workload, "' under '", r.arm, "' has ", r.outputs.size(),
+                 " outputs but ", r.request_scored.size(), " request_scored and ", r.request_completed.size(),
+                 " request_completed flags, expected as many");
+  }
+  std::vector<std::optional<BaselineAgreement>> out;
+  for (const PrefixRunResult& r : results) {
+    const PrefixRunResult* first = nullptr;  // the family's first run without sharing: its arm is the baseline
+    for (const PrefixRunResult& b : results) {
+      if (b.family == r.family && !b.sharing) {
+        first = &b;
+        break;
+      }
+    }
+    const PrefixRunResult* base = nullptr;
+    for (const PrefixRunResult& b : results) {
+      if (first != nullptr && b.family == r.family && !b.sharing && b.arm == first->arm && b.workload == r.workload) {
+        base = &b;
+        break;
+      }
+    }
+    if (base == nullptr) {
+      out.emplace_back(std::nullopt);
+      continue;
+    }
+    KV_CHECK_ARG(base->outputs.size() == r.outputs.size(), "same_as_baseline: run of workload '", r.workload,
+                 "' under '", r.arm, "' has ", r.outputs.size(), " outputs, its baseline under '", base->arm,
+                 "' has ", base->outputs.size(), ", expected as many");
+    BaselineAgreement a;
+    for (size_t i = 0; i < r.outputs.size(); ++i) {
+      if (!r.request_scored[i] || !r.request_completed[i] || !base->request_completed[i]) continue;
+      ++a.compared;
+      a.same += r.outputs[i] == base->outputs[i];
+    }
+    out.emplace_back(a);
+  }
+  return out;
+}
+
 namespace {
 
 struct Agg {
@@ -260,10 +349,12 @@ struct Agg {
   std::string arm;
   bool sharing = false;
   int64_t workloads = 0, requests = 0, scored = 0, passed = 0, prompt = 0, computed = 0, preempted = 0, refused = 0;
+  int64_t same = 0, compared = 0;  ///< Σ BaselineAgreement over the runs with a baseline run
   double peak_sum = 0, seconds = 0, ratio = 0;
   PrefixCounters c;
   double mean_peak_kib() const { return workloads == 0 ? 0 : peak_sum / static_cast<double>(workloads) / 1024.0; }
   double accuracy() const { return scored == 0 ? 0 : 100.0 * static_cast<double>(passed) / static_cast<double>(scored); }
+  bool has_baseline = false;
 };
 
 std::string fmt(const char* f, double v) {
@@ -272,9 +363,17 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+/// "same/compared (pct)", e.g. "24/24 (100.0%)", or "n/a" when no run of the row has a baseline run.
+std::string same_cell(const Agg& a) {
+  if (!a.has_baseline) return "n/a";
+  const double pct = a.compared == 0 ? 0 : 100.0 * static_cast<double>(a.same) / static_cast<double>(a.compared);
+  return std::to_string(a.same) + "/" + std::to_string(a.compared) + " (" + fmt("%.1f%%", pct) + ")";
+}
+
 }  // namespace
 
 std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) {
+  const std::vector<std::optional<BaselineAgreement>> same = same_as_baseline(results);
   std::vector<Agg> rows;
   auto find = [&rows](PrefixFamily f, const std::string& arm, bool sharing) -> Agg* {
     for (Agg& a : rows) {
@@ -282,7 +381,8 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
     }
     return nullptr;
   };
-  for (const PrefixRunResult& r : results) {
+  for (size_t k = 0; k < results.size(); ++k) {
+    const PrefixRunResult& r = results[k];
     Agg* a = find(r.family, r.arm, r.sharing);
     if (a == nullptr) {
       rows.emplace_back();
@@ -295,6 +395,11 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
     a->requests += r.requests;
     a->scored += r.scored;
     a->passed += r.passed;
+    if (same[k].has_value()) {
+      a->has_baseline = true;
+      a->same += same[k]->same;
+      a->compared += same[k]->compared;
+    }
     a->prompt += r.prompt_tokens;
     a->computed += r.computed_tokens;
     a->preempted += r.preempted;
@@ -313,13 +418,15 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
   md << "## Prefix sharing\n\n"
      << "Per family, arm and sharing, summed over the workloads (peak pool KiB: the mean of each workload's "
         "peak; sharing ratio: the highest sampled).\n\n"
-     << "| family | arm | sharing | workloads | requests | accuracy | peak pool KiB | prompt tokens | prefill computed "
-        "| seconds | queried | hit | hit rate | blocks shared | copied on write | reclaimed | sharing ratio | preempted | refused |\n"
-     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+     << "| family | arm | sharing | workloads | requests | accuracy | same reply as baseline | peak pool KiB | prompt "
+        "tokens | prefill computed | seconds | queried | hit | hit rate | blocks shared | copied on write | reclaimed | "
+        "sharing ratio | preempted | refused |\n"
+     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Agg& a : rows) {
     md << "| " << to_string(a.family) << " | " << a.arm << " | " << (a.sharing ? "on" : "off") << " | "
        << a.workloads << " | " << a.requests << " | " << fmt("%.1f%%", a.accuracy()) << " (" << a.passed << "/"
-       << a.scored << ") | " << fmt("%.1f", a.mean_peak_kib()) << " | " << a.prompt << " | " << a.computed << " | "
+       << a.scored << ") | " << same_cell(a) << " | " << fmt("%.1f", a.mean_peak_kib()) << " | " << a.prompt << " | "
+       << a.computed << " | "
        << fmt("%.2f", a.seconds) << " | " << a.c.prompt_tokens_queried << " | " << a.c.prompt_tokens_hit << " | "
        << fmt("%.3f", a.c.hit_rate()) << " | " << a.c.blocks_shared << " | " << a.c.blocks_copied << " | "
        << a.c.blocks_reclaimed << " | " << fmt("%.2f", a.ratio) << " | " << a.preempted << " | " << a.refused
@@ -328,10 +435,11 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
   // Composition: every (arm, sharing) against the first arm without sharing, per family.
   md << "\n### What each lever saves, alone and together\n\n"
      << "Peak pool bytes and prefill tokens computed relative to the family's first arm without sharing "
-        "(measured, not multiplied out).\n\n"
-     << "| family | arm | sharing | accuracy | peak pool KiB | × peak of the baseline | prefill computed | × prefill of "
-        "the baseline | copied on write | preempted / refused |\n"
-     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
+        "(measured, not multiplied out); same reply as baseline: scored requests whose reply equals that of the "
+        "same request of the same workload under the baseline.\n\n"
+     << "| family | arm | sharing | accuracy | same reply as baseline | peak pool KiB | × peak of the baseline | "
+        "prefill computed | × prefill of the baseline | copied on write | preempted / refused |\n"
+     << "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Agg& a : rows) {
     const Agg* base = nullptr;
     for (const Agg& b : rows) {
@@ -344,7 +452,8 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
     const double pre_x =
         base != nullptr && base->computed > 0 ? static_cast<double>(a.computed) / static_cast<double>(base->computed) : 0;
     md << "| " << to_string(a.family) << " | " << a.arm << " | " << (a.sharing ? "on" : "off") << " | "
-       << fmt("%.1f%%", a.accuracy()) << " | " << fmt("%.1f", a.mean_peak_kib()) << " | " << fmt("%.3f", peak_x)
+       << fmt("%.1f%%", a.accuracy()) << " | " << same_cell(a) << " | " << fmt("%.1f", a.mean_peak_kib()) << " | "
+       << fmt("%.3f", peak_x)
        << " | " << a.computed << " | " << fmt("%.3f", pre_x) << " | " << a.c.blocks_copied << " | " << a.preempted
        << " / " << a.refused << " |\n";
   }
@@ -352,8 +461,10 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
 }
 
 std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
+  const std::vector<std::optional<BaselineAgreement>> same = same_as_baseline(results);
   nlohmann::json arr = nlohmann::json::array();
-  for (const PrefixRunResult& r : results) {
+  for (size_t k = 0; k < results.size(); ++k) {
+    const PrefixRunResult& r = results[k];
     nlohmann::json j;
     j["workload"] = r.workload;
     j["family"] = to_string(r.family);
@@ -363,6 +474,8 @@ std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
     j["block_tokens"] = r.block_tokens;
     j["scored"] = r.scored;
     j["passed"] = r.passed;
+    j["same_as_baseline"] = same[k].has_value() ? nlohmann::json(same[k]->same) : nlohmann::json(nullptr);
+    j["compared_with_baseline"] = same[k].has_value() ? nlohmann::json(same[k]->compared) : nlohmann::json(nullptr);
     j["prompt_tokens"] = r.prompt_tokens;
     j["computed_tokens"] = r.computed_tokens;
     j["generated_tokens"] = r.generated_tokens;

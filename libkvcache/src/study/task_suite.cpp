@@ -407,6 +407,42 @@ void append(std::vector<Task>& out, std::vector<Task> more, size_t limit) {
 
 }  // namespace
 
+std::string instruction_reply(const Task& question_of, const Task& style_of) {
+  for (const Task* t : {&question_of, &style_of}) {
+    KV_CHECK_ARG(t->family == TaskFamily::kInstruction, "instruction_reply: task '", t->id, "' is a ",
+                 to_string(t->family), " task, expected an instruction task");
+  }
+  Style style = Style::kUppercase;
+  switch (style_of.rule.kind) {
+    case RuleKind::kUppercase:
+      style = Style::kUppercase;
+      break;
+    case RuleKind::kEndsWith:
+      style = Style::kEndsWith;
+      break;
+    case RuleKind::kStartsWith:
+      style = Style::kStartsWith;
+      break;
+    default:
+      throw InvalidArgument("instruction_reply: task '" + style_of.id + "' has a " + to_string(style_of.rule.kind) +
+                            " rule, expected uppercase, ends_with or starts_with");
+  }
+  const Message* user = nullptr;
+  for (auto it = question_of.messages.rbegin(); it != question_of.messages.rend() && user == nullptr; ++it) {
+    if (it->role == "user") user = &*it;
+  }
+  static const std::string kMark = "Question: ";
+  const size_t at = user == nullptr ? std::string::npos : user->content.rfind(kMark);
+  KV_CHECK_ARG(at != std::string::npos, "instruction_reply: task '", question_of.id,
+               "' has no \"Question: \" in its last user turn");
+  const std::string q = user->content.substr(at + kMark.size());
+  for (const QA& qa : kQuestions) {
+    if (q == qa.q) return styled(qa.a, style, style_of.rule.arg);
+  }
+  throw InvalidArgument("instruction_reply: the question of task '" + question_of.id + "', \"" + q +
+                        "\", is not one of the suite's " + std::to_string(kQuestions.size()) + " questions");
+}
+
 std::vector<std::string> suite_names() { return {"default", "small"}; }
 
 std::vector<Task> generate_suite(const std::string& name, uint64_t seed) {

@@ -20,13 +20,26 @@
 ///     k's prompt is a prefix of request k+1's. Only the last request (the "Goodbye!" turn whose
 ///     reply the rule set in turn 1 constrains) is scored, by the task's rule. The requests run
 ///     one after another on one sequence.
-/// (Few-shot prompts with shared examples are not a family: the default model was never trained
-/// on them and the control fails them — 4/24 and 1/24 with worked examples of the suite's own
-/// task types, measured in docs/study.md, "Prefix sharing" — so their score would measure the
-/// model, not the cache.)
+///   - fewshot: one instruction task's system prompt, then a worked example as earlier turns —
+///     another instruction task's question alone (user "Question: <question>", without its
+///     note) and its reference answer in the instruction's style (instruction_reply,
+///     task_suite.h) —, shared by `requests` requests whose last user turn is a third
+///     instruction task's whole user turn (its note and question). Every reply is scored by the
+///     shared instruction's rule: the example shows it applied to another question. Concurrent,
+///     as system_prompt. The shared prefix is short (the system prompt and one question and
+///     reply: 3 blocks of 16 of a ~530-token prompt), so sharing saves little here; what the
+///     family adds is a prompt whose earlier turns the reply follows.
+/// Worked examples of the needle and summary tasks, of the instruction task with their notes,
+/// or two or three question-only examples are not used: the control on the default model
+/// follows them less (fp32+full passes 1/24 to 23/24; one question-only example: 24/24, on 7
+/// workloads 69/77; docs/study.md, "Prefix sharing").
+///
+/// Beside accuracy, same_as_baseline says how many scored replies equal the baseline arm's
+/// (exact reuse reads them all; a lossy arm shows its drift).
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,9 +52,10 @@ namespace kvcache::study {
 enum class PrefixFamily {
   kSystemPrompt,  ///< "system_prompt"
   kMultiTurn,     ///< "multiturn"
+  kFewShot,       ///< "fewshot"
 };
 
-/// "system_prompt", "multiturn".
+/// "system_prompt", "multiturn", "fewshot".
 std::string to_string(PrefixFamily family);
 
 /// One request of a workload: the task's messages, rule and max_new_tokens are what runs;
@@ -61,10 +75,18 @@ struct PrefixWorkload {
   std::vector<PrefixRequest> requests;
 };
 
-/// The workloads for suite seed `seed`: `count` system_prompt workloads of `requests` requests
-/// each (instruction tasks of the 512 length class: workload w shares task w's system prompt and
-/// note, request i asks the question of task (w + i) mod 14), then `count` multiturn workloads
-/// (the multiturn tasks of the 512 length class with 2 chatter turns, then 6: 4 and 8 requests).
+/// The workloads for suite seed `seed`, in this order (existing indices stay put):
+///   1. `count` system_prompt workloads of `requests` requests each (instruction tasks of the
+///      512 length class: workload w shares task w's system prompt and note, request i asks the
+///      question of task (w + i) mod 14; reference: instruction_reply(task (w + i), task w));
+///   2. `count` multiturn workloads (the multiturn tasks of the 512 length class with 2 chatter
+///      turns, then 6: 4 and 8 requests);
+///   3. `count` fewshot workloads of `requests` requests each (the same 14 instruction tasks:
+///      workload w has task w's system prompt, the worked example of task (w + 1) mod 14 (its
+///      question, then instruction_reply(task w + 1, task w)), and request i the user turn of
+///      task (w + 2 + i) mod 14 — past 12 requests these wrap around to task w's and the
+///      example's —, its reference instruction_reply(that task, task w); one max_new_tokens for
+///      all, the largest reference's approx_tokens + 8).
 /// Deterministic.
 /// @throws InvalidArgument if count is outside [1, 7] or requests outside [1, 14].
 std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t count, int64_t requests);
@@ -119,6 +141,9 @@ struct PrefixRunResult {
   /// computed_tokens counts the prefill steps they completed.
   int64_t preempted = 0, refused = 0;
   std::vector<std::string> outputs;  ///< each request's reply, in order
+  std::vector<bool> request_scored;  ///< each request's PrefixRequest::scored, in order (as outputs)
+  /// Each request ended normally (GenerationStatus::kOk: not preempted, not refused), in order.
+  std::vector<bool> request_completed;
 };
 
 /// Runs prefix workloads on one exported model (the model and tokenizer load once).
@@ -149,15 +174,39 @@ class PrefixWorkloadRunner {
   std::unique_ptr<Impl> impl_;
 };
 
+/// One run's agreement with its baseline run (same_as_baseline).
+struct BaselineAgreement {
+  int64_t compared = 0;  ///< scored requests that ended normally in both runs
+  int64_t same = 0;      ///< of those, the requests whose reply equals the baseline's
+};
+
+/// Agreement with the baseline's replies, per result: of its scored requests that ended
+/// normally (request_completed) in it and in its baseline run, how many replied exactly what
+/// the same request (same index) replied in the baseline run — the run of the same workload
+/// under the family's baseline arm (the arm of the family's first result in `results` with
+/// sharing off, as the composition table's baseline) with sharing off. A request that ended
+/// early in either run (its reply cut short) is left out of both counts. std::nullopt where
+/// that baseline run is not in `results`. The baseline run reads same = compared; fp32 with
+/// sharing on should too (exact reuse); a lossy arm shows its drift — where the model's
+/// accuracy is low this still says what the cache changed.
+/// @throws InvalidArgument naming the workload and arm if a result's outputs, request_scored
+///         and request_completed differ in length, or its outputs from its baseline's.
+std::vector<std::optional<BaselineAgreement>> same_as_baseline(const std::vector<PrefixRunResult>& results);
+
 /// The report table (markdown): one row per (family, arm, sharing) in first-seen order, summed
-/// over workloads — accuracy (passed / scored), peak pool KiB (the mean over workloads of each
+/// over workloads — accuracy (passed / scored), same reply as baseline (same_as_baseline's same /
+/// compared summed over the row's runs that have a baseline run: "24/24 (100.0%)"; "n/a" when
+/// none has), peak pool KiB (the mean over workloads of each
 /// workload's peak), prompt and computed prefill tokens, seconds, prompt tokens queried/hit,
 /// hit rate, blocks shared / copied on write / reclaimed, the highest sharing ratio, requests
 /// preempted / refused for want of room — then, per
-/// (family, arm), what sharing saves: peak pool bytes and prefill tokens with / without.
+/// (family, arm), what sharing saves: peak pool bytes and prefill tokens with / without, and the
+/// same reply-as-baseline column.
 std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results);
 
-/// The results as a JSON array (one object per PrefixRunResult, outputs included).
+/// The results as a JSON array (one object per PrefixRunResult, outputs included;
+/// "same_as_baseline" and "compared_with_baseline": same_as_baseline's same and compared, or
+/// null where the baseline run is missing).
 std::string prefix_results_json(const std::vector<PrefixRunResult>& results);
 
 /// Writes DIR/prefix.md (prefix_report_markdown) and DIR/prefix.json (prefix_results_json),

@@ -34,6 +34,18 @@ std::vector<std::string> suite_names();
 /// @throws InvalidArgument for an unknown name (listing the valid ones).
 std::vector<Task> generate_suite(const std::string& name, uint64_t seed);
 
+/// The reference reply to `question_of`'s question in `style_of`'s reply style: the question is
+/// the text after the last "Question: " of question_of's last user turn, looked up in the
+/// suite's question bank, and its plain answer ("The sky is blue.") is styled by style_of's
+/// rule as make_instruction styles its own answer (uppercase: "THE SKY IS BLUE."; ends_with W:
+/// "The sky is blue, W."; starts_with W: "W, the sky is blue."). instruction_reply(t, t) is
+/// t.answer. The few-shot family of kv_study prefix (prefix_workload.h) builds its worked
+/// examples and references with it.
+/// @throws InvalidArgument naming the task id if either task is not an instruction task (or
+///         style_of's rule is not uppercase / ends_with / starts_with), or if question_of's last
+///         user turn has no "Question: " or its question is not one of the suite's.
+std::string instruction_reply(const Task& question_of, const Task& style_of);
+
 /// The most tasks one generate_training_tasks() call writes (10^7).
 inline constexpr int64_t kMaxTrainingTasks = 10000000;
 /// The largest context target of a training task (approximate tokens).
