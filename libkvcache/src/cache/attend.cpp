@@ -294,14 +294,32 @@ KV_ALWAYS_INLINE void tile_pv_w(const float* __restrict p, int64_t ld, int64_t n
   }
 }
 
+/// p = exp(s − m_r) / l_r for the tile's scores of rows r < nr, added (× w) into
+/// `mass_rows[row_of[r]] + j0`.
+template <int W>
+KV_ALWAYS_INLINE void tile_mass_w(const float* __restrict s, int64_t ld, int64_t nr, int64_t n, const float* m,
+                                  const float* l, float w, float* const* mass_rows) {
+  for (int64_t r = 0; r < nr; ++r) {
+    if (l[r] <= 0.0f) continue;
+    const float* __restrict sr = s + r * ld;
+    float* __restrict out = mass_rows[r];
+    const float mr = m[r], inv = w / l[r];
+    int64_t j = 0;
+    for (; j + W <= n; j += W) vstore<W>(out + j, vload<W>(out + j) + vexp_nonpos<W>(vload<W>(sr + j) - mr) * inv);
+    for (; j < n; ++j) out[j] += exp_nonpos(sr[j] - mr) * inv;
+  }
+}
+
 // ---- The tile kernels' entry points, one set per ISA (picked once: tile_kernels()) ----------
 using ScoresFn = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float, float*, int64_t);
 using SoftmaxFn = void (*)(float*, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
 using PvFn = void (*)(const float*, int64_t, int64_t, int64_t, const float* const*, int64_t, float*);
+using MassFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, float, float* const*);
 struct TileKernels {
   ScoresFn scores;
   SoftmaxFn softmax;
   PvFn pv;
+  MassFn mass;
   int lanes;
 };
 
@@ -317,6 +335,10 @@ struct TileKernels {
   ATTR void tile_pv_##SUFFIX(const float* p, int64_t ld, int64_t nr, int64_t n, const float* const* vrows,   \
                              int64_t d, float* acc) {                                                       \
     tile_pv_w<W>(p, ld, nr, n, vrows, d, acc);                                                              \
+  }                                                                                                         \
+  ATTR void tile_mass_##SUFFIX(const float* s, int64_t ld, int64_t nr, int64_t n, const float* m, const float* l, \
+                               float w, float* const* mass_rows) {                                          \
+    tile_mass_w<W>(s, ld, nr, n, m, l, w, mass_rows);                                                       \
   }
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__ELF__) && !defined(KVCACHE_NO_TARGET_CLONES)
@@ -332,7 +354,7 @@ KV_TILE_KERNELS(v3, __attribute__((target(KV_TILE_V3_FEATURES))), 8)
 KV_TILE_KERNELS(base, , 4)
 #undef KV_TILE_KERNELS
 
-constexpr TileKernels kBaseKernels{tile_scores_base, tile_softmax_base, tile_pv_base, 4};
+constexpr TileKernels kBaseKernels{tile_scores_base, tile_softmax_base, tile_pv_base, tile_mass_base, 4};
 
 /// The widest set of kernels this CPU runs, or the one of `lanes` (0: the widest).
 TileKernels pick_tile_kernels(int lanes) {
@@ -344,8 +366,8 @@ TileKernels pick_tile_kernels(int lanes) {
   const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                   __builtin_cpu_supports("avx512cd");
-  if (v4 && (lanes == 0 || lanes == 16)) return {tile_scores_v4, tile_softmax_v4, tile_pv_v4, 16};
-  if (v3 && (lanes == 0 || lanes == 8)) return {tile_scores_v3, tile_softmax_v3, tile_pv_v3, 8};
+  if (v4 && (lanes == 0 || lanes == 16)) return {tile_scores_v4, tile_softmax_v4, tile_pv_v4, tile_mass_v4, 16};
+  if (v3 && (lanes == 0 || lanes == 8)) return {tile_scores_v3, tile_softmax_v3, tile_pv_v3, tile_mass_v3, 8};
 #endif
   return kBaseKernels;
 }
@@ -365,19 +387,9 @@ void tile_softmax(float* s, int64_t ld, int64_t nr, int64_t n, int64_t d, float*
 void tile_pv(const float* p, int64_t ld, int64_t nr, int64_t n, const float* const* vrows, int64_t d, float* acc) {
   tile_kernels().pv(p, ld, nr, n, vrows, d, acc);
 }
-
-/// p = exp(s − m_r) / l_r for the tile's scores of rows r < nr, added (× w) into
-/// `mass_rows[row_of[r]] + j0`.
-KV_TARGET_CLONES void tile_mass(const float* __restrict s, int64_t ld, int64_t nr, int64_t n, const float* m,
-                                const float* l, float w, float* const* mass_rows) {
-  for (int64_t r = 0; r < nr; ++r) {
-    if (l[r] <= 0.0f) continue;
-    const float* __restrict sr = s + r * ld;
-    float* __restrict out = mass_rows[r];
-    const float mr = m[r], inv = w / l[r];
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) out[j] += exp_nonpos(sr[j] - mr) * inv;
-  }
+void tile_mass(const float* s, int64_t ld, int64_t nr, int64_t n, const float* m, const float* l, float w,
+               float* const* mass_rows) {
+  tile_kernels().mass(s, ld, nr, n, m, l, w, mass_rows);
 }
 
 /// Walks one stream's live tokens block by block (quantized list, then residual list). In
