@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
@@ -169,6 +171,37 @@ uint8_t nearest_code(float x, Fp8Format f) {
     }
   }
   return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
+}
+
+// The array decoder (block decode, dequantize) computes each value instead of looking it up:
+// it must give the table's value (fp8_decode, built from the format's definition) for every
+// code, bit for bit (−0 and subnormals included), times the scale; NaN codes a NaN of the
+// code's sign. Decoded as one array of all 256 codes and unaligned, so the vector body and
+// the scalar tail both run.
+TEST(Fp8Exhaustive, ComputedDecodeEqualsTheTableForEveryCode) {
+  std::vector<uint8_t> codes(1 + 256);
+  for (int c = 0; c < 256; ++c) codes[static_cast<size_t>(1 + c)] = static_cast<uint8_t>(c);
+  for (auto f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (float scale : {1.0f, 0.37109375f, 3.0e-3f}) {
+      std::vector<float> out(256, 12345.0f);
+      quant::fp8_decode_array(codes.data() + 1, 256, scale, f, out.data());
+      for (int c = 0; c < 256; ++c) {
+        const float want = quant::fp8_decode(static_cast<uint8_t>(c), f) * scale;
+        const float got = out[static_cast<size_t>(c)];
+        const std::string where = std::string(quant::fp8_name(f)) + " code " + std::to_string(c) + " scale " +
+                                  std::to_string(scale);
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(got)) << where;
+          EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << where;
+          continue;
+        }
+        uint32_t a, b;
+        std::memcpy(&a, &got, 4);
+        std::memcpy(&b, &want, 4);
+        EXPECT_EQ(a, b) << where << ": got " << got << ", table " << want;
+      }
+    }
+  }
 }
 
 TEST(Fp8Exhaustive, EncoderMatchesNearestValueSearch) {
