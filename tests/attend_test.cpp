@@ -206,50 +206,55 @@ TEST(Attend, RaggedHeads) {
   const int64_t hq = 4, tq = 3;
   const auto q = testing::randn({1, hq, tq, 8}, gen).contiguous();
   const auto qpos = at::tensor({9, 14, 30}, at::kLong);
-  for (const AttentionNeed need : {AttentionNeed{AttentionNeed::kAllRows, false}, AttentionNeed{1, true},
-                                   AttentionNeed{2, true}, AttentionNeed{5, false}}) {
-    for (const int64_t buffer : {int64_t{1} << 20, int64_t{0}}) {  // scores kept / recomputed
-      auto out = at::empty({1, hq, tq, 8});
-      AttentionMass mass;
-      cache::AttendArgs a;
-      a.layer = &L;
-      a.q = q.data_ptr<float>();
-      a.q_pos = qpos.data_ptr<int64_t>();
-      a.t_q = tq;
-      a.num_q_heads = hq;
-      a.need = need;
-      a.out = out.data_ptr<float>();
-      a.mass = &mass;
-      a.max_buffered_scores = buffer;
-      cache::attend_generic(a);
-      const std::string where = "rows " + std::to_string(need.rows) + (need.per_row ? " per row" : " summed") +
-                                (buffer > 0 ? " buffered" : " recomputed");
-      ASSERT_EQ(mass.rows, need.per_row ? need.selected(tq) : 1) << where;
-      for (int64_t h = 0; h < 2; ++h) {
-        // The stored (dequantized) values of head h and their positions.
-        std::vector<float> kr, vr;
-        L.k(h).quant.live_rows(kr, 1.0f);
-        L.k(h).resid.live_rows(kr, 1.0f);
-        L.v(h).quant.live_rows(vr, 1.0f);
-        L.v(h).resid.live_rows(vr, 1.0f);
-        const auto pos = L.k(h).positions();
-        const int64_t t = static_cast<int64_t>(pos.size());
-        const auto k = at::from_blob(kr.data(), {1, 1, t, 8}, at::kFloat).clone();
-        const auto v = at::from_blob(vr.data(), {1, 1, t, 8}, at::kFloat).clone();
-        const auto kpos = at::tensor(pos, at::kLong).view({1, t});
-        at::Tensor probs;
-        const auto ref = reference_attention(q.narrow(1, 2 * h, 2), k, v, kpos, qpos, &probs);
-        EXPECT_LT(max_abs_diff(out.narrow(1, 2 * h, 2), ref), kTol) << where << " head " << h;
-        const AttentionMass want = reduce_attention(probs, 1, need);
-        ASSERT_EQ(mass.keys(h), t) << where;
-        ASSERT_EQ(mass.heads[h].size(), want.heads[0].size()) << where;
-        for (size_t j = 0; j < want.heads[0].size(); ++j) {
-          EXPECT_NEAR(mass.heads[h][j], want.heads[0][j], 1e-6) << where << " head " << h << " at " << j;
+  // Every tile width this CPU runs (the online softmax and the mass use W-lane vectors).
+  for (const int lanes : {4, 8, 16}) {
+    if (!cache::use_tile_lanes(lanes)) continue;
+    for (const AttentionNeed need : {AttentionNeed{AttentionNeed::kAllRows, false}, AttentionNeed{1, true},
+                                     AttentionNeed{2, true}, AttentionNeed{5, false}}) {
+      for (const int64_t buffer : {int64_t{1} << 20, int64_t{0}}) {  // scores kept / recomputed
+        auto out = at::empty({1, hq, tq, 8});
+        AttentionMass mass;
+        cache::AttendArgs a;
+        a.layer = &L;
+        a.q = q.data_ptr<float>();
+        a.q_pos = qpos.data_ptr<int64_t>();
+        a.t_q = tq;
+        a.num_q_heads = hq;
+        a.need = need;
+        a.out = out.data_ptr<float>();
+        a.mass = &mass;
+        a.max_buffered_scores = buffer;
+        cache::attend_generic(a);
+        const std::string where = "lanes " + std::to_string(lanes) + " rows " + std::to_string(need.rows) +
+                                  (need.per_row ? " per row" : " summed") + (buffer > 0 ? " buffered" : " recomputed");
+        ASSERT_EQ(mass.rows, need.per_row ? need.selected(tq) : 1) << where;
+        for (int64_t h = 0; h < 2; ++h) {
+          // The stored (dequantized) values of head h and their positions.
+          std::vector<float> kr, vr;
+          L.k(h).quant.live_rows(kr, 1.0f);
+          L.k(h).resid.live_rows(kr, 1.0f);
+          L.v(h).quant.live_rows(vr, 1.0f);
+          L.v(h).resid.live_rows(vr, 1.0f);
+          const auto pos = L.k(h).positions();
+          const int64_t t = static_cast<int64_t>(pos.size());
+          const auto k = at::from_blob(kr.data(), {1, 1, t, 8}, at::kFloat).clone();
+          const auto v = at::from_blob(vr.data(), {1, 1, t, 8}, at::kFloat).clone();
+          const auto kpos = at::tensor(pos, at::kLong).view({1, t});
+          at::Tensor probs;
+          const auto ref = reference_attention(q.narrow(1, 2 * h, 2), k, v, kpos, qpos, &probs);
+          EXPECT_LT(max_abs_diff(out.narrow(1, 2 * h, 2), ref), kTol) << where << " head " << h;
+          const AttentionMass want = reduce_attention(probs, 1, need);
+          ASSERT_EQ(mass.keys(h), t) << where;
+          ASSERT_EQ(mass.heads[h].size(), want.heads[0].size()) << where;
+          for (size_t j = 0; j < want.heads[0].size(); ++j) {
+            EXPECT_NEAR(mass.heads[h][j], want.heads[0][j], 1e-6) << where << " head " << h << " at " << j;
+          }
         }
+        EXPECT_THROW(mass.to_tensor(), InvalidArgument);  // ragged: no [H_kv, rows, T] form
       }
-      EXPECT_THROW(mass.to_tensor(), InvalidArgument);  // ragged: no [H_kv, rows, T] form
     }
   }
+  EXPECT_TRUE(cache::use_tile_lanes(0));
 }
 
 // The tile kernels (q·k over float32 rows, the online softmax, p·v) are built once per vector
