@@ -32,25 +32,35 @@ constexpr int64_t kRowBlock = 64;
 constexpr int kPrefetchBlocks = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-/// exp(x) for x ≤ 0 (softmax arguments), 0 for x < −87.3 (incl. −inf). Cephes' expf:
-/// n = round(x·log2 e), r = x − n·ln 2 (two-part constant), degree-6 polynomial, scaled by
-/// 2^n through the exponent bits; about 2 ulp. Branch-free, so loops over it vectorize.
-KV_ALWAYS_INLINE float exp_nonpos(float x) {
-  const bool live = x > -87.3f;
-  const float xc = live ? x : -87.3f;
-  const float t = xc * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5·2^23
-  const float n = t - 12582912.0f;
-  const int32_t ni = static_cast<int32_t>(float_bits(t) - 0x4B400000u);
-  float r = xc - n * 0.693359375f;
+/// The steps shared by exp_nonpos and vexp_nonpos (T = float or a float vector), for xc in
+/// [−87.3, 0]: sets t (n + 1.5·2^23, whose low bits hold n) and returns the polynomial's value,
+/// e^(xc − n·ln 2).
+template <class T>
+KV_ALWAYS_INLINE T exp_reduced(T xc, T& t) {
+  t = xc * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5·2^23
+  const T n = t - 12582912.0f;
+  T r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
+  const T z = r * r;
+  T y = T{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  return y * z + r + 1.0f;
+}
+
+/// exp(x) for x ≤ 0 (softmax arguments), 0 for x < −87.3 (incl. −inf). Cephes' expf:
+/// n = round(x·log2 e), r = x − n·ln 2 (two-part constant), degree-6 polynomial, scaled by
+/// 2^n through the exponent bits; about 2 ulp. For scalar tails and per-row corrections: loops
+/// take vexp_nonpos (a float ?: keeps GCC from vectorizing a loop over this one).
+KV_ALWAYS_INLINE float exp_nonpos(float x) {
+  const bool live = x > -87.3f;
+  const float xc = live ? x : -87.3f;
+  float t;
+  const float y = exp_reduced(xc, t);
+  const int32_t ni = static_cast<int32_t>(float_bits(t) - 0x4B400000u);
   const float p2 = bits_float(static_cast<uint32_t>(ni + 127) << 23);
   return live ? y * p2 : 0.0f;
 }
@@ -105,19 +115,9 @@ template <int W>
 KV_ALWAYS_INLINE vf<W> vexp_nonpos(vf<W> x) {
   const vi<W> live = x > vsplat<W>(-87.3f);
   const vf<W> xc = live ? x : vsplat<W>(-87.3f);
-  const vf<W> t = xc * 1.44269504088896341f + 12582912.0f;
-  const vf<W> n = t - 12582912.0f;
+  vf<W> t;
+  const vf<W> y = exp_reduced(xc, t);
   const vi<W> ni = __builtin_bit_cast(vi<W>, t) - 0x4B400000;
-  vf<W> r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const vf<W> z = r * r;
-  vf<W> y = vsplat<W>(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
   const vi<W> e = (ni + 127) << 23;
   const vf<W> p2 = __builtin_bit_cast(vf<W>, e);
   return live ? y * p2 : vf<W>{};
