@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -110,8 +111,20 @@ inline std::string run_tool(const std::string& tool, const std::string& args,
 }
 
 /// Key material for a tool run: the tool's source plus the arguments.
+/// What a tool's cached output depends on: its own text, the shared Python package the tools
+/// import (tools/kvcache_tools/*.py, e.g. the exported model's code), and its arguments.
 inline std::string tool_key(const std::string& tool, const std::string& args) {
-  return read_file(tool_path(tool)) + "\n" + args;
+  std::vector<std::string> pkg;
+  const fs::path dir = fs::path(source_dir()) / "tools" / "kvcache_tools";
+  if (fs::is_directory(dir)) {
+    for (const auto& e : fs::directory_iterator(dir)) {
+      if (e.path().extension() == ".py") pkg.push_back(e.path().string());
+    }
+  }
+  std::sort(pkg.begin(), pkg.end());
+  std::string key = read_file(tool_path(tool));
+  for (const std::string& f : pkg) key += "\n" + f.substr(f.rfind('/') + 1) + "\n" + read_file(f);
+  return key + "\n" + args;
 }
 
 /// Runs a Python snippet with the torch interpreter; "" on success, else its output.

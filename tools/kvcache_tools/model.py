@@ -80,7 +80,10 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
 
     One row (decode, B*T == 1) goes through a true GEMV (torch.mv): on CPU LibTorch 1.13 that is
     ~4x faster than linear/addmm with M=1. CPU has no fp16 GEMM in torch 1.13, so fp16 weights
-    are computed in fp32 there and the result is cast back to fp16."""
+    are computed in fp32 there and the result is cast back to fp16. bf16 keeps F.linear: on a
+    CPU without AVX-512 (no oneDNN bf16 path) LibTorch 1.13's bf16 mv accumulates in bf16
+    (max error 2.2 on a 512-long dot of unit normals, against 0.2 for F.linear; AMD EPYC Zen 3,
+    2026-12-02), and a bf16 export's decode drifted off its own forward."""
     out_dtype = x.dtype
     if w.dtype == torch.float16 and w.device.type == "cpu":
         x = x.float()
@@ -88,7 +91,7 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
         if b is not None:
             b = b.float()
     rows = x.numel() // x.size(-1)
-    if rows == 1:
+    if rows == 1 and w.dtype != torch.bfloat16:
         y = torch.mv(w, x.reshape(-1))
         if b is not None:
             y = y + b
