@@ -65,6 +65,19 @@ std::string to_string(PrefixFamily family) {
   return "unknown";
 }
 
+namespace {
+
+/// A workload of `family` built on task `base`, no requests yet: id "<family>-<base id>".
+PrefixWorkload open_workload(PrefixFamily family, const Task& base, bool concurrent) {
+  PrefixWorkload wl;
+  wl.id = to_string(family) + "-" + base.id;
+  wl.family = family;
+  wl.concurrent = concurrent;
+  return wl;
+}
+
+}  // namespace
+
 std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t count, int64_t requests) {
   KV_CHECK_ARG(count >= 1 && count <= 7, "generate_prefix_workloads: count must be in [1, 7], got ", count);
   KV_CHECK_ARG(requests >= 1 && requests <= 14, "generate_prefix_workloads: requests must be in [1, 14], got ",
@@ -76,10 +89,7 @@ std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t cou
   std::vector<PrefixWorkload> out;
   for (int64_t w = 0; w < count; ++w) {
     const Task& base = instr[static_cast<size_t>(w)];
-    PrefixWorkload wl;
-    wl.id = "system_prompt-" + base.id;
-    wl.family = PrefixFamily::kSystemPrompt;
-    wl.concurrent = true;
+    PrefixWorkload wl = open_workload(PrefixFamily::kSystemPrompt, base, /*concurrent=*/true);
     const std::string note = split_question(base).first;
     for (int64_t i = 0; i < requests; ++i) {
       const Task& other = instr[static_cast<size_t>((w + i) % 14)];
@@ -102,10 +112,7 @@ std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t cou
   sessions.insert(sessions.end(), six.begin(), six.end());
   for (int64_t w = 0; w < count; ++w) {
     const Task& base = sessions[static_cast<size_t>(w % static_cast<int64_t>(sessions.size()))];
-    PrefixWorkload wl;
-    wl.id = "multiturn-" + base.id;
-    wl.family = PrefixFamily::kMultiTurn;
-    wl.concurrent = false;
+    PrefixWorkload wl = open_workload(PrefixFamily::kMultiTurn, base, /*concurrent=*/false);
     for (size_t m = 0; m < base.messages.size(); ++m) {
       if (base.messages[m].role != "user") continue;
       PrefixRequest r;
@@ -123,10 +130,7 @@ std::vector<PrefixWorkload> generate_prefix_workloads(uint64_t seed, int64_t cou
   }
   for (int64_t w = 0; w < count; ++w) {
     const Task& base = instr[static_cast<size_t>(w)];
-    PrefixWorkload wl;
-    wl.id = "fewshot-" + base.id;
-    wl.family = PrefixFamily::kFewShot;
-    wl.concurrent = true;
+    PrefixWorkload wl = open_workload(PrefixFamily::kFewShot, base, /*concurrent=*/true);
     std::vector<Message> shared = {base.messages.front()};  // the instruction
     for (int64_t e = 1; e <= kFewShotExamples; ++e) {
       const Task& ex = instr[static_cast<size_t>((w + e) % 14)];
