@@ -20,7 +20,7 @@ void add_prefix_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "prefix",
       "Shared-prefix workloads (system_prompt: one system prompt behind many concurrent requests; multiturn:\n"
-      "sessions that re-send their history; fewshot: one instruction and its worked examples behind many\n"
+      "sessions that re-send their history; fewshot: one instruction and a worked example behind many\n"
       "concurrent requests) over one block pool, every arm with prefix sharing off and on: accuracy, replies\n"
       "equal to the baseline arm's, peak pool bytes, prefill tokens computed, time and the prefix cache's\n"
       "counters (docs/study.md, \"Prefix sharing\").\n"
