@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Long-context decode attention from the stored blocks, against the float32 path, and the
 // memory a cache really takes. Qwen2.5-0.5B shapes: 24 layers, 14 query heads, 2 KV heads,
-// head_dim 64; one decode query per step; the step cycles through the 24 layers' caches so no
-// layer stays in the CPU caches (the data comes from memory, as in a real decode step).
+// head_dim 64; one decode query per step; the step cycles through a ring of layers' caches so
+// no layer stays in the CPU caches (the data comes from memory, as in a real decode step): at
+// least the model's 24 layers, and as many more as it takes for the ring to hold
+// --ring_bytes (default: 1 GiB or twice the last-level cache, whichever is larger; a 4-bit
+// cache of 24 layers at 32k tokens is 113 MB, which a CPU with a 480 MiB L3 would serve from
+// the cache). The counter `ring_layers` says how many a case cycled through.
 //
 //   BM_Attend/<spec>/<T>/<threads>  CacheManager::attend() over T resident tokens per layer (the
 //                                   fused kernels where the CPU has them)
@@ -10,10 +14,11 @@
 //                                   (the fused kernels' reference twin)
 //   BM_AttendBaseline/<T>/<threads> the old path: float32 K/V tensors (what get() handed out)
 //                                   + at:: matmul/softmax/matmul (kvcache::reference_attention)
-//   BM_Copy                         memcpy of 256 MiB: STREAM-style copy bandwidth (2·N/t), the
-//                                   denominator of every `floor_ms` (bytes a step must read /
-//                                   copy bandwidth), measured in the same run
-//   BM_Read                         a sum over 256 MiB (N/t): what one thread can read, the
+//   BM_Copy                         memcpy of N = max(256 MiB, 2 × last-level cache):
+//                                   STREAM-style copy bandwidth (2·N/t), the denominator of
+//                                   every `floor_ms` (bytes a step must read / copy bandwidth),
+//                                   measured in the same run
+//   BM_Read                         a sum over N bytes (N/t): what one thread can read, the
 //                                   denominator of `read_floor_ms` (a decode step only reads)
 //   BM_Memory/<spec>                24 layers × T = 32,768 tokens appended to a fresh cache: the
 //                                   process's resident-set growth against bytes_reserved and
@@ -22,6 +27,7 @@
 //   build/bench/bench_attention --benchmark_counters_tabular=true
 //   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
 //   build/bench/bench_attention --block_tokens=128 --benchmark_filter=/4096/1   # other block sizes
+//   build/bench/bench_attention --ring_bytes=268435456 ...   # a smaller ring (bytes)
 //
 // Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
 // (mallopt) so that every slab is its own mapping and memory freed between cases goes back to
@@ -53,6 +59,36 @@ constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
 double g_copy_gbps = 0;        ///< measured at start-up
 double g_read_gbps = 0;        ///< measured at start-up
 int64_t g_block_tokens = 0;    ///< --block_tokens=N (0: the default)
+int64_t g_ring_bytes = 0;      ///< --ring_bytes=N (0: default_ring_bytes())
+
+/// The last-level cache's size in bytes (sysconf, else sysfs; 0 if neither says).
+int64_t llc_bytes() {
+  for (int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long v = sysconf(name);
+    if (v > 0) return v;
+  }
+  for (const char* index : {"index4", "index3", "index2"}) {
+    std::ifstream f(std::string("/sys/devices/system/cpu/cpu0/cache/") + index + "/size");
+    int64_t v = 0;
+    std::string unit;
+    if (f >> v) {
+      f >> unit;
+      return v * (unit == "K" ? 1024 : unit == "M" ? 1024 * 1024 : 1);
+    }
+  }
+  return 0;
+}
+
+/// Bytes the ring of layers must hold: 1 GiB or twice the last-level cache.
+int64_t ring_bytes() { return g_ring_bytes > 0 ? g_ring_bytes : std::max<int64_t>(int64_t{1} << 30, 2 * llc_bytes()); }
+
+/// Layers to cycle through when one holds `layer_bytes`: at least the model's 24.
+int64_t ring_layers(double layer_bytes) {
+  return std::max<int64_t>(kLayers, static_cast<int64_t>(std::ceil(static_cast<double>(ring_bytes()) / layer_bytes)));
+}
+
+/// The copy and read buffers' size: 256 MiB or twice the last-level cache.
+size_t stream_bytes() { return static_cast<size_t>(std::max<int64_t>(int64_t{256} << 20, 2 * llc_bytes())); }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) {
   const int64_t half = kD / 2;
@@ -70,9 +106,9 @@ int64_t rss_bytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
-kvcache::CacheConfig config(const std::string& spec) {
+kvcache::CacheConfig config(const std::string& spec, int64_t layers = kLayers) {
   kvcache::CacheConfig c;
-  c.num_layers = kLayers;
+  c.num_layers = layers;
   c.num_q_heads = kHq;
   c.num_kv_heads = kHkv;
   c.head_dim = kD;
@@ -83,24 +119,38 @@ kvcache::CacheConfig config(const std::string& spec) {
   return c;
 }
 
-/// One cache of 24 layers × T tokens, built on first use and kept until another is asked for.
+/// T tokens appended to every layer of `m` (the same random K/V in each: only the bytes read
+/// matter here).
+void fill(kvcache::CacheManager& m, int64_t layers, int64_t t) {
+  at::manual_seed(0);
+  const int64_t chunk = 4096;
+  for (int64_t p = 0; p < t; p += chunk) {
+    const int64_t n = std::min(chunk, t - p);
+    const auto k = at::randn({1, kHkv, n, kD}), v = at::randn({1, kHkv, n, kD});
+    const auto pos = at::arange(p, p + n, at::kLong);
+    for (int64_t l = 0; l < layers; ++l) m.append(l, k, v, pos);
+    m.end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
+  }
+}
+
+/// The ring of layers (ring_layers()) of T tokens each, built on first use and kept until
+/// another is asked for. One layer is built first to learn what a layer holds.
 kvcache::CacheManager& filled_cache(const std::string& spec, int64_t t) {
   static std::unique_ptr<kvcache::CacheManager> cache;
   static std::string key;
   const std::string want = spec + "/" + std::to_string(t);
   if (cache && key == want) return *cache;
   cache.reset();
-  cache = std::make_unique<kvcache::CacheManager>(config(spec));
-  key = want;
-  at::manual_seed(0);
-  const int64_t chunk = 4096;
-  for (int64_t p = 0; p < t; p += chunk) {
-    const int64_t n = std::min(chunk, t - p);
-    for (int64_t l = 0; l < kLayers; ++l) {
-      cache->append(l, at::randn({1, kHkv, n, kD}), at::randn({1, kHkv, n, kD}), at::arange(p, p + n, at::kLong));
-    }
-    cache->end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
+  double layer_bytes = 0;
+  {
+    kvcache::CacheManager probe(config(spec, 1));
+    fill(probe, 1, t);
+    layer_bytes = static_cast<double>(probe.stats().bytes_resident);
   }
+  const int64_t layers = ring_layers(layer_bytes);
+  cache = std::make_unique<kvcache::CacheManager>(config(spec, layers));
+  key = want;
+  fill(*cache, layers, t);
   return *cache;
 }
 
@@ -127,7 +177,7 @@ uint64_t read_sum(const std::vector<uint64_t>& a) {
 
 void BM_Read(benchmark::State& state) {
   at::set_num_threads(1);
-  std::vector<uint64_t> a((size_t{256} << 20) / sizeof(uint64_t), 1);
+  std::vector<uint64_t> a(stream_bytes() / sizeof(uint64_t), 1);
   for (auto _ : state) benchmark::DoNotOptimize(read_sum(a));
   state.counters["read_GBps"] = benchmark::Counter(static_cast<double>(a.size() * sizeof(uint64_t)) *
                                                        static_cast<double>(state.iterations()) / 1e9,
@@ -152,13 +202,13 @@ double best_gbps(double bytes, Pass&& pass) {
 
 /// BM_Read's rate: N bytes per pass.
 double measure_read_gbps() {
-  std::vector<uint64_t> a((size_t{256} << 20) / sizeof(uint64_t), 1);
+  std::vector<uint64_t> a(stream_bytes() / sizeof(uint64_t), 1);
   return best_gbps(static_cast<double>(a.size() * sizeof(uint64_t)), [&] { benchmark::DoNotOptimize(read_sum(a)); });
 }
 
 void BM_Copy(benchmark::State& state) {
   at::set_num_threads(1);
-  const size_t n = size_t{256} << 20;
+  const size_t n = stream_bytes();
   std::vector<char> a(n, 1), b(n, 2);
   for (auto _ : state) {
     std::memcpy(b.data(), a.data(), n);
@@ -171,7 +221,7 @@ void BM_Copy(benchmark::State& state) {
 
 /// BM_Copy's rate: STREAM copy convention, 2·N bytes per memcpy of N.
 double measure_copy_gbps() {
-  const size_t n = size_t{256} << 20;
+  const size_t n = stream_bytes();
   std::vector<char> a(n, 1), b(n, 2);
   return best_gbps(2.0 * static_cast<double>(n), [&] {
     std::memcpy(b.data(), a.data(), n);
@@ -183,6 +233,7 @@ void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
   const int64_t t = state.range(0);
   at::set_num_threads(static_cast<int>(state.range(1)));
   auto& m = filled_cache(spec, t);
+  const int64_t layers = m.config().num_layers;
   const auto q = at::randn({1, kHq, 1, kD});
   const auto pos = at::full({1}, t, at::kLong);
   int64_t l = 0;
@@ -192,19 +243,21 @@ void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
     } else {
       benchmark::DoNotOptimize(kvcache::cache::CacheManagerAccess::attend(m, l, q, pos, false).data_ptr());
     }
-    l = (l + 1) % kLayers;
+    l = (l + 1) % layers;
   }
-  floor_counters(state, static_cast<double>(m.stats().bytes_resident) / kLayers);
+  floor_counters(state, static_cast<double>(m.stats().bytes_resident) / static_cast<double>(layers));
+  state.counters["ring_layers"] = static_cast<double>(layers);
   state.counters["bits_per_value"] =
-      static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(kLayers * 2 * kHkv * t * kD);
+      static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(layers * 2 * kHkv * t * kD);
 }
 
 void BM_AttendBaseline(benchmark::State& state) {
   const int64_t t = state.range(0);
   at::set_num_threads(static_cast<int>(state.range(1)));
   at::manual_seed(0);
+  const int64_t layers = ring_layers(2.0 * static_cast<double>(kHkv * t * kD) * 4.0);
   std::vector<at::Tensor> k, v;
-  for (int64_t l = 0; l < kLayers; ++l) {
+  for (int64_t l = 0; l < layers; ++l) {
     k.push_back(at::randn({1, kHkv, t, kD}));
     v.push_back(at::randn({1, kHkv, t, kD}));
   }
@@ -214,9 +267,10 @@ void BM_AttendBaseline(benchmark::State& state) {
   int64_t l = 0;
   for (auto _ : state) {
     benchmark::DoNotOptimize(kvcache::reference_attention(q, k[static_cast<size_t>(l)], v[static_cast<size_t>(l)], kpos, pos).data_ptr());
-    l = (l + 1) % kLayers;
+    l = (l + 1) % layers;
   }
   floor_counters(state, 2.0 * static_cast<double>(kHkv * t * kD) * 4.0);
+  state.counters["ring_layers"] = static_cast<double>(layers);
 }
 
 void BM_Memory(benchmark::State& state, const std::string& spec) {
@@ -295,6 +349,12 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
       g_block_tokens = std::atoll(argv[i] + 15);
+    } else if (std::strncmp(argv[i], "--ring_bytes=", 13) == 0) {
+      g_ring_bytes = std::atoll(argv[i] + 13);
+      if (g_ring_bytes <= 0) {
+        std::fprintf(stderr, "bench_attention: --ring_bytes=%s: expected a positive number of bytes\n", argv[i] + 13);
+        return 2;
+      }
     } else {
       args.push_back(argv[i]);
     }
@@ -303,8 +363,11 @@ int main(int argc, char** argv) {
   argv = args.data();
   g_copy_gbps = measure_copy_gbps();
   g_read_gbps = measure_read_gbps();
-  std::fprintf(stderr, "copy bandwidth (STREAM convention, 1 thread): %.1f GB/s; read bandwidth (1 thread): %.1f GB/s\n",
-               g_copy_gbps, g_read_gbps);
+  std::fprintf(stderr,
+               "copy bandwidth (STREAM convention, 1 thread, %zu MiB): %.1f GB/s; read bandwidth (1 thread): %.1f GB/s; "
+               "last-level cache %lld MiB; each ring of layers holds >= %lld MiB\n",
+               stream_bytes() >> 20, g_copy_gbps, g_read_gbps, static_cast<long long>(llc_bytes() >> 20),
+               static_cast<long long>(ring_bytes() >> 20));
   register_all();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
