@@ -4,9 +4,10 @@
 // head_dim 64; one decode query per step; the step cycles through a ring of layers' caches so
 // no layer stays in the CPU caches (the data comes from memory, as in a real decode step): at
 // least the model's 24 layers, and as many more as it takes for the ring to hold
-// --ring_bytes (default: 1 GiB or twice the last-level cache, whichever is larger; a 4-bit
-// cache of 24 layers at 32k tokens is 113 MB, which a CPU with a 480 MiB L3 would serve from
-// the cache). The counter `ring_layers` says how many a case cycled through.
+// --ring_bytes (default: twice the last-level cache; a 4-bit cache of 24 layers is 113 MB at
+// 32k tokens and 14 MB at 4k, which a 480 MiB or a 32 MiB L3 would serve from the cache). The
+// counter `ring_layers` says how many a case cycled through. The cases of one spec and T run
+// next to each other (threads 1, then 2) so that each ring is filled once.
 //
 //   BM_Attend/<spec>/<T>/<threads>  CacheManager::attend() over T resident tokens per layer (the
 //                                   fused kernels where the CPU has them)
@@ -27,7 +28,7 @@
 //   build/bench/bench_attention --benchmark_counters_tabular=true
 //   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
 //   build/bench/bench_attention --block_tokens=128 --benchmark_filter=/4096/1   # other block sizes
-//   build/bench/bench_attention --ring_bytes=268435456 ...   # a smaller ring (bytes)
+//   build/bench/bench_attention --ring_bytes=268435456 ...   # another ring size (bytes; 1: one layer)
 //
 // Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
 // (mallopt) so that every slab is its own mapping and memory freed between cases goes back to
@@ -79,12 +80,19 @@ int64_t llc_bytes() {
   return 0;
 }
 
-/// Bytes the ring of layers must hold: 1 GiB or twice the last-level cache.
-int64_t ring_bytes() { return g_ring_bytes > 0 ? g_ring_bytes : std::max<int64_t>(int64_t{1} << 30, 2 * llc_bytes()); }
+/// Bytes the ring of layers must hold: twice the last-level cache (256 MiB if unknown).
+int64_t ring_bytes() {
+  if (g_ring_bytes > 0) return g_ring_bytes;
+  const int64_t llc = llc_bytes();
+  return llc > 0 ? 2 * llc : int64_t{256} << 20;
+}
 
-/// Layers to cycle through when one holds `layer_bytes`: at least the model's 24.
+/// Layers to cycle through when one holds `layer_bytes`: enough to hold ring_bytes(), and at
+/// least the model's 24 unless --ring_bytes was given (--ring_bytes=1: one layer, read from the
+/// CPU caches when it fits there).
 int64_t ring_layers(double layer_bytes) {
-  return std::max<int64_t>(kLayers, static_cast<int64_t>(std::ceil(static_cast<double>(ring_bytes()) / layer_bytes)));
+  const auto need = static_cast<int64_t>(std::ceil(static_cast<double>(ring_bytes()) / layer_bytes));
+  return std::max<int64_t>(g_ring_bytes > 0 ? 1 : kLayers, need);
 }
 
 /// The copy and read buffers' size: 256 MiB or twice the last-level cache.
@@ -320,7 +328,9 @@ void register_all() {
           ->Args({t, threads})
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
-      for (const auto& s : specs()) {
+    }
+    for (const auto& s : specs()) {
+      for (int64_t threads : {1, 2}) {
         benchmark::RegisterBenchmark(("BM_Attend/" + s).c_str(), [s](benchmark::State& st) { BM_Attend(st, s, true); })
             ->Args({t, threads})
             ->Unit(benchmark::kMicrosecond)
@@ -365,7 +375,7 @@ int main(int argc, char** argv) {
   g_read_gbps = measure_read_gbps();
   std::fprintf(stderr,
                "copy bandwidth (STREAM convention, 1 thread, %zu MiB): %.1f GB/s; read bandwidth (1 thread): %.1f GB/s; "
-               "last-level cache %lld MiB; each ring of layers holds >= %lld MiB\n",
+               "last-level cache %lld MiB; a ring of layers holds >= %lld MiB\n",
                stream_bytes() >> 20, g_copy_gbps, g_read_gbps, static_cast<long long>(llc_bytes() >> 20),
                static_cast<long long>(ring_bytes() >> 20));
   register_all();
