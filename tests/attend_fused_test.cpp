@@ -248,6 +248,76 @@ TEST(AttendFused, MatchesTheGenericPathForEveryFormat) {
   }
 }
 
+// head_dim 256 (eight 32-dim chunks, the widest the kernels read) and 96 (three chunks), and the
+// per-token group sizes whose codes the kernels unpack differently (int4 g64/g128: nibble halves
+// of the group; int2 g64: two fields; int2 g128/g256: four quarter rows), with 7 and 21 query
+// rows (one and three passes of the AVX2 kernels' 7 rows) and a block tail.
+TEST(AttendFused, WideHeadsAndGroupSizes) {
+  REQUIRE_FUSED();
+  using Kind = cache::fused::KernelFormat::Kind;
+  struct Case {
+    const char* quant;
+    int64_t d;
+  };
+  const std::vector<Case> cases = {{"fp16", 256},      {"bf16", 256},     {"fp8:e4m3:scaled", 256}, {"fp8:e5m2", 256},
+                                   {"int8", 256},      {"int4:g64", 256}, {"int4:g128", 256},       {"int2:g64", 256},
+                                   {"int2:g128", 256}, {"int2:g256", 256}, {"int8:g64", 256},       {"int4:g32:chan", 256},
+                                   {"int8:g32", 96},   {"int4:g32", 96},  {"int2:g32", 96},         {"int2:g32:chan", 96},
+                                   {"fp8:e4m3", 96}};
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    const bool avx2 = isa == FusedIsa::kAvx2;
+    uint64_t seed = 100;
+    for (const auto& cs : cases) {
+      const std::string quant = cs.quant;
+      const auto qz = make_quantizer(quant);
+      const int64_t cap = std::max<int64_t>(64, qz->stored_layout(cs.d).group_tokens);
+      ASSERT_NE(cache::fused::classify(cache::BlockFormat(*qz, cs.d, cap, nullptr)).kind, Kind::kNone) << quant;
+      auto c = make_config(1, 7, 1, cs.d, quant, "full");
+      c.block_tokens = 64;
+      CacheManager m(c);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+      m.append(0, testing::randn({1, 1, 101, cs.d}, gen) * 1.5, testing::randn({1, 1, 101, cs.d}, gen),
+               positions_range(0, 101));  // a full block and a tail of 37
+      for (int64_t tq : {1, 3}) {
+        const std::string where = quant + " D " + std::to_string(cs.d) + " T_q " + std::to_string(tq);
+        const auto q = testing::randn({1, 7, tq, cs.d}, gen);
+        const auto qp = positions_range(101 - tq, tq);
+        const auto fast = CacheManagerAccess::attend(m, 0, q, qp, /*fused=*/true);
+        if (avx2 || !integer_keys(quant)) {
+          EXPECT_LE(max_abs(fast - CacheManagerAccess::attend(m, 0, q, qp, false)), kFloatTol) << where;
+        } else if (!channel_keys(quant)) {
+          EXPECT_LE(max_abs(fast - CacheManagerAccess::attend(m, 0, rounded_query(q), qp, false)), kFloatTol) << where;
+        } else {
+          const double tol = (std::exp(2 * channel_delta(m, q)) - 1) * max_abs(m.get(0).v) + kFloatTol;
+          EXPECT_LE(max_abs(fast - CacheManagerAccess::attend(m, 0, q, qp, false)), tol) << where;
+        }
+      }
+    }
+  }
+}
+
+// use_fused_isa: refuses nothing the CPU runs, changes nothing when it refuses, and the
+// generic path (kNone) turns the fused kernels off.
+TEST(AttendFused, IsaHookSelectsAndRestores) {
+  const FusedIsa best = cache::fused::best_isa();
+  EXPECT_EQ(cache::fused::current_isa(), best);
+  for (const FusedIsa isa : {FusedIsa::kAvx512, FusedIsa::kAvx2, FusedIsa::kNone}) {
+    const IsaScope restore(best);
+    const bool ok = cache::fused::use_fused_isa(isa);
+    EXPECT_EQ(cache::fused::current_isa(), ok ? isa : best) << cache::fused::isa_name(isa);
+    EXPECT_EQ(cache::fused::available(), cache::fused::current_isa() != FusedIsa::kNone);
+  }
+  EXPECT_TRUE(cache::fused::use_fused_isa(FusedIsa::kNone));
+  EXPECT_FALSE(cache::fused::available());
+  cache::fused::use_fused_isa(best);
+  EXPECT_EQ(cache::fused::current_isa(), best);
+  if (best == FusedIsa::kAvx512) {  // every CPU with the AVX-512 kernels' ISA has AVX2, FMA, F16C, BMI2
+    EXPECT_TRUE(cache::fused::use_fused_isa(FusedIsa::kAvx2));
+  }
+  cache::fused::use_fused_isa(best);
+}
+
 // Per-channel keys: the kernel's scores equal Σ_c ws_c Σ_d wi_d c_d + Σ_d q_d z_d (w = q ⊙ s
 // rounded per chunk as the kernel rounds it), from the stored codes, scales and zeros.
 TEST(AttendFused, ChannelKeyScoresFollowTheFoldedQueryFormula) {
