@@ -190,6 +190,7 @@ void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_
 #endif
     default: break;
   }
+  (void)q, (void)r0, (void)nr, (void)k, (void)n, (void)s, (void)ld;
   KV_INTERNAL_ASSERT(false, "fused::scores: no fused kernels run here");
 }
 
@@ -203,6 +204,7 @@ void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int6
 #endif
     default: break;
   }
+  (void)p, (void)ld, (void)nr, (void)v, (void)n, (void)d, (void)acc;
   KV_INTERNAL_ASSERT(false, "fused::accumulate: no fused kernels run here");
 }
 
