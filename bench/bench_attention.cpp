@@ -28,6 +28,8 @@
 //   build/bench/bench_attention --benchmark_counters_tabular=true
 //   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
 //   build/bench/bench_attention --block_tokens=128 --benchmark_filter=/4096/1   # other block sizes
+//   build/bench/bench_attention --fused_isa=avx2 --benchmark_filter=BM_Attend/   # the AVX2 kernels
+//                                   (default: the CPU's best; refused if the CPU cannot run them)
 //   build/bench/bench_attention --ring_bytes=268435456 ...   # another ring size (bytes; 1: one layer)
 //
 // Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
@@ -50,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/attend_fused.h"
 #include "cache/cache_manager_access.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
@@ -359,6 +362,21 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
       g_block_tokens = std::atoll(argv[i] + 15);
+    } else if (std::strncmp(argv[i], "--fused_isa=", 12) == 0) {
+      namespace fused = kvcache::cache::fused;
+      const std::string name = argv[i] + 12;
+      const fused::FusedIsa isa = name == "avx512" ? fused::FusedIsa::kAvx512
+                                  : name == "avx2" ? fused::FusedIsa::kAvx2
+                                                   : fused::FusedIsa::kNone;
+      if (isa == fused::FusedIsa::kNone) {
+        std::fprintf(stderr, "bench_attention: --fused_isa=%s: expected avx2 or avx512\n", name.c_str());
+        return 2;
+      }
+      if (!fused::use_fused_isa(isa)) {
+        std::fprintf(stderr, "bench_attention: --fused_isa=%s: this CPU cannot run (or this build lacks) the %s kernels\n",
+                     name.c_str(), name.c_str());
+        return 2;
+      }
     } else if (std::strncmp(argv[i], "--ring_bytes=", 13) == 0) {
       g_ring_bytes = std::atoll(argv[i] + 13);
       if (g_ring_bytes <= 0) {
@@ -378,6 +396,8 @@ int main(int argc, char** argv) {
                "last-level cache %lld MiB; a ring of layers holds >= %lld MiB\n",
                stream_bytes() >> 20, g_copy_gbps, g_read_gbps, static_cast<long long>(llc_bytes() >> 20),
                static_cast<long long>(ring_bytes() >> 20));
+  std::fprintf(stderr, "fused kernels: %s (CPU's best: %s)\n", kvcache::cache::fused::isa_name(kvcache::cache::fused::current_isa()),
+               kvcache::cache::fused::isa_name(kvcache::cache::fused::best_isa()));
   register_all();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fused attention kernels (attend_fused.h) for x86-64 with AVX-512 F/BW/VL/DQ, VNNI, VBMI
 // and F16C. This translation unit is compiled with those instructions enabled and is entered
-// only through fused::scores / fused::accumulate after fused::available() said the CPU has
-// them: nothing in it may run at load time (no dynamic initialisers).
+// only through fused::scores / fused::accumulate when the dispatch (fused::current_isa(),
+// attend_fused.cpp) found them on the CPU: nothing in it may run at load time (no dynamic
+// initialisers).
 //
 // Layouts read (docs/quantizers.md "Packing layout", StoredLayout): a block is
 // [codes | scales | zeros]; a per-token format stores token slot s's codes at s·code_bytes and

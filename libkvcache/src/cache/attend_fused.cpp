@@ -1,11 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Format classification, CPU detection and query preparation of the fused kernels
 // (attend_fused.h). Compiled with the project's default flags: nothing here may use the
-// instructions the kernels need; attend_avx512.cpp holds the kernels themselves.
+// instructions the kernels need; attend_avx512.cpp and attend_avx2.cpp hold the kernels
+// themselves.
 #include "cache/attend_fused.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#if defined(KVCACHE_FUSED_AVX2)
+#include <cpuid.h>
+#endif
 
 #include "kvcache/error.h"
 #include "quant/float_quantizer.h"
@@ -61,22 +66,79 @@ KernelFormat classify(const BlockFormat& f) {
   return k;
 }
 
-bool available() {
+namespace {
+
+bool cpu_runs(FusedIsa isa) {
+  switch (isa) {
+    case FusedIsa::kNone: return true;
+    case FusedIsa::kAvx512: {
 #if defined(KVCACHE_FUSED_AVX512)
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    // F16C is not asked for: every AVX-512F CPU has it (and clang's builtin does not know the
-    // name).
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
-           __builtin_cpu_supports("fma");
-  }();
-  return ok;
+      static const bool ok = [] {
+        __builtin_cpu_init();
+        // F16C is not asked for: every AVX-512F CPU has it (and clang's builtin does not know the
+        // name).
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+               __builtin_cpu_supports("fma");
+      }();
+      return ok;
 #else
-  return false;
+      return false;
 #endif
+    }
+    case FusedIsa::kAvx2: {
+#if defined(KVCACHE_FUSED_AVX2)
+      static const bool ok = [] {
+        __builtin_cpu_init();
+        // F16C from CPUID leaf 1 (ECX bit 29): clang's builtin does not know the name. The OS
+        // saves the ymm state where __builtin_cpu_supports("avx2") says yes.
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        const bool f16c = __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+        return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+      }();
+      return ok;
+#else
+      return false;
+#endif
+    }
+  }
+  return false;
 }
+
+std::atomic<FusedIsa>& selected() {
+  static std::atomic<FusedIsa> isa{best_isa()};
+  return isa;
+}
+
+}  // namespace
+
+FusedIsa best_isa() {
+  static const FusedIsa best = cpu_runs(FusedIsa::kAvx512) ? FusedIsa::kAvx512
+                               : cpu_runs(FusedIsa::kAvx2) ? FusedIsa::kAvx2
+                                                           : FusedIsa::kNone;
+  return best;
+}
+
+FusedIsa current_isa() { return selected().load(std::memory_order_relaxed); }
+
+bool use_fused_isa(FusedIsa isa) {
+  if (!cpu_runs(isa)) return false;
+  selected().store(isa, std::memory_order_relaxed);
+  return true;
+}
+
+const char* isa_name(FusedIsa isa) {
+  switch (isa) {
+    case FusedIsa::kAvx512: return "avx512";
+    case FusedIsa::kAvx2: return "avx2";
+    case FusedIsa::kNone: break;
+  }
+  return "none";
+}
+
+bool available() { return current_isa() != FusedIsa::kNone; }
 
 void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out) {
   KV_INTERNAL_ASSERT(d % 32 == 0 && d <= 256, "fused::prepare: head_dim ", d);
@@ -85,15 +147,18 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
   out.qt.resize(static_cast<size_t>(2 * rows * d));
   out.qs.resize(static_cast<size_t>(rows * chunks));
   out.qsum.resize(static_cast<size_t>(rows * chunks));
+  out.qfsum.resize(static_cast<size_t>(rows * chunks));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
       const float* src = q + r * d + c * 32;
       float* qf = out.qf.data() + r * d + c * 32;
-      float amax = 0.0f;
+      float amax = 0.0f, fsum = 0.0f;
       for (int i = 0; i < 32; ++i) {
         qf[i] = src[i] * scale;
         amax = std::max(amax, std::abs(qf[i]));
+        fsum += qf[i];
       }
+      out.qfsum[static_cast<size_t>(r * chunks + c)] = fsum;
       const float qs = amax > 0.0f ? amax / 127.0f : 1.0f;
       const float step = qs / kLowSteps;
       int8_t* qh = out.qt.data() + (c * rows + r) * 64;  // QueryView::qt: [chunk][row][hi, lo][32]
@@ -112,25 +177,35 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
       out.qsum[static_cast<size_t>(r * chunks + c)] = sum;
     }
   }
-  out.view = QueryView{rows, d, out.qf.data(), out.qt.data(), out.qs.data(), out.qsum.data()};
+  out.view = QueryView{rows, d, out.qf.data(), out.qt.data(), out.qs.data(), out.qsum.data(), out.qfsum.data()};
 }
 
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  switch (current_isa()) {
 #if defined(KVCACHE_FUSED_AVX512)
-  avx512::scores(q.view, r0, nr, k, n, s, ld);
-#else
-  (void)q, (void)r0, (void)nr, (void)k, (void)n, (void)s, (void)ld;
-  KV_INTERNAL_ASSERT(false, "fused kernels are not built");
+    case FusedIsa::kAvx512: return avx512::scores(q.view, r0, nr, k, n, s, ld);
 #endif
+#if defined(KVCACHE_FUSED_AVX2)
+    case FusedIsa::kAvx2: return avx2::scores(q.view, r0, nr, k, n, s, ld);
+#endif
+    default: break;
+  }
+  (void)q, (void)r0, (void)nr, (void)k, (void)n, (void)s, (void)ld;
+  KV_INTERNAL_ASSERT(false, "fused::scores: no fused kernels run here");
 }
 
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  switch (current_isa()) {
 #if defined(KVCACHE_FUSED_AVX512)
-  avx512::accumulate(p, ld, nr, v, n, d, acc);
-#else
-  (void)p, (void)ld, (void)nr, (void)v, (void)n, (void)d, (void)acc;
-  KV_INTERNAL_ASSERT(false, "fused kernels are not built");
+    case FusedIsa::kAvx512: return avx512::accumulate(p, ld, nr, v, n, d, acc);
 #endif
+#if defined(KVCACHE_FUSED_AVX2)
+    case FusedIsa::kAvx2: return avx2::accumulate(p, ld, nr, v, n, d, acc);
+#endif
+    default: break;
+  }
+  (void)p, (void)ld, (void)nr, (void)v, (void)n, (void)d, (void)acc;
+  KV_INTERNAL_ASSERT(false, "fused::accumulate: no fused kernels run here");
 }
 
 }  // namespace kvcache::cache::fused

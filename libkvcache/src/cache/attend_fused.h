@@ -28,6 +28,14 @@
 ///
 /// The kernels are compiled for x86-64 with AVX-512 F/BW/VL/DQ, VNNI, VBMI and F16C
 /// (attend_avx512.cpp) and used only where the running CPU has them (available()).
+///
+/// AVX2 build (attend_avx2.cpp, AVX2 + FMA + F16C + BMI/BMI2): for CPUs without AVX-512 VNNI/VBMI
+/// (AMD EPYC before Zen 4). Float-domain arithmetic: codes are converted to float32 in
+/// registers and multiplied with the float query (no VNNI, and vpmaddubsw saturates for 8-bit
+/// codes); integer keys are factored per group, s_g·(q_g·c_g) + z_g·Σ_{d∈g} q_d. So it computes
+/// generic(q) to float32 rounding for every format (not generic(q') of the two-term query).
+/// The ISA is picked once (AVX-512 where the CPU has what the AVX-512 kernels need, else AVX2,
+/// else none); use_fused_isa() overrides it for tests and benchmarks.
 
 #include <cstdint>
 #include <vector>
@@ -42,12 +50,29 @@ namespace kvcache::cache::fused {
 /// path runs for the whole layer).
 KernelFormat classify(const BlockFormat& f);
 
-/// True if this CPU runs the fused kernels (checked once).
+/// The fused kernels' instruction sets.
+enum class FusedIsa : uint8_t { kNone, kAvx2, kAvx512 };
+
+/// The best kernel ISA this CPU runs (checked once; kNone where no kernels are built).
+FusedIsa best_isa();
+
+/// The kernel ISA in use (best_isa() unless use_fused_isa() chose another).
+FusedIsa current_isa();
+
+/// Test and benchmark hook: run the `isa` kernels from now on (kNone: the generic path).
+/// False, and no change, if this CPU cannot run them (or they are not built). Not for use
+/// while another thread attends.
+bool use_fused_isa(FusedIsa isa);
+
+/// "avx512", "avx2" or "none".
+const char* isa_name(FusedIsa isa);
+
+/// True if some fused kernel runs here (current_isa() is not kNone).
 bool available();
 
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
-  std::vector<float> qf, qs, qsum;
+  std::vector<float> qf, qs, qsum, qfsum;
   std::vector<int8_t> qt;
   QueryView view;
 };

@@ -2,8 +2,8 @@
 #pragma once
 /// @file fused_abi.h (internal)
 /// The plain-data interface between the attention orchestration and the fused kernels
-/// (attend_fused.h). The kernels' translation unit (attend_avx512.cpp) is compiled for
-/// AVX-512 and includes nothing but this header, <immintrin.h> and <cstdint>/<cstring>: an
+/// (attend_fused.h). The kernels' translation units (attend_avx512.cpp, attend_avx2.cpp) are
+/// compiled for AVX-512 (or AVX2) and include nothing but this header, <immintrin.h> and <cstdint>/<cstring>: an
 /// inline function of a shared header compiled there could be picked by the linker for the
 /// whole library and run on a CPU without those instructions.
 
@@ -46,6 +46,7 @@ struct QueryView {
   const int8_t* qt = nullptr;   ///< `[d/32, rows, 2, 32]` the chunk's high terms, then its low terms
   const float* qs = nullptr;    ///< `[rows, d/32]` chunk scales
   const float* qsum = nullptr;  ///< `[rows, d/32]` Σ q' over the chunk (of the rounded query)
+  const float* qfsum = nullptr; ///< `[rows, d/32]` Σ qf over the chunk (the float query: AVX2 kernels)
 };
 
 namespace avx512 {
@@ -54,5 +55,12 @@ void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int6
 /// acc[r·d + :] += Σ_j p[r·ld + j] · v_j for r < nr, j < n.
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);
 }  // namespace avx512
+
+namespace avx2 {
+/// As avx512::scores, in the float domain (attend_avx2.cpp): reads QueryView::qf and qfsum only.
+void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);
+/// As avx512::accumulate.
+void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);
+}  // namespace avx2
 
 }  // namespace kvcache::cache::fused
