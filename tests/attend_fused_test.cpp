@@ -29,8 +29,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/attend_fused.h"
@@ -301,7 +303,7 @@ TEST(AttendFused, WideHeadsAndGroupSizes) {
 // generic path (kNone) turns the fused kernels off.
 TEST(AttendFused, IsaHookSelectsAndRestores) {
   const FusedIsa best = cache::fused::best_isa();
-  EXPECT_EQ(cache::fused::current_isa(), best);
+  EXPECT_EQ(cache::fused::current_isa(), cache::fused::isa_from_env(std::getenv("KVCACHE_FUSED_ISA")));
   for (const FusedIsa isa : {FusedIsa::kAvx512, FusedIsa::kAvx2, FusedIsa::kNone}) {
     const IsaScope restore(best);
     const bool ok = cache::fused::use_fused_isa(isa);
@@ -316,6 +318,33 @@ TEST(AttendFused, IsaHookSelectsAndRestores) {
     EXPECT_TRUE(cache::fused::use_fused_isa(FusedIsa::kAvx2));
   }
   cache::fused::use_fused_isa(best);
+}
+
+// KVCACHE_FUSED_ISA: unset or empty is the CPU's best; avx512/avx2/none select, if the CPU runs
+// them; anything else, or an ISA the CPU lacks, is refused naming the value.
+TEST(AttendFused, IsaFromTheEnvironment) {
+  using cache::fused::isa_from_env;
+  const FusedIsa best = cache::fused::best_isa();
+  EXPECT_EQ(isa_from_env(nullptr), best);
+  EXPECT_EQ(isa_from_env(""), best);
+  EXPECT_EQ(isa_from_env("none"), FusedIsa::kNone);
+  for (const char* bad : {"avx9", "AVX2", "avx2 "}) {
+    try {
+      isa_from_env(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("KVCACHE_FUSED_ISA=") + bad + ":"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("expected avx512, avx2 or none"), std::string::npos) << e.what();
+    }
+  }
+  for (const auto& [name, isa] : {std::pair{"avx512", FusedIsa::kAvx512}, std::pair{"avx2", FusedIsa::kAvx2}}) {
+    const IsaScope restore(best);
+    if (cache::fused::use_fused_isa(isa)) {
+      EXPECT_EQ(isa_from_env(name), isa);
+    } else {
+      EXPECT_THROW(isa_from_env(name), InvalidArgument) << name;
+    }
+  }
 }
 
 // Per-channel keys: the kernel's scores equal Σ_c ws_c Σ_d wi_d c_d + Σ_d q_d z_d (w = q ⊙ s

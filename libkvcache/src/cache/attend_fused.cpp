@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #if defined(KVCACHE_FUSED_AVX2)
 #include <cpuid.h>
 #endif
@@ -108,11 +110,22 @@ bool cpu_runs(FusedIsa isa) {
 }
 
 std::atomic<FusedIsa>& selected() {
-  static std::atomic<FusedIsa> isa{best_isa()};
+  static std::atomic<FusedIsa> isa{isa_from_env(std::getenv("KVCACHE_FUSED_ISA"))};
   return isa;
 }
 
 }  // namespace
+
+FusedIsa isa_from_env(const char* value) {
+  if (value == nullptr || *value == '\0') return best_isa();
+  const std::string v(value);
+  const FusedIsa isa = v == "avx512" ? FusedIsa::kAvx512 : v == "avx2" ? FusedIsa::kAvx2 : FusedIsa::kNone;
+  KV_CHECK_ARG(isa != FusedIsa::kNone || v == "none", "KVCACHE_FUSED_ISA=", v,
+               ": expected avx512, avx2 or none (or unset: the best this CPU runs, here ", isa_name(best_isa()), ")");
+  KV_CHECK_ARG(cpu_runs(isa), "KVCACHE_FUSED_ISA=", v, ": this CPU (or build) cannot run the ", v,
+               " attention kernels; the best it runs is ", isa_name(best_isa()));
+  return isa;
+}
 
 FusedIsa best_isa() {
   static const FusedIsa best = cpu_runs(FusedIsa::kAvx512) ? FusedIsa::kAvx512

@@ -56,8 +56,16 @@ enum class FusedIsa : uint8_t { kNone, kAvx2, kAvx512 };
 /// The best kernel ISA this CPU runs (checked once; kNone where no kernels are built).
 FusedIsa best_isa();
 
-/// The kernel ISA in use (best_isa() unless use_fused_isa() chose another).
+/// The kernel ISA in use: best_isa(), or what the environment variable KVCACHE_FUSED_ISA
+/// names (read at the first attend(): "avx512", "avx2" or "none", to reproduce another CPU's
+/// attention arithmetic or to rule the kernels out), unless use_fused_isa() chose another.
+/// Throws InvalidArgument (from that first attend()) for another value or an ISA this CPU
+/// cannot run.
 FusedIsa current_isa();
+
+/// The ISA KVCACHE_FUSED_ISA=`value` selects (null or empty: best_isa()); throws
+/// InvalidArgument naming the value for anything but avx512/avx2/none or an ISA the CPU lacks.
+FusedIsa isa_from_env(const char* value);
 
 /// Test and benchmark hook: run the `isa` kernels from now on (kNone: the generic path).
 /// False, and no change, if this CPU cannot run them (or they are not built). Not for use
