@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "commands.h"
+#include "kvcache/attention.h"
 #include "kvcache/error.h"
 #include "kvcache/spec.h"
 #include "kvcache/kvquant.h"
@@ -229,7 +230,8 @@ void add_run_command(CLI::App& app) {
     const int64_t planned_arms = static_cast<int64_t>(opt.arms.size());
     std::cerr << "kv_study run: model " << evaluator->model_id() << ", " << planned_arms << " arms x " << opt.tasks.size()
               << " tasks" << (*query_mode == "aware" ? "" : " (query mode " + *query_mode + ")") << ", shard "
-              << opt.shard.to_string() << " -> " << path << "\n";
+              << opt.shard.to_string() << ", attention kernels " << kvcache::attention_kernels() << " -> " << path
+              << "\n";
     Progress progress(std::cerr, ::isatty(::fileno(stderr)) != 0, /*total: set by run_sweep*/ 0);
     const auto st = run_sweep(*evaluator, opt, store, &progress);
     std::cerr << "kv_study run: " << st.executed << " items run, " << st.skipped << " already done, " << st.errors

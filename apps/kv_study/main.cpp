@@ -9,6 +9,7 @@
 #include <new>
 
 #include "commands.h"
+#include "kvcache/attention.h"
 #include "kvcache/error.h"
 #include "kvcache/log.h"
 
@@ -55,6 +56,8 @@ int main(int argc, char** argv) {
   kv_study::add_layers_command(app);
   kv_study::add_calibrate_command(app);
   try {
+    // A bad KVCACHE_FUSED_ISA is refused before any work (not as an error row per task).
+    (void)kvcache::attention_kernels();
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

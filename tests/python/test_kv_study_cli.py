@@ -32,6 +32,17 @@ class KvStudyCliTest(unittest.TestCase):
         self.assertIn("| fp16 | 131072 | 131072 | 17.18 GB |", r.stdout)
         self.assertIn("| int2 | 131072 | 16384 | 2.15 GB |", r.stdout)
 
+    def test_bad_fused_isa_is_refused_before_any_work(self):
+        """KVCACHE_FUSED_ISA names the attention kernels; a value that is not one is refused up front
+        (exit 1, the value named), not turned into an error row per task."""
+        with tempfile.TemporaryDirectory() as d:
+            env = dict(os.environ, KVCACHE_FUSED_ISA="avx9")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "int4+full",
+                                "--out", d], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("KVCACHE_FUSED_ISA=avx9: expected avx512, avx2 or none", r.stderr)
+            self.assertEqual(os.listdir(d), [])
+
     def test_suite_and_training_data(self):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "small.jsonl")

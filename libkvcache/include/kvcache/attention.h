@@ -87,6 +87,16 @@ struct ReplayNeed {
 ///         non-finite / negative probabilities (the message names the first bad index).
 AttentionMass reduce_attention(const at::Tensor& probs, int64_t num_kv_heads, const AttentionNeed& need);
 
+/// The instruction set of the fused kernels through which CacheManager::attend() reads the
+/// stored blocks on this CPU (docs/cache-manager.md, "Fused kernels"): "avx512" (AVX-512
+/// VNNI/VBMI: integer keys dotted with a two-term int8 rounding of the query), "avx2" (AVX2 + FMA +
+/// F16C: float32 arithmetic, as the generic path) or "none" (the generic per-block path). The
+/// CPU's best, or what the environment variable KVCACHE_FUSED_ISA names (avx512, avx2 or none),
+/// so that one machine can reproduce another's attention arithmetic.
+/// @throws InvalidArgument if KVCACHE_FUSED_ISA holds another value or names an ISA this CPU
+///         (or build) cannot run.
+std::string attention_kernels();
+
 /// The reference attention: plain at:: ops (matmul, masked softmax, matmul), in float64
 /// when q is float64, else float32.
 /// @param q      `[B, H_q, T_q, D]` post-RoPE queries

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "cache/attend_fused.h"
 #include "kvcache/error.h"
 
 namespace kvcache {
@@ -109,5 +110,7 @@ at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const a
   if (probs != nullptr) *probs = p.view({B, Hq, T, S});
   return at::matmul(p, v.to(dt)).view({B, Hq, T, D});
 }
+
+std::string attention_kernels() { return cache::fused::isa_name(cache::fused::current_isa()); }
 
 }  // namespace kvcache
