@@ -935,7 +935,11 @@ TEST(RunnerSchemes, HadamardFp32GeneratesWhatFp32Generates) {
     const GenerationResult a = runner.generate(m.prompt, greedy(16, 5), a_cache);
     const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), b_cache);
     EXPECT_EQ(a.tokens, b.tokens);
-    EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
+    // The rotation's float32 round trip (H_D·x stored, H_Dᵀ applied on read) perturbs every
+    // K/V element by a few ulp; how that reaches the logits depends on the CPU's GEMM blocking:
+    // at most 1.12e-5 on an Intel Xeon with AVX-512 FP16 (2026-12-02), below 1e-5 on the AMD
+    // machines before. 3e-5 bounds it with room and is still far below a change of greedy token.
+    EXPECT_LT(max_abs_diff(a.logits, b.logits), 3e-5);
   }
 }
 
