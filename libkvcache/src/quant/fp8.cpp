@@ -48,15 +48,32 @@ KV_ALWAYS_INLINE uint32_t encode_dispatch(float x, Fp8Format f) {
 
 /// kScaled = false: scale is 1 and the division (x / 1 == x exactly) is left out — a vector
 /// divide per 16 values is the costliest instruction of the loop.
+/// Values per vectorized inner loop of the array kernels, and how far ahead (in bytes of
+/// input) each chunk asks for the memory it will read: the hardware prefetchers alone fell
+/// behind on a VM's Intel Xeon (fp8:e4m3 quantize at 512 MB: 1.4 GB/s, the loads stalled).
+constexpr int64_t kChunk = 256;
+constexpr int64_t kAheadBytes = 4096;
+
+/// Asks for the cache lines of bytes [p + kAheadBytes, p + kAheadBytes + n) below `end`.
+KV_ALWAYS_INLINE void prefetch_ahead(const void* p, int64_t n, const void* end) {
+  const char* a = static_cast<const char*>(p) + kAheadBytes;
+  const char* stop = std::min(a + n, static_cast<const char*>(end));
+  for (; a < stop; a += 64) __builtin_prefetch(a, 0, 0);
+}
+
 template <int EXP, int MAN, int MAXCODE, bool kScaled>
 KV_ALWAYS_INLINE uint32_t encode_range(const float* __restrict x, int64_t b, int64_t e, float scale,
                                        uint8_t* __restrict out) {
   uint32_t bad = 0;
+  for (int64_t c = b; c < e; c += kChunk) {
+    const int64_t ce = std::min(e, c + kChunk);
+    prefetch_ahead(x + c, kChunk * 4, x + e);
 #pragma omp simd reduction(| : bad)
-  for (int64_t i = b; i < e; ++i) {
-    const float v = x[i];
-    bad |= nonfinite_bit(v);
-    out[i] = static_cast<uint8_t>(encode_one<EXP, MAN, MAXCODE>(kScaled ? v / scale : v));
+    for (int64_t i = c; i < ce; ++i) {
+      const float v = x[i];
+      bad |= nonfinite_bit(v);
+      out[i] = static_cast<uint8_t>(encode_one<EXP, MAN, MAXCODE>(kScaled ? v / scale : v));
+    }
   }
   return bad;
 }
@@ -74,11 +91,15 @@ KV_TARGET_CLONES uint32_t encode_e5m2(const float* x, int64_t b, int64_t e, floa
 KV_TARGET_CLONES float amax_range(const float* __restrict x, int64_t b, int64_t e, uint32_t* bad_out) {
   float m = 0.0f;
   uint32_t bad = 0;
+  for (int64_t c = b; c < e; c += kChunk) {
+    const int64_t ce = std::min(e, c + kChunk);
+    prefetch_ahead(x + c, kChunk * 4, x + e);
 #pragma omp simd reduction(max : m) reduction(| : bad)
-  for (int64_t i = b; i < e; ++i) {
-    const float a = bits_float(float_bits(x[i]) & 0x7fffffffu);
-    bad |= nonfinite_bit(x[i]);
-    m = a > m ? a : m;
+    for (int64_t i = c; i < ce; ++i) {
+      const float a = bits_float(float_bits(x[i]) & 0x7fffffffu);
+      bad |= nonfinite_bit(x[i]);
+      m = a > m ? a : m;
+    }
   }
   *bad_out = bad;
   return m;
@@ -145,8 +166,12 @@ KV_ALWAYS_INLINE float decode_one(uint32_t c) {
 template <bool kE4M3>
 KV_ALWAYS_INLINE void decode_values(const uint8_t* __restrict codes, int64_t b, int64_t e, float scale,
                                     float* __restrict out) {
+  for (int64_t c = b; c < e; c += kChunk) {
+    const int64_t ce = std::min(e, c + kChunk);
+    prefetch_ahead(codes + c, kChunk, codes + e);
 #pragma omp simd
-  for (int64_t i = b; i < e; ++i) out[i] = decode_one<kE4M3>(codes[i]) * scale;
+    for (int64_t i = c; i < ce; ++i) out[i] = decode_one<kE4M3>(codes[i]) * scale;
+  }
 }
 KV_TARGET_CLONES void decode_e4m3_range(const uint8_t* codes, int64_t b, int64_t e, float scale, float* out) {
   decode_values<true>(codes, b, e, scale, out);
