@@ -58,23 +58,27 @@ using cache::fused::FusedIsa;
 
 /// The kernel ISAs this CPU runs, best first (a test that runs kernels loops over them).
 std::vector<FusedIsa> runnable_isas() {
+  const FusedIsa before = cache::fused::current_isa();
   std::vector<FusedIsa> out;
   for (const FusedIsa isa : {FusedIsa::kAvx512, FusedIsa::kAvx2}) {
     if (cache::fused::use_fused_isa(isa)) out.push_back(isa);
   }
-  cache::fused::use_fused_isa(cache::fused::best_isa());
+  cache::fused::use_fused_isa(before);
   return out;
 }
 
 /// Selects `isa` for its lifetime and restores the CPU's default kernels at the end of the
 /// scope, also when an ASSERT returns early from the test.
 struct IsaScope {
-  explicit IsaScope(FusedIsa isa) : trace(__FILE__, __LINE__, std::string("fused ISA ") + cache::fused::isa_name(isa)) {
+  explicit IsaScope(FusedIsa isa)
+      : before(cache::fused::current_isa()),
+        trace(__FILE__, __LINE__, std::string("fused ISA ") + cache::fused::isa_name(isa)) {
     EXPECT_TRUE(cache::fused::use_fused_isa(isa));
   }
-  ~IsaScope() { cache::fused::use_fused_isa(cache::fused::best_isa()); }
+  ~IsaScope() { cache::fused::use_fused_isa(before); }  // what was selected (KVCACHE_FUSED_ISA too)
   IsaScope(const IsaScope&) = delete;
   IsaScope& operator=(const IsaScope&) = delete;
+  FusedIsa before;
   ::testing::ScopedTrace trace;
 };
 
@@ -303,7 +307,8 @@ TEST(AttendFused, WideHeadsAndGroupSizes) {
 // generic path (kNone) turns the fused kernels off.
 TEST(AttendFused, IsaHookSelectsAndRestores) {
   const FusedIsa best = cache::fused::best_isa();
-  EXPECT_EQ(cache::fused::current_isa(), cache::fused::isa_from_env(std::getenv("KVCACHE_FUSED_ISA")));
+  const FusedIsa initial = cache::fused::current_isa();
+  EXPECT_EQ(initial, cache::fused::isa_from_env(std::getenv("KVCACHE_FUSED_ISA")));
   for (const FusedIsa isa : {FusedIsa::kAvx512, FusedIsa::kAvx2, FusedIsa::kNone}) {
     const IsaScope restore(best);
     const bool ok = cache::fused::use_fused_isa(isa);
@@ -317,7 +322,7 @@ TEST(AttendFused, IsaHookSelectsAndRestores) {
   if (best == FusedIsa::kAvx512) {  // every CPU with the AVX-512 kernels' ISA has AVX2, FMA, F16C, BMI2
     EXPECT_TRUE(cache::fused::use_fused_isa(FusedIsa::kAvx2));
   }
-  cache::fused::use_fused_isa(best);
+  cache::fused::use_fused_isa(initial);
 }
 
 // KVCACHE_FUSED_ISA: unset or empty is the CPU's best; avx512/avx2/none select, if the CPU runs

@@ -27,15 +27,12 @@
 #include <cstring>
 
 #include "cache/fused_abi.h"
+#include "cache/fused_codes.h"
 
 namespace kvcache::cache::fused::avx2 {
 namespace {
 
 using Kind = KernelFormat::Kind;
-
-// Local helpers only (internal linkage): see fused_abi.h on why nothing shared may be
-// instantiated in this translation unit.
-inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 constexpr int kRows = 7;  ///< query rows per pass
 
@@ -71,17 +68,6 @@ inline __m256 load8(const uint8_t* p) {
   }
 }
 
-/// Bytes per stored value of a float format.
-template <Kind K>
-constexpr int64_t value_bytes() {
-  return K == Kind::kF32 ? 4 : (K == Kind::kF16 || K == Kind::kBF16) ? 2 : 1;
-}
-
-inline float half_at(const uint8_t* base, int64_t index) {
-  uint16_t h;
-  std::memcpy(&h, base + 2 * index, sizeof h);
-  return _cvtsh_ss(h);
-}
 
 inline float hsum(__m256 v) {
   const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -123,102 +109,6 @@ inline void transpose8(__m256 (&r)[8]) {
 
 // ---------------------------------------------------------------- integer codes
 
-/// How dims [32c, 32c + 32) of a per-token row are extracted (as attend_avx512.cpp).
-struct TokenChunk {
-  int64_t offset = 0;  ///< byte offset in the row of the bytes loaded
-  __m128i shift;       ///< right shift of the codes' bit field (epi16 lanes)
-  int mode = 0;        ///< 0: 32 bytes, shift, mask; 1: int4 g32 (16 bytes, low | high nibbles);
-                       ///< 2: int2 g32 (8 bytes, four fields); 3: int2 g64 (16 bytes, two fields)
-};
-
-inline TokenChunk token_chunk(const KernelFormat& kf, int64_t c) {
-  const int bits = kf.bits;
-  const int64_t g = kf.group, o = 32 * c, gi = o / g, off = o % g;
-  const int64_t base = gi * (g * bits / 8);
-  TokenChunk t;
-  t.shift = _mm_cvtsi32_si128(0);
-  if (bits == 8) {
-    t.offset = base + off;
-  } else if (bits == 4) {
-    if (g == 32) {
-      t.offset = base;
-      t.mode = 1;
-    } else {
-      const int64_t half = g / 2;
-      t.offset = base + (off < half ? off : off - half);
-      t.shift = _mm_cvtsi32_si128(off < half ? 0 : 4);
-    }
-  } else if (g == 32) {
-    t.offset = base;
-    t.mode = 2;
-  } else if (g == 64) {
-    t.offset = base;
-    t.mode = 3;
-    t.shift = _mm_cvtsi32_si128(off == 0 ? 0 : 4);
-  } else {
-    const int64_t q = g / 4;
-    t.offset = base + off % q;
-    t.shift = _mm_cvtsi32_si128(static_cast<int>(2 * (off / q)));
-  }
-  return t;
-}
-
-/// The 32 codes (one per byte, dim order) of a per-token row's chunk described by `t`.
-inline __m256i chunk_codes32(const uint8_t* row, const TokenChunk& t, int bits) {
-  const uint8_t* p = row + t.offset;
-  switch (t.mode) {
-    case 1: {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m128i m4 = _mm_set1_epi8(0x0F);
-      return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m4)),
-                                     _mm_and_si128(_mm_srli_epi16(b, 4), m4), 1);
-    }
-    case 2: {  // field f (dims 8f .. 8f + 7) = bits 2f of the 8 bytes: one 64-bit lane each
-      uint64_t w;
-      std::memcpy(&w, p, sizeof w);
-      const __m256i b = _mm256_set1_epi64x(static_cast<long long>(w));
-      return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(6, 4, 2, 0)), _mm256_set1_epi8(0x03));
-    }
-    case 3: {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m128i lo = _mm_srl_epi16(b, t.shift);
-      const __m128i hi = _mm_srli_epi16(lo, 2);
-      return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), _mm256_set1_epi8(0x03));
-    }
-    default: {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      if (bits == 8) return b;
-      return _mm256_and_si256(_mm256_srl_epi16(b, t.shift), _mm256_set1_epi8(static_cast<char>((1 << bits) - 1)));
-    }
-  }
-}
-
-/// Where token `slot` of a per-channel block (one group) lies: its code row's byte offset and
-/// the shift of its bit field.
-struct ChanPos {
-  int64_t offset;
-  __m128i shift;
-};
-inline ChanPos chan_pos(const RawTokens& t, int32_t slot) {
-  const int64_t rows = t.kf.group * t.kf.bits / 8;
-  int64_t row, field;
-  if ((rows & (rows - 1)) == 0) {  // the usual case (g a power of two): no division per key
-    row = slot & (rows - 1);
-    field = slot >> __builtin_ctzll(static_cast<unsigned long long>(rows));
-  } else {
-    row = slot % rows;
-    field = slot / rows;
-  }
-  return {row * t.kf.head_dim, _mm_cvtsi32_si128(static_cast<int>(t.kf.bits * field))};
-}
-
-/// 32 codes of dims [32c, 32c + 32) of the per-channel token at `p`.
-inline __m256i channel_codes32(const RawTokens& t, const ChanPos& p, int64_t c) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.block + p.offset + 32 * c));
-  if (t.kf.bits == 8) return b;
-  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << t.kf.bits) - 1));
-  return _mm256_and_si256(_mm256_srl_epi16(b, p.shift), mask);
-}
 
 /// 16 codes of dims [16h, 16h + 16) of the per-channel token at `p`.
 inline __m128i channel_codes16(const RawTokens& t, const ChanPos& p, int64_t h) {

@@ -3,9 +3,10 @@
 /// @file fused_abi.h (internal)
 /// The plain-data interface between the attention orchestration and the fused kernels
 /// (attend_fused.h). The kernels' translation units (attend_avx512.cpp, attend_avx2.cpp) are
-/// compiled for AVX-512 (or AVX2) and include nothing but this header, <immintrin.h> and <cstdint>/<cstring>: an
-/// inline function of a shared header compiled there could be picked by the linker for the
-/// whole library and run on a CPU without those instructions.
+/// compiled for AVX-512 (or AVX2) and include nothing but this header, fused_codes.h (whose
+/// helpers have internal linkage), <immintrin.h> and <cstdint>/<cstring>: an inline function
+/// of a shared header compiled there could be picked by the linker for the whole library and
+/// run on a CPU without those instructions.
 
 #include <cstdint>
 
