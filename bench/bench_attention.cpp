@@ -29,7 +29,8 @@
 //   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
 //   build/bench/bench_attention --block_tokens=128 --benchmark_filter=/4096/1   # other block sizes
 //   build/bench/bench_attention --fused_isa=avx2 --benchmark_filter=BM_Attend/   # the AVX2 kernels
-//                                   (default: the CPU's best; refused if the CPU cannot run them)
+//                                   (avx512, avx2 or none as KVCACHE_FUSED_ISA; default: the
+//                                   CPU's best; refused if the CPU cannot run them)
 //   build/bench/bench_attention --ring_bytes=268435456 ...   # another ring size (bytes; 1: one layer)
 //
 // Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
@@ -56,6 +57,7 @@
 #include "cache/cache_manager_access.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
+#include "kvcache/error.h"
 
 namespace {
 
@@ -63,7 +65,7 @@ constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
 double g_copy_gbps = 0;        ///< measured at start-up
 double g_read_gbps = 0;        ///< measured at start-up
 int64_t g_block_tokens = 0;    ///< --block_tokens=N (0: the default)
-int64_t g_ring_bytes = 0;      ///< --ring_bytes=N (0: default_ring_bytes())
+int64_t g_ring_bytes = 0;      ///< --ring_bytes=N (0: ring_bytes()'s default)
 
 /// The last-level cache's size in bytes (sysconf, else sysfs; 0 if neither says).
 int64_t llc_bytes() {
@@ -363,18 +365,12 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
       g_block_tokens = std::atoll(argv[i] + 15);
     } else if (std::strncmp(argv[i], "--fused_isa=", 12) == 0) {
+      // The library's own parser (KVCACHE_FUSED_ISA's vocabulary and checks).
       namespace fused = kvcache::cache::fused;
-      const std::string name = argv[i] + 12;
-      const fused::FusedIsa isa = name == "avx512" ? fused::FusedIsa::kAvx512
-                                  : name == "avx2" ? fused::FusedIsa::kAvx2
-                                                   : fused::FusedIsa::kNone;
-      if (isa == fused::FusedIsa::kNone) {
-        std::fprintf(stderr, "bench_attention: --fused_isa=%s: expected avx2 or avx512\n", name.c_str());
-        return 2;
-      }
-      if (!fused::use_fused_isa(isa)) {
-        std::fprintf(stderr, "bench_attention: --fused_isa=%s: this CPU cannot run (or this build lacks) the %s kernels\n",
-                     name.c_str(), name.c_str());
+      try {
+        fused::use_fused_isa(fused::isa_from_env(argv[i] + 12));
+      } catch (const kvcache::InvalidArgument& e) {
+        std::fprintf(stderr, "bench_attention: --fused_isa: %s\n", e.what());
         return 2;
       }
     } else if (std::strncmp(argv[i], "--ring_bytes=", 13) == 0) {

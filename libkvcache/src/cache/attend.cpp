@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -377,10 +376,7 @@ TileKernels pick_tile_kernels(int lanes) {
 /// so that with the AVX2 fused kernels the online softmax and the generic path also sum as an
 /// AVX2-only CPU does (the attention arithmetic of such a CPU, reproduced on an AVX-512 one).
 TileKernels& tile_kernels() {
-  static TileKernels k = [] {
-    const char* isa = std::getenv("KVCACHE_FUSED_ISA");
-    return pick_tile_kernels(isa != nullptr && std::strcmp(isa, "avx2") == 0 ? 8 : 0);
-  }();
+  static TileKernels k = pick_tile_kernels(fused::requested_isa() == fused::FusedIsa::kAvx2 ? 8 : 0);
   return k;
 }
 

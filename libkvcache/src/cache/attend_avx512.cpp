@@ -489,20 +489,7 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
 }  // namespace
 
 void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
-  for (int64_t g = 0; g < nr; g += 8) {
-    const int64_t cnt = min64(8, nr - g);
-    float* sg = s + g * ld;
-    switch (cnt) {
-      case 1: qk<1>(q, r0 + g, k, n, sg, ld); break;
-      case 2: qk<2>(q, r0 + g, k, n, sg, ld); break;
-      case 3: qk<3>(q, r0 + g, k, n, sg, ld); break;
-      case 4: qk<4>(q, r0 + g, k, n, sg, ld); break;
-      case 5: qk<5>(q, r0 + g, k, n, sg, ld); break;
-      case 6: qk<6>(q, r0 + g, k, n, sg, ld); break;
-      case 7: qk<7>(q, r0 + g, k, n, sg, ld); break;
-      default: qk<8>(q, r0 + g, k, n, sg, ld); break;
-    }
-  }
+  for_row_groups<8>(nr, [&](auto rows, int64_t g) { qk<decltype(rows)::value>(q, r0 + g, k, n, s + g * ld, ld); });
 }
 
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
@@ -514,21 +501,7 @@ void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int6
     }
     return;
   }
-  for (int64_t g = 0; g < nr; g += 8) {
-    const int64_t cnt = min64(8, nr - g);
-    const float* pg = p + g * ld;
-    float* ag = acc + g * d;
-    switch (cnt) {
-      case 1: pv<1>(pg, ld, v, n, d, ag); break;
-      case 2: pv<2>(pg, ld, v, n, d, ag); break;
-      case 3: pv<3>(pg, ld, v, n, d, ag); break;
-      case 4: pv<4>(pg, ld, v, n, d, ag); break;
-      case 5: pv<5>(pg, ld, v, n, d, ag); break;
-      case 6: pv<6>(pg, ld, v, n, d, ag); break;
-      case 7: pv<7>(pg, ld, v, n, d, ag); break;
-      default: pv<8>(pg, ld, v, n, d, ag); break;
-    }
-  }
+  for_row_groups<8>(nr, [&](auto rows, int64_t g) { pv<decltype(rows)::value>(p + g * ld, ld, v, n, d, acc + g * d); });
 }
 
 }  // namespace kvcache::cache::fused::avx512

@@ -110,7 +110,7 @@ bool cpu_runs(FusedIsa isa) {
 }
 
 std::atomic<FusedIsa>& selected() {
-  static std::atomic<FusedIsa> isa{isa_from_env(std::getenv("KVCACHE_FUSED_ISA"))};
+  static std::atomic<FusedIsa> isa{requested_isa()};
   return isa;
 }
 
@@ -119,11 +119,20 @@ std::atomic<FusedIsa>& selected() {
 FusedIsa isa_from_env(const char* value) {
   if (value == nullptr || *value == '\0') return best_isa();
   const std::string v(value);
-  const FusedIsa isa = v == "avx512" ? FusedIsa::kAvx512 : v == "avx2" ? FusedIsa::kAvx2 : FusedIsa::kNone;
-  KV_CHECK_ARG(isa != FusedIsa::kNone || v == "none", "KVCACHE_FUSED_ISA=", v,
+  FusedIsa isa = FusedIsa::kNone;
+  bool known = false;
+  for (const FusedIsa i : {FusedIsa::kAvx512, FusedIsa::kAvx2, FusedIsa::kNone}) {
+    if (v == isa_name(i)) isa = i, known = true;
+  }
+  KV_CHECK_ARG(known, "KVCACHE_FUSED_ISA=", v,
                ": expected avx512, avx2 or none (or unset: the best this CPU runs, here ", isa_name(best_isa()), ")");
   KV_CHECK_ARG(cpu_runs(isa), "KVCACHE_FUSED_ISA=", v, ": this CPU (or build) cannot run the ", v,
                " attention kernels; the best it runs is ", isa_name(best_isa()));
+  return isa;
+}
+
+FusedIsa requested_isa() {
+  static const FusedIsa isa = isa_from_env(std::getenv("KVCACHE_FUSED_ISA"));
   return isa;
 }
 

@@ -63,6 +63,11 @@ FusedIsa best_isa();
 /// cannot run.
 FusedIsa current_isa();
 
+/// What the environment variable KVCACHE_FUSED_ISA asks for (best_isa() where it is unset),
+/// read once: the initial current_isa(), and the tile width of the generic path (attend.cpp).
+/// Throws as isa_from_env().
+FusedIsa requested_isa();
+
 /// The ISA KVCACHE_FUSED_ISA=`value` selects (null or empty: best_isa()); throws
 /// InvalidArgument naming the value for anything but avx512/avx2/none or an ISA the CPU lacks.
 FusedIsa isa_from_env(const char* value);

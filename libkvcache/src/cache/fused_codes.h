@@ -27,6 +27,27 @@ namespace {  // NOLINT(google-build-namespaces): internal linkage per kernel uni
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/// A row count known at compile time (the kernels' template parameter NR).
+template <int N>
+struct Rows {
+  static constexpr int value = N;
+};
+
+template <int N, class Fn>
+inline void call_rows(int64_t cnt, int64_t g, Fn& fn) {
+  if constexpr (N > 1) {
+    if (cnt < N) return call_rows<N - 1>(cnt, g, fn);
+  }
+  fn(Rows<N>{}, g);
+}
+
+/// Rows [0, nr) in groups of at most kMax: fn(Rows<NR>{}, first_row) per group, NR the group's
+/// size, so that each kernel instantiation keeps its rows' accumulators in registers.
+template <int kMax, class Fn>
+inline void for_row_groups(int64_t nr, Fn&& fn) {
+  for (int64_t g = 0; g < nr; g += kMax) call_rows<kMax>(min64(kMax, nr - g), g, fn);
+}
+
 /// Bytes per stored value of a float format.
 template <KernelFormat::Kind K>
 constexpr int64_t value_bytes() {
