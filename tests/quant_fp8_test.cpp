@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -226,6 +227,62 @@ TEST(Fp8Exhaustive, EncoderMatchesNearestValueSearch) {
       ASSERT_EQ(fast[i], nearest_code(vals[i], f)) << quant::fp8_name(f) << " x = " << vals[i];
     }
   }
+}
+
+// Both array encoders (the hand-written AVX-512 one, where this CPU has it, and the
+// auto-vectorized twin) give fp8_encode()'s code for every input, bit for bit: every exponent
+// with mantissas at and around each format's rounding ties (the round bit alone, with a sticky
+// bit, on odd and even kept mantissas), the subnormal range, saturation, both signs, scaled and
+// unscaled; the array is unaligned and its length leaves a scalar tail. A non-finite value in
+// the vector body or in the tail is reported by both.
+TEST(Fp8Exhaustive, Avx512EncoderEqualsTheScalarOne) {
+  std::vector<uint32_t> mantissas = {0u, 1u, 0x7fffffu, 0x400000u, 0x200000u, 0x100000u, 0x080000u, 0x040000u};
+  for (int man : {2, 3}) {
+    const uint32_t half = 1u << (22 - man);  // the round bit
+    for (uint32_t kept : {0u, 1u, 2u, 3u, 5u, 6u, 7u}) {
+      const uint32_t base = (kept & ((1u << man) - 1u)) << (23 - man);
+      for (uint32_t m : {base | half, base | half | 1u, base | (half - 1u), base | half | (half - 1u)}) mantissas.push_back(m);
+    }
+  }
+  std::vector<float> vals(1);  // vals[0] unused: the arrays start one float past alignment
+  for (uint32_t e = 0; e < 255; ++e) {
+    for (uint32_t m : mantissas) {
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        const uint32_t bits = sign | (e << 23) | m;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        vals.push_back(v);
+      }
+    }
+  }
+  for (int i = 0; i < 1000; ++i) vals.push_back(static_cast<float>(i - 500) * 0.0371f);
+  ASSERT_NE((vals.size() - 1) % 64, 0u) << "the length must leave a scalar tail";
+  const int64_t n = static_cast<int64_t>(vals.size()) - 1;
+  const float* x = vals.data() + 1;
+  for (auto f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (float scale : {1.0f, 0.37109375f, 3.0e5f}) {
+      std::vector<uint8_t> best(static_cast<size_t>(n) + 1, 0xAA), generic(static_cast<size_t>(n), 0x55);
+      ASSERT_FALSE(quant::fp8_encode_array(x, n, scale, f, best.data() + 1, quant::Fp8Encoder::kBest));
+      ASSERT_FALSE(quant::fp8_encode_array(x, n, scale, f, generic.data(), quant::Fp8Encoder::kGeneric));
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t want = quant::fp8_encode(scale == 1.0f ? x[i] : x[i] / scale, f);
+        ASSERT_EQ(best[static_cast<size_t>(i) + 1], want) << quant::fp8_name(f) << " x = " << x[i] << " scale " << scale;
+        ASSERT_EQ(generic[static_cast<size_t>(i)], want) << quant::fp8_name(f) << " x = " << x[i] << " scale " << scale;
+      }
+    }
+    const int64_t tail_at = n - 1, body_at = 70;
+    for (int64_t at_i : {body_at, tail_at}) {
+      for (float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+        std::vector<float> y(vals.begin() + 1, vals.end());
+        y[static_cast<size_t>(at_i)] = bad;
+        std::vector<uint8_t> out(static_cast<size_t>(n));
+        EXPECT_TRUE(quant::fp8_encode_array(y.data(), n, 1.0f, f, out.data(), quant::Fp8Encoder::kBest)) << at_i;
+        EXPECT_TRUE(quant::fp8_encode_array(y.data(), n, 1.0f, f, out.data(), quant::Fp8Encoder::kGeneric)) << at_i;
+      }
+    }
+  }
+  std::printf("[ fp8 encoder ] the best array encoder here is %s\n",
+              quant::fp8_avx512_encoder() ? "the AVX-512 one" : "the auto-vectorized one");
 }
 
 }  // namespace

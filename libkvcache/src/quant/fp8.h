@@ -26,9 +26,17 @@ uint8_t fp8_encode(float x, Fp8Format f);
 /// Decodes one code (NaN for the NaN codes, never produced by the encoder).
 float fp8_decode(uint8_t code, Fp8Format f);
 
+/// Which array encoder runs: the best for the CPU (hand-written AVX-512 where it has AVX-512
+/// F/BW/DQ/VL, else the auto-vectorized AVX2 or baseline clone), or that auto-vectorized twin
+/// whatever the CPU (tests hold the two to each other and to fp8_encode).
+enum class Fp8Encoder { kBest, kGeneric };
+
 /// out[i] = fp8_encode(x[i] / scale). Returns true if some x[i] was NaN/±Inf (the output
 /// is then garbage). Vectorized, runs at::parallel_for.
-bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out);
+bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out,
+                      Fp8Encoder which = Fp8Encoder::kBest);
+/// True if Fp8Encoder::kBest is the hand-written AVX-512 encoder on this CPU.
+bool fp8_avx512_encoder();
 /// max_i |x[i]| (0 for n = 0), or +Inf if some x[i] is NaN/±Inf: one pass, no temporary (the
 /// per-tensor scale of fp8:*:scaled). Vectorized, runs at::parallel_for.
 float fp8_amax(const float* x, int64_t n);
