@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "kvcache/error.h"
+#include "quant/int_kernels_avx512.h"
 #include "quant/simd.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(KVCACHE_NO_TARGET_CLONES)
@@ -147,13 +148,7 @@ KV_FP8_AVX512_FN uint32_t encode_range_avx512(const float* __restrict x, int64_t
     const __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(r[0], r[1]), _mm512_packus_epi32(r[2], r[3]));
     _mm512_storeu_si512(out + i, _mm512_permutexvar_epi32(order, w));
   }
-  uint32_t tail = 0;
-  for (; i < e; ++i) {
-    const float v = x[i];
-    tail |= nonfinite_bit(v);
-    out[i] = static_cast<uint8_t>(encode_one<EXP, MAN, MAXCODE>(kScaled ? v / scale : v));
-  }
-  return tail | static_cast<uint32_t>(bad != 0);
+  return encode_range<EXP, MAN, MAXCODE, kScaled>(x, i, e, scale, out) | static_cast<uint32_t>(bad != 0);
 }
 
 KV_FP8_AVX512_FN uint32_t encode_e4m3_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
@@ -168,23 +163,10 @@ KV_FP8_AVX512_FN uint32_t encode_e5m2_avx512(const float* x, int64_t b, int64_t 
 
 using EncodeFn = uint32_t (*)(const float*, int64_t, int64_t, float, uint8_t*);
 
-bool have_avx512_encoder() {
-#if KV_FP8_AVX512
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  }();
-  return avx512;
-#else
-  return false;
-#endif
-}
-
 /// The array encoder for format `f` (Fp8Encoder's two choices).
 EncodeFn encoder(Fp8Format f, Fp8Encoder which) {
 #if KV_FP8_AVX512
-  if (which == Fp8Encoder::kBest && have_avx512_encoder()) {
+  if (which == Fp8Encoder::kBest && fp8_avx512_encoder()) {
     return f == Fp8Format::kE4M3 ? encode_e4m3_avx512 : encode_e5m2_avx512;
   }
 #endif
@@ -294,7 +276,8 @@ const char* fp8_name(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m
 uint8_t fp8_encode(float x, Fp8Format f) { return static_cast<uint8_t>(encode_dispatch(x, f)); }
 float fp8_decode(uint8_t code, Fp8Format f) { return lut(f)[code]; }
 
-bool fp8_avx512_encoder() { return have_avx512_encoder(); }
+// The CPU check of the AVX-512 integer kernels (F/BW/VL/DQ; false where the build left them out).
+bool fp8_avx512_encoder() { return KV_FP8_AVX512 && avx512::available(); }
 
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out, Fp8Encoder which) {
   std::atomic<bool> bad{false};

@@ -35,7 +35,8 @@ enum class Fp8Encoder { kBest, kGeneric };
 /// is then garbage). Vectorized, runs at::parallel_for.
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out,
                       Fp8Encoder which = Fp8Encoder::kBest);
-/// True if Fp8Encoder::kBest is the hand-written AVX-512 encoder on this CPU.
+/// True if Fp8Encoder::kBest is the hand-written AVX-512 encoder on this CPU (the check of
+/// avx512::available(); false in builds without the AVX-512 kernels, -DKVCACHE_FUSED=OFF).
 bool fp8_avx512_encoder();
 /// max_i |x[i]| (0 for n = 0), or +Inf if some x[i] is NaN/±Inf: one pass, no temporary (the
 /// per-tensor scale of fp8:*:scaled). Vectorized, runs at::parallel_for.
