@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -283,6 +284,113 @@ TEST(Fp8Exhaustive, Avx512EncoderEqualsTheScalarOne) {
   }
   std::printf("[ fp8 encoder ] the best array encoder here is %s\n",
               quant::fp8_avx512_encoder() ? "the AVX-512 one" : "the auto-vectorized one");
+}
+
+// The scaled AVX-512 encoder divides by the scale with a reciprocal and two FMA corrections
+// (fp8.cpp, div16) instead of vdivps; the codes must be those of the division. A quotient one
+// float32 ulp off changes a code only next to an fp8 rounding midpoint, so the values are built
+// there: for every code c of the format, x = RN(mid(c, c+1) · scale) and its four neighbours on
+// each side, both signs; then a whole binade of float32 mantissas, random values, and the lanes
+// the reciprocal steps leave to the division (0, -0, float32 subnormals, tiny and huge values,
+// NaN-free), under scales inside [2^-64, 2^64] (the reciprocal path) and outside it (the division
+// throughout). Streaming stores: an output of 16 Mi codes takes the non-temporal path, checked
+// against the generic encoder.
+TEST(Fp8Exhaustive, ScaledAvx512EncoderEqualsTheDivision) {
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> scales = {0.37109375f,     3.0e5f,          1.7f / 448.0f, 0x1.fffffep-10f, 0x1.000002p-3f,
+                                     0x1p-64f,        0x1.fffffep-65f, 0x1p64f,       0x1.000002p64f,  1e-40f,
+                                     0x1.234568p-30f, 5.0e-8f,         12345.678f};
+  for (auto f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (float scale : scales) {
+      std::vector<float> vals;
+      for (int c = 0; c < 0x7F; ++c) {
+        const float lo = quant::fp8_decode(static_cast<uint8_t>(c), f);
+        const float hi = quant::fp8_decode(static_cast<uint8_t>(c + 1), f);
+        if (!std::isfinite(hi)) break;
+        float x = 0.5f * (lo + hi) * scale;
+        for (int k = 0; k < 4; ++k) x = std::nextafter(x, 0.0f);
+        for (int k = 0; k < 9; ++k, x = std::nextafter(x, std::numeric_limits<float>::infinity())) {
+          vals.push_back(x);
+          vals.push_back(-x);
+        }
+      }
+      for (uint32_t m = 0; m < (1u << 23); m += 61) {  // one binade, mantissas 61 apart
+        const uint32_t bits = (130u << 23) | m;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        vals.push_back(v * scale);
+      }
+      for (float v : {0.0f, -0.0f, tiny, -tiny, 1e-39f, -3e-25f, 0x1p-64f, 0x1p-65f, 0x1p126f, -0x1.fffffep127f,
+                      1e30f, 2.5f}) {
+        vals.push_back(v);
+      }
+      uint64_t s = 0x9E3779B97F4A7C15ull;
+      for (int i = 0; i < 20000; ++i) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        uint32_t bits = static_cast<uint32_t>(s) & 0xBFFFFFFFu;  // exponents below 128: finite
+        float v;
+        std::memcpy(&v, &bits, 4);
+        vals.push_back(v);
+      }
+      const int64_t n = static_cast<int64_t>(vals.size());
+      std::vector<uint8_t> best(static_cast<size_t>(n));
+      ASSERT_FALSE(quant::fp8_encode_array(vals.data(), n, scale, f, best.data(), quant::Fp8Encoder::kBest));
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = vals[static_cast<size_t>(i)];
+        ASSERT_EQ(best[static_cast<size_t>(i)], quant::fp8_encode(x / scale, f))
+            << quant::fp8_name(f) << " x = " << std::hexfloat << x << " scale " << scale;
+      }
+    }
+  }
+  // 16 Mi codes: the non-temporal stores, from an output one byte past a 64-byte boundary.
+  const int64_t n = int64_t{16} << 20;
+  std::vector<float> x(static_cast<size_t>(n));
+  uint64_t s = 12345;
+  for (auto& v : x) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    v = static_cast<float>(static_cast<int64_t>(s % 2000001) - 1000000) * 1e-4f;
+  }
+  for (float scale : {1.0f, 100.0f / 448.0f}) {
+    std::vector<uint8_t> best(static_cast<size_t>(n) + 65), generic(static_cast<size_t>(n));
+    uint8_t* out = best.data() + (64 - reinterpret_cast<uintptr_t>(best.data()) % 64) % 64 + 1;
+    ASSERT_FALSE(quant::fp8_encode_array(x.data(), n, scale, Fp8Format::kE4M3, out, quant::Fp8Encoder::kBest));
+    ASSERT_FALSE(
+        quant::fp8_encode_array(x.data(), n, scale, Fp8Format::kE4M3, generic.data(), quant::Fp8Encoder::kGeneric));
+    ASSERT_EQ(std::memcmp(out, generic.data(), static_cast<size_t>(n)), 0) << "scale " << scale;
+  }
+}
+
+// fp8_amax (the per-tensor scale's amax; AVX-512: the unsigned max of |x|'s bits) against a
+// plain loop: every length 0..200 (whole 64-value steps, 16-value steps and a masked tail), the
+// maximum at every position, negative and subnormal maxima, and a NaN/±Inf at every position
+// giving +Inf.
+TEST(Fp8Amax, EqualsThePlainMaximumForEveryLengthAndPosition) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n = 0; n <= 200; ++n) {
+    std::vector<float> x(static_cast<size_t>(n) + 1);
+    for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i) + 1] = std::sin(static_cast<float>(i)) * 0.5f;
+    const float* p = x.data() + 1;  // one float past the vector's alignment
+    float want = 0.0f;
+    for (int64_t i = 0; i < n; ++i) want = std::max(want, std::fabs(p[i]));
+    ASSERT_EQ(quant::fp8_amax(p, n), want) << "n " << n;
+    for (int64_t at_i = 0; at_i < n; ++at_i) {
+      std::vector<float> y(x);
+      for (float big : {-7.25f, 3.5f}) {
+        y[static_cast<size_t>(at_i) + 1] = big;
+        ASSERT_EQ(quant::fp8_amax(y.data() + 1, n), std::fabs(big)) << "n " << n << " at " << at_i;
+      }
+      for (float bad : {std::numeric_limits<float>::quiet_NaN(), -inf, inf}) {
+        y[static_cast<size_t>(at_i) + 1] = bad;
+        ASSERT_EQ(quant::fp8_amax(y.data() + 1, n), inf) << "n " << n << " at " << at_i << " value " << bad;
+      }
+    }
+  }
+  const float sub = std::numeric_limits<float>::denorm_min() * 3.0f;
+  std::vector<float> z(100, 0.0f);
+  z[77] = -sub;
+  EXPECT_EQ(quant::fp8_amax(z.data(), 100), sub);
+  z[5] = -0.0f;
+  EXPECT_EQ(quant::fp8_amax(z.data(), 100), sub);
 }
 
 }  // namespace

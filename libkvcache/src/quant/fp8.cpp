@@ -68,7 +68,7 @@ constexpr int64_t kAheadBytes = 4096;
 KV_ALWAYS_INLINE void prefetch_ahead(const void* p, int64_t n, const void* end) {
   const char* a = static_cast<const char*>(p) + kAheadBytes;
   const char* stop = std::min(a + n, static_cast<const char*>(end));
-  for (; a < stop; a += 64) __builtin_prefetch(a, 0, 0);
+  for (; a < stop; a += 64) __builtin_prefetch(a, 0, 3);
 }
 
 template <int EXP, int MAN, int MAXCODE, bool kScaled>
@@ -88,11 +88,13 @@ KV_ALWAYS_INLINE uint32_t encode_range(const float* __restrict x, int64_t b, int
   return bad;
 }
 
-KV_TARGET_CLONES uint32_t encode_e4m3(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+KV_TARGET_CLONES uint32_t encode_e4m3(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
+                                      bool /*stream*/) {
   return scale == 1.0f ? encode_range<4, 3, 0x7E, false>(x, b, e, scale, out)
                        : encode_range<4, 3, 0x7E, true>(x, b, e, scale, out);
 }
-KV_TARGET_CLONES uint32_t encode_e5m2(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+KV_TARGET_CLONES uint32_t encode_e5m2(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
+                                      bool /*stream*/) {
   return scale == 1.0f ? encode_range<5, 2, 0x7B, false>(x, b, e, scale, out)
                        : encode_range<5, 2, 0x7B, true>(x, b, e, scale, out);
 }
@@ -126,16 +128,25 @@ KV_FP8_AVX512_FN inline __m512i encode16(__m512 v) {
   return _mm512_or_si512(sign, code);
 }
 
-/// encode_range() with encode16: 64 values per step, packed to one 64-byte store.
+/// encode_range() with encode16: 64 values per step, packed to one 64-byte store. stream:
+/// non-temporal stores of the codes (from the first 64-byte boundary of `out` on), for outputs
+/// far larger than the caches: it saves reading each line of `out` before it is overwritten.
 template <int EXP, int MAN, int MAXCODE, bool kScaled>
 KV_FP8_AVX512_FN uint32_t encode_range_avx512(const float* __restrict x, int64_t b, int64_t e, float scale,
-                                             uint8_t* __restrict out) {
+                                             uint8_t* __restrict out, bool stream) {
   __mmask16 bad = 0;
   const __m512 sv = _mm512_set1_ps(scale);
   // packus_epi32 then packus_epi16 leave 128-bit lane L holding dwords (r0, r1, r2, r3) of
   // lane L; this puts dword 4L + i at position 4i + L.
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   int64_t i = b;
+  uint32_t head = 0;
+  if (stream) {
+    // Up to the first 64-byte boundary of out with ordinary stores.
+    const int64_t to_line = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(out + b) % 64) % 64);
+    i = std::min(e, b + to_line);
+    head = encode_range<EXP, MAN, MAXCODE, kScaled>(x, b, i, scale, out);
+  }
   for (; i + 64 <= e; i += 64) {
     if (((i - b) & (kChunk - 1)) == 0) prefetch_ahead(x + i, kChunk * 4, x + e);
     __m512i r[4];
@@ -146,22 +157,32 @@ KV_FP8_AVX512_FN uint32_t encode_range_avx512(const float* __restrict x, int64_t
       r[k] = encode16<EXP, MAN, MAXCODE>(kScaled ? _mm512_div_ps(v, sv) : v);
     }
     const __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(r[0], r[1]), _mm512_packus_epi32(r[2], r[3]));
-    _mm512_storeu_si512(out + i, _mm512_permutexvar_epi32(order, w));
+    const __m512i codes = _mm512_permutexvar_epi32(order, w);
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), codes);
+    } else {
+      _mm512_storeu_si512(out + i, codes);
+    }
   }
-  return encode_range<EXP, MAN, MAXCODE, kScaled>(x, i, e, scale, out) | static_cast<uint32_t>(bad != 0);
+  if (stream) _mm_sfence();
+  return head | encode_range<EXP, MAN, MAXCODE, kScaled>(x, i, e, scale, out) | static_cast<uint32_t>(bad != 0);
 }
 
-KV_FP8_AVX512_FN uint32_t encode_e4m3_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
-  return scale == 1.0f ? encode_range_avx512<4, 3, 0x7E, false>(x, b, e, scale, out)
-                       : encode_range_avx512<4, 3, 0x7E, true>(x, b, e, scale, out);
+KV_FP8_AVX512_FN uint32_t encode_e4m3_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
+                                            bool stream) {
+  return scale == 1.0f ? encode_range_avx512<4, 3, 0x7E, false>(x, b, e, scale, out, stream)
+                       : encode_range_avx512<4, 3, 0x7E, true>(x, b, e, scale, out, stream);
 }
-KV_FP8_AVX512_FN uint32_t encode_e5m2_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
-  return scale == 1.0f ? encode_range_avx512<5, 2, 0x7B, false>(x, b, e, scale, out)
-                       : encode_range_avx512<5, 2, 0x7B, true>(x, b, e, scale, out);
+KV_FP8_AVX512_FN uint32_t encode_e5m2_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
+                                            bool stream) {
+  return scale == 1.0f ? encode_range_avx512<5, 2, 0x7B, false>(x, b, e, scale, out, stream)
+                       : encode_range_avx512<5, 2, 0x7B, true>(x, b, e, scale, out, stream);
 }
 #endif
 
-using EncodeFn = uint32_t (*)(const float*, int64_t, int64_t, float, uint8_t*);
+/// The array encoders: codes of x[b, e) into out[b, e), the OR of the non-finite bits returned;
+/// `stream` asks for non-temporal stores (the AVX-512 encoder only).
+using EncodeFn = uint32_t (*)(const float*, int64_t, int64_t, float, uint8_t*, bool);
 
 /// The array encoder for format `f` (Fp8Encoder's two choices).
 EncodeFn encoder(Fp8Format f, Fp8Encoder which) {
@@ -190,6 +211,41 @@ KV_TARGET_CLONES float amax_range(const float* __restrict x, int64_t b, int64_t 
   *bad_out = bad;
   return m;
 }
+
+#if KV_FP8_AVX512
+/// amax_range() in 512-bit registers: |x| as bits (sign cleared), their unsigned max in four
+/// independent accumulators. For non-negative floats the order of the bits is the order of the
+/// values, and a result of at least 0x7f800000 (+Inf's bits; NaN's lie above) means a NaN/±Inf
+/// was seen, so one vpmaxud per 16 values does both jobs of the auto-vectorized loop (whose
+/// compare-and-blend chain GCC emits one vector at a time).
+/// (_mm512_mask_max_epu32 with a defined pass-through rather than _mm512_max_epu32, whose
+/// undefined one trips GCC 12's -Wuninitialized, PR 105593.)
+KV_FP8_AVX512_FN inline __m512i max_u32(__m512i a, __m512i b) { return _mm512_mask_max_epu32(a, 0xFFFF, a, b); }
+
+KV_FP8_AVX512_FN float amax_range_avx512(const float* __restrict x, int64_t b, int64_t e, uint32_t* bad_out) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i m0 = _mm512_setzero_si512(), m1 = m0, m2 = m0, m3 = m0;
+  int64_t i = b;
+  for (; i + 64 <= e; i += 64) {
+    if (((i - b) & (kChunk - 1)) == 0) prefetch_ahead(x + i, kChunk * 4, x + e);
+    m0 = max_u32(m0, _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask));
+    m1 = max_u32(m1, _mm512_and_si512(_mm512_loadu_si512(x + i + 16), abs_mask));
+    m2 = max_u32(m2, _mm512_and_si512(_mm512_loadu_si512(x + i + 32), abs_mask));
+    m3 = max_u32(m3, _mm512_and_si512(_mm512_loadu_si512(x + i + 48), abs_mask));
+  }
+  for (; i + 16 <= e; i += 16) m0 = max_u32(m0, _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask));
+  if (i < e) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (e - i)) - 1u);
+    m1 = max_u32(m1, _mm512_maskz_and_epi32(tail, _mm512_maskz_loadu_epi32(tail, x + i), abs_mask));
+  }
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, max_u32(max_u32(m0, m1), max_u32(m2, m3)));
+  uint32_t m = 0;
+  for (uint32_t v : lanes) m = v > m ? v : m;
+  *bad_out = m >= 0x7f800000u ? 1u : 0u;
+  return bits_float(m);
+}
+#endif
 
 float decode_slow(uint8_t code, Fp8Format f) {
   const int exp_bits = f == Fp8Format::kE4M3 ? 4 : 5;
@@ -267,6 +323,9 @@ KV_TARGET_CLONES void decode_e5m2_range(const uint8_t* codes, int64_t b, int64_t
 }
 
 constexpr int64_t kGrain = int64_t{1} << 16;
+/// Outputs of at least this many codes (16 MiB, far beyond any L2 and most of an L3 slice) are
+/// written with non-temporal stores by the AVX-512 encoder.
+constexpr int64_t kStreamCodes = int64_t{16} << 20;
 
 }  // namespace
 
@@ -282,8 +341,9 @@ bool fp8_avx512_encoder() { return KV_FP8_AVX512 && avx512::available(); }
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out, Fp8Encoder which) {
   std::atomic<bool> bad{false};
   const EncodeFn encode = encoder(f, which);
+  const bool stream = n >= kStreamCodes;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
-    const uint32_t r = encode(x, b, e, scale, out);
+    const uint32_t r = encode(x, b, e, scale, out, stream);
     if (r != 0) bad.store(true, std::memory_order_relaxed);
   });
   return bad.load();
@@ -293,9 +353,14 @@ float fp8_amax(const float* x, int64_t n) {
   std::atomic<bool> bad{false};
   std::mutex mu;
   float m = 0.0f;
+#if KV_FP8_AVX512
+  const auto range = fp8_avx512_encoder() ? amax_range_avx512 : amax_range;
+#else
+  const auto range = amax_range;
+#endif
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     uint32_t r = 0;
-    const float part = amax_range(x, b, e, &r);
+    const float part = range(x, b, e, &r);
     if (r != 0) bad.store(true, std::memory_order_relaxed);
     const std::lock_guard<std::mutex> lock(mu);
     m = part > m ? part : m;
