@@ -286,15 +286,12 @@ TEST(Fp8Exhaustive, Avx512EncoderEqualsTheScalarOne) {
               quant::fp8_avx512_encoder() ? "the AVX-512 one" : "the auto-vectorized one");
 }
 
-// The scaled AVX-512 encoder divides by the scale with a reciprocal and two FMA corrections
-// (fp8.cpp, div16) instead of vdivps; the codes must be those of the division. A quotient one
+// The scaled AVX-512 encoder (vdivps per 16 values) against the scalar division. A quotient one
 // float32 ulp off changes a code only next to an fp8 rounding midpoint, so the values are built
-// there: for every code c of the format, x = RN(mid(c, c+1) · scale) and its four neighbours on
-// each side, both signs; then a whole binade of float32 mantissas, random values, and the lanes
-// the reciprocal steps leave to the division (0, -0, float32 subnormals, tiny and huge values,
-// NaN-free), under scales inside [2^-64, 2^64] (the reciprocal path) and outside it (the division
-// throughout). Streaming stores: an output of 16 Mi codes takes the non-temporal path, checked
-// against the generic encoder.
+// there: for every code c, x = RN(mid(c, c+1) * scale) and its four neighbours on each side, both
+// signs; then a binade of float32 mantissas, random values, zeros, subnormals, tiny and huge
+// values, under thirteen scales. An output of 16 Mi codes takes the non-temporal stores, from an
+// address one byte past a 64-byte boundary, checked against the generic encoder.
 TEST(Fp8Exhaustive, ScaledAvx512EncoderEqualsTheDivision) {
   const float tiny = std::numeric_limits<float>::denorm_min();
   const std::vector<float> scales = {0.37109375f,     3.0e5f,          1.7f / 448.0f, 0x1.fffffep-10f, 0x1.000002p-3f,
