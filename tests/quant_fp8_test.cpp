@@ -290,7 +290,7 @@ TEST(Fp8Exhaustive, Avx512EncoderEqualsTheScalarOne) {
 // float32 ulp off changes a code only next to an fp8 rounding midpoint, so the values are built
 // there: for every code c, x = RN(mid(c, c+1) * scale) and its four neighbours on each side, both
 // signs; then a binade of float32 mantissas, random values, zeros, subnormals, tiny and huge
-// values, under thirteen scales. An output of 16 Mi codes takes the non-temporal stores, from an
+// values, under thirteen scales; then 16 Mi codes (several parallel_for ranges) written from an
 // address one byte past a 64-byte boundary, checked against the generic encoder.
 TEST(Fp8Exhaustive, ScaledAvx512EncoderEqualsTheDivision) {
   const float tiny = std::numeric_limits<float>::denorm_min();
@@ -339,7 +339,7 @@ TEST(Fp8Exhaustive, ScaledAvx512EncoderEqualsTheDivision) {
       }
     }
   }
-  // 16 Mi codes: the non-temporal stores, from an output one byte past a 64-byte boundary.
+  // 16 Mi codes, from an output one byte past a 64-byte boundary.
   const int64_t n = int64_t{16} << 20;
   std::vector<float> x(static_cast<size_t>(n));
   uint64_t s = 12345;

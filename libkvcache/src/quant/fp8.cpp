@@ -64,7 +64,10 @@ KV_ALWAYS_INLINE uint32_t encode_dispatch(float x, Fp8Format f) {
 constexpr int64_t kChunk = 256;
 constexpr int64_t kAheadBytes = 4096;
 
-/// Asks for the cache lines of bytes [p + kAheadBytes, p + kAheadBytes + n) below `end`.
+/// Asks for the cache lines of bytes [p + kAheadBytes, p + kAheadBytes + n) below `end`, into
+/// all cache levels (prefetcht0). Not prefetchnta: on the Xeon it stalled the encoder on data
+/// already in L2/L3 (75 % of the samples on the instruction after it; fp8:e4m3 quantize at 4 MB
+/// ran at a third of its 512 MB rate, docs/performance.md).
 KV_ALWAYS_INLINE void prefetch_ahead(const void* p, int64_t n, const void* end) {
   const char* a = static_cast<const char*>(p) + kAheadBytes;
   const char* stop = std::min(a + n, static_cast<const char*>(end));
@@ -88,13 +91,11 @@ KV_ALWAYS_INLINE uint32_t encode_range(const float* __restrict x, int64_t b, int
   return bad;
 }
 
-KV_TARGET_CLONES uint32_t encode_e4m3(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
-                                      bool /*stream*/) {
+KV_TARGET_CLONES uint32_t encode_e4m3(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
   return scale == 1.0f ? encode_range<4, 3, 0x7E, false>(x, b, e, scale, out)
                        : encode_range<4, 3, 0x7E, true>(x, b, e, scale, out);
 }
-KV_TARGET_CLONES uint32_t encode_e5m2(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
-                                      bool /*stream*/) {
+KV_TARGET_CLONES uint32_t encode_e5m2(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
   return scale == 1.0f ? encode_range<5, 2, 0x7B, false>(x, b, e, scale, out)
                        : encode_range<5, 2, 0x7B, true>(x, b, e, scale, out);
 }
@@ -128,25 +129,16 @@ KV_FP8_AVX512_FN inline __m512i encode16(__m512 v) {
   return _mm512_or_si512(sign, code);
 }
 
-/// encode_range() with encode16: 64 values per step, packed to one 64-byte store. stream:
-/// non-temporal stores of the codes (from the first 64-byte boundary of `out` on), for outputs
-/// far larger than the caches: it saves reading each line of `out` before it is overwritten.
+/// encode_range() with encode16: 64 values per step, packed to one 64-byte store.
 template <int EXP, int MAN, int MAXCODE, bool kScaled>
 KV_FP8_AVX512_FN uint32_t encode_range_avx512(const float* __restrict x, int64_t b, int64_t e, float scale,
-                                             uint8_t* __restrict out, bool stream) {
+                                             uint8_t* __restrict out) {
   __mmask16 bad = 0;
   const __m512 sv = _mm512_set1_ps(scale);
   // packus_epi32 then packus_epi16 leave 128-bit lane L holding dwords (r0, r1, r2, r3) of
   // lane L; this puts dword 4L + i at position 4i + L.
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   int64_t i = b;
-  uint32_t head = 0;
-  if (stream) {
-    // Up to the first 64-byte boundary of out with ordinary stores.
-    const int64_t to_line = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(out + b) % 64) % 64);
-    i = std::min(e, b + to_line);
-    head = encode_range<EXP, MAN, MAXCODE, kScaled>(x, b, i, scale, out);
-  }
   for (; i + 64 <= e; i += 64) {
     if (((i - b) & (kChunk - 1)) == 0) prefetch_ahead(x + i, kChunk * 4, x + e);
     __m512i r[4];
@@ -157,32 +149,22 @@ KV_FP8_AVX512_FN uint32_t encode_range_avx512(const float* __restrict x, int64_t
       r[k] = encode16<EXP, MAN, MAXCODE>(kScaled ? _mm512_div_ps(v, sv) : v);
     }
     const __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(r[0], r[1]), _mm512_packus_epi32(r[2], r[3]));
-    const __m512i codes = _mm512_permutexvar_epi32(order, w);
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), codes);
-    } else {
-      _mm512_storeu_si512(out + i, codes);
-    }
+    _mm512_storeu_si512(out + i, _mm512_permutexvar_epi32(order, w));
   }
-  if (stream) _mm_sfence();
-  return head | encode_range<EXP, MAN, MAXCODE, kScaled>(x, i, e, scale, out) | static_cast<uint32_t>(bad != 0);
+  return encode_range<EXP, MAN, MAXCODE, kScaled>(x, i, e, scale, out) | static_cast<uint32_t>(bad != 0);
 }
 
-KV_FP8_AVX512_FN uint32_t encode_e4m3_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
-                                            bool stream) {
-  return scale == 1.0f ? encode_range_avx512<4, 3, 0x7E, false>(x, b, e, scale, out, stream)
-                       : encode_range_avx512<4, 3, 0x7E, true>(x, b, e, scale, out, stream);
+KV_FP8_AVX512_FN uint32_t encode_e4m3_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+  return scale == 1.0f ? encode_range_avx512<4, 3, 0x7E, false>(x, b, e, scale, out)
+                       : encode_range_avx512<4, 3, 0x7E, true>(x, b, e, scale, out);
 }
-KV_FP8_AVX512_FN uint32_t encode_e5m2_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out,
-                                            bool stream) {
-  return scale == 1.0f ? encode_range_avx512<5, 2, 0x7B, false>(x, b, e, scale, out, stream)
-                       : encode_range_avx512<5, 2, 0x7B, true>(x, b, e, scale, out, stream);
+KV_FP8_AVX512_FN uint32_t encode_e5m2_avx512(const float* x, int64_t b, int64_t e, float scale, uint8_t* out) {
+  return scale == 1.0f ? encode_range_avx512<5, 2, 0x7B, false>(x, b, e, scale, out)
+                       : encode_range_avx512<5, 2, 0x7B, true>(x, b, e, scale, out);
 }
 #endif
 
-/// The array encoders: codes of x[b, e) into out[b, e), the OR of the non-finite bits returned;
-/// `stream` asks for non-temporal stores (the AVX-512 encoder only).
-using EncodeFn = uint32_t (*)(const float*, int64_t, int64_t, float, uint8_t*, bool);
+using EncodeFn = uint32_t (*)(const float*, int64_t, int64_t, float, uint8_t*);
 
 /// The array encoder for format `f` (Fp8Encoder's two choices).
 EncodeFn encoder(Fp8Format f, Fp8Encoder which) {
@@ -323,9 +305,6 @@ KV_TARGET_CLONES void decode_e5m2_range(const uint8_t* codes, int64_t b, int64_t
 }
 
 constexpr int64_t kGrain = int64_t{1} << 16;
-/// Outputs of at least this many codes (16 MiB, far beyond any L2 and most of an L3 slice) are
-/// written with non-temporal stores by the AVX-512 encoder.
-constexpr int64_t kStreamCodes = int64_t{16} << 20;
 
 }  // namespace
 
@@ -341,9 +320,8 @@ bool fp8_avx512_encoder() { return KV_FP8_AVX512 && avx512::available(); }
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out, Fp8Encoder which) {
   std::atomic<bool> bad{false};
   const EncodeFn encode = encoder(f, which);
-  const bool stream = n >= kStreamCodes;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
-    const uint32_t r = encode(x, b, e, scale, out, stream);
+    const uint32_t r = encode(x, b, e, scale, out);
     if (r != 0) bad.store(true, std::memory_order_relaxed);
   });
   return bad.load();
