@@ -40,7 +40,7 @@ constexpr int kRows = 7;  ///< query rows per pass
 
 /// 8 fp8 e4m3 codes (the low 8 bytes) → 8 floats: the magnitude bits shifted left by 7 are an
 /// fp16 whose value is the e4m3 value times 2^-8 exactly (normal and subnormal alike; see
-/// attend_avx512.cpp's e4m3_to_ps), the sign moves to bit 15, ×256 is exact.
+/// attend_avx512.cpp's fp8_upper_to_half), the sign moves to bit 15, ×256 is exact.
 inline __m256 e4m3_to_ps(__m128i codes) {
   const __m128i w = _mm_cvtepu8_epi16(codes);
   const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);

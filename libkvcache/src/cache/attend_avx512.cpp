@@ -25,35 +25,18 @@ using Kind = KernelFormat::Kind;
 
 // ---------------------------------------------------------------- conversions
 
-/// 16 fp8 e4m3 codes → 16 floats. The code's magnitude bits shifted left by 7 are an fp16
-/// whose exponent field is e4m3's exponent field: read with fp16's bias (15, against e4m3's 7)
-/// it is the e4m3 value times 2^-8 exactly, normal (2^(e-15)·(1 + m/8)) and subnormal
-/// (m·2^-17 for m·2^-9) alike; the sign moves to bit 15 and ×256 is exact. (0x7F, the NaN
-/// code, is never produced by the encoder.)
-inline __m512 e4m3_to_ps(__m128i codes) {
-  const __m256i w = _mm256_cvtepu8_epi16(codes);
-  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.0f));
-}
-
-/// 16 stored values of a float format at `p` → 16 floats.
+/// 16 stored values of a 16- or 32-bit float format at `p` → 16 floats (fp8 codes are widened
+/// 32 or more at a time: qk_fp8, value32).
 template <Kind K>
 inline __m512 load16(const uint8_t* p) {
   if constexpr (K == Kind::kF32) {
     return _mm512_loadu_ps(p);
   } else if constexpr (K == Kind::kF16) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  } else if constexpr (K == Kind::kBF16) {
+  } else {
+    static_assert(K == Kind::kBF16);
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  } else if constexpr (K == Kind::kE5M2) {
-    // e5m2 is the upper byte of the fp16 with the same bits.
-    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
-    return _mm512_cvtph_ps(h);
-  } else {
-    static_assert(K == Kind::kE4M3);
-    return e4m3_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 }
 
@@ -342,14 +325,85 @@ void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, flo
   }
 }
 
+/// qk_fp8's byte permutes: result word w (of 32) takes transposed-row byte 4·(w mod 16) + w/16 +
+/// 2·half into its upper byte (lane j of a transposed row holds key j's codes of four consecutive
+/// dims): words 0-15 are dim 2·half of the four for keys 0-15, words 16-31 dim 2·half + 1. The
+/// lower bytes' entries are unused (the permute zeroes them). A constant, so no initialiser runs.
+struct Fp8WordIndex {
+  alignas(64) uint8_t half[2][64];
+};
+constexpr Fp8WordIndex make_fp8_word_index() {
+  Fp8WordIndex t{};
+  for (int h = 0; h < 2; ++h) {
+    for (int w = 0; w < 32; ++w) t.half[h][2 * w + 1] = static_cast<uint8_t>(4 * (w % 16) + w / 16 + 2 * h);
+  }
+  return t;
+}
+constexpr Fp8WordIndex kFp8WordIndex = make_fp8_word_index();
+constexpr __mmask64 kUpperBytes = 0xAAAAAAAAAAAAAAAAULL;
+
+/// 32 fp16 words with an fp8 code in each upper byte (lower byte 0) → the fp16 form of the code.
+/// e5m2 is that word already (e5m2 is fp16's upper byte). For e4m3, shifted right by one
+/// arithmetically (the sign stays in bit 15) with bit 14 cleared, the word has the code's
+/// magnitude bits in bits 7..13: an fp16 whose exponent field is e4m3's exponent field, so read
+/// with fp16's bias (15, against e4m3's 7) it is the e4m3 value times 2^-8 exactly, normal
+/// (2^(e-15)·(1 + m/8)) and subnormal (m·2^-17 for m·2^-9) alike. (0x7F, the NaN code, is
+/// never produced by the encoder.) Callers fold the 2^8 into a scale or weight.
+template <Kind K>
+inline __m512i fp8_upper_to_half(__m512i w) {
+  if constexpr (K == Kind::kE4M3) return _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return w;
+}
+
+/// fp8 keys: per 32-dim chunk the 16 keys' codes are transposed as bytes (transpose_16x8 of 16
+/// rows × 32 bytes: lane j holds key j's codes of dims 4e..4e+3), and one byte permute per pair
+/// of dims lays 16 keys' codes of two dims out as fp16 words. That is a quarter of qk_float's
+/// shuffle work (bytes, not floats, are transposed) and no per-key widening; the FMAs are
+/// qk_float's in the same order (dims ascending per row), so the scores are qk_float's bit for
+/// bit: e4m3's 2^-8 is folded into the final scale (a power of two, exact).
+template <int NR, Kind K>
+void qk_fp8(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  static_assert(K == Kind::kE4M3 || K == Kind::kE5M2);
+  const int64_t d = q.d;
+  const int64_t row_bytes = k.kf.code_bytes;
+  const float ts = (k.kf.scaled ? k.tensor_scale : 1.0f) * (K == Kind::kE4M3 ? 256.0f : 1.0f);
+  const __m512i idx[2] = {_mm512_load_si512(kFp8WordIndex.half[0]), _mm512_load_si512(kFp8WordIndex.half[1])};
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int m = static_cast<int>(min64(16, n - j0));
+    const int32_t* slots = k.slots + j0;
+    __m512 out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32) {
+      __m256i rows[16];
+      for (int j = 0; j < 16; ++j) {
+        rows[j] = j < m ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c))
+                        : _mm256_setzero_si256();
+      }
+      __m512i kt[8];
+      transpose_16x8(rows, kt);
+      for (int e = 0; e < 8; ++e) {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i w = fp8_upper_to_half<K>(_mm512_maskz_permutexvar_epi8(kUpperBytes, idx[h], kt[e]));
+          const __m512 k0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+          const __m512 k1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+          const float* qd = q.qf + r0 * d + c + 4 * e + 2 * h;
+          for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qd[r * d]), out[r]);
+          for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qd[r * d + 1]), out[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, _mm512_mul_ps(out[r], _mm512_set1_ps(ts)), m);
+  }
+}
+
 template <int NR>
 void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   switch (k.kf.kind) {
     case Kind::kF32: return qk_float<NR, Kind::kF32>(q, r0, k, n, s, ld);
     case Kind::kF16: return qk_float<NR, Kind::kF16>(q, r0, k, n, s, ld);
     case Kind::kBF16: return qk_float<NR, Kind::kBF16>(q, r0, k, n, s, ld);
-    case Kind::kE4M3: return qk_float<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
-    case Kind::kE5M2: return qk_float<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
+    case Kind::kE4M3: return qk_fp8<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
+    case Kind::kE5M2: return qk_fp8<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
@@ -370,6 +424,20 @@ inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs
     x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
     x0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(cs + 32 * h), _mm512_loadu_ps(cz + 32 * h));
     x1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(cs + 32 * h + 16), _mm512_loadu_ps(cz + 32 * h + 16));
+  } else if constexpr (K == Kind::kE4M3 || K == Kind::kE5M2) {
+    // 32 codes widened once to fp16 words: e5m2 is the upper byte; e4m3 sign-extended and
+    // shifted left by 7 has its magnitude in bits 7..13 and its sign in bits 14 and 15 (bit 14
+    // cleared): the value times 2^-8 (pv_rows folds the 2^8 into the weights).
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h));
+    const __m512i w = K == Kind::kE5M2 ? _mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8)
+                                       : _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
+                                                          _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+    x0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+    x1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+    if (v.kf.scaled) {
+      x0 = _mm512_mul_ps(x0, _mm512_set1_ps(v.tensor_scale));
+      x1 = _mm512_mul_ps(x1, _mm512_set1_ps(v.tensor_scale));
+    }
   } else {
     const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h * value_bytes<K>();
     x0 = load16<K>(row);
@@ -384,7 +452,7 @@ inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs
 /// acc[r] += Σ_j p[r][j] · v_j, 32 dims at a time with the rows' accumulators in registers.
 /// (Float formats and per-channel integers; per-token integers: pv_int_token.)
 template <int NR, Kind K>
-void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+void pv_rows_impl(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
   alignas(64) float cs[256], cz[256];
   if constexpr (K == Kind::kIntChannel) {
     for (int64_t i = 0; i < d; ++i) {
@@ -411,6 +479,21 @@ void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t 
       _mm512_storeu_ps(acc + r * d + 32 * h, a[r][0]);
       _mm512_storeu_ps(acc + r * d + 32 * h + 16, a[r][1]);
     }
+  }
+}
+
+template <int NR, Kind K>
+void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  if constexpr (K == Kind::kE4M3) {
+    // value32 gives e4m3 values times 2^-8: the weights times 2^8 (exact: powers of two) keep
+    // every product, and so the sums, what they were with the plain values.
+    alignas(64) float pw[NR][64];  // n ≤ 64 (accumulate)
+    for (int r = 0; r < NR; ++r) {
+      for (int64_t j = 0; j < n; ++j) pw[r][j] = 256.0f * p[r * ld + j];
+    }
+    pv_rows_impl<NR, K>(&pw[0][0], 64, v, n, d, acc);
+  } else {
+    pv_rows_impl<NR, K>(p, ld, v, n, d, acc);
   }
 }
 
