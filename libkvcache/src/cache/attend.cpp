@@ -444,8 +444,11 @@ class Cursor {
   }
   void advance(int64_t n) { next_ += static_cast<size_t>(n); }
   /// True if the current block is read as float32 rows (row()), false if as stored (raw mode
-  /// over a format the fused kernels read). Plain float32 blocks are always rows: they are
-  /// their own decoded form, and the generic tile kernels read them faster than a fused pass.
+  /// over a format the fused kernels read). Plain float32 blocks are their own decoded form:
+  /// rows by pointer in decode mode, read as stored in raw mode like every other format (the
+  /// fused fp32 pass, one 16×16 transpose per 16 keys and dims and no per-row pointer, ran
+  /// 8-17 % faster than the generic tile kernels over the same rows: bench_attention fp32 on
+  /// the Xeon, 2026-12-03, docs/performance.md).
   bool rows() const { return pool_[cur_].rows != nullptr; }
 
  private:
@@ -483,7 +486,7 @@ class Cursor {
     b.block = block;
     b.format = &list->format(*b.block);
     b.rows = nullptr;
-    if (b.format->raw_fp32 && rope_ == nullptr) {
+    if (b.format->raw_fp32 && rope_ == nullptr && !raw_) {
       b.rows = reinterpret_cast<const float*>(b.format->pool->data(b.block->id));
     } else if (raw_) {
       auto& k = kf_cache_[b.block->format];
