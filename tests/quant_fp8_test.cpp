@@ -283,7 +283,7 @@ TEST(Fp8Exhaustive, Avx512EncoderEqualsTheScalarOne) {
     }
   }
   std::printf("[ fp8 encoder ] the best array encoder here is %s\n",
-              quant::fp8_avx512_encoder() ? "the AVX-512 one" : "the auto-vectorized one");
+              quant::fp8_avx512_kernels() ? "the AVX-512 one" : "the auto-vectorized one");
 }
 
 // The scaled AVX-512 encoder (vdivps per 16 values) against the scalar division. A quotient one

@@ -169,7 +169,7 @@ using EncodeFn = uint32_t (*)(const float*, int64_t, int64_t, float, uint8_t*);
 /// The array encoder for format `f` (Fp8Encoder's two choices).
 EncodeFn encoder(Fp8Format f, Fp8Encoder which) {
 #if KV_FP8_AVX512
-  if (which == Fp8Encoder::kBest && fp8_avx512_encoder()) {
+  if (which == Fp8Encoder::kBest && fp8_avx512_kernels()) {
     return f == Fp8Format::kE4M3 ? encode_e4m3_avx512 : encode_e5m2_avx512;
   }
 #endif
@@ -315,7 +315,7 @@ uint8_t fp8_encode(float x, Fp8Format f) { return static_cast<uint8_t>(encode_di
 float fp8_decode(uint8_t code, Fp8Format f) { return lut(f)[code]; }
 
 // The CPU check of the AVX-512 integer kernels (F/BW/VL/DQ; false where the build left them out).
-bool fp8_avx512_encoder() { return KV_FP8_AVX512 && avx512::available(); }
+bool fp8_avx512_kernels() { return KV_FP8_AVX512 && avx512::available(); }
 
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out, Fp8Encoder which) {
   std::atomic<bool> bad{false};
@@ -332,7 +332,7 @@ float fp8_amax(const float* x, int64_t n) {
   std::mutex mu;
   float m = 0.0f;
 #if KV_FP8_AVX512
-  const auto range = fp8_avx512_encoder() ? amax_range_avx512 : amax_range;
+  const auto range = fp8_avx512_kernels() ? amax_range_avx512 : amax_range;
 #else
   const auto range = amax_range;
 #endif

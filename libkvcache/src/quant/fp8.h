@@ -35,9 +35,10 @@ enum class Fp8Encoder { kBest, kGeneric };
 /// is then garbage). Vectorized, runs at::parallel_for.
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out,
                       Fp8Encoder which = Fp8Encoder::kBest);
-/// True if Fp8Encoder::kBest is the hand-written AVX-512 encoder on this CPU (the check of
-/// avx512::available(); false in builds without the AVX-512 kernels, -DKVCACHE_FUSED=OFF).
-bool fp8_avx512_encoder();
+/// True if the hand-written AVX-512 fp8 kernels run on this CPU: Fp8Encoder::kBest's encoder
+/// and fp8_amax()'s loop (the check of avx512::available(); false in builds without the
+/// AVX-512 kernels, -DKVCACHE_FUSED=OFF).
+bool fp8_avx512_kernels();
 /// max_i |x[i]| (0 for n = 0), or +Inf if some x[i] is NaN/±Inf: one pass, no temporary (the
 /// per-tensor scale of fp8:*:scaled). Vectorized, runs at::parallel_for.
 float fp8_amax(const float* x, int64_t n);
