@@ -396,12 +396,45 @@ void qk_fp8(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   }
 }
 
+/// bf16 keys: per 32-dim chunk the 16 keys' 64-byte rows are transposed as dwords
+/// (transpose_16x16: lane j of row e holds key j's dims 2e and 2e + 1, one bf16 in each half),
+/// and each half becomes a float with one shift or mask: half of qk_float's shuffles (two
+/// dims per transposed lane) and no widening load. The FMAs are qk_float's in the same order
+/// (dims ascending per row), so the scores are qk_float's bit for bit.
+template <int NR>
+void qk_bf16(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  const int64_t d = q.d;
+  const int64_t row_bytes = k.kf.code_bytes;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int m = static_cast<int>(min64(16, n - j0));
+    const int32_t* slots = k.slots + j0;
+    __m512 out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32) {
+      __m512 kt[16];
+      for (int j = 0; j < 16; ++j) {
+        kt[j] = j < m ? _mm512_loadu_ps(k.block + static_cast<int64_t>(slots[j]) * row_bytes + 2 * c) : _mm512_setzero_ps();
+      }
+      transpose_16x16(kt);
+      for (int e = 0; e < 16; ++e) {
+        const __m512i w = _mm512_castps_si512(kt[e]);
+        const __m512 k0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        const __m512 k1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        const float* qd = q.qf + r0 * d + c + 2 * e;
+        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qd[r * d]), out[r]);
+        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qd[r * d + 1]), out[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
 template <int NR>
 void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   switch (k.kf.kind) {
     case Kind::kF32: return qk_float<NR, Kind::kF32>(q, r0, k, n, s, ld);
     case Kind::kF16: return qk_float<NR, Kind::kF16>(q, r0, k, n, s, ld);
-    case Kind::kBF16: return qk_float<NR, Kind::kBF16>(q, r0, k, n, s, ld);
+    case Kind::kBF16: return qk_bf16<NR>(q, r0, k, n, s, ld);
     case Kind::kE4M3: return qk_fp8<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
     case Kind::kE5M2: return qk_fp8<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
