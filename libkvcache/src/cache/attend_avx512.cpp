@@ -297,32 +297,40 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   }
 }
 
+/// The float-key kernels' walk over a block's keys: 16 at a time, the rows' accumulators in
+/// registers; chunk(c, slots, m, out) adds dims [c, c + kStep) of the m keys at `slots` to
+/// out[r] (keys across lanes), then the scores times `ts` are stored. (Each kernel's chunk is
+/// forced inline: it must keep out[] in registers.)
+template <int NR, int kStep, class Chunk>
+inline void qk_walk(const QueryView& q, const RawTokens& k, int64_t n, float* s, int64_t ld, float ts, Chunk&& chunk) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int m = static_cast<int>(min64(16, n - j0));
+    __m512 out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < q.d; c += kStep) chunk(c, k.slots + j0, m, out);
+    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, _mm512_mul_ps(out[r], _mm512_set1_ps(ts)), m);
+  }
+}
+
 /// Float keys: 16 keys × 16 dims converted in registers, transposed, multiplied in float32.
 template <int NR, Kind K>
 void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   const int64_t d = q.d;
   const int64_t row_bytes = k.kf.code_bytes;
   const float ts = k.kf.scaled ? k.tensor_scale : 1.0f;
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int m = static_cast<int>(min64(16, n - j0));
-    const int32_t* slots = k.slots + j0;
-    __m512 out[NR];
-    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) {
-      __m512 kt[16];
-      for (int j = 0; j < 16; ++j) {
-        kt[j] = j < m ? load16<K>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c * value_bytes<K>())
-                      : _mm512_setzero_ps();
-      }
-      transpose_16x16(kt);
-      for (int e = 0; e < 16; ++e) {
-        for (int r = 0; r < NR; ++r) {
-          out[r] = _mm512_fmadd_ps(kt[e], _mm512_set1_ps(q.qf[(r0 + r) * d + c + e]), out[r]);
-        }
+  qk_walk<NR, 16>(q, k, n, s, ld, ts, [&](int64_t c, const int32_t* slots, int m, __m512(&out)[NR]) __attribute__((always_inline)) {
+    __m512 kt[16];
+    for (int j = 0; j < 16; ++j) {
+      kt[j] = j < m ? load16<K>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c * value_bytes<K>())
+                    : _mm512_setzero_ps();
+    }
+    transpose_16x16(kt);
+    for (int e = 0; e < 16; ++e) {
+      for (int r = 0; r < NR; ++r) {
+        out[r] = _mm512_fmadd_ps(kt[e], _mm512_set1_ps(q.qf[(r0 + r) * d + c + e]), out[r]);
       }
     }
-    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, _mm512_mul_ps(out[r], _mm512_set1_ps(ts)), m);
-  }
+  });
 }
 
 /// qk_fp8's byte permutes: result word w (of 32) takes transposed-row byte 4·(w mod 16) + w/16 +
@@ -368,32 +376,25 @@ void qk_fp8(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   const int64_t row_bytes = k.kf.code_bytes;
   const float ts = (k.kf.scaled ? k.tensor_scale : 1.0f) * (K == Kind::kE4M3 ? 256.0f : 1.0f);
   const __m512i idx[2] = {_mm512_load_si512(kFp8WordIndex.half[0]), _mm512_load_si512(kFp8WordIndex.half[1])};
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int m = static_cast<int>(min64(16, n - j0));
-    const int32_t* slots = k.slots + j0;
-    __m512 out[NR];
-    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 32) {
-      __m256i rows[16];
-      for (int j = 0; j < 16; ++j) {
-        rows[j] = j < m ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c))
-                        : _mm256_setzero_si256();
-      }
-      __m512i kt[8];
-      transpose_16x8(rows, kt);
-      for (int e = 0; e < 8; ++e) {
-        for (int h = 0; h < 2; ++h) {
-          const __m512i w = fp8_upper_to_half<K>(_mm512_maskz_permutexvar_epi8(kUpperBytes, idx[h], kt[e]));
-          const __m512 k0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
-          const __m512 k1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
-          const float* qd = q.qf + r0 * d + c + 4 * e + 2 * h;
-          for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qd[r * d]), out[r]);
-          for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qd[r * d + 1]), out[r]);
-        }
+  qk_walk<NR, 32>(q, k, n, s, ld, ts, [&](int64_t c, const int32_t* slots, int m, __m512(&out)[NR]) __attribute__((always_inline)) {
+    __m256i rows[16];
+    for (int j = 0; j < 16; ++j) {
+      rows[j] = j < m ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c))
+                      : _mm256_setzero_si256();
+    }
+    __m512i kt[8];
+    transpose_16x8(rows, kt);
+    for (int e = 0; e < 8; ++e) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512i w = fp8_upper_to_half<K>(_mm512_maskz_permutexvar_epi8(kUpperBytes, idx[h], kt[e]));
+        const __m512 k0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+        const __m512 k1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+        const float* qd = q.qf + r0 * d + c + 4 * e + 2 * h;
+        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qd[r * d]), out[r]);
+        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qd[r * d + 1]), out[r]);
       }
     }
-    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, _mm512_mul_ps(out[r], _mm512_set1_ps(ts)), m);
-  }
+  });
 }
 
 /// bf16 keys: per 32-dim chunk the 16 keys' 64-byte rows are transposed as dwords
@@ -405,28 +406,21 @@ template <int NR>
 void qk_bf16(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   const int64_t d = q.d;
   const int64_t row_bytes = k.kf.code_bytes;
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int m = static_cast<int>(min64(16, n - j0));
-    const int32_t* slots = k.slots + j0;
-    __m512 out[NR];
-    for (int r = 0; r < NR; ++r) out[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 32) {
-      __m512 kt[16];
-      for (int j = 0; j < 16; ++j) {
-        kt[j] = j < m ? _mm512_loadu_ps(k.block + static_cast<int64_t>(slots[j]) * row_bytes + 2 * c) : _mm512_setzero_ps();
-      }
-      transpose_16x16(kt);
-      for (int e = 0; e < 16; ++e) {
-        const __m512i w = _mm512_castps_si512(kt[e]);
-        const __m512 k0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-        const __m512 k1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-        const float* qd = q.qf + r0 * d + c + 2 * e;
-        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qd[r * d]), out[r]);
-        for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qd[r * d + 1]), out[r]);
-      }
+  qk_walk<NR, 32>(q, k, n, s, ld, 1.0f, [&](int64_t c, const int32_t* slots, int m, __m512(&out)[NR]) __attribute__((always_inline)) {
+    __m512 kt[16];
+    for (int j = 0; j < 16; ++j) {
+      kt[j] = j < m ? _mm512_loadu_ps(k.block + static_cast<int64_t>(slots[j]) * row_bytes + 2 * c) : _mm512_setzero_ps();
     }
-    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, out[r], m);
-  }
+    transpose_16x16(kt);
+    for (int e = 0; e < 16; ++e) {
+      const __m512i w = _mm512_castps_si512(kt[e]);
+      const __m512 k0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      const __m512 k1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      const float* qd = q.qf + r0 * d + c + 2 * e;
+      for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qd[r * d]), out[r]);
+      for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qd[r * d + 1]), out[r]);
+    }
+  });
 }
 
 template <int NR>
