@@ -9,7 +9,9 @@
 // Tolerances, stated and derived (attend_fused.h):
 //   - float key formats (fp32/fp16/bf16/fp8): both paths compute q·k, the softmax and p·v in
 //     float32 over the same stored values, in a different order (FMA, register blocking,
-//     transposes): |Δout| ≤ 2e-5 for unit-scale data (as attend_test.cpp against at::).
+//     transposes): |Δout| ≤ 2e-5 for unit-scale data (as attend_test.cpp against at::). Each
+//     fp8/fp16/bf16 code's conversion is checked exactly, every code, with one-hot queries and
+//     weights (EveryFloatCodeReadsAsItsValue).
 //   - per-token integer keys: the fused path computes exactly q'·k̂ for the two-term int8 query
 //     q' (chunks of 32 dims, q' = qs·hi + qs/254·lo, |q − q'| ≤ 1.6e-5·max|q|); fused(q) against
 //     generic(q') to the same 2e-5. The rounding's own effect on the output is bounded
@@ -41,6 +43,7 @@
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/quantizer.h"
+#include "quant/fp8.h"
 
 namespace kvcache {
 namespace {
@@ -388,6 +391,92 @@ TEST(AttendFused, ChannelKeyScoresFollowTheFoldedQueryFormula) {
         const auto got = at::from_blob(s.data(), {9, 32}, at::kFloat).to(at::kDouble);
         EXPECT_LE(max_abs(got - want), 1e-5 * (1 + max_abs(want))) << quant;
       }
+    }
+  }
+}
+
+// Every stored code of the 8- and 16-bit float formats through both kernels, checked exactly:
+// keys whose D = 64 values are consecutive codes (every finite one; NaN/Inf codes replaced by
+// 0), one-hot queries (score r of key j = value of dim r, one exact product) and one-hot
+// weights (accumulated row r = value r). Catches a wrong bit trick in a conversion (e4m3 as an
+// fp16 exponent field, e5m2 as fp16's upper byte, bf16 halves of a transposed dword), which
+// random data near 1 would only sample. fp8:e4m3:scaled multiplies by the stream's scale,
+// rounded once.
+TEST(AttendFused, EveryFloatCodeReadsAsItsValue) {
+  REQUIRE_FUSED();
+  constexpr int64_t kD = 64;
+  struct Case {
+    const char* spec;
+    int bytes;  // per value
+    float tensor_scale;
+  };
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    for (const Case cs : {Case{"fp8:e4m3", 1, 1.0f}, Case{"fp8:e5m2", 1, 1.0f}, Case{"fp8:e4m3:scaled", 1, 0.0371f},
+                          Case{"fp16", 2, 1.0f}, Case{"bf16", 2, 1.0f}}) {
+      const std::string spec = cs.spec;
+      const auto qz = make_quantizer(spec);
+      const cache::fused::KernelFormat kf = cache::fused::classify(cache::BlockFormat(*qz, kD, 64, nullptr));
+      ASSERT_NE(kf.kind, cache::fused::KernelFormat::Kind::kNone) << spec;
+      const int64_t codes = cs.bytes == 1 ? 256 : 65536, n = codes / kD;
+      ASSERT_EQ(kf.code_bytes, kD * cs.bytes) << spec;
+      std::vector<uint8_t> block(static_cast<size_t>(codes * cs.bytes + 64), 0);
+      std::vector<float> want(static_cast<size_t>(codes));
+      for (int64_t c = 0; c < codes; ++c) {
+        float v = 0;
+        uint32_t code = static_cast<uint32_t>(c);
+        if (cs.bytes == 1) {
+          const auto f = spec.find("e5m2") != std::string::npos ? quant::Fp8Format::kE5M2 : quant::Fp8Format::kE4M3;
+          v = quant::fp8_decode(static_cast<uint8_t>(code), f);
+          if (!std::isfinite(v)) v = 0, code = 0;
+          block[static_cast<size_t>(c)] = static_cast<uint8_t>(code);
+        } else {
+          const auto bits = static_cast<uint16_t>(code);
+          v = spec == "fp16" ? static_cast<float>(c10::Half(bits, c10::Half::from_bits()))
+                             : static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+          const uint16_t stored = std::isfinite(v) ? bits : 0;
+          if (!std::isfinite(v)) v = 0;
+          std::memcpy(block.data() + 2 * c, &stored, 2);
+        }
+        want[static_cast<size_t>(c)] = v * cs.tensor_scale;  // one rounding, as the kernels scale
+      }
+      cache::fused::RawTokens raw;
+      raw.block = block.data();
+      raw.kf = kf;
+      raw.tensor_scale = cs.tensor_scale;
+      std::vector<int32_t> slots(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) slots[static_cast<size_t>(j)] = static_cast<int32_t>(j);
+      raw.slots = slots.data();
+      // Scores: query row r = e_r, unscaled.
+      std::vector<float> eye(static_cast<size_t>(kD * kD), 0.0f);
+      for (int64_t r = 0; r < kD; ++r) eye[static_cast<size_t>(r * kD + r)] = 1.0f;
+      cache::fused::Queries fq;
+      cache::fused::prepare(eye.data(), kD, kD, 1.0f, fq);
+      std::vector<float> sc(static_cast<size_t>(kD * n), -1.0f);
+      cache::fused::scores(fq, 0, kD, raw, n, sc.data(), n);
+      int64_t bad_k = 0, bad_v = 0;
+      for (int64_t r = 0; r < kD; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          const float got = sc[static_cast<size_t>(r * n + j)], exp = want[static_cast<size_t>(j * kD + r)];
+          if (got != exp && bad_k++ < 3) ADD_FAILURE() << spec << " key code " << j * kD + r << ": score " << got << ", value " << exp;
+        }
+      }
+      // Values, 64 keys at a time: weights = the identity, so accumulated row r = value r.
+      for (int64_t j0 = 0; j0 < n; j0 += kD) {
+        const int64_t m = std::min(kD, n - j0);
+        cache::fused::RawTokens part = raw;
+        part.slots = slots.data() + j0;
+        std::vector<float> acc(static_cast<size_t>(m * kD), 0.0f);
+        cache::fused::accumulate(eye.data(), kD, m, part, m, kD, acc.data());
+        for (int64_t r = 0; r < m; ++r) {
+          for (int64_t d = 0; d < kD; ++d) {
+            const float got = acc[static_cast<size_t>(r * kD + d)], exp = want[static_cast<size_t>((j0 + r) * kD + d)];
+            if (got != exp && bad_v++ < 3) ADD_FAILURE() << spec << " value code " << (j0 + r) * kD + d << ": " << got << ", want " << exp;
+          }
+        }
+      }
+      EXPECT_EQ(bad_k, 0) << spec << " (ISA " << static_cast<int>(isa) << ")";
+      EXPECT_EQ(bad_v, 0) << spec << " (ISA " << static_cast<int>(isa) << ")";
     }
   }
 }
