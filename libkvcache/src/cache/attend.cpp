@@ -486,12 +486,12 @@ class Cursor {
     b.block = block;
     b.format = &list->format(*b.block);
     b.rows = nullptr;
-    if (b.format->raw_fp32 && rope_ == nullptr && !raw_) {
-      b.rows = reinterpret_cast<const float*>(b.format->pool->data(b.block->id));
-    } else if (raw_) {
+    if (raw_) {
       auto& k = kf_cache_[b.block->format];
       if (k.kind == fused::KernelFormat::Kind::kNone) k = fused::classify(*b.format);
       b.kf = k;
+    } else if (b.format->raw_fp32 && rope_ == nullptr) {
+      b.rows = reinterpret_cast<const float*>(b.format->pool->data(b.block->id));
     } else {
       b.scratch.resize(static_cast<size_t>(b.format->capacity * d_));
       list->decode(*b.block, b.scratch.data(), scale_);

@@ -452,13 +452,10 @@ inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs
     x0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(cs + 32 * h), _mm512_loadu_ps(cz + 32 * h));
     x1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(cs + 32 * h + 16), _mm512_loadu_ps(cz + 32 * h + 16));
   } else if constexpr (K == Kind::kE4M3 || K == Kind::kE5M2) {
-    // 32 codes widened once to fp16 words: e5m2 is the upper byte; e4m3 sign-extended and
-    // shifted left by 7 has its magnitude in bits 7..13 and its sign in bits 14 and 15 (bit 14
-    // cleared): the value times 2^-8 (pv_rows folds the 2^8 into the weights).
+    // 32 codes widened once into the upper bytes of fp16 words, then fp8_upper_to_half (e4m3:
+    // the value times 2^-8; pv_rows folds the 2^8 into the weights).
     const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h));
-    const __m512i w = K == Kind::kE5M2 ? _mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8)
-                                       : _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
-                                                          _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+    const __m512i w = fp8_upper_to_half<K>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8));
     x0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
     x1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
     if (v.kf.scaled) {

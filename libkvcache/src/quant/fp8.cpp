@@ -218,7 +218,7 @@ KV_FP8_AVX512_FN float amax_range_avx512(const float* __restrict x, int64_t b, i
   for (; i + 16 <= e; i += 16) m0 = max_u32(m0, _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask));
   if (i < e) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (e - i)) - 1u);
-    m1 = max_u32(m1, _mm512_maskz_and_epi32(tail, _mm512_maskz_loadu_epi32(tail, x + i), abs_mask));
+    m1 = max_u32(m1, _mm512_and_si512(_mm512_maskz_loadu_epi32(tail, x + i), abs_mask));
   }
   alignas(64) uint32_t lanes[16];
   _mm512_store_si512(lanes, max_u32(max_u32(m0, m1), max_u32(m2, m3)));
@@ -228,6 +228,16 @@ KV_FP8_AVX512_FN float amax_range_avx512(const float* __restrict x, int64_t b, i
   return bits_float(m);
 }
 #endif
+
+using AmaxFn = float (*)(const float*, int64_t, int64_t, uint32_t*);
+
+/// The amax loop fp8_amax() runs (as encoder() picks the encoder).
+AmaxFn amax_kernel() {
+#if KV_FP8_AVX512
+  if (fp8_avx512_kernels()) return amax_range_avx512;
+#endif
+  return amax_range;
+}
 
 float decode_slow(uint8_t code, Fp8Format f) {
   const int exp_bits = f == Fp8Format::kE4M3 ? 4 : 5;
@@ -331,11 +341,7 @@ float fp8_amax(const float* x, int64_t n) {
   std::atomic<bool> bad{false};
   std::mutex mu;
   float m = 0.0f;
-#if KV_FP8_AVX512
-  const auto range = fp8_avx512_kernels() ? amax_range_avx512 : amax_range;
-#else
-  const auto range = amax_range;
-#endif
+  const AmaxFn range = amax_kernel();
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     uint32_t r = 0;
     const float part = range(x, b, e, &r);
