@@ -301,20 +301,14 @@ inline void value16(const RawTokens& v, int32_t slot, int64_t h, const float* cs
   } else {
     const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 16 * h * value_bytes<K>();
     x0 = load8<K>(row);
-    x1 = load8<K>(row + 8 * value_bytes<K>());
-    if constexpr (K == Kind::kE4M3 || K == Kind::kE5M2) {
-      if (v.kf.scaled) {
-        x0 = _mm256_mul_ps(x0, _mm256_set1_ps(v.tensor_scale));
-        x1 = _mm256_mul_ps(x1, _mm256_set1_ps(v.tensor_scale));
-      }
-    }
+    x1 = load8<K>(row + 8 * value_bytes<K>());  // (fp8:*:scaled: the scale is in the weights, pv_rows)
   }
 }
 
 /// acc[r] += Σ_j p[r][j] · v_j, 16 dims at a time with the rows' accumulators in registers.
 /// (Float formats and per-channel integers; per-token integers: pv_int_token.)
 template <int NR, Kind K>
-void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+void pv_rows_impl(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
   alignas(32) float cs[256], cz[256];
   if constexpr (K == Kind::kIntChannel) {
     for (int64_t i = 0; i < d; ++i) {
@@ -342,6 +336,19 @@ void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t 
       _mm256_storeu_ps(acc + r * d + 16 * h + 8, a[r][1]);
     }
   }
+}
+
+/// fp8:*:scaled: the stream's scale multiplies the weights, once per weight rather than once
+/// per value (p·scale rounded where the generic path rounds v·scale: within kFloatTol, and
+/// exact for a weight of 1).
+template <int NR, Kind K>
+void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  if (!v.kf.scaled) return pv_rows_impl<NR, K>(p, ld, v, n, d, acc);
+  alignas(32) float pw[NR][64];  // n ≤ 64 (accumulate)
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t j = 0; j < n; ++j) pw[r][j] = v.tensor_scale * p[r * ld + j];
+  }
+  pv_rows_impl<NR, K>(&pw[0][0], 64, v, n, d, acc);
 }
 
 /// Per-token integer values: v_jd = s_jG c_jd + z_jG (G the group of dim d), so

@@ -455,21 +455,14 @@ inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs
     // 32 codes widened once into the upper bytes of fp16 words, then fp8_upper_to_half (e4m3:
     // the value times 2^-8; pv_rows folds the 2^8 into the weights).
     const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h));
+    // (fp8:*:scaled: the stream's scale is in the weights too, pv_rows.)
     const __m512i w = fp8_upper_to_half<K>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8));
     x0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
     x1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
-    if (v.kf.scaled) {
-      x0 = _mm512_mul_ps(x0, _mm512_set1_ps(v.tensor_scale));
-      x1 = _mm512_mul_ps(x1, _mm512_set1_ps(v.tensor_scale));
-    }
   } else {
     const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h * value_bytes<K>();
     x0 = load16<K>(row);
     x1 = load16<K>(row + 16 * value_bytes<K>());
-    if (v.kf.scaled) {
-      x0 = _mm512_mul_ps(x0, _mm512_set1_ps(v.tensor_scale));
-      x1 = _mm512_mul_ps(x1, _mm512_set1_ps(v.tensor_scale));
-    }
   }
 }
 
@@ -508,17 +501,18 @@ void pv_rows_impl(const float* p, int64_t ld, const RawTokens& v, int64_t n, int
 
 template <int NR, Kind K>
 void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  if constexpr (K == Kind::kE4M3) {
-    // value32 gives e4m3 values times 2^-8: the weights times 2^8 (exact: powers of two) keep
-    // every product, and so the sums, what they were with the plain values.
-    alignas(64) float pw[NR][64];  // n ≤ 64 (accumulate)
-    for (int r = 0; r < NR; ++r) {
-      for (int64_t j = 0; j < n; ++j) pw[r][j] = 256.0f * p[r * ld + j];
-    }
-    pv_rows_impl<NR, K>(&pw[0][0], 64, v, n, d, acc);
-  } else {
-    pv_rows_impl<NR, K>(p, ld, v, n, d, acc);
+  // value32 reads fp8 codes as their plain values, e4m3's times 2^-8; the weights carry the
+  // rest: 2^8 for e4m3 (exact: a power of two keeps every product what it was with the plain
+  // values) and the stream's scale for fp8:*:scaled, one multiply per weight instead of one
+  // per value (p·scale rounded where the generic path rounds v·scale: within kFloatTol, and
+  // exact for a weight of 1).
+  const float f = (K == Kind::kE4M3 ? 256.0f : 1.0f) * (v.kf.scaled ? v.tensor_scale : 1.0f);
+  if (f == 1.0f) return pv_rows_impl<NR, K>(p, ld, v, n, d, acc);
+  alignas(64) float pw[NR][64];  // n ≤ 64 (accumulate)
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t j = 0; j < n; ++j) pw[r][j] = f * p[r * ld + j];
   }
+  pv_rows_impl<NR, K>(&pw[0][0], 64, v, n, d, acc);
 }
 
 /// Per-token integer values: v_jd = s_jG c_jd + z_jG (G the group of dim d), so
