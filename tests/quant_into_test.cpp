@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -135,6 +136,41 @@ TEST(QuantizeInto, SameErrorsAsQuantize) {
   QuantizedTensor other = make_quantizer("int4")->quantize(kvcache::testing::randn_kv({1, 1, 2, 64}, 9));
   at::Tensor y;
   EXPECT_THROW(q->dequantize_into(other, y), kvcache::InvalidArgument);
+}
+
+/// The message of a rejected *_into call names that call, as the user wrote it, wherever the
+/// check runs (the shared validation, a quantizer's own input check, or its kernel's NaN scan).
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const kvcache::InvalidArgument& e) {
+    return e.what();
+  }
+  return "(nothing thrown)";
+}
+
+TEST(QuantizeInto, ErrorsNameTheCallMade) {
+  QuantizedTensor out;
+  at::Tensor y;
+  for (const std::string spec : {"int8:g32", "int4", "fp8:e4m3", "fp8:e4m3:scaled", "fp16"}) {
+    const auto q = make_quantizer(spec);
+    at::Tensor x = kvcache::testing::randn_kv({1, 1, 2, 64}, 8);
+    x[0][0][1][5] = std::numeric_limits<float>::quiet_NaN();
+    const std::string into = "quantize_into(x, out) [" + spec + "]: ";
+    EXPECT_EQ(message_of([&] { q->quantize_into(x, out); }).rfind(into, 0), 0u)
+        << message_of([&] { q->quantize_into(x, out); });
+    EXPECT_EQ(message_of([&] { (void)q->quantize(x); }).rfind("quantize(x) [" + spec + "]: ", 0), 0u)
+        << message_of([&] { (void)q->quantize(x); });
+    EXPECT_EQ(message_of([&] { q->quantize_into(at::zeros({2, 64}), out); }).rfind(into, 0), 0u);
+    const QuantizedTensor other = make_quantizer("int2")->quantize(kvcache::testing::randn_kv({1, 1, 2, 64}, 9));
+    EXPECT_EQ(message_of([&] { q->dequantize_into(other, y); }).rfind("dequantize_into(q, out) [" + spec + "]: ", 0),
+              0u)
+        << message_of([&] { q->dequantize_into(other, y); });
+  }
+  // A quantizer's own input check: head_dim 48 is not a multiple of int4:g32's group.
+  const auto q = make_quantizer("int4:g32");
+  const std::string msg = message_of([&] { q->quantize_into(at::zeros({1, 1, 2, 48}), out); });
+  EXPECT_EQ(msg.rfind("quantize_into(x, out) [int4:g32]: head_dim D = 48", 0), 0u) << msg;
 }
 
 }  // namespace

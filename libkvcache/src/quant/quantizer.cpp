@@ -42,9 +42,28 @@ QuantizedTensor Quantizer::quantize(const at::Tensor& x) const {
   return q;
 }
 
+namespace {
+/// Runs fn; an InvalidArgument whose message starts with `from` (the allocating call's name,
+/// which the quantizers' own checks and kernels write: "quantize(x) [spec]") is rethrown
+/// starting with `to` instead, so that a caller of the *_into form reads the call it made.
+template <class Fn>
+void as_call(const std::string& from, const std::string& to, Fn&& fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(from, 0) != 0) throw;
+    throw InvalidArgument(to + msg.substr(from.size()));
+  }
+}
+}  // namespace
+
 void Quantizer::quantize_into(const at::Tensor& x, QuantizedTensor& out) const {
-  validate_quantize_input(x, "quantize_into(x, out) [" + spec() + "]");
-  do_quantize_into(x, out);
+  const std::string where = "quantize_into(x, out) [" + spec() + "]";
+  as_call("quantize(x) [" + spec() + "]", where, [&] {
+    validate_quantize_input(x, where);
+    do_quantize_into(x, out);
+  });
   KV_INTERNAL_ASSERT(out.format == spec(), "quantizer ", spec(), " produced format ", out.format);
 }
 
@@ -74,8 +93,10 @@ at::Tensor Quantizer::dequantize(const QuantizedTensor& q) const {
 }
 
 void Quantizer::dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
-  validate_dequantize_input(q);
-  do_dequantize_into(q, out);
+  as_call("dequantize(q) [" + spec() + "]", "dequantize_into(q, out) [" + spec() + "]", [&] {
+    validate_dequantize_input(q);
+    do_dequantize_into(q, out);
+  });
 }
 
 int64_t StoredLayout::meta_bytes() const {
