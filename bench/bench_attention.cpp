@@ -21,6 +21,11 @@
 //                                   measured in the same run
 //   BM_Read                         a sum over N bytes (N/t): what one thread can read, the
 //                                   denominator of `read_floor_ms` (a decode step only reads)
+//   (start-up)                      the multiply-add rate: 12 independent chains of 512-bit
+//                                   FMA and VNNI instructions (256-bit FMAs for the AVX2
+//                                   kernels), timed on one thread; `mac_floor_ms` = the
+//                                   multiply-add instructions a step's kernels must issue / that
+//                                   rate: the arithmetic floor, next to the bandwidth floor
 //   BM_Memory/<spec>                24 layers × T = 32,768 tokens appended to a fresh cache: the
 //                                   process's resident-set growth against bytes_reserved and
 //                                   bytes_resident (MB)
@@ -33,10 +38,18 @@
 //                                   CPU's best; refused if the CPU cannot run them)
 //   build/bench/bench_attention --ring_bytes=268435456 ...   # another ring size (bytes; 1: one layer)
 //
-// Slabs of the block pools are 256 KiB; the benchmark pins glibc's mmap threshold at 128 KiB
-// (mallopt) so that every slab is its own mapping and memory freed between cases goes back to
-// the system — otherwise a later case would reuse pages an earlier one touched and its
-// resident-set growth would read low.
+//   build/bench/bench_attention --mmap_threshold=131072 ...   # pin glibc's mmap threshold from the start
+//
+// Slabs of the block pools are 256 KiB; BM_Memory (registered last, so it runs after every timed
+// case) pins glibc's mmap threshold at 128 KiB (mallopt) so that every slab is its own mapping
+// and memory freed between cases goes back to the system — otherwise a later case would reuse
+// pages an earlier one touched and its resident-set growth would read low. The timed cases run
+// under glibc's default, adaptive threshold, as an engine does: pinned from the start (as before
+// 2026-12-04, or with --mmap_threshold), every temporary of 128 KiB or more is a fresh mapping
+// and its pages fault in on every step: the at:: baseline at 32k (its scores and probabilities,
+// 1.8 MB each) took 17.8-19.9 ms a step so, against 6.2-6.3 ms in a default process, on a
+// Zen 5 microVM on 2026-12-04 (the fused path, which allocates no such temporaries, was
+// unaffected: docs/performance.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -64,6 +77,8 @@ namespace {
 constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
 double g_copy_gbps = 0;        ///< measured at start-up
 double g_read_gbps = 0;        ///< measured at start-up
+double g_mac512_per_ns = 0;    ///< 512-bit FMA/VNNI instructions per ns, one thread (start-up; 0: not measured)
+double g_mac256_per_ns = 0;    ///< 256-bit FMA instructions per ns, one thread (start-up; 0: not measured)
 int64_t g_block_tokens = 0;    ///< --block_tokens=N (0: the default)
 int64_t g_ring_bytes = 0;      ///< --ring_bytes=N (0: ring_bytes()'s default)
 
@@ -242,6 +257,86 @@ double measure_copy_gbps() {
   });
 }
 
+#if defined(__x86_64__)
+/// Multiply-add instructions per ns on one thread: `iters` × 12 instructions of `kind` (0: 512-bit
+/// FMA and VNNI alternating, 1: 256-bit FMA), each into its own register (12 independent chains,
+/// more than latency × throughput on current cores), best of 5 wall-clock runs after a warm-up.
+/// Inline assembly, so that the compiler can neither fold nor spill the chains.
+__attribute__((target("avx512f,avx512vnni"))) void mac_loop_512(int64_t iters) {
+  for (int64_t i = 0; i < iters; ++i) {
+    asm volatile(
+        "vfmadd231ps %%zmm14, %%zmm15, %%zmm0\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm1\n\t"
+        "vfmadd231ps %%zmm14, %%zmm15, %%zmm2\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm3\n\t"
+        "vfmadd231ps %%zmm14, %%zmm15, %%zmm4\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm5\n\t"
+        "vfmadd231ps %%zmm14, %%zmm15, %%zmm6\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm7\n\t"
+        "vfmadd231ps %%zmm14, %%zmm15, %%zmm8\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm9\n\t"
+        "vfmadd231ps %%zmm14, %%zmm15, %%zmm10\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm11\n\t" ::
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11");
+  }
+}
+__attribute__((target("avx2,fma"))) void mac_loop_256(int64_t iters) {
+  for (int64_t i = 0; i < iters; ++i) {
+    asm volatile(
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm0\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm1\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm2\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm3\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm4\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm5\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm6\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm7\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm8\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm9\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm10\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm11\n\t" ::
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11");
+  }
+}
+template <class Loop>
+double mac_per_ns(Loop&& loop) {
+  constexpr int64_t kIters = 4'000'000;
+  loop(kIters);
+  double best = 0;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    loop(kIters);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 12.0 * static_cast<double>(kIters) / s / 1e9);
+  }
+  return best;
+}
+void measure_mac_rates() {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) g_mac512_per_ns = mac_per_ns(mac_loop_512);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) g_mac256_per_ns = mac_per_ns(mac_loop_256);
+}
+#else
+void measure_mac_rates() {}
+#endif
+
+/// The arithmetic floor of one decode step over `t` tokens (ms): the multiply-add instructions
+/// the read path must issue, at the rate measured at start-up, on min(threads, KV heads) cores.
+/// Per key and KV head, G = 14/2 = 7 query rows × D = 64 dims are multiplied twice (q·k, p·v):
+/// the AVX-512 fused kernels take q·k of integer keys (int*, KIVI's quantized keys) with two
+/// VNNI products per 64 multiplies (the query's two int8 terms) and everything else with one
+/// 16-lane FMA per 16; the AVX2 kernels one 8-lane FMA per 8; the generic path (decoded to
+/// float32) one tile-width FMA per lane count. KIVI's full-precision residual (≤ 128 tokens)
+/// is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
+/// transposes and the softmax come on top, so no kernel of this form runs below it.
+double mac_floor_ms(const std::string& spec, int64_t t, int64_t threads, bool fused) {
+  namespace fused_ns = kvcache::cache::fused;
+  const double g = static_cast<double>(kHq / kHkv), macs = g * static_cast<double>(kD);  // per product, key, head
+  const bool int_keys = spec.rfind("int", 0) == 0 || spec.rfind("kivi", 0) == 0;
+  double instr = 0, rate = 0;  // per key and KV head; per ns
+  const fused_ns::FusedIsa isa = fused ? fused_ns::current_isa() : fused_ns::FusedIsa::kNone;
+  if (isa == fused_ns::FusedIsa::kAvx512) {
+    instr = (int_keys ? 2 * macs / 64 : macs / 16) + macs / 16;
+    rate = g_mac512_per_ns;
+  } else if (isa == fused_ns::FusedIsa::kAvx2 || fused_ns::requested_isa() == fused_ns::FusedIsa::kAvx2) {
+    instr = 2 * macs / 8;  // the AVX2 kernels, or the generic path's 8-lane tile kernels
+    rate = g_mac256_per_ns;
+  } else {
+    instr = 2 * macs / 16;  // the generic path's 16-lane tile kernels
+    rate = g_mac512_per_ns;
+  }
+  if (rate <= 0) return 0;
+  const double cores = static_cast<double>(std::min<int64_t>(threads, kHkv));
+  return instr * static_cast<double>(t * kHkv) / (rate * cores) / 1e6;
+}
+
 void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
   const int64_t t = state.range(0);
   at::set_num_threads(static_cast<int>(state.range(1)));
@@ -260,6 +355,7 @@ void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
   }
   floor_counters(state, static_cast<double>(m.stats().bytes_resident) / static_cast<double>(layers));
   state.counters["ring_layers"] = static_cast<double>(layers);
+  if (const double f = mac_floor_ms(spec, t, state.range(1), fused); f > 0) state.counters["mac_floor_ms"] = f;
   state.counters["bits_per_value"] =
       static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(layers * 2 * kHkv * t * kD);
 }
@@ -287,6 +383,7 @@ void BM_AttendBaseline(benchmark::State& state) {
 }
 
 void BM_Memory(benchmark::State& state, const std::string& spec) {
+  mallopt(M_MMAP_THRESHOLD, 128 * 1024);  // see the file comment
   const int64_t t = 32768;
   for (auto _ : state) {
     malloc_trim(0);
@@ -359,10 +456,16 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  mallopt(M_MMAP_THRESHOLD, 128 * 1024);  // see the file comment
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
+    if (std::strncmp(argv[i], "--mmap_threshold=", 17) == 0) {
+      const long long v = std::atoll(argv[i] + 17);
+      if (v <= 0 || mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min<long long>(v, 1LL << 30))) != 1) {
+        std::fprintf(stderr, "bench_attention: --mmap_threshold=%s: expected a positive number of bytes (at most 32 MiB on 64-bit glibc)\n",
+                     argv[i] + 17);
+        return 2;
+      }
+    } else if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
       g_block_tokens = std::atoll(argv[i] + 15);
     } else if (std::strncmp(argv[i], "--fused_isa=", 12) == 0) {
       // The library's own parser (KVCACHE_FUSED_ISA's vocabulary and checks).
@@ -387,11 +490,14 @@ int main(int argc, char** argv) {
   argv = args.data();
   g_copy_gbps = measure_copy_gbps();
   g_read_gbps = measure_read_gbps();
+  measure_mac_rates();
   std::fprintf(stderr,
                "copy bandwidth (STREAM convention, 1 thread, %zu MiB): %.1f GB/s; read bandwidth (1 thread): %.1f GB/s; "
                "last-level cache %lld MiB; a ring of layers holds >= %lld MiB\n",
                stream_bytes() >> 20, g_copy_gbps, g_read_gbps, static_cast<long long>(llc_bytes() >> 20),
                static_cast<long long>(ring_bytes() >> 20));
+  std::fprintf(stderr, "multiply-add rate (1 thread, 12 independent chains): %.2f per ns 512-bit FMA/VNNI, %.2f per ns 256-bit FMA\n",
+               g_mac512_per_ns, g_mac256_per_ns);
   std::fprintf(stderr, "fused kernels: %s (CPU's best: %s)\n", kvcache::cache::fused::isa_name(kvcache::cache::fused::current_isa()),
                kvcache::cache::fused::isa_name(kvcache::cache::fused::best_isa()));
   register_all();

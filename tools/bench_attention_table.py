@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Markdown tables from bench_attention's JSON output (medians of repetitions), one per T.
+
+Usage: build/bench/bench_attention --benchmark_filter='BM_Copy|BM_Read|BM_AttendBaseline/|BM_Attend/' \
+           --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+           --benchmark_out=att.json --benchmark_out_format=json
+       python3 tools/bench_attention_table.py att.json
+
+Per spec and thread count: wall µs per decode step; × baseline (BM_AttendBaseline at the same T and
+threads: the float32 copy + at:: path); MB a step reads (`MB_per_step`); × its bandwidth floor
+(`floor_ms`: those bytes at the run's STREAM copy bandwidth); × its arithmetic floor
+(`mac_floor_ms`: the multiply-add instructions the kernels issue at the run's measured rate; see
+bench/bench_attention.cpp); and 1 thread ÷ 2 threads. Missing cases leave empty cells.
+"""
+import json
+import re
+import sys
+from collections import OrderedDict
+
+
+def median_rows(data):
+    """{(kind, spec, T, threads): benchmark} for the median aggregates (or single runs)."""
+    out = {}
+    for b in data["benchmarks"]:
+        if b.get("aggregate_name", "median") != "median":
+            continue
+        name = b.get("run_name", b["name"])
+        name = re.sub(r"(/real_time)?(_median)?$", "", name)
+        parts = name.split("/")
+        if parts[0] == "BM_AttendBaseline" and len(parts) == 3:
+            out[("baseline", "baseline: float32 copy + at::", int(parts[1]), int(parts[2]))] = b
+        elif parts[0] in ("BM_Attend", "BM_AttendGeneric") and len(parts) == 4:
+            kind = "fused" if parts[0] == "BM_Attend" else "generic"
+            out[(kind, parts[1], int(parts[2]), int(parts[3]))] = b
+    return out
+
+
+def us(b):
+    """Wall time of one step in µs."""
+    scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "ns")]
+    return b["real_time"] * scale
+
+
+def fmt(x, digits=2):
+    return "" if x is None else f"{x:,.{digits}f}"
+
+
+def main(path):
+    with open(path) as f:
+        data = json.load(f)
+    rows = median_rows(data)
+    copy = next((b for b in data["benchmarks"] if b["name"].startswith("BM_Copy") and b.get("aggregate_name", "median") == "median"), None)
+    if copy is not None and "copy_GBps" in copy:
+        print(f"BM_Copy: {copy['copy_GBps']:.1f} GB/s (STREAM convention, one thread)\n")
+    ts = sorted({k[2] for k in rows})
+    for t in ts:
+        specs = OrderedDict()
+        for (kind, spec, tt, _), _b in rows.items():
+            if tt == t:
+                specs.setdefault((kind, spec), None)
+        print(f"T = {t:,} tokens\n")
+        print("| spec | path | 1 thread µs | × baseline | MB/step | × its floor | × its arithmetic floor "
+              "| 2 threads µs | × baseline (2 threads) | 1 thread ÷ 2 threads |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        order = sorted(specs, key=lambda k: (k[0] != "baseline", k[0] == "generic"))
+        for kind, spec in order:
+            one, two = rows.get((kind, spec, t, 1)), rows.get((kind, spec, t, 2))
+            base1, base2 = rows.get(("baseline", "baseline: float32 copy + at::", t, 1)), rows.get(
+                ("baseline", "baseline: float32 copy + at::", t, 2))
+            ref = one or two
+            mb = ref.get("MB_per_step") if ref else None
+
+            def ratio(b, base):
+                return us(base) / us(b) if b is not None and base is not None else None
+
+            def over(b, key):
+                return us(b) / (b[key] * 1e3) if b is not None and b.get(key) else None
+
+            label = spec if kind == "baseline" else f"`{spec}`"
+            print(f"| {label} | {kind} | {fmt(us(one), 0) if one else ''} | {fmt(ratio(one, base1))} | {fmt(mb, 1)} "
+                  f"| {fmt(over(one, 'floor_ms'), 1)} | {fmt(over(one, 'mac_floor_ms'), 1)} "
+                  f"| {fmt(us(two), 0) if two else ''} | {fmt(ratio(two, base2))} "
+                  f"| {fmt(us(one) / us(two) if one and two else None)} |")
+        print()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
