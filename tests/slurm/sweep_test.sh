@@ -63,6 +63,10 @@ chmod 0700 "$tmp"
 cleanup() {
   local rc=$?
   if [[ -f $tmp/slurmctld.pid ]]; then  # end this cluster's jobs first: their slurmstepd outlive slurmd
+    if [[ $rc -ne 0 ]]; then  # every job's state and reason, for the failure's log
+      echo "---- scontrol show job -o" >&2
+      scontrol show job -o 2>/dev/null | grep -oE '^JobId=[^ ]+|(ArrayTaskId|JobState|Reason|Dependency|Restarts|ExitCode)=[^ ]+' | paste -sd ' ' | sed 's/ JobId=/\nJobId=/g' >&2 || true
+    fi
     scancel --quiet --full --user=root 2>/dev/null || true
     for _ in $(seq 50); do [[ -z $(squeue -h 2>/dev/null) ]] && break; sleep 0.2; done
   fi
@@ -148,6 +152,7 @@ say "cluster up: $(sinfo -h -o '%P %a %D %T %C') (slurmctld :$ctld_port, slurmd 
 
 job_state() { scontrol show job -o "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n1 | cut -d= -f2; }
 state_is() { local s; s=$(job_state "$1"); [[ " ${*:2} " == *" $s "* ]]; }
+job_reason() { scontrol show job -o "$1" 2>/dev/null | grep -o 'Reason=[A-Za-z_]*' | head -n1 | cut -d= -f2; }
 complete_rows() { if [[ -f $1 ]]; then wc -l < "$1"; else echo 0; fi; }  # rows end with '\n'; a torn one does not
 
 # ---- the sweep ---------------------------------------------------------------------------------
@@ -187,9 +192,14 @@ all_done() { state_is "${array}_0" COMPLETED && state_is "${array}_1" COMPLETED 
 until_true "the array to complete" all_done
 restarts=$(scontrol show job -o "${array}_1" | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
 [[ $restarts -eq 1 ]] || fail "task 1 ran $(( restarts + 1 )) times, expected 2 (cancelled, requeued)"
-sleep 2  # the scheduler evaluates the merge's dependency
-reason=$(scontrol show job -o "$merge" | grep -o 'Reason=[A-Za-z]*' | cut -d= -f2)
-if state_is "$merge" PENDING && [[ $reason == DependencyNeverSatisfied ]]; then
+# The scheduler evaluates the merge's dependency on a later pass, not when the last task ends
+# (slurmctld batches job-completion events, batch_sched_delay 3 s by default, and its periodic
+# pass runs every sched_interval, 60 s): wait until the merge has left reason Dependency, i.e.
+# either runs (or ran) or pends with DependencyNeverSatisfied. A fixed sleep raced that pass: a
+# check 2 s after the array found Dependency still, and the merge then pended for good.
+merge_decided() { ! state_is "$merge" PENDING || [[ $(job_reason "$merge") != Dependency ]]; }
+until_true "the scheduler to decide the merge's dependency" merge_decided
+if state_is "$merge" PENDING && [[ $(job_reason "$merge") == DependencyNeverSatisfied ]]; then
   scancel "$merge"
   merge=$(sbatch --parsable --dependency=afterok:"${array}_0:${array}_1:${array}_2" --mem=1G --chdir="$repo" \
             --output="$tmp/logs/kv_study_merge_%j.log" tools/slurm/kv_study_merge.sbatch)
