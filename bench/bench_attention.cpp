@@ -68,6 +68,7 @@
 
 #include "cache/attend_fused.h"
 #include "cache/cache_manager_access.h"
+#include "cache/layer_store.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
@@ -258,34 +259,26 @@ double measure_copy_gbps() {
 }
 
 #if defined(__x86_64__)
-/// Multiply-add instructions per ns on one thread: `iters` × 12 instructions of `kind` (0: 512-bit
-/// FMA and VNNI alternating, 1: 256-bit FMA), each into its own register (12 independent chains,
-/// more than latency × throughput on current cores), best of 5 wall-clock runs after a warm-up.
-/// Inline assembly, so that the compiler can neither fold nor spill the chains.
+// The multiply-add rate loops: `iters` × 12 instructions, each into its own register (12
+// independent chains, more than latency × throughput on current cores); mac_loop_512 alternates
+// 512-bit FMA and VNNI, mac_loop_256 issues 256-bit FMAs. Inline assembly, so that the compiler
+// can neither fold nor spill the chains. KV_MAC_12(A, B, R) is "A %R14, %R15, %R0; B %R14, %R15,
+// %R1; ...": A into the even registers R0..R10, B into the odd ones R1..R11 (R: zmm or ymm).
+#define KV_MAC_PAIR(A, B, R, E, O) A " %%" R "14, %%" R "15, %%" R #E "\n\t" B " %%" R "14, %%" R "15, %%" R #O "\n\t"
+#define KV_MAC_12(A, B, R)                                                                                   \
+  KV_MAC_PAIR(A, B, R, 0, 1) KV_MAC_PAIR(A, B, R, 2, 3) KV_MAC_PAIR(A, B, R, 4, 5) KV_MAC_PAIR(A, B, R, 6, 7) \
+  KV_MAC_PAIR(A, B, R, 8, 9) KV_MAC_PAIR(A, B, R, 10, 11)
+#define KV_MAC_CLOBBERS "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11"
 __attribute__((target("avx512f,avx512vnni"))) void mac_loop_512(int64_t iters) {
-  for (int64_t i = 0; i < iters; ++i) {
-    asm volatile(
-        "vfmadd231ps %%zmm14, %%zmm15, %%zmm0\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm1\n\t"
-        "vfmadd231ps %%zmm14, %%zmm15, %%zmm2\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm3\n\t"
-        "vfmadd231ps %%zmm14, %%zmm15, %%zmm4\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm5\n\t"
-        "vfmadd231ps %%zmm14, %%zmm15, %%zmm6\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm7\n\t"
-        "vfmadd231ps %%zmm14, %%zmm15, %%zmm8\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm9\n\t"
-        "vfmadd231ps %%zmm14, %%zmm15, %%zmm10\n\tvpdpbusd %%zmm14, %%zmm15, %%zmm11\n\t" ::
-            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11");
-  }
+  for (int64_t i = 0; i < iters; ++i) asm volatile(KV_MAC_12("vfmadd231ps", "vpdpbusd", "zmm")::: KV_MAC_CLOBBERS);
 }
 __attribute__((target("avx2,fma"))) void mac_loop_256(int64_t iters) {
-  for (int64_t i = 0; i < iters; ++i) {
-    asm volatile(
-        "vfmadd231ps %%ymm14, %%ymm15, %%ymm0\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm1\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %%ymm2\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm3\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %%ymm4\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm5\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %%ymm6\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm7\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %%ymm8\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm9\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %%ymm10\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm11\n\t" ::
-            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11");
-  }
+  for (int64_t i = 0; i < iters; ++i) asm volatile(KV_MAC_12("vfmadd231ps", "vfmadd231ps", "ymm")::: KV_MAC_CLOBBERS);
 }
+#undef KV_MAC_CLOBBERS
+#undef KV_MAC_12
+#undef KV_MAC_PAIR
+/// Instructions per ns of a rate loop on one thread: best of 5 wall-clock runs after a warm-up.
 template <class Loop>
 double mac_per_ns(Loop&& loop) {
   constexpr int64_t kIters = 4'000'000;
@@ -313,13 +306,13 @@ void measure_mac_rates() {}
 /// the AVX-512 fused kernels take q·k of integer keys (int*, KIVI's quantized keys) with two
 /// VNNI products per 64 multiplies (the query's two int8 terms) and everything else with one
 /// 16-lane FMA per 16; the AVX2 kernels one 8-lane FMA per 8; the generic path (decoded to
-/// float32) one tile-width FMA per lane count. KIVI's full-precision residual (≤ 128 tokens)
-/// is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
+/// float32) one tile-width FMA per lane count. `int_keys`: the cache's main key format is one
+/// the fused kernels read as integer codes (fused::classify, as attend() does); KIVI's
+/// full-precision residual (≤ 128 tokens) is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
 /// transposes and the softmax come on top, so no kernel of this form runs below it.
-double mac_floor_ms(const std::string& spec, int64_t t, int64_t threads, bool fused) {
+double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused) {
   namespace fused_ns = kvcache::cache::fused;
   const double g = static_cast<double>(kHq / kHkv), macs = g * static_cast<double>(kD);  // per product, key, head
-  const bool int_keys = spec.rfind("int", 0) == 0 || spec.rfind("kivi", 0) == 0;
   double instr = 0, rate = 0;  // per key and KV head; per ns
   const fused_ns::FusedIsa isa = fused ? fused_ns::current_isa() : fused_ns::FusedIsa::kNone;
   if (isa == fused_ns::FusedIsa::kAvx512) {
@@ -355,7 +348,11 @@ void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
   }
   floor_counters(state, static_cast<double>(m.stats().bytes_resident) / static_cast<double>(layers));
   state.counters["ring_layers"] = static_cast<double>(layers);
-  if (const double f = mac_floor_ms(spec, t, state.range(1), fused); f > 0) state.counters["mac_floor_ms"] = f;
+  using Kind = kvcache::cache::fused::KernelFormat::Kind;
+  const auto& key_main = kvcache::cache::CacheManagerAccess::layer(m, 0).key_setup().formats.f[kvcache::cache::StreamFormats::kMain];
+  const Kind key_kind = kvcache::cache::fused::classify(key_main).kind;
+  const bool int_keys = key_kind == Kind::kIntToken || key_kind == Kind::kIntChannel;
+  if (const double f = mac_floor_ms(int_keys, t, state.range(1), fused); f > 0) state.counters["mac_floor_ms"] = f;
   state.counters["bits_per_value"] =
       static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(layers * 2 * kHkv * t * kD);
 }

@@ -18,6 +18,8 @@ import re
 import sys
 from collections import OrderedDict
 
+BASELINE = "baseline: float32 copy + at::"
+
 
 def median_rows(data):
     """{(kind, spec, T, threads): benchmark} for the median aggregates (or single runs)."""
@@ -29,7 +31,7 @@ def median_rows(data):
         name = re.sub(r"(/real_time)?(_median)?$", "", name)
         parts = name.split("/")
         if parts[0] == "BM_AttendBaseline" and len(parts) == 3:
-            out[("baseline", "baseline: float32 copy + at::", int(parts[1]), int(parts[2]))] = b
+            out[("baseline", BASELINE, int(parts[1]), int(parts[2]))] = b
         elif parts[0] in ("BM_Attend", "BM_AttendGeneric") and len(parts) == 4:
             kind = "fused" if parts[0] == "BM_Attend" else "generic"
             out[(kind, parts[1], int(parts[2]), int(parts[3]))] = b
@@ -40,6 +42,16 @@ def us(b):
     """Wall time of one step in µs."""
     scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "ns")]
     return b["real_time"] * scale
+
+
+def ratio(b, base):
+    """How many times faster `b` ran than `base` (None when either is missing)."""
+    return us(base) / us(b) if b is not None and base is not None else None
+
+
+def over(b, key):
+    """`b`'s time over the floor its counter `key` gives in ms (None when missing)."""
+    return us(b) / (b[key] * 1e3) if b is not None and b.get(key) else None
 
 
 def fmt(x, digits=2):
@@ -64,18 +76,11 @@ def main(path):
               "| 2 threads µs | × baseline (2 threads) | 1 thread ÷ 2 threads |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         order = sorted(specs, key=lambda k: (k[0] != "baseline", k[0] == "generic"))
+        base1, base2 = rows.get(("baseline", BASELINE, t, 1)), rows.get(("baseline", BASELINE, t, 2))
         for kind, spec in order:
             one, two = rows.get((kind, spec, t, 1)), rows.get((kind, spec, t, 2))
-            base1, base2 = rows.get(("baseline", "baseline: float32 copy + at::", t, 1)), rows.get(
-                ("baseline", "baseline: float32 copy + at::", t, 2))
             ref = one or two
             mb = ref.get("MB_per_step") if ref else None
-
-            def ratio(b, base):
-                return us(base) / us(b) if b is not None and base is not None else None
-
-            def over(b, key):
-                return us(b) / (b[key] * 1e3) if b is not None and b.get(key) else None
 
             label = spec if kind == "baseline" else f"`{spec}`"
             print(f"| {label} | {kind} | {fmt(us(one), 0) if one else ''} | {fmt(ratio(one, base1))} | {fmt(mb, 1)} "

@@ -150,9 +150,9 @@ node_idle() { sinfo -h -N -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated
 until_true "the node to come up" node_idle
 say "cluster up: $(sinfo -h -o '%P %a %D %T %C') (slurmctld :$ctld_port, slurmd :$slurmd_port)"
 
-job_state() { scontrol show job -o "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n1 | cut -d= -f2; }
+job_field() { scontrol show job -o "$1" 2>/dev/null | grep -o " $2=[^ ]*" | head -n1 | cut -d= -f2; }  # job_field JOB NAME
+job_state() { job_field "$1" JobState; }
 state_is() { local s; s=$(job_state "$1"); [[ " ${*:2} " == *" $s "* ]]; }
-job_reason() { scontrol show job -o "$1" 2>/dev/null | grep -o 'Reason=[A-Za-z_]*' | head -n1 | cut -d= -f2; }
 complete_rows() { if [[ -f $1 ]]; then wc -l < "$1"; else echo 0; fi; }  # rows end with '\n'; a torn one does not
 
 # ---- the sweep ---------------------------------------------------------------------------------
@@ -190,16 +190,16 @@ scontrol update JobId="${array}_1" StartTime=now
 say "requeued ${array}_1: $(job_state "${array}_1")"
 all_done() { state_is "${array}_0" COMPLETED && state_is "${array}_1" COMPLETED && state_is "${array}_2" COMPLETED; }
 until_true "the array to complete" all_done
-restarts=$(scontrol show job -o "${array}_1" | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
+restarts=$(job_field "${array}_1" Restarts)
 [[ $restarts -eq 1 ]] || fail "task 1 ran $(( restarts + 1 )) times, expected 2 (cancelled, requeued)"
 # The scheduler evaluates the merge's dependency on a later pass, not when the last task ends
 # (slurmctld batches job-completion events, batch_sched_delay 3 s by default, and its periodic
 # pass runs every sched_interval, 60 s): wait until the merge has left reason Dependency, i.e.
 # either runs (or ran) or pends with DependencyNeverSatisfied. A fixed sleep raced that pass: a
 # check 2 s after the array found Dependency still, and the merge then pended for good.
-merge_decided() { ! state_is "$merge" PENDING || [[ $(job_reason "$merge") != Dependency ]]; }
+merge_decided() { ! state_is "$merge" PENDING || [[ $(job_field "$merge" Reason) != Dependency ]]; }
 until_true "the scheduler to decide the merge's dependency" merge_decided
-if state_is "$merge" PENDING && [[ $(job_reason "$merge") == DependencyNeverSatisfied ]]; then
+if state_is "$merge" PENDING && [[ $(job_field "$merge" Reason) == DependencyNeverSatisfied ]]; then
   scancel "$merge"
   merge=$(sbatch --parsable --dependency=afterok:"${array}_0:${array}_1:${array}_2" --mem=1G --chdir="$repo" \
             --output="$tmp/logs/kv_study_merge_%j.log" tools/slurm/kv_study_merge.sbatch)
