@@ -73,7 +73,7 @@ TEST(StudyArm, ConfigsCommaListAndFile) {
     parse_arm_list("evict2025");
     FAIL() << "accepted";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026, deepdive), a file, nor"),
+    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026, deepdive, long), a file, nor"),
               std::string::npos)
         << e.what();
   }
@@ -105,7 +105,7 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   // Named sets: "default" is the default list; "evict2026" is documented, starts with the
   // control, and every arm is a canonical, buildable spec at its own budget and at another.
   const auto sets = arm_sets();
-  ASSERT_EQ(sets.size(), 3u);
+  ASSERT_EQ(sets.size(), 4u);
   EXPECT_EQ(sets[0].name, "default");
   EXPECT_EQ(parse_arm_list("default").size(), default_arms().size());
   EXPECT_EQ(sets[1].name, "evict2026");
@@ -121,6 +121,19 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
     for (const auto& a : arms) found = found || a.policy.rfind(head, 0) == 0;
     EXPECT_TRUE(found) << head << " is in no arm of evict2026";
   }
+  // "long": the long suite's default arms, the control first, each canonical and buildable, with
+  // token budgets of 2048 and one percentage.
+  EXPECT_EQ(sets[3].name, "long");
+  const auto lng = parse_arm_list("long");
+  ASSERT_EQ(lng.size(), 17u);
+  EXPECT_EQ(lng[0], control_arm());
+  int fixed = 0;
+  for (const auto& a : lng) {
+    EXPECT_EQ(make_cache_scheme(a.scheme)->spec(), a.scheme) << a.spec();
+    EXPECT_EQ(make_eviction_policy(a.policy)->spec(), a.policy) << a.spec();
+    fixed += a.policy.find("@2048") != std::string::npos;
+  }
+  EXPECT_EQ(fixed, 7);
   // "deepdive": the quantization schemes with full, each canonical and buildable, the control first.
   EXPECT_EQ(sets[2].name, "deepdive");
   const auto deep = parse_arm_list("deepdive");

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -16,6 +17,7 @@
 #include "kvcache/study/progress.h"
 #include "kvcache/study/report.h"
 #include "kvcache/study/sweep.h"
+#include "kvcache/study/long_suite.h"
 #include "kvcache/study/task_suite.h"
 
 namespace kv_study {
@@ -24,7 +26,7 @@ using namespace kvcache::study;
 
 /// The evaluator for `path`, with a pointer to what to do when the default model is asked for
 /// and this checkout has none (it is trained by tools/train_default_model.py, issue 6).
-std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int threads) {
+std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int threads, int64_t text_tokens) {
   struct stat st {};
   if (path == kDefaultModel && ::stat(path.c_str(), &st) != 0) {
     throw kvcache::InvalidArgument(
@@ -32,9 +34,15 @@ std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int thread
         "' is not in this checkout (docs/default-model.md); pass --model M.pt (tools/export_torchscript.py exports a "
         "Hugging Face checkpoint), or run tools/main_job.sh, which studies TinyStories-656K from ../shared instead");
   }
+  if (path == kDefaultLongModel && ::stat(path.c_str(), &st) != 0) {
+    throw kvcache::InvalidArgument(std::string("the long-context default model '") + kDefaultLongModel +
+                                   "' is not in this checkout (docs/long-model.md: tools/train_long_model.py trains "
+                                   "it); pass --model M.pt");
+  }
   ModelEvaluatorOptions mopt;
   mopt.model_path = path;
   mopt.threads = threads;
+  if (text_tokens > 0) mopt.text_tokens = text_tokens;
   return make_model_evaluator(mopt);
 }
 
@@ -72,6 +80,47 @@ std::string dirname_of(const std::string& path) {
 }
 
 }  // namespace
+
+bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+void check_lengths_fit(const std::vector<int64_t>& lengths, int64_t new_tokens, int64_t max_positions,
+                       const std::string& model) {
+  if (max_positions <= 0) return;
+  for (int64_t len : lengths) {
+    KV_CHECK_ARG(len + new_tokens <= max_positions, "length ", kvcache::study::length_label(len), " (", len,
+                 " tokens", new_tokens > 0 ? " + " + std::to_string(new_tokens) + " new" : std::string(),
+                 ") is beyond the positions of ", model, ": its max_position_embeddings is ", max_positions);
+  }
+}
+
+void check_long_memory(const ModelPromptInfo& m, const std::string& path, const std::vector<int64_t>& lengths,
+                       int64_t new_tokens, int64_t text_tokens) {
+  const int64_t tokens = *std::max_element(lengths.begin(), lengths.end()) + new_tokens;
+  // The fp32 cache of the longest request (the control: every other arm stores less), with the
+  // blocks' slack; the prefill's attention scores (one chunk of 64 queries x H_q heads over every
+  // key, probabilities and scores); the text rows' [N, V] logits of the control and of the arm;
+  // LibTorch's activations of a prefill chunk are small beside these.
+  const double cache = 2.0 * static_cast<double>(m.layers * m.kv_heads * m.head_dim) * 4.0 * static_cast<double>(tokens) * 1.1;
+  const double scores = 2.0 * 64.0 * static_cast<double>(m.heads) * static_cast<double>(tokens) * 4.0;
+  const double logits = 2.0 * static_cast<double>(text_tokens) * static_cast<double>(m.vocab) * 4.0;
+  const double weights = static_cast<double>(m.weight_bytes);
+  const double base = 300.0 * 1024 * 1024;  // the process: LibTorch and the library loaded, measured ~250 MiB
+  const double total = cache + scores + logits + weights + base;
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  const double machine = pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+  if (machine > 0 && total > machine) {
+    const auto mib = [](double b) { return std::to_string(static_cast<int64_t>(b / (1024.0 * 1024.0))) + " MiB"; };
+    throw kvcache::InvalidArgument(
+        "the run's estimated peak memory, " + mib(total) + ", exceeds this machine's " + mib(machine) + " (" + path +
+        " at " + std::to_string(tokens) + " tokens: fp32 cache " + mib(cache) + ", prefill scores " + mib(scores) +
+        ", text-row logits " + mib(logits) + ", weights " + mib(weights) + ", process " + mib(base) +
+        "); choose shorter --lengths or --text-tokens");
+  }
+}
 
 std::string stem(const std::string& path) {
   std::string base = path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
@@ -143,9 +192,12 @@ void add_run_command(CLI::App& app) {
       "Each finished item is appended and fsync'd to OUT/results.jsonl; rerunning the same command resumes.\n"
       "Writes OUT/summary.md/json/csv and prints the tables (unsharded runs; after --shard use merge + report).\n"
       "Example: kv_study run --suite small --configs fp32+full,int4+h2o@50% --out runs/small");
-  auto model = std::make_shared<std::string>(kDefaultModel);
+  auto model = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
   auto suite = std::make_shared<std::string>("default");
+  auto lengths = std::make_shared<std::string>("4k,8k,16k");
+  auto reps = std::make_shared<int64_t>(1);
+  auto text_tokens = std::make_shared<int64_t>(0);
   auto tasks_file = std::make_shared<std::string>();
   auto seed = std::make_shared<uint64_t>(kDefaultSuiteSeed);
   auto configs = std::make_shared<std::string>();
@@ -158,11 +210,25 @@ void add_run_command(CLI::App& app) {
   auto no_recon = std::make_shared<bool>(false);
   auto no_attn = std::make_shared<bool>(false);
   auto quiet = std::make_shared<bool>(false);
-  cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
+  cmd->add_option("--model", *model,
+                  std::string("exported model (.pt); default ") + kDefaultModel + ", with --suite long " +
+                      kDefaultLongModel);
   cmd->add_option("--out", *out, "output directory (default runs/<model stem>-<suite>)");
-  cmd->add_option("--suite", *suite, "task suite: default (222 tasks) or small (20)")
+  cmd->add_option("--suite", *suite,
+                  "task suite: default (222 tasks), small (20) or long (RULER-style families at --lengths: 20 tasks "
+                  "per length and --reps; docs/study.md)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"default", "small"}));
+      ->check(CLI::IsMember({"default", "small", "long"}));
+  cmd->add_option("--lengths", *lengths,
+                  "long suite: prompt lengths in tokens of the model's tokenizer (4k, 8k, 16k, 32k; each within 1% "
+                  "below its target)")
+      ->capture_default_str();
+  cmd->add_option("--reps", *reps, "long suite: repetitions (each: 8 needle depths + 2 of each other family per length)")
+      ->capture_default_str()
+      ->check(IntRange(1, kMaxLongReps));
+  cmd->add_option("--text-tokens", *text_tokens,
+                  "tokens of the perplexity/KLD passage (default 256; with --suite long 4096)")
+      ->check(IntRange(2, kvcache::kMaxTokens));
   cmd->add_option("--seed", *seed, "suite seed")->capture_default_str()->check(IntRange(0, INT64_MAX));
   cmd->add_option("--tasks", *tasks_file, "read tasks from this JSONL file instead of --suite/--seed");
   cmd->add_option("--configs", *configs,
@@ -187,14 +253,31 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--quiet", *quiet, "do not print the tables at the end");
   cmd->callback([=] {
     SweepOptions opt;
-    opt.arms = configs->empty() ? default_arms() : parse_arm_list(*configs);
+    const bool is_long = *suite == "long";
+    const std::string model_path = !model->empty() ? *model : is_long ? kDefaultLongModel : kDefaultModel;
+    opt.arms = configs->empty() ? (is_long ? parse_arm_list("long") : default_arms()) : parse_arm_list(*configs);
     if (!budget->empty() && !budgets->empty()) {
       throw kvcache::InvalidArgument("--budget '" + *budget + "' and --budgets '" + *budgets +
                                      "' exclude each other (one budget for every arm, or a sweep over several)");
     }
     if (!budget->empty()) opt.arms = with_budget(opt.arms, *budget);
     if (!budgets->empty()) opt.arms = with_budgets(opt.arms, *budgets);
-    opt.tasks = tasks_file->empty() ? generate_suite(*suite, *seed) : read_tasks_jsonl(*tasks_file);
+    if (is_long && tasks_file->empty()) {
+      // Refused before any work: a length the model has no positions for, a run the machine has no
+      // memory for.
+      LongSuiteOptions lo;
+      lo.lengths = parse_lengths(*lengths);
+      lo.reps = static_cast<int>(*reps);
+      const std::string& m = model_path;
+      if (m == kDefaultLongModel && !file_exists(m)) (void)load_evaluator(m, *threads, 0);  // the pointed error
+      const ModelPromptInfo info = model_prompt_info(m);
+      check_lengths_fit(lo.lengths, kLongMaxNewTokens, info.max_position_embeddings, m);
+      lo.counter = info.counter;
+      check_long_memory(info, m, lo.lengths, kLongMaxNewTokens, *text_tokens > 0 ? *text_tokens : kLongTextTokens);
+      opt.tasks = generate_long_suite(*seed, lo);
+    } else {
+      opt.tasks = tasks_file->empty() ? generate_suite(*suite, *seed) : read_tasks_jsonl(*tasks_file);
+    }
     opt.shard = Shard::parse(*shard);
     try {
       opt.query_modes = parse_query_modes(*query_mode);
@@ -204,10 +287,11 @@ void add_run_command(CLI::App& app) {
     opt.text = !*no_text;
     opt.reconstruction = !*no_recon;
     opt.attention = !*no_attn;
-    const std::string dir = out->empty() ? "runs/" + stem(*model) + "-" + (tasks_file->empty() ? *suite : stem(*tasks_file)) : *out;
+    const std::string dir =
+        out->empty() ? "runs/" + stem(model_path) + "-" + (tasks_file->empty() ? *suite : stem(*tasks_file)) : *out;
     // Every input is checked before the output directory or results file exists: a bad model,
     // arm or task list leaves nothing behind.
-    auto evaluator = load_evaluator(*model, *threads);
+    auto evaluator = load_evaluator(model_path, *threads, *text_tokens > 0 ? *text_tokens : is_long ? kLongTextTokens : 0);
     SweepOptions pre = opt;  // the arms that need no calibration
     pre.arms.clear();
     for (const auto& a : opt.arms) {
@@ -217,7 +301,7 @@ void add_run_command(CLI::App& app) {
       // Those are checked first: a bad one leaves nothing behind, not even a calibration.
       if (pre.arms.empty()) pre.arms.push_back(control_arm());
       validate_sweep(*evaluator, pre);
-      resolve_auto_calibration(opt.arms, dir, *model, *threads);
+      resolve_auto_calibration(opt.arms, dir, model_path, *threads);
     }
     validate_sweep(*evaluator, opt);
     make_dirs(dir);

@@ -15,6 +15,7 @@
 #include "kvcache/study/memory.h"
 #include "kvcache/study/model_evaluator.h"
 #include "kvcache/study/quant_error.h"
+#include "kvcache/study/long_suite.h"
 #include "kvcache/study/task_suite.h"
 
 namespace kv_study {
@@ -117,39 +118,82 @@ void add_suite_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "suite",
       "Write tasks as JSONL (one task per line: id, family, depth, context target, messages, answer, scoring rule,\n"
-      "load-bearing span). Evaluation suite: --suite default|small. Training data: --count N (issue 6; use seeds\n"
-      "disjoint from the evaluation seed).\n"
+      "load-bearing span). Evaluation suites: --suite default|small (short tasks), --suite long (4k-32k tokens of the\n"
+      "model's tokenizer: --model, --lengths, --reps). Training data: --count N (use seeds disjoint from the\n"
+      "evaluation seed); with --suite long, the long families with their reply-to-prompt evidence.\n"
       "Examples: kv_study suite --suite small --out small.jsonl\n"
+      "          kv_study suite --suite long --lengths 4k,8k --out long.jsonl\n"
       "          kv_study suite --seed 7 --count 50000 --min-context 64 --max-context 800 --out train.jsonl");
   auto suite = std::make_shared<std::string>("default");
   auto seed = std::make_shared<uint64_t>(kDefaultSuiteSeed);
   auto count = std::make_shared<int64_t>(-1);
   auto out = std::make_shared<std::string>();
-  auto min_ctx = std::make_shared<int64_t>(64);
-  auto max_ctx = std::make_shared<int64_t>(800);
+  auto min_ctx = std::make_shared<int64_t>(-1);
+  auto max_ctx = std::make_shared<int64_t>(-1);
   auto families = std::make_shared<std::string>();
-  cmd->add_option("--suite", *suite, "evaluation suite: default (222 tasks) or small (20)")
+  auto model = std::make_shared<std::string>();
+  auto lengths = std::make_shared<std::string>("4k,8k,16k,32k");
+  auto reps = std::make_shared<int64_t>(1);
+  auto approx = std::make_shared<bool>(false);
+  cmd->add_option("--suite", *suite, "task suite: default (222 tasks), small (20) or long (20 tasks per length and --reps)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"default", "small"}));
+      ->check(CLI::IsMember({"default", "small", "long"}));
   cmd->add_option("--seed", *seed, "generator seed")->capture_default_str()->check(IntRange(0, INT64_MAX));
+  cmd->add_option("--model", *model,
+                  "long suite: count tokens with this model's tokenizer and chat template (default " +
+                      std::string(kDefaultLongModel) + "; approximate counts when it is absent and --model is not given)");
+  cmd->add_flag("--approx-tokens", *approx,
+                "long suite: fill prompts by the tokenizer-free estimate (approx_tokens) instead of a model's tokenizer");
+  cmd->add_option("--lengths", *lengths, "long suite: prompt lengths in tokens, e.g. 4k,8k,16k")->capture_default_str();
+  cmd->add_option("--reps", *reps, "long suite: repetitions (each: 8 needle depths + 2 tasks of each other family per length)")
+      ->capture_default_str()
+      ->check(IntRange(1, kMaxLongReps));
   auto* count_opt = cmd->add_option("--count", *count, "training-data mode: number of tasks (random lengths/depths/families)")
                         ->check(IntRange(0, kMaxTrainingTasks));
-  cmd->add_option("--min-context", *min_ctx, "training mode: smallest context target (approx. tokens)")
-      ->capture_default_str()
+  cmd->add_option("--min-context", *min_ctx, "training mode: smallest context target, approx. tokens (default 64; long: 128)")
       ->check(IntRange(48, kMaxTrainingContext));
-  cmd->add_option("--max-context", *max_ctx, "training mode: largest context target (approx. tokens)")
-      ->capture_default_str()
+  cmd->add_option("--max-context", *max_ctx, "training mode: largest context target, approx. tokens (default 800; long: 1024)")
       ->check(IntRange(48, kMaxTrainingContext));
-  cmd->add_option("--families", *families, "training mode: comma list of needle,multiturn,instruction,summary (default all)");
+  cmd->add_option("--families", *families,
+                  "training mode: comma list of families (default: all of the suite's; default suite: needle,multiturn,"
+                  "instruction,summary; long: needle,multikey,multivalue,vartrack,aggregation,instruction,multiturn)");
   cmd->add_option("--out", *out, "output JSONL file ('-' for stdout)")->required();
   cmd->callback([=] {
     std::vector<kvcache::study::Task> tasks;
+    const bool is_long = *suite == "long";
     if (count_opt->count() > 0) {
-      TrainingOptions opt;
-      opt.min_context = *min_ctx;
-      opt.max_context = *max_ctx;
-      for (const auto& f : split_list(*families)) opt.families.push_back(parse_family(f));
-      tasks = generate_training_tasks(*seed, *count, opt);
+      std::vector<TaskFamily> fams;
+      for (const auto& f : split_list(*families)) fams.push_back(parse_family(f));
+      if (is_long) {
+        LongTrainingOptions opt;
+        if (*min_ctx >= 0) opt.min_context = *min_ctx;
+        if (*max_ctx >= 0) opt.max_context = *max_ctx;
+        opt.families = fams;
+        tasks = generate_long_training_tasks(*seed, *count, opt);
+      } else {
+        TrainingOptions opt;
+        if (*min_ctx >= 0) opt.min_context = *min_ctx;
+        if (*max_ctx >= 0) opt.max_context = *max_ctx;
+        opt.families = fams;
+        tasks = generate_training_tasks(*seed, *count, opt);
+      }
+    } else if (is_long) {
+      LongSuiteOptions opt;
+      opt.lengths = parse_lengths(*lengths);
+      opt.reps = static_cast<int>(*reps);
+      const std::string m = model->empty() ? std::string(kDefaultLongModel) : *model;
+      KV_CHECK_ARG(!(*approx && !model->empty()), "--approx-tokens and --model exclude each other");
+      if (*approx) {
+        // approx_prompt_tokens (LongSuiteOptions::counter left empty)
+      } else if (!model->empty() || file_exists(m)) {
+        const ModelPromptInfo info = model_prompt_info(m);
+        check_lengths_fit(opt.lengths, 0, info.max_position_embeddings, m);
+        opt.counter = info.counter;
+      } else {
+        std::cerr << "kv_study suite: " << m << " not found: lengths are approximate token counts "
+                  << "(pass --model to count with a model's tokenizer)\n";
+      }
+      tasks = generate_long_suite(*seed, opt);
     } else {
       tasks = generate_suite(*suite, *seed);
     }

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/study/long_suite.h"
+#include "kvcache/study/model_evaluator.h"
 #include "kvcache/study/sweep.h"
 
 namespace kv_study {
@@ -27,7 +29,9 @@ void add_layers_command(CLI::App& app);
 /// The evaluator for `path` (threads: LibTorch intra-op threads), with a pointer to what to do
 /// when the default model is asked for and this checkout has none (it is trained by
 /// tools/train_default_model.py, issue 6).
-std::unique_ptr<kvcache::study::ArmEvaluator> load_evaluator(const std::string& path, int threads);
+/// `text_tokens` > 0: the perplexity/KLD passage's length (ModelEvaluatorOptions::text_tokens).
+std::unique_ptr<kvcache::study::ArmEvaluator> load_evaluator(const std::string& path, int threads,
+                                                             int64_t text_tokens = 0);
 
 /// Creates `dir` and its missing parents. @throws InvalidArgument naming the one it cannot create.
 void make_dirs(const std::string& dir);
@@ -52,6 +56,29 @@ inline constexpr int64_t kMaxThreads = 256;
 
 /// The default model of `run`, `generate` and `quant --model`.
 inline const char* kDefaultModel = "models/kvstudy-default.pt";
+/// The default model of the long suite (`--suite long`): the long-context model (issue 34).
+inline const char* kDefaultLongModel = "models/kvstudy-long.pt";
+
+/// The long suite's decode limit: positions a length needs beyond itself.
+inline constexpr int64_t kLongMaxNewTokens = kvcache::study::kLongNewTokens;
+/// The long suite's default perplexity/KLD passage, tokens.
+inline constexpr int64_t kLongTextTokens = 4096;
+
+/// Refuses a long run whose estimated peak memory exceeds the machine's physical memory, naming
+/// the estimate and its parts (weights, the fp32 cache at the longest length, the prefill's
+/// attention scores, the text rows' logits). @throws InvalidArgument.
+void check_long_memory(const kvcache::study::ModelPromptInfo& model, const std::string& path,
+                       const std::vector<int64_t>& lengths, int64_t new_tokens, int64_t text_tokens);
+
+/// True if `path` names an existing regular file.
+bool file_exists(const std::string& path);
+
+/// Refuses, before any work, a long-suite length the model cannot hold: each length plus
+/// `new_tokens` must fit in `max_positions` (0: the model states no limit, nothing refused).
+/// @throws InvalidArgument naming the length, the model and its limit.
+void check_lengths_fit(const std::vector<int64_t>& lengths, int64_t new_tokens, int64_t max_positions,
+                       const std::string& model);
+
 /// The default seed of the evaluation suite (training data must use other seeds, issue 6).
 inline constexpr uint64_t kDefaultSuiteSeed = 1234;
 

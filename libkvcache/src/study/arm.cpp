@@ -117,6 +117,30 @@ std::vector<ArmSet> arm_sets() {
            {"kvquant:b2:qnorm:cal=auto", "full"},
            {"kvquant:b2:o1:c4:qnorm:cal=auto", "full"},
        }},
+      {"long",
+       "the long suite's default arms (kv_study run --suite long): the control; fp16, fp8, int8, int4, int2, KIVI-2/4 "
+       "and had(int2) with full; a fixed budget of 2048 tokens (what engines configure; 50% of a 4k prompt, 12.5% of 16k) "
+       "for window, StreamingLLM sinks, H2O, SnapKV, KeyDiff and AdaKV over SnapKV; SnapKV at 25%; int4 with SnapKV at "
+       "2048 (composition) (docs/study.md, \"The long suite\")",
+       {
+           {"fp32", "full"},
+           {"fp16", "full"},
+           {"fp8:e4m3", "full"},
+           {"int8", "full"},
+           {"int4", "full"},
+           {"int2", "full"},
+           {"kivi:k4:v4:g32:r128", "full"},
+           {"kivi:k2:v2:g32:r128", "full"},
+           {"had(int2)", "full"},
+           {"fp32", "window@2048"},
+           {"fp32", "sink@2048"},
+           {"fp32", "h2o@2048"},
+           {"fp32", "snapkv@2048"},
+           {"fp32", "keydiff@2048"},
+           {"fp32", "adakv:snapkv@2048"},
+           {"fp32", "snapkv@25%"},
+           {"int4", "snapkv@2048"},
+       }},
   };
 }
 

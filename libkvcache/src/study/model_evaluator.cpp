@@ -280,4 +280,29 @@ std::unique_ptr<ArmEvaluator> make_model_evaluator(const ModelEvaluatorOptions& 
   return std::make_unique<ModelArmEvaluator>(options);
 }
 
+ModelPromptInfo model_prompt_info(const std::string& model_path) {
+  const CausalLM model = CausalLM::load(model_path);
+  auto tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_texts(model.tokenizer_files()));
+  auto chat = std::make_shared<ChatTemplate>(
+      ChatTemplate::detect(model.config().model_type, model.extra_file("tokenizer_config.json")));
+  ModelPromptInfo info;
+  const ModelConfig& c = model.config();
+  info.max_position_embeddings = c.max_position_embeddings;
+  info.layers = c.num_hidden_layers;
+  info.heads = c.num_attention_heads;
+  info.kv_heads = c.num_key_value_heads;
+  info.head_dim = c.head_dim;
+  info.vocab = c.vocab_size;
+  info.weight_bytes = model.weight_bytes();
+  // The same rendering and encoding as run_task.
+  info.counter = [tokenizer, chat](const std::vector<Message>& messages) {
+    std::vector<ChatMessage> msgs;
+    msgs.reserve(messages.size());
+    for (const auto& m : messages) msgs.push_back({m.role, m.content});
+    const std::string rendered = chat->render(msgs, /*add_generation_prompt=*/true);
+    return static_cast<int64_t>(tokenizer->encode(rendered, SpecialTokens::kParse, PostProcess::kApply).size());
+  };
+  return info;
+}
+
 }  // namespace kvcache::study

@@ -91,6 +91,14 @@ std::string to_string(TaskFamily family) {
       return "instruction";
     case TaskFamily::kSummary:
       return "summary";
+    case TaskFamily::kMultiKey:
+      return "multikey";
+    case TaskFamily::kMultiValue:
+      return "multivalue";
+    case TaskFamily::kVarTrack:
+      return "vartrack";
+    case TaskFamily::kAggregation:
+      return "aggregation";
   }
   return "?";
 }
@@ -100,12 +108,17 @@ TaskFamily parse_family(const std::string& name) {
     if (to_string(f) == name) return f;
   }
   throw InvalidArgument("unknown task family '" + name +
-                        "' (expected needle, multiturn, instruction or summary)");
+                        "' (expected needle, multiturn, instruction, summary, multikey, multivalue, vartrack "
+                        "or aggregation)");
 }
 
 std::vector<TaskFamily> all_families() {
-  return {TaskFamily::kNeedle, TaskFamily::kMultiTurn, TaskFamily::kInstruction,
-          TaskFamily::kSummary};
+  return {TaskFamily::kNeedle,   TaskFamily::kMultiTurn,  TaskFamily::kInstruction, TaskFamily::kSummary,
+          TaskFamily::kMultiKey, TaskFamily::kMultiValue, TaskFamily::kVarTrack,    TaskFamily::kAggregation};
+}
+
+std::vector<TaskFamily> default_families() {
+  return {TaskFamily::kNeedle, TaskFamily::kMultiTurn, TaskFamily::kInstruction, TaskFamily::kSummary};
 }
 
 std::string to_string(RuleKind kind) {
@@ -207,6 +220,15 @@ std::string task_to_json(const Task& task) {
   if (task.question.message >= 0) {
     j["question"] = ojson{{"message", task.question.message}, {"begin", task.question.begin}, {"end", task.question.end}};
   }
+  if (!task.evidence.empty()) {
+    ojson ev = ojson::array();
+    for (const auto& e : task.evidence) {
+      ojson src = ojson::array();
+      for (const auto& sp : e.sources) src.push_back(ojson::array({sp.message, sp.begin, sp.end}));
+      ev.push_back(ojson{{"reply", ojson::array({e.reply_begin, e.reply_end})}, {"src", src}});
+    }
+    j["evidence"] = ev;
+  }
   return j.dump();
 }
 
@@ -269,6 +291,36 @@ Task task_from_json(const std::string& line) {
                        t.question.end <= static_cast<int64_t>(t.messages[t.question.message].content.size()),
                    where, ": question [", t.question.begin, ", ", t.question.end, ") of message ", t.question.message,
                    " is outside the message");
+    }
+  }
+  if (j.contains("evidence")) {
+    const ojson& ev = j["evidence"];
+    KV_CHECK_ARG(ev.is_array(), where, ": field 'evidence' is not an array");
+    const auto int_at = [&](const ojson& a, size_t i) -> int64_t {
+      KV_CHECK_ARG(a.is_array() && i < a.size() && a[i].is_number_integer(), where, ": evidence entry ", a.dump(),
+                   " is not of the form {\"reply\":[begin,end],\"src\":[[message,begin,end],...]}");
+      return a[i].get<int64_t>();
+    };
+    for (const auto& e : ev) {
+      KV_CHECK_ARG(e.is_object() && e.contains("reply") && e.contains("src") && e["src"].is_array(), where,
+                   ": evidence entry ", e.dump(), " is not of the form {\"reply\":[begin,end],\"src\":[...]}");
+      Evidence x;
+      x.reply_begin = int_at(e["reply"], 0);
+      x.reply_end = int_at(e["reply"], 1);
+      KV_CHECK_ARG(0 <= x.reply_begin && x.reply_begin < x.reply_end &&
+                       x.reply_end <= static_cast<int64_t>(t.answer.size()),
+                   where, ": evidence reply range [", x.reply_begin, ", ", x.reply_end, ") is outside the answer (",
+                   t.answer.size(), " bytes)");
+      for (const auto& s : e["src"]) {
+        Span sp{int_at(s, 0), int_at(s, 1), int_at(s, 2)};
+        KV_CHECK_ARG(sp.message >= 0 && sp.message < static_cast<int64_t>(t.messages.size()) && sp.begin >= 0 &&
+                         sp.begin < sp.end &&
+                         sp.end <= static_cast<int64_t>(t.messages[static_cast<size_t>(sp.message)].content.size()),
+                     where, ": evidence source [", sp.begin, ", ", sp.end, ") of message ", sp.message,
+                     " is outside the messages");
+        x.sources.push_back(sp);
+      }
+      t.evidence.push_back(std::move(x));
     }
   }
   return t;

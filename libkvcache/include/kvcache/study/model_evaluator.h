@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "kvcache/study/long_suite.h"
 #include "kvcache/study/sweep.h"
 
 namespace kvcache::study {
@@ -47,5 +48,19 @@ struct ModelEvaluatorOptions {
 /// @throws InvalidArgument if the model cannot be loaded; UnsupportedError where this build
 ///         lacks the model runner.
 std::unique_ptr<ArmEvaluator> make_model_evaluator(const ModelEvaluatorOptions& options);
+
+/// What the long suite needs of a model before any work: its position limit and a counter of
+/// prompt tokens exactly as run_task renders and encodes a task.
+struct ModelPromptInfo {
+  int64_t max_position_embeddings = 0;  ///< 0 when the config has none
+  PromptTokenCounter counter;
+  /// For memory estimates: layers, query and KV heads, head_dim, vocabulary, and the bytes of
+  /// every tensor the export holds (CausalLM::weight_bytes).
+  int64_t layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, weight_bytes = 0;
+};
+
+/// Loads `model_path` (its tokenizer and chat template) for ModelPromptInfo.
+/// @throws InvalidArgument if the model cannot be loaded.
+ModelPromptInfo model_prompt_info(const std::string& model_path);
 
 }  // namespace kvcache::study

@@ -13,7 +13,9 @@
 ///    "span":{"message":1,"begin":220,"end":246},"max_new_tokens":13,
 ///    "question":{"message":1,"begin":1890,"end":1915}}
 ///
-/// "question" is written only for tasks that have one (Task::question).
+/// "question" is written only for tasks that have one (Task::question), "evidence" only for
+/// tasks that carry it (the long suite's training data):
+///   "evidence":[{"reply":[begin,end],"src":[[message,begin,end],...]},...]
 
 #include <cstdint>
 #include <string>
@@ -21,20 +23,27 @@
 
 namespace kvcache::study {
 
-/// The four task families of the suite.
+/// The task families: the default suite's four, then the long suite's own (long_suite.h).
 enum class TaskFamily {
   kNeedle,       ///< an access code buried in filler at a given depth ("needle")
   kMultiTurn,    ///< a rule set in turn 1 that must hold for the final reply ("multiturn")
   kInstruction,  ///< a system-prompt instruction at position 0 ("instruction")
   kSummary,      ///< an early detail that a faithful summary must keep ("summary")
+  kMultiKey,     ///< one of several keyed codes of the same form ("multikey"; long suite)
+  kMultiValue,   ///< every code stored under one key, in order ("multivalue"; long suite)
+  kVarTrack,     ///< the value at the end of a chain of assignments ("vartrack"; long suite)
+  kAggregation,  ///< the most frequent of many mentioned colours ("aggregation"; long suite)
 };
 
-/// "needle", "multiturn", "instruction", "summary".
+/// "needle", "multiturn", "instruction", "summary", "multikey", "multivalue", "vartrack",
+/// "aggregation".
 std::string to_string(TaskFamily family);
 /// Inverse of to_string. @throws InvalidArgument listing the valid names.
 TaskFamily parse_family(const std::string& name);
-/// All families in suite order.
+/// Every family: the default suite's four in suite order, then the long suite's own.
 std::vector<TaskFamily> all_families();
+/// The default suite's four families (needle, multiturn, instruction, summary).
+std::vector<TaskFamily> default_families();
 
 /// One chat message. `role` is "system", "user" or "assistant".
 struct Message {
@@ -70,6 +79,17 @@ struct ScoringRule {
   std::string arg;
 };
 
+/// What a span of the reference reply copies from, or is decided by, in the prompt: the
+/// reply's bytes [reply_begin, reply_end) and the prompt spans they come from (e.g. a digit of
+/// a code and the same digit in the needle; a rule word and its place in the system prompt;
+/// a most-frequent colour and every colour mention). Written by the long suite's training mode
+/// for the trainer's attention supervision (tools/train_long_model.py); empty elsewhere.
+struct Evidence {
+  int64_t reply_begin = 0;
+  int64_t reply_end = 0;
+  std::vector<Span> sources;
+};
+
 /// Cuts the output at the first "<|im_end|>" or "<|endoftext|>" (if a runner left one in)
 /// and trims ASCII whitespace at both ends.
 std::string normalize_output(const std::string& output);
@@ -98,6 +118,9 @@ struct Task {
   /// `begin`. message = -1: no question follows the context (the summary family puts its
   /// instruction before the story); such a task runs the same in both modes.
   Span question;
+  /// Reply-to-prompt alignments (training data of the long model); serialized as "evidence"
+  /// only when not empty.
+  std::vector<Evidence> evidence;
 };
 
 /// The task as one JSON object (no newline). Keys in a fixed order.
