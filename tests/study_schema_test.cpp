@@ -25,7 +25,7 @@ using namespace kvcache::study;
 namespace {
 
 const std::set<std::string> kUnits = {"bytes", "KiB",   "tokens", "s",          "tokens/s", "fraction",
-                                      "pp",    "ratio", "count",  "bits/value", "nats",     ""};
+                                      "pp",    "ratio", "count",  "bits/value", "nats",     "ms/token", ""};
 
 std::vector<std::string> split(const std::string& line, char sep) {
   std::vector<std::string> out;
@@ -67,7 +67,7 @@ TEST(StudySchema, EachRowMetricOnceWithAUnit) {
     cache_fields += m.cache_field != nullptr;
     EXPECT_EQ(find_row_metric(m.key), &m);
   }
-  EXPECT_EQ(keys.size(), 33u);
+  EXPECT_EQ(keys.size(), 35u);
   EXPECT_EQ(cache_fields, 7);  // every CacheStats counter
   EXPECT_EQ(find_row_metric("no_such_metric"), nullptr);
   EXPECT_STREQ(find_row_metric("peak_bytes")->unit, "bytes");

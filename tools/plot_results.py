@@ -10,6 +10,11 @@ and, when the run swept budgets (`kv_study run --budgets`, summary.json "curves"
   budget_accuracy.png  accuracy vs budget, one line per method, the control's accuracy dashed
   budget_family.png    the same per task family (one panel each)
   budget_depth.png     needle accuracy vs budget per needle depth (one panel each)
+and, when the rows hold two or more prompt lengths (the long suite, `kv_study run --suite long`;
+summary.json "lengths" and each arm's "by_length"):
+  length_accuracy.png  accuracy vs prompt length, one line per arm
+  length_pareto.png    accuracy vs peak KV memory at each length (one panel each), fronts highlighted
+  length_depth.png     needle accuracy, arms x (length, depth): the depth x length heatmap per arm
 and, when the run had query-agnostic rows (`kv_study run --query-mode agnostic|both`, summary.json
 "agnostic"), kept apart from the query-aware list as the report keeps them:
   query_modes.png               accuracy of each arm in both modes, side by side (arms run in both)
@@ -245,6 +250,99 @@ def plot_query_modes(summary, out_path):
     plt.close(fig)
 
 
+def _by_length(arm, length):
+    return (arm.get("by_length") or {}).get(str(length)) or {}
+
+
+def plot_length_accuracy(summary, out_path):
+    lengths = summary.get("lengths") or []
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for a in summary["arms"]:
+        xs, ys = [], []
+        for n in lengths:
+            v = _num(_by_length(a, n).get("accuracy"))
+            if v is not None:
+                xs.append(n)
+                ys.append(100.0 * v)
+        if xs:
+            ax.plot(xs, ys, "o-", lw=2.2 if a.get("is_control") else 1.0, ms=3, label=a["arm"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("task accuracy (%)")
+    ax.set_title(f"Accuracy vs prompt length — {summary.get('model', '')}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def plot_length_pareto(summary, out_path):
+    lengths = summary.get("lengths") or []
+    fig, axes = plt.subplots(1, max(1, len(lengths)), figsize=(5.0 * max(1, len(lengths)), 4.6), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        arms, pts = [], []
+        for a in summary["arms"]:
+            b = _by_length(a, n)
+            m, acc = _num(b.get("memory_ratio")), _num(b.get("accuracy"))
+            if m is not None and acc is not None:
+                arms.append(a)
+                pts.append((m, 100.0 * acc))
+        front = set(pareto_front(pts))
+        for i, (a, (m, acc)) in enumerate(zip(arms, pts)):
+            on = i in front
+            ax.scatter([m], [acc], s=45 if on else 20, c="tab:red" if on else "tab:blue", zorder=3)
+            ax.annotate(a["arm"], (m, acc), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        order = sorted(front, key=lambda i: pts[i][0])
+        if order:
+            ax.plot([pts[i][0] for i in order], [pts[i][1] for i in order], "r--", lw=1)
+        ax.set_title(f"{n} tokens", fontsize=9)
+        ax.set_xlabel("peak KV memory (x control)")
+        ax.set_ylabel("task accuracy (%)")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"Accuracy vs KV memory by prompt length — {summary.get('model', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def plot_length_depth(summary, out_path):
+    lengths = summary.get("lengths") or []
+    depths = summary.get("depths") or []
+    arms = summary["arms"]
+    cols = [(n, d) for n in lengths for d in depths]
+    fig, ax = plt.subplots(figsize=(1.5 + 0.42 * max(1, len(cols)), 1.2 + 0.33 * max(1, len(arms))))
+    grid = []
+    for a in arms:
+        row = []
+        for n, d in cols:
+            v = _num((_by_length(a, n).get("depth_accuracy") or {}).get(str(d)))
+            row.append(float("nan") if v is None else 100.0 * v)
+        grid.append(row)
+    if cols and arms:
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, "–" if math.isnan(v) else f"{v:.0f}", ha="center", va="center", fontsize=6)
+        for k in range(1, len(lengths)):
+            ax.axvline(k * len(depths) - 0.5, color="k", lw=1)
+        fig.colorbar(im, ax=ax, label="needle accuracy (%)")
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels([f"{d}%" for n, d in cols], fontsize=6, rotation=90)
+    for k, n in enumerate(lengths):
+        ax.text(k * len(depths) + (len(depths) - 1) / 2, -0.9, f"{n // 1024}k" if n % 1024 == 0 else str(n),
+                ha="center", va="bottom", fontsize=8)
+    ax.set_yticks(range(len(arms)))
+    ax.set_yticklabels([a["arm"] for a in arms], fontsize=7)
+    ax.set_xlabel("needle depth, by prompt length")
+    ax.set_title("Needle accuracy by depth and length", fontsize=9, pad=16)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
 def make_plots(summary_path, out_dir=None):
     """Writes the PNGs (three; three budget-curve plots when the summary has curves; the query-mode
     plots when it has an agnostic list); returns their paths."""
@@ -260,6 +358,12 @@ def make_plots(summary_path, out_dir=None):
         plot_budget_curves(summary, more[0])
         plot_budget_family(summary, more[1])
         plot_budget_depth(summary, more[2])
+        paths += more
+    if len(summary.get("lengths") or []) >= 2:
+        more = [os.path.join(out_dir, n) for n in ("length_accuracy.png", "length_pareto.png", "length_depth.png")]
+        plot_length_accuracy(summary, more[0])
+        plot_length_pareto(summary, more[1])
+        plot_length_depth(summary, more[2])
         paths += more
     agnostic = summary.get("agnostic")
     if agnostic:

@@ -338,8 +338,10 @@ class DefaultModelTest(unittest.TestCase):
             p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "tools", "plot_results.py"),
                                 os.path.join(d, "summary.json")], capture_output=True, text=True, timeout=300)
             self.assertEqual(p.returncode, 0, p.stderr)
+            # the small suite's three prompt lengths also give the by-length plots
             self.assertEqual([os.path.basename(x) for x in p.stdout.split()][3:],
-                             ["budget_accuracy.png", "budget_family.png", "budget_depth.png"])
+                             ["budget_accuracy.png", "budget_family.png", "budget_depth.png", "length_accuracy.png",
+                              "length_pareto.png", "length_depth.png"])
 
     def test_kvquant_cal_auto_calibrates_once_per_run_directory(self):
         """`cal=auto` (the deepdive set's KVQuant arms): kv_study run fits the model's calibration

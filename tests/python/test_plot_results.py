@@ -54,6 +54,31 @@ class PlotTest(unittest.TestCase):
                 self.assertGreater(os.path.getsize(p), 2000)
             self.assertEqual(plot_results.main([path, "--out", os.path.join(d, "o")]), 0)
 
+    def test_lengths_add_three_pngs(self):
+        """Two prompt lengths (the long suite): accuracy vs length, a front per length and the depth x
+        length grid; one length draws none of them."""
+        s = synthetic_summary()
+        s["lengths"] = [4096, 16384]
+        for a in s["arms"]:
+            acc, ratio = a["accuracy"], a["memory_ratio"]
+            a["by_length"] = {} if acc is None else {
+                "4096": {"accuracy": acc, "memory_ratio": ratio, "depth_accuracy": a["depth_accuracy"]},
+                "16384": {"accuracy": acc * 0.8, "memory_ratio": ratio, "depth_accuracy": {"5": 0.5}}}
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "summary.json")
+            with open(path, "w") as f:
+                json.dump(s, f)
+            out = plot_results.make_plots(path)
+            self.assertEqual([os.path.basename(p) for p in out[3:]],
+                             ["length_accuracy.png", "length_pareto.png", "length_depth.png"])
+            for p in out[3:]:
+                with open(p, "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+            s["lengths"] = [4096]
+            with open(path, "w") as f:
+                json.dump(s, f)
+            self.assertEqual(len(plot_results.make_plots(path)), 3)
+
     def test_budget_curves_add_three_pngs(self):
         s = synthetic_summary()
         s["families"] = ["needle", "summary"]

@@ -151,6 +151,8 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
   s.model = model;
   s.control = control;
   std::map<std::string, Accum> acc;
+  std::map<std::string, std::map<int64_t, Accum>> acc_len;  // arm -> length -> its rows
+  std::set<int64_t> lengths;
   std::set<std::string> families_seen;
   std::set<int> depths;
   std::vector<const ResultRow*> recon_rows;
@@ -171,25 +173,29 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
       if (error_examples.size() < 3) error_examples.push_back(r.arm + " " + r.task + ": " + r.error);
     }
     if (r.kind == "task") {
-      Accum& a = acc[r.arm];
-      a.order = std::min(a.order, r.order);
       const bool ok = r.passed && r.error.empty();
-      a.tasks++;
-      a.passed += ok;
-      a.errors += !r.error.empty();
-      auto& f = a.fam[r.family];
-      f.first += ok;
-      f.second++;
-      families_seen.insert(r.family);
-      if (r.depth_pct >= 0) {
-        auto& d = a.depth[r.depth_pct];
-        d.first += ok;
-        d.second++;
-        depths.insert(r.depth_pct);
+      lengths.insert(r.context_target);
+      for (Accum* ap : {&acc[r.arm], &acc_len[r.arm][r.context_target]}) {
+        Accum& a = *ap;
+        a.order = std::min(a.order, r.order);
+        a.tasks++;
+        a.passed += ok;
+        a.errors += !r.error.empty();
+        auto& f = a.fam[r.family];
+        f.first += ok;
+        f.second++;
+        if (r.depth_pct >= 0) {
+          auto& d = a.depth[r.depth_pct];
+          d.first += ok;
+          d.second++;
+        }
+        if (r.error.empty()) {
+          a.measured++;
+          a.add_measured(r);
+        }
       }
-      if (!r.error.empty()) continue;
-      a.measured++;
-      a.add_measured(r);
+      families_seen.insert(r.family);
+      if (r.depth_pct >= 0) depths.insert(r.depth_pct);
     } else if (r.kind == "text") {
       Accum& a = acc[r.arm];
       a.order = std::min(a.order, r.order);
@@ -227,6 +233,7 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
     if (std::find(s.families.begin(), s.families.end(), f) == s.families.end()) s.families.push_back(f);
   }
   s.depths.assign(depths.begin(), depths.end());
+  s.lengths.assign(lengths.begin(), lengths.end());
 
   std::vector<std::pair<int64_t, std::string>> arm_order;
   for (const auto& [arm, a] : acc) {
@@ -253,6 +260,26 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
     }
     x.delta_pp = kNaN;
     x.memory_ratio = kNaN;
+    const auto bl = acc_len.find(arm);
+    if (bl != acc_len.end()) {
+      for (const auto& [len, la] : bl->second) {
+        ArmSummary y;
+        la.finish(y);
+        LengthSummary l;
+        l.tasks = la.tasks;
+        l.passed = la.passed;
+        l.accuracy = la.tasks ? static_cast<double>(la.passed) / static_cast<double>(la.tasks) : kNaN;
+        l.peak_kib_mean = y.peak_kib_mean;
+        l.reserved_kib_mean = y.reserved_kib_mean;
+        l.rss_growth_kib_mean = y.rss_growth_kib_mean;
+        l.prefill_tps = y.prefill_tps;
+        l.decode_ms_per_token = y.decode_tps > 0 ? 1000.0 / y.decode_tps : kNaN;
+        l.memory_ratio = kNaN;
+        for (const auto& [f, pn] : la.fam) l.family_accuracy[f] = static_cast<double>(pn.first) / static_cast<double>(pn.second);
+        for (const auto& [d, pn] : la.depth) l.depth_accuracy[d] = static_cast<double>(pn.first) / static_cast<double>(pn.second);
+        x.by_length[len] = l;
+      }
+    }
     s.arms.push_back(x);
   }
   const ArmSummary* ctrl = nullptr;
@@ -273,6 +300,37 @@ Summary summarize(const std::vector<ResultRow>& rows, const std::string& model_i
     }
   } else if (!s.arms.empty() || !has_agnostic) {
     s.notes.push_back("no task rows for the control arm " + control + ": deltas and memory ratios are not computed");
+  }
+  // Per length: memory against the control's at that length, and the accuracy-vs-memory front.
+  for (int64_t len : s.lengths) {
+    const LengthSummary* c = nullptr;
+    if (ctrl != nullptr) {
+      const auto it = ctrl->by_length.find(len);
+      if (it != ctrl->by_length.end()) c = &it->second;
+    }
+    const double c_peak = c != nullptr ? c->peak_kib_mean : kNaN;
+    for (auto& a : s.arms) {
+      auto it = a.by_length.find(len);
+      if (it == a.by_length.end()) continue;
+      it->second.memory_ratio = c_peak > 0 ? it->second.peak_kib_mean / c_peak : kNaN;
+    }
+    for (auto& a : s.arms) {
+      auto it = a.by_length.find(len);
+      if (it == a.by_length.end() || !std::isfinite(it->second.peak_kib_mean)) continue;
+      LengthSummary& me = it->second;
+      bool dominated = false;
+      for (const auto& b : s.arms) {
+        const auto jt = b.by_length.find(len);
+        if (&b == &a || jt == b.by_length.end() || !std::isfinite(jt->second.peak_kib_mean)) continue;
+        const LengthSummary& o = jt->second;
+        if ((o.accuracy >= me.accuracy && o.peak_kib_mean < me.peak_kib_mean) ||
+            (o.accuracy > me.accuracy && o.peak_kib_mean <= me.peak_kib_mean)) {
+          dominated = true;
+          break;
+        }
+      }
+      me.pareto = !dominated;
+    }
   }
   if (error_rows > 0) {
     std::string ex;

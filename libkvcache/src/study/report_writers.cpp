@@ -278,6 +278,105 @@ void write_md_agnostic(std::ostream& os, const Summary& s) {
   }
 }
 
+/// Accuracy, memory and speed per prompt length (the long suite's join of quality and cost), the
+/// needle depth × length grid and each length's accuracy-vs-memory front. Only with two or more
+/// lengths.
+void write_md_lengths(std::ostream& os, const Summary& s) {
+  if (s.lengths.size() < 2) return;
+  const auto cell = [](const ArmSummary& a, int64_t len) -> const LengthSummary* {
+    const auto it = a.by_length.find(len);
+    return it == a.by_length.end() ? nullptr : &it->second;
+  };
+  os << "\n## Accuracy by prompt length\n\nPer arm and prompt length (tokens of the model's tokenizer): accuracy, "
+        "and in brackets the peak KV memory against the control's at that length.\n\n| arm |";
+  for (int64_t len : s.lengths) os << " " << len << " |";
+  os << "\n|---|";
+  for (size_t i = 0; i < s.lengths.size(); ++i) os << "---:|";
+  os << "\n";
+  for (const auto& a : s.arms) {
+    os << "| " << md_text(a.arm) << " |";
+    for (int64_t len : s.lengths) {
+      const LengthSummary* l = cell(a, len);
+      os << " " << (l == nullptr ? std::string("–")
+                                 : pct(l->accuracy) + " (" + fmt(l->memory_ratio, "%.2f") + "×)")
+         << " |";
+    }
+    os << "\n";
+  }
+  os << "\n## Memory and speed by prompt length\n\nMean per task: peak stored KV (KiB), peak reserved blocks (KiB), "
+        "peak growth of the process's resident set (KiB), prefill tokens/s, decode ms/token.\n\n"
+        "| arm | length | tasks | accuracy | peak KV KiB | reserved KiB | RSS growth KiB | prefill tok/s | decode ms/token |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const auto& a : s.arms) {
+    for (int64_t len : s.lengths) {
+      const LengthSummary* l = cell(a, len);
+      if (l == nullptr) continue;
+      os << "| " << md_text(a.arm) << " | " << len << " | " << l->tasks << " | " << pct(l->accuracy) << " | "
+         << fmt(l->peak_kib_mean, "%.0f") << " | " << fmt(l->reserved_kib_mean, "%.0f") << " | "
+         << fmt(l->rss_growth_kib_mean, "%.0f") << " | " << fmt(l->prefill_tps, "%.0f") << " | "
+         << fmt(l->decode_ms_per_token, "%.2f") << " |\n";
+    }
+  }
+  if (!s.depths.empty()) {
+    os << "\n## Needle accuracy by depth and length\n\n| arm | length |";
+    for (int d : s.depths) os << " " << d << "% |";
+    os << "\n|---|---:|";
+    for (size_t i = 0; i < s.depths.size(); ++i) os << "---:|";
+    os << "\n";
+    for (const auto& a : s.arms) {
+      for (int64_t len : s.lengths) {
+        const LengthSummary* l = cell(a, len);
+        if (l == nullptr || l->depth_accuracy.empty()) continue;
+        os << "| " << md_text(a.arm) << " | " << len << " |";
+        for (int d : s.depths) {
+          const auto it = l->depth_accuracy.find(d);
+          os << " " << (it == l->depth_accuracy.end() ? std::string("–") : pct(it->second)) << " |";
+        }
+        os << "\n";
+      }
+    }
+  }
+  os << "\n## Accuracy-vs-memory front by prompt length\n\nThe arms no other arm beats on both accuracy and peak KV "
+        "memory at that length (ascending memory).\n\n| length | front |\n|---:|---|\n";
+  for (int64_t len : s.lengths) {
+    std::vector<std::pair<double, std::string>> front;
+    for (const auto& a : s.arms) {
+      const LengthSummary* l = cell(a, len);
+      if (l != nullptr && l->pareto) {
+        front.emplace_back(l->peak_kib_mean, "`" + a.arm + "` " + pct(l->accuracy) + " at " + fmt(l->memory_ratio, "%.2f") + "×");
+      }
+    }
+    std::sort(front.begin(), front.end());
+    std::string list;
+    for (const auto& [m, t] : front) list += (list.empty() ? "" : ", ") + t;
+    os << "| " << len << " | " << (list.empty() ? "–" : list) << " |\n";
+  }
+}
+
+nlohmann::ordered_json lengths_json(const ArmSummary& a) {
+  using oj = nlohmann::ordered_json;
+  oj out = oj::object();
+  for (const auto& [len, l] : a.by_length) {
+    oj fam = oj::object();
+    for (const auto& [f, v] : l.family_accuracy) fam[f] = jnum(v);
+    oj dep = oj::object();
+    for (const auto& [d, v] : l.depth_accuracy) dep[std::to_string(d)] = jnum(v);
+    out[std::to_string(len)] = oj{{"tasks", l.tasks},
+                                  {"passed", l.passed},
+                                  {"accuracy", jnum(l.accuracy)},
+                                  {"peak_kib_mean", jnum(l.peak_kib_mean)},
+                                  {"memory_ratio", jnum(l.memory_ratio)},
+                                  {"reserved_kib_mean", jnum(l.reserved_kib_mean)},
+                                  {"rss_growth_kib_mean", jnum(l.rss_growth_kib_mean)},
+                                  {"prefill_tps", jnum(l.prefill_tps)},
+                                  {"decode_ms_per_token", jnum(l.decode_ms_per_token)},
+                                  {"pareto", l.pareto},
+                                  {"family_accuracy", fam},
+                                  {"depth_accuracy", dep}};
+  }
+  return out;
+}
+
 nlohmann::ordered_json arm_json(const ArmSummary& a, const Summary& s) {
   using oj = nlohmann::ordered_json;
   oj x = oj::object();
@@ -312,6 +411,7 @@ nlohmann::ordered_json arm_json(const ArmSummary& a, const Summary& s) {
       x[c.key] = jnum(v);
     }
   }
+  if (s.lengths.size() >= 2) x["by_length"] = lengths_json(a);
   return x;
 }
 
@@ -348,6 +448,7 @@ std::string summary_markdown(const Summary& s) {
   if (!s.depths.empty()) {
     write_md_keyed<int>(os, "Needle accuracy by depth", s.depths, &ArmSummary::depth_accuracy, depth_label, s);
   }
+  write_md_lengths(os, s);
   write_md_table(os, md_table_text(), s);
   write_md_curves(os, s);
 
@@ -409,6 +510,7 @@ std::string summary_json(const Summary& s) {
   j["has_control"] = s.has_control;
   j["families"] = s.families;
   j["depths"] = s.depths;
+  j["lengths"] = s.lengths;
   oj arms = oj::array();
   for (const auto& a : s.arms) arms.push_back(arm_json(a, s));
   j["arms"] = arms;
@@ -500,6 +602,34 @@ void write_summary_files(const Summary& s, const std::string& dir) {
   io::write_file_atomic(dir + "/summary.md", summary_markdown(s));
   io::write_file_atomic(dir + "/summary.json", summary_json(s));
   io::write_file_atomic(dir + "/summary.csv", summary_csv(s));
+  if (s.lengths.size() >= 2) io::write_file_atomic(dir + "/summary_by_length.csv", summary_by_length_csv(s));
+}
+
+std::string summary_by_length_csv(const Summary& s) {
+  std::ostringstream os;
+  os << "arm,length,tasks,passed,accuracy,peak_kib_mean,memory_ratio,reserved_kib_mean,rss_growth_kib_mean,prefill_tps,"
+        "decode_ms_per_token,pareto";
+  for (const auto& f : s.families) os << ",acc_" << f;
+  for (int d : s.depths) os << ",needle_d" << d;
+  os << "\n";
+  for (const auto& a : s.arms) {
+    for (const auto& [len, l] : a.by_length) {
+      os << csv_cell(a.arm) << "," << len << "," << l.tasks << "," << l.passed << "," << csv_num(l.accuracy) << ","
+         << csv_num(l.peak_kib_mean) << "," << csv_num(l.memory_ratio) << "," << csv_num(l.reserved_kib_mean) << ","
+         << csv_num(l.rss_growth_kib_mean) << "," << csv_num(l.prefill_tps) << "," << csv_num(l.decode_ms_per_token)
+         << "," << (l.pareto ? 1 : 0);
+      for (const auto& f : s.families) {
+        const auto it = l.family_accuracy.find(f);
+        os << "," << (it == l.family_accuracy.end() ? "" : csv_num(it->second));
+      }
+      for (int d : s.depths) {
+        const auto it = l.depth_accuracy.find(d);
+        os << "," << (it == l.depth_accuracy.end() ? "" : csv_num(it->second));
+      }
+      os << "\n";
+    }
+  }
+  return os.str();
 }
 
 }  // namespace kvcache::study

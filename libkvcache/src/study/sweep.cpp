@@ -74,6 +74,8 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       row.set("generated_tokens", static_cast<double>(g.generated_tokens));
       row.set("prefill_s", g.prefill_seconds);
       row.set("decode_s", g.decode_seconds);
+      if (g.prefill_seconds > 0) row.set("prefill_tok_s", static_cast<double>(g.prompt_tokens) / g.prefill_seconds);
+      if (g.generated_tokens > 0) row.set("decode_ms_per_token", 1000.0 * g.decode_seconds / static_cast<double>(g.generated_tokens));
       row.set("replay_s", g.replay_seconds);
       row.set("replay_tokens", static_cast<double>(g.replay_tokens));
       if (g.span_resident >= 0) row.set("span_resident", g.span_resident);

@@ -36,6 +36,23 @@
 
 namespace kvcache::study {
 
+/// One arm's task rows at one prompt length (Task::context_target): the long suite's
+/// accuracy × length × arm table, its depth × length heatmap and its Pareto fronts per length.
+struct LengthSummary {
+  int64_t tasks = 0;
+  int64_t passed = 0;
+  double accuracy = 0;        ///< passed / tasks
+  double peak_kib_mean = 0;   ///< mean bytes_resident_peak, KiB
+  double memory_ratio = 0;    ///< peak_kib_mean / the control's at this length (NaN without it)
+  double reserved_kib_mean = 0;
+  double rss_growth_kib_mean = 0;
+  double prefill_tps = 0;     ///< Σ prompt tokens / Σ prefill s
+  double decode_ms_per_token = 0;  ///< Σ decode s / Σ generated tokens × 1000
+  std::map<std::string, double> family_accuracy;
+  std::map<int, double> depth_accuracy;
+  bool pareto = false;  ///< on the accuracy-vs-peak-KV front of its length (no arm has >= accuracy at < memory, or > accuracy at <=)
+};
+
 struct ArmSummary {
   std::string arm;
   std::string query_mode = "aware";  ///< "aware" or "agnostic" (QueryMode of its task rows)
@@ -62,6 +79,8 @@ struct ArmSummary {
   double total_seconds = 0;  ///< Σ prefill_s + decode_s over the arm's tasks
   /// Columns of report_columns.h that have no field above, by column key (NaN if not measured).
   std::map<std::string, double> extra;
+  /// The same arm per prompt length (Summary::lengths).
+  std::map<int64_t, LengthSummary> by_length;
 };
 
 struct ReconstructionSummary {
@@ -109,6 +128,7 @@ struct Summary {
   bool has_control = false;
   std::vector<std::string> families;  ///< in suite order
   std::vector<int> depths;            ///< ascending
+  std::vector<int64_t> lengths;       ///< prompt lengths of the task rows (context_target), ascending
   std::vector<ArmSummary> arms;       ///< in plan order
   std::vector<ReconstructionSummary> reconstruction;
   std::vector<AttentionSummary> attention;
@@ -145,8 +165,13 @@ std::string summary_markdown(const Summary& summary);
 std::string summary_json(const Summary& summary);
 std::string summary_csv(const Summary& summary);
 
+/// One row per arm and prompt length (Summary::lengths; LengthSummary's fields, then per-family
+/// and per-depth accuracy at that length).
+std::string summary_by_length_csv(const Summary& summary);
+
 /// Writes summary.md, summary.json and summary.csv into `dir` (created if missing), each one
-/// atomically (as write_results).
+/// atomically (as write_results), and summary_by_length.csv when the rows hold two or more
+/// prompt lengths.
 void write_summary_files(const Summary& summary, const std::string& dir);
 
 }  // namespace kvcache::study
