@@ -100,6 +100,8 @@ TEST(StudySuite, EveryReferenceAnswerPassesAndSpanIsLoadBearing) {
         EXPECT_EQ(s.rfind("Once upon a time, a ", 0), 0u) << s;
         EXPECT_NE(s.find(t.rule.arg), std::string::npos) << t.id;  // the scored detail is in the span
         break;
+      default:
+        ADD_FAILURE() << t.id << " is not of a default-suite family";
     }
     EXPECT_EQ(t.messages.back().role, "user");
   }
