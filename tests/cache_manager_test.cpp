@@ -303,6 +303,62 @@ TEST(CacheManager, RerotateMatchesRopeOfPrunedKeys) {
                InvalidArgument);
 }
 
+// Head-wise eviction (adakv, duo) leaves the KV heads of a layer with different numbers of
+// tokens. In kRerotate mode each head's survivors are numbered contiguously up to the layer's
+// next position (a head of n_h tokens holds next − n_h .. next − 1), so the one query position
+// sees every head's keys at the distances the head would give them numbered alone: attention
+// per head equals softmax over rope(k_h, 0 .. n_h − 1) with the query at n_h − 1. Before this
+// the shorter head's next token took the longer head's next position, and check_invariants()
+// threw "rerotate positions not contiguous at head 1" (issue 39, fault 1).
+TEST(CacheManager, RerotateWithRaggedHeadsNumbersEachHeadUpToTheNextPosition) {
+  for (const std::string policy : {"adakv:knorm:stream@6", "duo:s2:r6:w4@24"}) {
+    auto c = make_config(1, 4, 2, 8, "fp32", policy, 40);
+    c.key_storage = KeyStorage::kPreRoPE;
+    c.position_mode = PositionMode::kRerotate;
+    CacheManager m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    bool ragged = false;
+    for (int64_t step = 0; step < 11; ++step) {
+      const int64_t n = step == 0 ? 30 : 1;
+      const int64_t p = m.next_position(0);
+      at::Tensor k = testing::randn({1, 2, n, 8}, gen);
+      k[0][1].mul_(3.0);  // the heads' keys differ in scale: they score differently
+      const at::Tensor v = testing::randn({1, 2, n, 8}, gen);
+      m.append(0, k, v, positions_range(p, n));
+      const at::Tensor q_pre = testing::randn({1, 4, n, 8}, gen);
+      const at::Tensor out = m.attend(0, test_rope(q_pre, positions_range(p, n)), positions_range(p, n));
+      if (n == 1) {
+        // Per KV head h: its stored pre-RoPE keys numbered 0 .. n_h − 1, the query at n_h − 1.
+        const auto ks = cache::CacheManagerAccess::stream(m, 0, true);
+        const auto vs = cache::CacheManagerAccess::stream(m, 0, false);
+        for (int64_t h = 0; h < 2; ++h) {
+          const at::Tensor kh = ks.stored[static_cast<size_t>(h)][0][0];  // [n_h, D]
+          const int64_t nh = kh.size(0);
+          const at::Tensor kr = test_rope(kh.view({1, 1, nh, 8}), positions_range(0, nh))[0][0];
+          const at::Tensor qh = test_rope(q_pre.narrow(1, 2 * h, 2), positions_range(nh - 1, 1))[0];  // [2, 1, D]
+          const at::Tensor probs = at::softmax(at::matmul(qh, kr.t()) / std::sqrt(8.0), -1);
+          const at::Tensor want = at::matmul(probs, vs.stored[static_cast<size_t>(h)][0][0]);
+          EXPECT_TRUE(at::allclose(out[0].narrow(0, 2 * h, 2), want, 1e-5, 1e-5))
+              << policy << " step " << step << " head " << h << " (" << nh << " tokens)";
+        }
+      }
+      m.end_step(step == 0 ? StepKind::kPrefillEnd : StepKind::kDecode);
+      m.check_invariants();
+      const LayerTokens t = m.tokens(0);
+      const int64_t next = m.next_position(0);
+      EXPECT_EQ(next, t.max_resident()) << policy;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t nh = t.resident(h);
+        std::vector<int64_t> want(static_cast<size_t>(nh));
+        for (int64_t j = 0; j < nh; ++j) want[static_cast<size_t>(j)] = next - nh + j;
+        EXPECT_EQ(t.positions[static_cast<size_t>(h)], want) << policy << " step " << step << " head " << h;
+      }
+      ragged = ragged || t.resident(0) != t.resident(1);
+    }
+    EXPECT_TRUE(ragged) << policy << " never left the heads with different counts: the test tests nothing";
+  }
+}
+
 TEST(CacheManager, PreRopeOriginalPositionsRotatesOnRead) {
   auto c = make_config(1, 2, 2, 8, "int4", "window@6");
   c.key_storage = KeyStorage::kPreRoPE;
@@ -368,8 +424,11 @@ TEST(CacheManager, RandomizedInvariants) {
   for (const auto& quant : quants) {
     for (const auto& policy : policies) {
       for (int mode = 0; mode < 3; ++mode) {  // post-RoPE, pre-RoPE, pre-RoPE + rerotate
+        // Re-rotation: positional policies, and the head-wise ones (adakv, duo), whose ragged
+        // heads are each numbered up to the layer's next position.
         const bool positional = policy.rfind("window", 0) == 0 || policy.rfind("sink", 0) == 0;
-        if (mode == 2 && !positional) continue;
+        const bool head_wise = policy.find("adakv") != std::string::npos || policy.rfind("duo", 0) == 0;
+        if (mode == 2 && !positional && !head_wise) continue;
         auto c = make_config(2, 4, 2, 8, quant, policy, 40);
         if (mode >= 1) c.key_storage = KeyStorage::kPreRoPE;
         if (mode == 2) c.position_mode = PositionMode::kRerotate;

@@ -149,7 +149,8 @@ class CacheManager final : public KVCache {
   void begin_replay() override;
 
   /// Position to give the next appended token of `layer`: the last written position + 1,
-  /// or the physical length in PositionMode::kRerotate. O(1).
+  /// or the physical length (the longest KV head's count) in PositionMode::kRerotate, where
+  /// every head's tokens are numbered contiguously up to it. O(1).
   int64_t next_position(int64_t layer) const override;
 
   /// The tokens `layer` holds: per-head positions, logical length, counters. O(T).

@@ -817,8 +817,13 @@ struct CacheManager::Impl {
       if (t > l.written) fail("head " + std::to_string(h) + " holds " + std::to_string(t) + " > written " + std::to_string(l.written));
       if (t > 0 && pos.back() > l.last_pos) fail("position beyond the last written one");
       if (cfg.position_mode == PositionMode::kRerotate) {
+        // Contiguous, ending just before the layer's next position (the longest head's count).
+        const int64_t first = l.store->max_resident() - t;
         for (int64_t j = 0; j < t; ++j) {
-          if (pos[static_cast<size_t>(j)] != j) fail("rerotate positions not contiguous at head " + std::to_string(h));
+          if (pos[static_cast<size_t>(j)] != first + j) {
+            fail("rerotate positions of head " + std::to_string(h) + " are not " + std::to_string(first) + " .. " +
+                 std::to_string(first + t - 1));
+          }
         }
       }
     }
