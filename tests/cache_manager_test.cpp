@@ -130,6 +130,38 @@ TEST(CacheManager, AppendValidation) {
   m.check_invariants();
 }
 
+// Keys whose RoPE leaves float32 are refused whether keys are stored after RoPE (rotated once,
+// at the append) or before it (rotated at every read), with the same message, and the rejected
+// append changes nothing; at position 0 (the identity) the same values are stored and read back
+// finite (issue 39, fault 3: pre-RoPE storage accepted them and get() returned +Inf).
+TEST(CacheManager, KeysWhoseRopeOverflowsAreRefusedInBothStorages) {
+  for (const KeyStorage ks : {KeyStorage::kPostRoPE, KeyStorage::kPreRoPE}) {
+    const std::string where = ks == KeyStorage::kPreRoPE ? "pre-RoPE" : "post-RoPE";
+    auto c = make_config(1, 2, 2, 8, "fp32", "full");
+    c.key_storage = ks;
+    CacheManager m(c);
+    // At position 1: y[4] = x[4]·cos 1 + x[0]·sin 1 = 3e38 · 1.38, beyond float32.
+    at::Tensor k = at::zeros({1, 2, 2, 8});
+    k[0][1][1][0] = 3.0e38f;
+    k[0][1][1][4] = 3.0e38f;
+    const Snapshot before(m);
+    const std::string err =
+        testing::error_of([&] { m.append(0, k, at::zeros({1, 2, 2, 8}), positions_range(0, 2)); });
+    EXPECT_NE(err.find("CacheManager::append: rope(k) contains +Inf at [b, h, t, d] = [0, 1, 1, 4]"),
+              std::string::npos)
+        << where << ": " << err;
+    before.expect_unchanged(m, where + " after the refused append");
+    at::Tensor k0 = at::zeros({1, 2, 1, 8});
+    k0[0][1][0][0] = 3.0e38f;
+    k0[0][1][0][4] = 3.0e38f;
+    m.append(0, k0, at::zeros({1, 2, 1, 8}), positions_range(0, 1));
+    const LayerKV kv = m.get(0);
+    EXPECT_TRUE(at::isfinite(kv.k).all().item<bool>()) << where;
+    EXPECT_EQ(kv.k[0][1][0][4].item<float>(), 3.0e38f) << where;
+    m.check_invariants();
+  }
+}
+
 struct StepExpect {
   int64_t chunk, written, resident_after_append, resident_after_end, peak_bytes;
 };

@@ -123,7 +123,8 @@ class Quantizer {
   /// Quantizes `x` `[B, H_kv, T, D]`, dtype float32/float16/bfloat16, any strides.
   /// @throws InvalidArgument if `x` is not 4-D, has another dtype, contains NaN/Inf
   ///         (the message names the first bad index), or its grouped axis is not divisible
-  ///         by the group size (the message names both numbers).
+  ///         by the group size (the message names both numbers); `had(q)`: a row whose rotation
+  ///         leaves float32 (possible only when some |x| > FLT_MAX/√D; naming the row).
   QuantizedTensor quantize(const at::Tensor& x) const;
 
   /// Reconstructs a tensor of `q.shape` and `q.dtype`: the float32 reconstruction rounded to

@@ -355,6 +355,28 @@ struct CacheManager::Impl {
     return cfg.position_mode == PositionMode::kRerotate ? l.store->max_resident() : l.last_pos + 1;
   }
 
+  /// Pre-RoPE keys: throws as check_finite(rope(k)) does when a key `k` `[1, H_kv, n, D]`
+  /// float32 (contiguous) rotated by the RoPE table at its position — what get() and attend()
+  /// read — is not finite, so that both key storages accept the same keys.
+  void check_rotated_finite(const at::Tensor& k, const int64_t* pp, const char* fn) const {
+    const int64_t hkv = cfg.num_kv_heads, d = cfg.head_dim, n = k.size(2);
+    const float* kp = k.data_ptr<float>();
+    std::vector<float> row(static_cast<size_t>(d));
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        std::copy_n(kp + (h * n + t) * d, d, row.begin());
+        rope_table.rotate(row.data(), pp[t]);
+        for (int64_t i = 0; i < d; ++i) {
+          const float y = row[static_cast<size_t>(i)];
+          KV_CHECK_ARG(std::isfinite(y), fn, ": rope(k) contains ", std::isnan(y) ? "NaN" : (y > 0 ? "+Inf" : "-Inf"),
+                       " at [b, h, t, d] = [0, ", h, ", ", t, ", ", i, "] (k = ", kp[(h * n + t) * d + i],
+                       " rotated to position ", pp[t],
+                       "); the cache stores finite keys and values only, and keys stored pre-RoPE are rotated on read");
+        }
+      }
+    }
+  }
+
   at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) const {
     auto y = cfg.rope(x, positions);
     KV_CHECK_ARG(y.defined() && y.sizes() == x.sizes(), "CacheConfig.rope returned ", shape_str(y), " for input ",
@@ -418,6 +440,8 @@ struct CacheManager::Impl {
     if (!pre_rope()) {
       k = rope(k, pos);
       check_finite(k, fn, "rope(k)");
+    } else {
+      check_rotated_finite(k, pp, fn);  // the rotation every read applies: the same range as post-RoPE
     }
     if (hooks != nullptr) {
       // The pool's capacity: what this append allocates, checked before anything changes. A
