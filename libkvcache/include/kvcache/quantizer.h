@@ -129,7 +129,10 @@ class Quantizer {
 
   /// Reconstructs a tensor of `q.shape` and `q.dtype`: the float32 reconstruction rounded to
   /// q.dtype, saturating at its largest finite value (finite input never comes back ±Inf).
-  /// @throws InvalidArgument if `q.format` differs from spec().
+  /// @throws InvalidArgument if `q.format` differs from spec(), or `q.shape` (checked first)
+  ///         is not the shape of a tensor the format makes: a negative size, more elements than
+  ///         int64 counts, a head_dim (e.g. 0) or seq_len that does not fit the group size, or
+  ///         tensors of other shapes than it implies (a hand-built q).
   at::Tensor dequantize(const QuantizedTensor& q) const;
 
   /// quantize(x) into a caller-held `out`, for callers that quantize same-shaped tensors
