@@ -25,8 +25,11 @@
 
 namespace kvcache {
 
-/// The calibration file format version written and accepted.
-inline constexpr uint32_t kKvquantCalibrationVersion = 1;
+/// The calibration file format version written (and read, with version 1). Version 2 is
+/// version 1's layout with its checksum computed as documented (FNV-1a 64, offset basis
+/// 14695981039346656037); version 1 files were written with a mistaken basis and are read with
+/// either (docs/quantizers.md, "KVQuant calibration file").
+inline constexpr uint32_t kKvquantCalibrationVersion = 2;
 
 /// One codebook: 2^bits centroids, ascending, float32, normalised units.
 struct KvquantCodebook {
@@ -130,10 +133,10 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
 /// docs/quantizers.md. @throws InvalidArgument if `c` is inconsistent or the write fails.
 void save_kvquant_calibration(const KvquantCalibration& c, const std::string& path);
 
-/// Reads a calibration file. @throws InvalidArgument naming the path: missing or unreadable,
-/// not a regular file or above 1 GiB, not a calibration file (magic), another version (naming
-/// both), truncated or with trailing bytes (naming the sizes), a checksum mismatch,
-/// inconsistent contents.
+/// Reads a calibration file of format version 2 or 1. @throws InvalidArgument naming the path:
+/// missing or unreadable, not a regular file or above 1 GiB, not a calibration file (magic),
+/// another version (naming it and the versions read), truncated or with trailing bytes (naming
+/// the sizes), a checksum mismatch, inconsistent contents.
 KvquantCalibration load_kvquant_calibration(const std::string& path);
 
 // ---- the math, exposed for tests and tools ----------------------------------------------

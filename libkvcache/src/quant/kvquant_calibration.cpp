@@ -165,8 +165,15 @@ class Reader {
   size_t pos_ = 0;
 };
 
-uint64_t fnv1a(const char* p, size_t n) {
-  uint64_t h = 1469598103934665603ull;
+/// FNV-1a 64 (docs/quantizers.md, "KVQuant calibration file"): offset basis
+/// 14695981039346656037 (0xcbf29ce484222325), prime 1099511628211.
+constexpr uint64_t kFnvOffsetBasis = 14695981039346656037ull;
+/// The offset basis builds before format version 2 wrote by mistake (a digit short of the
+/// standard one): version 1 files carrying it are still read.
+constexpr uint64_t kLegacyV1OffsetBasis = 1469598103934665603ull;
+
+uint64_t fnv1a(const char* p, size_t n, uint64_t basis = kFnvOffsetBasis) {
+  uint64_t h = basis;
   for (size_t i = 0; i < n; ++i) {
     h ^= static_cast<unsigned char>(p[i]);
     h *= 1099511628211ull;
@@ -586,8 +593,9 @@ KvquantCalibration load_kvquant_calibration(const std::string& path) {
   Reader r(data, path);
   for (size_t i = 0; i < sizeof kMagic; ++i) (void)r.get<char>("the magic");
   const uint32_t version = r.get<uint32_t>("the version");
-  KV_CHECK_ARG(version == kKvquantCalibrationVersion, "KVQuant calibration '", path, "' has format version ", version,
-               "; this build reads version ", kKvquantCalibrationVersion, " (re-run kv_study calibrate)");
+  KV_CHECK_ARG(version == 1 || version == kKvquantCalibrationVersion, "KVQuant calibration '", path,
+               "' has format version ", version, "; this build reads versions 1 and ", kKvquantCalibrationVersion,
+               " (re-run kv_study calibrate)");
   KvquantCalibration c;
   c.num_layers = r.get<uint32_t>("the header");
   c.num_kv_heads = r.get<uint32_t>("the header");
@@ -640,8 +648,13 @@ KvquantCalibration load_kvquant_calibration(const std::string& path) {
   }
   const size_t body = r.pos();
   const uint64_t h = r.get<uint64_t>("the checksum");
-  KV_CHECK_ARG(h == fnv1a(data.data(), body), "KVQuant calibration '", path,
-               "': checksum mismatch (the file is corrupt; re-run kv_study calibrate)");
+  // Version 2: the documented FNV-1a. Version 1 (the layout is the same): the documented
+  // checksum, or the one earlier builds wrote with their mistaken offset basis.
+  const bool sum_ok = h == fnv1a(data.data(), body) ||
+                      (version == 1 && h == fnv1a(data.data(), body, kLegacyV1OffsetBasis));
+  KV_CHECK_ARG(sum_ok, "KVQuant calibration '", path,
+               "': checksum mismatch (the last 8 bytes are not FNV-1a 64 of the ", body,
+               " bytes before them; the file is corrupt: re-run kv_study calibrate)");
   c.check("KVQuant calibration '" + path + "'");
   return c;
 }
