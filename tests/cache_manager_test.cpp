@@ -162,6 +162,37 @@ TEST(CacheManager, KeysWhoseRopeOverflowsAreRefusedInBothStorages) {
   }
 }
 
+// The order of a step is one rule for every policy: after attend(), observe_attention or
+// observe_queries on a layer, an append to it in the same step is refused — also when the
+// policy reads no attention (issue 39, fault 8: `full` and `window` accepted it) — and changes
+// nothing; the next step appends again.
+TEST(CacheManager, AppendAfterAttendIsRefusedForEveryPolicy) {
+  for (const std::string policy : {"full", "window@8", "h2o@8", "expected:s2:stream@8"}) {
+    for (int how = 0; how < 3; ++how) {  // attend, observe_attention, observe_queries
+      CacheManager m(make_config(1, 4, 2, 8, "fp32", policy, 32));
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+      m.append(0, testing::randn({1, 2, 3, 8}, gen), testing::randn({1, 2, 3, 8}, gen), positions_range(0, 3));
+      if (how == 0) (void)m.attend(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
+      if (how == 1) m.observe_attention(0, testing::random_probs(1, 4, 3, 3, gen));
+      if (how == 2) m.observe_queries(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
+      const std::string where = policy + " after " + std::vector<std::string>{"attend", "observe_attention", "observe_queries"}[how];
+      const Snapshot before(m);
+      const std::string err = testing::error_of(
+          [&] { m.append(0, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen), positions_range(3, 1)); });
+      EXPECT_NE(err.find("CacheManager::append: the attention of layer 0 was already observed in this step"),
+                std::string::npos)
+          << where << ": " << err;
+      EXPECT_NE(err.find("append the step's tokens first, then attend, then end_step()"), std::string::npos) << where;
+      before.expect_unchanged(m, where);
+      if (how != 0) (void)m.attend(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
+      m.end_step(StepKind::kPrefillEnd);
+      m.append(0, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen), positions_range(3, 1));
+      EXPECT_EQ(m.tokens(0).written, 4) << where;
+      m.check_invariants();
+    }
+  }
+}
+
 struct StepExpect {
   int64_t chunk, written, resident_after_append, resident_after_end, peak_bytes;
 };

@@ -292,6 +292,38 @@ TEST(KvquantWeights, AFileOfWeightsFeedsTheWeightedFit) {
   std::remove(path.c_str());
 }
 
+// All-zero weights carry no information: a weights file whose layer holds only zeros is
+// refused when read, and a weighted fit whose pooled values all weigh 0 is refused naming the
+// layer, level and stream (issue 39, fault 8: both gave a uniform codebook, silently).
+TEST(KvquantWeights, AllZeroWeightsAreRefused) {
+  at::Tensor k = at::zeros({5, 1, 2});
+  for (int i = 0; i < 5; ++i) {
+    k[i][0][0] = static_cast<float>(i);
+    k[i][0][1] = static_cast<float>(2 * i) - 3.0f;
+  }
+  std::vector<float> w(10, 0.0f);                // keys [5, 1, 2]: all zero
+  for (int i = 0; i < 10; ++i) w.push_back(1.0f);  // values
+  const std::string path = temp_path("zero.kvqw");
+  write_bytes(path, weights_file(1, 1, 2, 5, w));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }),
+              HasSubstr("KVQuant weights '" + path + "': every weight of layer 0 keys is 0 (10 weights)"));
+  std::remove(path.c_str());
+  KvquantFitOptions o;
+  o.bits = {2};
+  o.sparsities = {1.0};
+  const KvquantWeights zero_keys{{at::zeros({5, 1, 2})}, {at::ones({5, 1, 2})}};
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &zero_keys); }),
+              HasSubstr("fit_kvquant_calibration: layer 0 at sparsity 1, keys: every one of the 10 calibration "
+                        "values its codebook is fitted to (the non-outliers) has weight 0"));
+  const KvquantWeights zero_values{{at::ones({5, 1, 2})}, {at::zeros({5, 1, 2})}};
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &zero_values); }),
+              HasSubstr("layer 0 at sparsity 1, values: every one of the 10"));
+  // One positive weight is enough.
+  KvquantWeights one = zero_keys;
+  one.keys[0][2][0][1] = 1.0f;
+  EXPECT_NO_THROW((void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &one));
+}
+
 // ------------------------------------------------------------ the file
 
 TEST(KvquantFile, RoundTripsExactly) {

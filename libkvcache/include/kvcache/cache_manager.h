@@ -93,8 +93,10 @@ class CacheManager final : public KVCache {
   /// @param positions int64 `[T_new]`: increasing, after the layer's last position, below
   ///        2^63 − 1 (in kRerotate mode exactly next_position(layer) + i)
   /// @throws InvalidArgument on a wrong shape/dtype/layer, NaN/Inf (naming the index), bad
-  ///         positions (the message names expected vs got), or an append after the layer's
-  ///         attention was observed in this step (append, then attend, then end_step).
+  ///         positions (the message names expected vs got), keys whose RoPE leaves float32
+  ///         (`rope(k) contains +Inf`, in both key storages), or an append after attend(),
+  ///         observe_attention() or observe_queries() ran on the layer in this step — for every
+  ///         policy, whether or not it reads attention (append, then attend, then end_step).
   void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override;
 
   /// Attention of `q` `[1, H_q, T_q, D]` (post-RoPE, float) at `q_positions` int64 `[T_q]`

@@ -110,7 +110,8 @@ inline constexpr uint32_t kKvquantWeightsVersion = 1;
 /// @throws InvalidArgument naming the path: missing or unreadable, not a regular file or above
 ///         4 GiB, no magic, another version, a header of another shape (naming the expected
 ///         [L, N, H_kv, D] and the one found), a size other than the header's (naming both), a
-///         negative or non-finite weight (naming its layer, stream and index).
+///         negative or non-finite weight (naming its layer, stream and index), a layer whose
+///         keys' or values' weights are all 0 (no information to weigh by; naming it).
 KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int64_t tokens, int64_t heads,
                                     int64_t head_dim);
 
@@ -124,7 +125,8 @@ KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int
 /// kmeans_1d_weighted() and Q-Norm matches the weighted mean and standard deviation; the
 /// thresholds (quantiles) and outlier choices stay unweighted.
 /// @throws InvalidArgument on empty input, mismatched shapes, non-finite values, bad options,
-///         weights of another shape than the activations or negative / non-finite weights.
+///         weights of another shape than the activations or negative / non-finite weights, or
+///         a codebook whose pooled (non-outlier) values all weigh 0 (naming layer, level, stream).
 KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                            const KvquantFitOptions& options, const std::string& source,
                                            const KvquantWeights* weights = nullptr);

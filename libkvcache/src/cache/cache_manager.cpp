@@ -194,6 +194,9 @@ struct LayerState {
   bool observed = false;  ///< the policy got this step's attention for the layer
   int64_t min_step = 0;   ///< after an adopted prefix: tokens the next append must carry at least
   bool queried = false;   ///< the policy got this step's query rows for the layer
+  /// attend(), observe_attention or observe_queries ran on the layer in this step (whether or
+  /// not the policy uses attention): the step's appends are over — one rule for every policy.
+  bool attended = false;
   CacheStats stats;
 };
 
@@ -405,7 +408,7 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
                      positions.scalar_type() == at::kLong && positions.device().is_cpu(),
                  fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
-    KV_CHECK_ARG(!(l.observed || l.queried) || n == 0, fn, ": the attention of layer ", layer,
+    KV_CHECK_ARG(!(l.observed || l.queried || l.attended) || n == 0, fn, ": the attention of layer ", layer,
                  " was already observed in this step (by attend(), observe_attention or observe_queries); append the step's "
                  "tokens first, then attend, then end_step()");
     const at::Tensor pos = positions.contiguous();
@@ -480,7 +483,7 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(!replaying, fn, ": a replay step is already open; end it with end_step(kReplay or kReplayEnd)");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& l = layers[i];
-      KV_CHECK_ARG(l.step_new == 0 && !l.observed && !l.queried, fn, ": layer ", i,
+      KV_CHECK_ARG(l.step_new == 0 && !l.observed && !l.queried && !l.attended, fn, ": layer ", i,
                    " is inside a step (tokens appended or attention observed); call begin_replay() after end_step()");
     }
     replaying = true;
@@ -611,6 +614,7 @@ struct CacheManager::Impl {
     const QueryNeed qneed = l.queried ? QueryNeed{} : policy->query_need();
     AttentionMass mass;
     at::Tensor out = attend_layer(layer, q, q_positions, need, &mass, cfg.fused_attention);
+    if (q.size(2) > 0) l.attended = true;
     if (need.any() && q.size(2) > 0) {
       policy->observe(layer, mass);
       l.observed = true;
@@ -669,6 +673,7 @@ struct CacheManager::Impl {
                  fn, ": q_positions must be a CPU int64 tensor [T_q=", q.size(2), "], got ", shape_str(q_positions));
     KV_CHECK_ARG(!l.queried, fn, ": the queries of layer ", layer, " were already observed in this step");
     check_finite(q, fn, "q");
+    l.attended = true;
     const QueryNeed need = policy->query_need();
     if (!need.any()) return;
     hand_queries(layer, q, q_positions, need);
@@ -726,6 +731,7 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(!l.observed, fn, ": the attention of layer ", layer,
                  " was already observed in this step (by attend() or observe_attention)");
     check_probabilities(probs, fn);
+    l.attended = true;
     const AttentionNeed need = policy->attention_need();
     if (!need.any()) return;
     const AttentionMass mass = reduce_attention(probs, cfg.num_kv_heads, need);
@@ -822,6 +828,7 @@ struct CacheManager::Impl {
       l.step_new = 0;
       l.observed = false;
       l.queried = false;
+      l.attended = false;
     }
     if (replaying) {
       replaying = false;  // the replay's tokens are dropped: nothing of them was stored
@@ -930,6 +937,7 @@ void CacheManager::reset(int64_t context_length) {
     l.observed = false;
     l.min_step = 0;
     l.queried = false;
+    l.attended = false;
     l.stats = CacheStats{};
   }
   if (!im.shared_pools) im.pools->clear();  // give the memory back
