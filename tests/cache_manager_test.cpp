@@ -4,15 +4,19 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cache/cache_manager_access.h"
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/multi_sequence_cache.h"
 
 namespace kvcache {
 namespace {
@@ -584,6 +588,155 @@ TEST(CacheManager, RandomizedInvariants) {
           EXPECT_LE(total, 2 * 2 * 24) << where;
         }
       }
+    }
+  }
+}
+
+// ------------------------------------------------------------ threads
+
+/// What one cache computes over a fixed request: every attend() output of every step, then the
+/// dequantized K/V and the stats (equal-length heads only).
+struct CacheRun {
+  std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> kv;
+  CacheStats stats;
+};
+
+/// The inputs of one request, drawn up front (a generator is not shared across threads):
+/// a 40-token prefill in chunks, then 24 decode steps, 2 layers, H_q 4, H_kv 2, D 32.
+struct ThreadInputs {
+  std::vector<int64_t> chunks;
+  std::vector<std::array<at::Tensor, 3>> kvq;  ///< per step and layer: k, v, q
+};
+
+ThreadInputs thread_inputs(uint64_t seed) {
+  ThreadInputs in;
+  in.chunks = {17, 23};
+  for (int i = 0; i < 24; ++i) in.chunks.push_back(1);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t n : in.chunks) {
+    for (int64_t l = 0; l < 2; ++l) {
+      in.kvq.push_back({testing::randn({1, 2, n, 32}, gen) * 2.0, testing::randn({1, 2, n, 32}, gen),
+                        testing::randn({1, 4, n, 32}, gen)});
+    }
+  }
+  return in;
+}
+
+CacheRun drive(KVCache& c, const ThreadInputs& in) {
+  CacheRun r;
+  int64_t pos = 0;
+  size_t i = 0;
+  for (size_t s = 0; s < in.chunks.size(); ++s) {
+    const int64_t n = in.chunks[s];
+    for (int64_t l = 0; l < 2; ++l, ++i) {
+      c.append(l, in.kvq[i][0], in.kvq[i][1], positions_range(pos, n));
+      r.outputs.push_back(c.attend(l, in.kvq[i][2], positions_range(pos, n)));
+    }
+    c.end_step(s == 0 ? StepKind::kPrefill : s == 1 ? StepKind::kPrefillEnd : StepKind::kDecode);
+    pos += n;
+  }
+  return r;
+}
+
+void finish_run(const CacheManager& m, CacheRun& r) {
+  for (int64_t l = 0; l < 2; ++l) {
+    const LayerKV kv = m.get(l);
+    r.kv.push_back(kv.k);
+    r.kv.push_back(kv.v);
+  }
+  r.stats = m.stats();
+}
+
+void expect_bit_equal(const CacheRun& a, const CacheRun& b, const std::string& where) {
+  ASSERT_EQ(a.outputs.size(), b.outputs.size()) << where;
+  for (size_t i = 0; i < a.outputs.size(); ++i) {
+    EXPECT_TRUE(at::equal(a.outputs[i], b.outputs[i])) << where << ": attend() output " << i;
+  }
+  ASSERT_EQ(a.kv.size(), b.kv.size()) << where;
+  for (size_t i = 0; i < a.kv.size(); ++i) EXPECT_TRUE(at::equal(a.kv[i], b.kv[i])) << where << ": K/V " << i;
+  EXPECT_EQ(a.stats.bytes_resident, b.stats.bytes_resident) << where;
+  EXPECT_EQ(a.stats.bytes_reserved_peak, b.stats.bytes_reserved_peak) << where;
+  EXPECT_EQ(a.stats.tokens_resident, b.stats.tokens_resident) << where;
+}
+
+// Separate caches in one process share no mutable state (cache_manager.h, "Threads"): two
+// threads, each driving its own cache at the same time, compute bit for bit what one thread
+// computes driving the same caches one after the other — attention outputs, stored K/V,
+// counters — for quantized, rotated, pre-RoPE and evicting caches and a MultiSequenceCache,
+// over several rounds. (The hostile run of issue 39 matched 1,350 two-thread runs.)
+TEST(CacheThreads, TwoThreadsTwoCachesAreBitEqualToOneThread) {
+  struct Case {
+    std::string scheme, policy;
+    bool pre_rope;
+  };
+  const std::vector<std::pair<Case, Case>> pairs = {
+      {{"int4:g32", "h2o@24", false}, {"kivi:k2:v2:g8:r16", "snapkv:w4@50%", false}},
+      {{"had(int4)", "window@24", true}, {"fp8:e4m3:scaled", "expected:s2:stream@24", false}},
+      {{"int8", "full", false}, {"gear:b2:g8:s0.25:r1:loop1:nb16", "knorm:stream@20", true}},
+  };
+  auto config = [](const Case& c) {
+    CacheConfig cfg = make_config(2, 4, 2, 32, c.scheme, c.policy, 64);
+    if (c.pre_rope) cfg.key_storage = KeyStorage::kPreRoPE;
+    return cfg;
+  };
+  uint64_t seed = 40;
+  for (const auto& [a, b] : pairs) {
+    const ThreadInputs ia = thread_inputs(++seed), ib = thread_inputs(++seed);
+    const std::string where = a.scheme + "+" + a.policy + " beside " + b.scheme + "+" + b.policy;
+    // One thread: A, then B, then B's request again in a MultiSequenceCache sequence.
+    CacheRun ra, rb, rs;
+    {
+      CacheManager ma(config(a)), mb(config(b));
+      ra = drive(ma, ia);
+      finish_run(ma, ra);
+      rb = drive(mb, ib);
+      finish_run(mb, rb);
+      MultiSequenceConfig mc;
+      mc.model = config(b);
+      mc.capacity_bytes = int64_t{1} << 30;
+      MultiSequenceCache pool(mc);
+      Sequence& s = pool.add_sequence();
+      s.reset(64);
+      rs = drive(s, ib);
+    }
+    expect_bit_equal(rb, CacheRun{rs.outputs, rb.kv, rb.stats}, where + " (sequence alone)");
+    for (int round = 0; round < 4; ++round) {
+      CacheManager ma(config(a)), mb(config(b));
+      MultiSequenceConfig mc;
+      mc.model = config(b);
+      mc.capacity_bytes = int64_t{1} << 30;
+      MultiSequenceCache pool(mc);
+      Sequence& s = pool.add_sequence();
+      s.reset(64);
+      CacheRun ta, tb, ts;
+      std::string errors[3];
+      std::atomic<int> ready{0};
+      auto run = [&](int who, KVCache& c, const ThreadInputs& in, CacheRun& out) {
+        ++ready;
+        while (ready.load() < 3) std::this_thread::yield();  // start together
+        try {
+          out = drive(c, in);
+        } catch (const std::exception& e) {
+          errors[who] = e.what();
+        }
+      };
+      std::thread t0(run, 0, std::ref(ma), std::cref(ia), std::ref(ta));
+      std::thread t1(run, 1, std::ref(mb), std::cref(ib), std::ref(tb));
+      std::thread t2(run, 2, std::ref(s), std::cref(ib), std::ref(ts));
+      t0.join();
+      t1.join();
+      t2.join();
+      for (const auto& e : errors) ASSERT_EQ(e, "") << where;
+      finish_run(ma, ta);
+      finish_run(mb, tb);
+      const std::string w = where + ", round " + std::to_string(round);
+      expect_bit_equal(ra, ta, w + " (cache A)");
+      expect_bit_equal(rb, tb, w + " (cache B)");
+      expect_bit_equal(rb, CacheRun{ts.outputs, rb.kv, rb.stats}, w + " (the sequence)");
+      ma.check_invariants();
+      mb.check_invariants();
+      pool.check_invariants();
     }
   }
 }

@@ -24,6 +24,17 @@
 /// Storage per layer, stream (K, V) and KV head: quantized blocks followed by full-precision
 /// residual blocks, oldest first; heads may hold different numbers of tokens. Eviction
 /// leaves holes that attention skips and frees a block as soon as it is empty.
+///
+/// Threads: one CacheManager (with its policy) is driven by one thread at a time; it is not
+/// thread-safe. Separate CacheManagers share no mutable state, so an engine may drive
+/// different managers from different threads at the same time, and each computes bit for bit
+/// what it computes driven alone (test CacheThreads.TwoThreadsTwoCachesAreBitEqualToOneThread);
+/// the same holds for separate MultiSequenceCaches. What they do share is process-wide and set
+/// up front: the attention kernels (chosen once, KVCACHE_FUSED_ISA read at the first attend()),
+/// LibTorch's intra-op threads (at::set_num_threads), the library's logger (kvcache/log.h;
+/// thread-safe), the kvquant calibration files read (a mutex-guarded cache), and the
+/// CacheConfig::rope hook when several configs hold the same one — it is then called from
+/// several threads at once and must allow that (CausalLM::cache_config()'s does).
 
 #include <ATen/ATen.h>
 

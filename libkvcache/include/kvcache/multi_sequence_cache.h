@@ -48,7 +48,9 @@
 /// Otherwise it reclaims cached prefix blocks that no sequence uses (least recently used leaf
 /// first, its tail first); if that is not enough, PoolFullRule decides. Nothing is dropped
 /// silently.
-/// Not thread-safe: one thread drives the cache and all its sequences.
+/// Not thread-safe: one thread drives the cache and all its sequences. Separate
+/// MultiSequenceCaches share no mutable state and may be driven from separate threads at once,
+/// each computing what it computes alone (cache_manager.h, "Threads").
 
 #include <ATen/ATen.h>
 
