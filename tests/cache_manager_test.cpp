@@ -4,15 +4,19 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cache/cache_manager_access.h"
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/multi_sequence_cache.h"
 
 namespace kvcache {
 namespace {
@@ -128,6 +132,69 @@ TEST(CacheManager, AppendValidation) {
   EXPECT_NO_THROW(m.end_step(StepKind::kDecode));
   EXPECT_THROW(m.observe_attention(0, at::zeros({1, 4, 1, 2})), InvalidArgument);  // T_res 3
   m.check_invariants();
+}
+
+// Keys whose RoPE leaves float32 are refused whether keys are stored after RoPE (rotated once,
+// at the append) or before it (rotated at every read), with the same message, and the rejected
+// append changes nothing; at position 0 (the identity) the same values are stored and read back
+// finite (issue 39, fault 3: pre-RoPE storage accepted them and get() returned +Inf).
+TEST(CacheManager, KeysWhoseRopeOverflowsAreRefusedInBothStorages) {
+  for (const KeyStorage ks : {KeyStorage::kPostRoPE, KeyStorage::kPreRoPE}) {
+    const std::string where = ks == KeyStorage::kPreRoPE ? "pre-RoPE" : "post-RoPE";
+    auto c = make_config(1, 2, 2, 8, "fp32", "full");
+    c.key_storage = ks;
+    CacheManager m(c);
+    // At position 1: y[4] = x[4]·cos 1 + x[0]·sin 1 = 3e38 · 1.38, beyond float32.
+    at::Tensor k = at::zeros({1, 2, 2, 8});
+    k[0][1][1][0] = 3.0e38f;
+    k[0][1][1][4] = 3.0e38f;
+    const Snapshot before(m);
+    const std::string err =
+        testing::error_of([&] { m.append(0, k, at::zeros({1, 2, 2, 8}), positions_range(0, 2)); });
+    EXPECT_NE(err.find("CacheManager::append: rope(k) contains +Inf at [b, h, t, d] = [0, 1, 1, 4]"),
+              std::string::npos)
+        << where << ": " << err;
+    before.expect_unchanged(m, where + " after the refused append");
+    at::Tensor k0 = at::zeros({1, 2, 1, 8});
+    k0[0][1][0][0] = 3.0e38f;
+    k0[0][1][0][4] = 3.0e38f;
+    m.append(0, k0, at::zeros({1, 2, 1, 8}), positions_range(0, 1));
+    const LayerKV kv = m.get(0);
+    EXPECT_TRUE(at::isfinite(kv.k).all().item<bool>()) << where;
+    EXPECT_EQ(kv.k[0][1][0][4].item<float>(), 3.0e38f) << where;
+    m.check_invariants();
+  }
+}
+
+// The order of a step is one rule for every policy: after attend(), observe_attention or
+// observe_queries on a layer, an append to it in the same step is refused — also when the
+// policy reads no attention (issue 39, fault 8: `full` and `window` accepted it) — and changes
+// nothing; the next step appends again.
+TEST(CacheManager, AppendAfterAttendIsRefusedForEveryPolicy) {
+  for (const std::string policy : {"full", "window@8", "h2o@8", "expected:s2:stream@8"}) {
+    for (int how = 0; how < 3; ++how) {  // attend, observe_attention, observe_queries
+      CacheManager m(make_config(1, 4, 2, 8, "fp32", policy, 32));
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+      m.append(0, testing::randn({1, 2, 3, 8}, gen), testing::randn({1, 2, 3, 8}, gen), positions_range(0, 3));
+      if (how == 0) (void)m.attend(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
+      if (how == 1) m.observe_attention(0, testing::random_probs(1, 4, 3, 3, gen));
+      if (how == 2) m.observe_queries(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
+      const std::string where = policy + " after " + std::vector<std::string>{"attend", "observe_attention", "observe_queries"}[how];
+      const Snapshot before(m);
+      const std::string err = testing::error_of(
+          [&] { m.append(0, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen), positions_range(3, 1)); });
+      EXPECT_NE(err.find("CacheManager::append: the attention of layer 0 was already observed in this step"),
+                std::string::npos)
+          << where << ": " << err;
+      EXPECT_NE(err.find("append the step's tokens first, then attend, then end_step()"), std::string::npos) << where;
+      before.expect_unchanged(m, where);
+      if (how != 0) (void)m.attend(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
+      m.end_step(StepKind::kPrefillEnd);
+      m.append(0, testing::randn({1, 2, 1, 8}, gen), testing::randn({1, 2, 1, 8}, gen), positions_range(3, 1));
+      EXPECT_EQ(m.tokens(0).written, 4) << where;
+      m.check_invariants();
+    }
+  }
 }
 
 struct StepExpect {
@@ -303,6 +370,62 @@ TEST(CacheManager, RerotateMatchesRopeOfPrunedKeys) {
                InvalidArgument);
 }
 
+// Head-wise eviction (adakv, duo) leaves the KV heads of a layer with different numbers of
+// tokens. In kRerotate mode each head's survivors are numbered contiguously up to the layer's
+// next position (a head of n_h tokens holds next − n_h .. next − 1), so the one query position
+// sees every head's keys at the distances the head would give them numbered alone: attention
+// per head equals softmax over rope(k_h, 0 .. n_h − 1) with the query at n_h − 1. Before this
+// the shorter head's next token took the longer head's next position, and check_invariants()
+// threw "rerotate positions not contiguous at head 1" (issue 39, fault 1).
+TEST(CacheManager, RerotateWithRaggedHeadsNumbersEachHeadUpToTheNextPosition) {
+  for (const std::string policy : {"adakv:knorm:stream@6", "duo:s2:r6:w4@24"}) {
+    auto c = make_config(1, 4, 2, 8, "fp32", policy, 40);
+    c.key_storage = KeyStorage::kPreRoPE;
+    c.position_mode = PositionMode::kRerotate;
+    CacheManager m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    bool ragged = false;
+    for (int64_t step = 0; step < 11; ++step) {
+      const int64_t n = step == 0 ? 30 : 1;
+      const int64_t p = m.next_position(0);
+      at::Tensor k = testing::randn({1, 2, n, 8}, gen);
+      k[0][1].mul_(3.0);  // the heads' keys differ in scale: they score differently
+      const at::Tensor v = testing::randn({1, 2, n, 8}, gen);
+      m.append(0, k, v, positions_range(p, n));
+      const at::Tensor q_pre = testing::randn({1, 4, n, 8}, gen);
+      const at::Tensor out = m.attend(0, test_rope(q_pre, positions_range(p, n)), positions_range(p, n));
+      if (n == 1) {
+        // Per KV head h: its stored pre-RoPE keys numbered 0 .. n_h − 1, the query at n_h − 1.
+        const auto ks = cache::CacheManagerAccess::stream(m, 0, true);
+        const auto vs = cache::CacheManagerAccess::stream(m, 0, false);
+        for (int64_t h = 0; h < 2; ++h) {
+          const at::Tensor kh = ks.stored[static_cast<size_t>(h)][0][0];  // [n_h, D]
+          const int64_t nh = kh.size(0);
+          const at::Tensor kr = test_rope(kh.view({1, 1, nh, 8}), positions_range(0, nh))[0][0];
+          const at::Tensor qh = test_rope(q_pre.narrow(1, 2 * h, 2), positions_range(nh - 1, 1))[0];  // [2, 1, D]
+          const at::Tensor probs = at::softmax(at::matmul(qh, kr.t()) / std::sqrt(8.0), -1);
+          const at::Tensor want = at::matmul(probs, vs.stored[static_cast<size_t>(h)][0][0]);
+          EXPECT_TRUE(at::allclose(out[0].narrow(0, 2 * h, 2), want, 1e-5, 1e-5))
+              << policy << " step " << step << " head " << h << " (" << nh << " tokens)";
+        }
+      }
+      m.end_step(step == 0 ? StepKind::kPrefillEnd : StepKind::kDecode);
+      m.check_invariants();
+      const LayerTokens t = m.tokens(0);
+      const int64_t next = m.next_position(0);
+      EXPECT_EQ(next, t.max_resident()) << policy;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t nh = t.resident(h);
+        std::vector<int64_t> want(static_cast<size_t>(nh));
+        for (int64_t j = 0; j < nh; ++j) want[static_cast<size_t>(j)] = next - nh + j;
+        EXPECT_EQ(t.positions[static_cast<size_t>(h)], want) << policy << " step " << step << " head " << h;
+      }
+      ragged = ragged || t.resident(0) != t.resident(1);
+    }
+    EXPECT_TRUE(ragged) << policy << " never left the heads with different counts: the test tests nothing";
+  }
+}
+
 TEST(CacheManager, PreRopeOriginalPositionsRotatesOnRead) {
   auto c = make_config(1, 2, 2, 8, "int4", "window@6");
   c.key_storage = KeyStorage::kPreRoPE;
@@ -368,8 +491,11 @@ TEST(CacheManager, RandomizedInvariants) {
   for (const auto& quant : quants) {
     for (const auto& policy : policies) {
       for (int mode = 0; mode < 3; ++mode) {  // post-RoPE, pre-RoPE, pre-RoPE + rerotate
+        // Re-rotation: positional policies, and the head-wise ones (adakv, duo), whose ragged
+        // heads are each numbered up to the layer's next position.
         const bool positional = policy.rfind("window", 0) == 0 || policy.rfind("sink", 0) == 0;
-        if (mode == 2 && !positional) continue;
+        const bool head_wise = policy.find("adakv") != std::string::npos || policy.rfind("duo", 0) == 0;
+        if (mode == 2 && !positional && !head_wise) continue;
         auto c = make_config(2, 4, 2, 8, quant, policy, 40);
         if (mode >= 1) c.key_storage = KeyStorage::kPreRoPE;
         if (mode == 2) c.position_mode = PositionMode::kRerotate;
@@ -462,6 +588,155 @@ TEST(CacheManager, RandomizedInvariants) {
           EXPECT_LE(total, 2 * 2 * 24) << where;
         }
       }
+    }
+  }
+}
+
+// ------------------------------------------------------------ threads
+
+/// What one cache computes over a fixed request: every attend() output of every step, then the
+/// dequantized K/V and the stats (equal-length heads only).
+struct CacheRun {
+  std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> kv;
+  CacheStats stats;
+};
+
+/// The inputs of one request, drawn up front (a generator is not shared across threads):
+/// a 40-token prefill in chunks, then 24 decode steps, 2 layers, H_q 4, H_kv 2, D 32.
+struct ThreadInputs {
+  std::vector<int64_t> chunks;
+  std::vector<std::array<at::Tensor, 3>> kvq;  ///< per step and layer: k, v, q
+};
+
+ThreadInputs thread_inputs(uint64_t seed) {
+  ThreadInputs in;
+  in.chunks = {17, 23};
+  for (int i = 0; i < 24; ++i) in.chunks.push_back(1);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t n : in.chunks) {
+    for (int64_t l = 0; l < 2; ++l) {
+      in.kvq.push_back({testing::randn({1, 2, n, 32}, gen) * 2.0, testing::randn({1, 2, n, 32}, gen),
+                        testing::randn({1, 4, n, 32}, gen)});
+    }
+  }
+  return in;
+}
+
+CacheRun drive(KVCache& c, const ThreadInputs& in) {
+  CacheRun r;
+  int64_t pos = 0;
+  size_t i = 0;
+  for (size_t s = 0; s < in.chunks.size(); ++s) {
+    const int64_t n = in.chunks[s];
+    for (int64_t l = 0; l < 2; ++l, ++i) {
+      c.append(l, in.kvq[i][0], in.kvq[i][1], positions_range(pos, n));
+      r.outputs.push_back(c.attend(l, in.kvq[i][2], positions_range(pos, n)));
+    }
+    c.end_step(s == 0 ? StepKind::kPrefill : s == 1 ? StepKind::kPrefillEnd : StepKind::kDecode);
+    pos += n;
+  }
+  return r;
+}
+
+void finish_run(const CacheManager& m, CacheRun& r) {
+  for (int64_t l = 0; l < 2; ++l) {
+    const LayerKV kv = m.get(l);
+    r.kv.push_back(kv.k);
+    r.kv.push_back(kv.v);
+  }
+  r.stats = m.stats();
+}
+
+void expect_bit_equal(const CacheRun& a, const CacheRun& b, const std::string& where) {
+  ASSERT_EQ(a.outputs.size(), b.outputs.size()) << where;
+  for (size_t i = 0; i < a.outputs.size(); ++i) {
+    EXPECT_TRUE(at::equal(a.outputs[i], b.outputs[i])) << where << ": attend() output " << i;
+  }
+  ASSERT_EQ(a.kv.size(), b.kv.size()) << where;
+  for (size_t i = 0; i < a.kv.size(); ++i) EXPECT_TRUE(at::equal(a.kv[i], b.kv[i])) << where << ": K/V " << i;
+  EXPECT_EQ(a.stats.bytes_resident, b.stats.bytes_resident) << where;
+  EXPECT_EQ(a.stats.bytes_reserved_peak, b.stats.bytes_reserved_peak) << where;
+  EXPECT_EQ(a.stats.tokens_resident, b.stats.tokens_resident) << where;
+}
+
+// Separate caches in one process share no mutable state (cache_manager.h, "Threads"): two
+// threads, each driving its own cache at the same time, compute bit for bit what one thread
+// computes driving the same caches one after the other — attention outputs, stored K/V,
+// counters — for quantized, rotated, pre-RoPE and evicting caches and a MultiSequenceCache,
+// over several rounds. (The hostile run of issue 39 matched 1,350 two-thread runs.)
+TEST(CacheThreads, TwoThreadsTwoCachesAreBitEqualToOneThread) {
+  struct Case {
+    std::string scheme, policy;
+    bool pre_rope;
+  };
+  const std::vector<std::pair<Case, Case>> pairs = {
+      {{"int4:g32", "h2o@24", false}, {"kivi:k2:v2:g8:r16", "snapkv:w4@50%", false}},
+      {{"had(int4)", "window@24", true}, {"fp8:e4m3:scaled", "expected:s2:stream@24", false}},
+      {{"int8", "full", false}, {"gear:b2:g8:s0.25:r1:loop1:nb16", "knorm:stream@20", true}},
+  };
+  auto config = [](const Case& c) {
+    CacheConfig cfg = make_config(2, 4, 2, 32, c.scheme, c.policy, 64);
+    if (c.pre_rope) cfg.key_storage = KeyStorage::kPreRoPE;
+    return cfg;
+  };
+  uint64_t seed = 40;
+  for (const auto& [a, b] : pairs) {
+    const ThreadInputs ia = thread_inputs(++seed), ib = thread_inputs(++seed);
+    const std::string where = a.scheme + "+" + a.policy + " beside " + b.scheme + "+" + b.policy;
+    // One thread: A, then B, then B's request again in a MultiSequenceCache sequence.
+    CacheRun ra, rb, rs;
+    {
+      CacheManager ma(config(a)), mb(config(b));
+      ra = drive(ma, ia);
+      finish_run(ma, ra);
+      rb = drive(mb, ib);
+      finish_run(mb, rb);
+      MultiSequenceConfig mc;
+      mc.model = config(b);
+      mc.capacity_bytes = int64_t{1} << 30;
+      MultiSequenceCache pool(mc);
+      Sequence& s = pool.add_sequence();
+      s.reset(64);
+      rs = drive(s, ib);
+    }
+    expect_bit_equal(rb, CacheRun{rs.outputs, rb.kv, rb.stats}, where + " (sequence alone)");
+    for (int round = 0; round < 4; ++round) {
+      CacheManager ma(config(a)), mb(config(b));
+      MultiSequenceConfig mc;
+      mc.model = config(b);
+      mc.capacity_bytes = int64_t{1} << 30;
+      MultiSequenceCache pool(mc);
+      Sequence& s = pool.add_sequence();
+      s.reset(64);
+      CacheRun ta, tb, ts;
+      std::string errors[3];
+      std::atomic<int> ready{0};
+      auto run = [&](int who, KVCache& c, const ThreadInputs& in, CacheRun& out) {
+        ++ready;
+        while (ready.load() < 3) std::this_thread::yield();  // start together
+        try {
+          out = drive(c, in);
+        } catch (const std::exception& e) {
+          errors[who] = e.what();
+        }
+      };
+      std::thread t0(run, 0, std::ref(ma), std::cref(ia), std::ref(ta));
+      std::thread t1(run, 1, std::ref(mb), std::cref(ib), std::ref(tb));
+      std::thread t2(run, 2, std::ref(s), std::cref(ib), std::ref(ts));
+      t0.join();
+      t1.join();
+      t2.join();
+      for (const auto& e : errors) ASSERT_EQ(e, "") << where;
+      finish_run(ma, ta);
+      finish_run(mb, tb);
+      const std::string w = where + ", round " + std::to_string(round);
+      expect_bit_equal(ra, ta, w + " (cache A)");
+      expect_bit_equal(rb, tb, w + " (cache B)");
+      expect_bit_equal(rb, CacheRun{ts.outputs, rb.kv, rb.stats}, w + " (the sequence)");
+      ma.check_invariants();
+      mb.check_invariants();
+      pool.check_invariants();
     }
   }
 }

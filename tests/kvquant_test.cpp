@@ -8,14 +8,17 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <set>
 #include <unistd.h>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "cache_test_util.h"
@@ -289,6 +292,38 @@ TEST(KvquantWeights, AFileOfWeightsFeedsTheWeightedFit) {
   std::remove(path.c_str());
 }
 
+// All-zero weights carry no information: a weights file whose layer holds only zeros is
+// refused when read, and a weighted fit whose pooled values all weigh 0 is refused naming the
+// layer, level and stream (issue 39, fault 8: both gave a uniform codebook, silently).
+TEST(KvquantWeights, AllZeroWeightsAreRefused) {
+  at::Tensor k = at::zeros({5, 1, 2});
+  for (int i = 0; i < 5; ++i) {
+    k[i][0][0] = static_cast<float>(i);
+    k[i][0][1] = static_cast<float>(2 * i) - 3.0f;
+  }
+  std::vector<float> w(10, 0.0f);                // keys [5, 1, 2]: all zero
+  for (int i = 0; i < 10; ++i) w.push_back(1.0f);  // values
+  const std::string path = temp_path("zero.kvqw");
+  write_bytes(path, weights_file(1, 1, 2, 5, w));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_weights(path, 1, 5, 1, 2); }),
+              HasSubstr("KVQuant weights '" + path + "': every weight of layer 0 keys is 0 (10 weights)"));
+  std::remove(path.c_str());
+  KvquantFitOptions o;
+  o.bits = {2};
+  o.sparsities = {1.0};
+  const KvquantWeights zero_keys{{at::zeros({5, 1, 2})}, {at::ones({5, 1, 2})}};
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &zero_keys); }),
+              HasSubstr("fit_kvquant_calibration: layer 0 at sparsity 1, keys: every one of the 10 calibration "
+                        "values its codebook is fitted to (the non-outliers) has weight 0"));
+  const KvquantWeights zero_values{{at::ones({5, 1, 2})}, {at::zeros({5, 1, 2})}};
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &zero_values); }),
+              HasSubstr("layer 0 at sparsity 1, values: every one of the 10"));
+  // One positive weight is enough.
+  KvquantWeights one = zero_keys;
+  one.keys[0][2][0][1] = 1.0f;
+  EXPECT_NO_THROW((void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &one));
+}
+
 // ------------------------------------------------------------ the file
 
 TEST(KvquantFile, RoundTripsExactly) {
@@ -326,11 +361,11 @@ TEST(KvquantFile, ErrorsNameTheProblem) {
   write_bytes(path, good.substr(0, 20));
   EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("is truncated: it ends at byte 20"));
   // Another version.
-  std::string v2 = good;
-  v2[8] = 2;
-  write_bytes(path, v2);
+  std::string v3 = good;
+  v3[8] = 3;
+  write_bytes(path, v3);
   EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }),
-              HasSubstr("has format version 2; this build reads version 1"));
+              HasSubstr("has format version 3; this build reads versions 1 and 2"));
   // Not a calibration file at all.
   write_bytes(path, "hello world, not a calibration");
   EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("is not a KVQuant calibration file"));
@@ -343,6 +378,169 @@ TEST(KvquantFile, ErrorsNameTheProblem) {
   write_bytes(path, good + "x");
   EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }), HasSubstr("1 unexpected bytes after the data"));
   std::remove(path.c_str());
+}
+
+/// FNV-1a 64 as docs/quantizers.md states it: h = 14695981039346656037, then per byte
+/// h = (h XOR byte) · 1099511628211 (mod 2^64); `basis` replaces the offset basis.
+uint64_t documented_fnv1a(const std::string& bytes, uint64_t basis = 14695981039346656037ull) {
+  uint64_t h = basis;
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+/// A calibration file built byte by byte from the table of docs/quantizers.md ("KVQuant
+/// calibration file"): L = 1, H_kv = 1, D = 2, one width (2 bits), one level (p = 1), source
+/// "hand", 5 tokens; the checksum from `documented_fnv1a(…, basis)`.
+std::string documented_calibration_file(uint32_t version, uint64_t basis = 14695981039346656037ull) {
+  std::string f = "KVQCALIB";
+  auto u32 = [&](uint32_t v) { f.append(reinterpret_cast<const char*>(&v), 4); };
+  auto f32 = [&](float v) { f.append(reinterpret_cast<const char*>(&v), 4); };
+  u32(version);
+  for (uint32_t v : {1u, 1u, 2u, 1u, 1u}) u32(v);  // L, H_kv, D, widths, levels
+  const uint64_t tokens = 5;
+  f.append(reinterpret_cast<const char*>(&tokens), 8);
+  u32(4);
+  f += "hand";
+  u32(2);  // the width
+  const double p = 1.0;
+  f.append(reinterpret_cast<const char*>(&p), 8);
+  for (float v : {-1.0f, -2.0f, 1.0f, 2.0f}) f32(v);  // key lower (2 channels), key upper
+  for (int stream = 0; stream < 2; ++stream) {          // keys' then values' 2-bit codebook
+    for (float v : {-0.75f, -0.25f, 0.25f, 0.75f, 1.0f, 0.0f}) f32(v);  // centroids, Q-Norm scale, shift
+  }
+  const uint64_t h = documented_fnv1a(f, basis);
+  f.append(reinterpret_cast<const char*>(&h), 8);
+  return f;
+}
+
+// The checksum is FNV-1a 64 as documented (issue 39, fault 6: the code's offset basis was
+// 1469598103934665603, a digit short of FNV's 14695981039346656037, so a file written to the
+// documented format was refused as corrupt). The test's own FNV-1a is held to the standard test
+// vectors first; files are written as version 2 with it; a file built from the documented table
+// loads as version 2 and as version 1; version 1 files of earlier builds (the mistaken basis)
+// still load; a version 2 file with that basis does not.
+TEST(KvquantFile, ChecksumIsTheDocumentedFnv1a) {
+  EXPECT_EQ(documented_fnv1a(""), 0xcbf29ce484222325ull);
+  EXPECT_EQ(documented_fnv1a("a"), 0xaf63dc4c8601ec8cull);
+  EXPECT_EQ(documented_fnv1a("foobar"), 0x85944171f73967e8ull);
+  const std::string path = write_uniform("fnv.kvqcal", 1, 1, 4);
+  const std::string saved = read_bytes(path);
+  uint32_t version = 0;
+  std::memcpy(&version, saved.data() + 8, 4);
+  EXPECT_EQ(version, 2u);
+  uint64_t stored = 0;
+  std::memcpy(&stored, saved.data() + saved.size() - 8, 8);
+  EXPECT_EQ(stored, documented_fnv1a(saved.substr(0, saved.size() - 8)));
+  for (const uint32_t v : {2u, 1u}) {
+    write_bytes(path, documented_calibration_file(v));
+    KvquantCalibration c;
+    ASSERT_NO_THROW(c = load_kvquant_calibration(path)) << "version " << v << " written as documented";
+    EXPECT_EQ(c.num_layers, 1);
+    EXPECT_EQ(c.head_dim, 2);
+    EXPECT_EQ(c.tokens, 5);
+    EXPECT_EQ(c.source, "hand");
+    EXPECT_EQ(c.levels[0].layers[0].key_upper, (std::vector<float>{1.0f, 2.0f}));
+    EXPECT_EQ(c.levels[0].layers[0].value_codebooks[0].centroids, (std::vector<float>{-0.75f, -0.25f, 0.25f, 0.75f}));
+  }
+  // Version 1 as earlier builds wrote it: the mistaken basis, still read.
+  const uint64_t legacy = 1469598103934665603ull;
+  write_bytes(path, documented_calibration_file(1, legacy));
+  EXPECT_NO_THROW((void)load_kvquant_calibration(path));
+  write_bytes(path, documented_calibration_file(2, legacy));
+  EXPECT_THAT(error_of([&] { (void)load_kvquant_calibration(path); }),
+              HasSubstr("checksum mismatch (the last 8 bytes are not FNV-1a 64 of the"));
+  std::remove(path.c_str());
+}
+
+// Property (seeded): hostile calibration files. 1,000 mutants of a valid file — flipped bytes,
+// header counts set to 0, 1, 2^31, 2^32 − 1, huge token and text lengths, truncations, trailing
+// bytes, NaN / Inf / −0 / FLT_MAX floats anywhere, unsorted centroids, other versions — most
+// with their checksum recomputed as documented, so that the structural checks are what meets
+// them. Each is refused with an InvalidArgument, or loaded as a calibration that passes check()
+// and whose save → load → save is byte-stable; never another exception or a crash.
+TEST(KvquantFile, HostileFilesAreRefusedOrLoadConsistently) {
+  const std::string path = write_uniform("hostile.kvqcal", 2, 2, 8);
+  const std::string good = read_bytes(path);
+  const std::string again = temp_path("hostile-again.kvqcal");
+  uint64_t rng = 20260939;
+  auto next = [&](uint64_t n) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return n == 0 ? 0 : (rng >> 33) % n;
+  };
+  auto put32 = [](std::string& f, size_t at, uint32_t v) {
+    if (at + 4 <= f.size()) std::memcpy(&f[at], &v, 4);
+  };
+  const std::vector<uint32_t> counts = {0u, 1u, 2u, 3u, 4097u, 0x7fffffffu, 0xffffffffu};
+  const std::vector<float> floats = {std::nanf(""), INFINITY, -INFINITY, -0.0f, 1e-45f, 3.4028235e38f, -1.0f, 2.0f};
+  int accepted = 0, refused = 0;
+  for (int i = 0; i < 1000; ++i) {
+    std::string f = good;
+    const size_t body = f.size() - 8;
+    const int kind = static_cast<int>(next(8));
+    switch (kind) {
+      case 0:  // a flipped byte
+        f[next(f.size())] ^= static_cast<char>(1 + next(255));
+        break;
+      case 1:  // a header count: L, H_kv, D, widths, levels
+        put32(f, 12 + 4 * next(5), counts[next(counts.size())]);
+        break;
+      case 2:  // the token count or the source text's length
+        if (next(2) == 0) {
+          const uint64_t t = next(2) == 0 ? ~uint64_t{0} : uint64_t{1} << 62;
+          std::memcpy(&f[32], &t, 8);
+        } else {
+          put32(f, 40, counts[next(counts.size())]);
+        }
+        break;
+      case 3:  // truncated
+        f.resize(next(f.size()));
+        break;
+      case 4:  // trailing bytes
+        f.append(1 + next(16), static_cast<char>(next(256)));
+        break;
+      case 5: {  // a special float anywhere after the header
+        const size_t at = 44 + 4 * next((body - 44) / 4);
+        const float v = floats[next(floats.size())];
+        if (at + 4 <= body) std::memcpy(&f[at], &v, 4);
+        break;
+      }
+      case 6:  // another version
+        put32(f, 8, std::vector<uint32_t>{0u, 1u, 2u, 3u, 0xffffffffu}[next(5)]);
+        break;
+      default: {  // two adjacent floats swapped (unsorted centroids, thresholds out of order)
+        const size_t at = 44 + 4 * next((body - 48) / 4);
+        if (at + 8 <= body) std::swap_ranges(f.begin() + static_cast<std::ptrdiff_t>(at),
+                                             f.begin() + static_cast<std::ptrdiff_t>(at + 4),
+                                             f.begin() + static_cast<std::ptrdiff_t>(at + 4));
+        break;
+      }
+    }
+    if (f.size() >= 8 && next(10) != 0) {  // recompute the checksum: what the structure meets
+      const uint64_t h = documented_fnv1a(f.substr(0, f.size() - 8));
+      std::memcpy(&f[f.size() - 8], &h, 8);
+    }
+    write_bytes(path, f);
+    const std::string where = "mutant " + std::to_string(i) + " (kind " + std::to_string(kind) + ")";
+    try {
+      const KvquantCalibration c = load_kvquant_calibration(path);
+      EXPECT_NO_THROW(c.check("reloaded")) << where;
+      if (++accepted <= 4) {  // (a save fsyncs: a few of them)
+        save_kvquant_calibration(c, again);
+        const std::string b1 = read_bytes(again);
+        save_kvquant_calibration(load_kvquant_calibration(again), again);
+        EXPECT_EQ(read_bytes(again), b1) << where << ": save -> load -> save is not byte-stable";
+      }
+    } catch (const InvalidArgument& e) {
+      ++refused;
+      EXPECT_THAT(e.what(), HasSubstr(path)) << where << ": the message names the file";
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << where << ": not an InvalidArgument: " << typeid(e).name() << ": " << e.what();
+    }
+  }
+  EXPECT_GT(accepted, 30) << "no mutant loaded: the accepted side was not exercised";
+  EXPECT_GT(refused, 300);
+  std::remove(path.c_str());
+  std::remove(again.c_str());
 }
 
 // ------------------------------------------------------------ the scheme

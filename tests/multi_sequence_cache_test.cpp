@@ -569,6 +569,203 @@ TEST(MultiSequenceCache, PoolFullReclaimsThenRefusesThenPreempts) {
   }
 }
 
+// Under kPreemptNewest, a call that cannot fit even after preempting every newer request is
+// refused having preempted nothing: the requests that would have yielded for nothing keep
+// running (issue 39, fault 2: they were preempted, then the call was refused anyway).
+TEST(MultiSequenceCache, ARefusedCallPreemptsNobody) {
+  CacheConfig model = make_config(kL, kHq, kHkv, kD, "fp16", "full");
+  model.block_tokens = 8;
+  const int64_t page = 8 * (8 * kD * 2);  // one block of 8 tokens in each of the 8 lists: 2 KiB
+  const Ids p1 = tokens(1, 96), p2 = tokens(2, 32), p3 = tokens(3, 32);
+  MultiSequenceConfig cfg = pool_config(model, 6 * page);
+  cfg.when_full = PoolFullRule::kPreemptNewest;
+  MultiSequenceCache c(cfg);
+  Sequence& old = c.add_sequence();
+  Sequence& mid = c.add_sequence();
+  Sequence& young = c.add_sequence();
+  old.begin_request(p1, 96);
+  mid.begin_request(p2, 48);
+  young.begin_request(p3, 48);
+  run(old, p1, 16, 0, 16, 0, 0);
+  run(mid, p2, 16, 0, 16, 0, 0);
+  run(young, p3, 16, 0, 16, 0, 0);  // 6 pages: full, every page locked by its request
+  const testing::Snapshot old_before(MultiSequenceAccess::manager(old)), mid_before(MultiSequenceAccess::manager(mid)),
+      young_before(MultiSequenceAccess::manager(young));
+  const PoolStats pool_before = c.stats();
+  const PrefixCounters counters_before = c.counters();
+  // 72 more tokens of the oldest request in layer 0 need 9 blocks in each of its 4 lists
+  // (9216 B); preempting both newer requests frees their 4 pages (8192 B).
+  try {
+    old.append(0, synth(p1, 16, 72, 0, 0, kHkv), synth(p1, 16, 72, 0, 1, kHkv), at::arange(16, 88, at::kLong));
+    ADD_FAILURE() << "an append of 9216 B into a pool where at most 8192 B can be freed was accepted";
+  } catch (const PoolFullError& e) {
+    EXPECT_FALSE(e.preempted());
+    const std::string m = e.what();
+    EXPECT_NE(m.find("sequence 0 needs up to 9216 B"), std::string::npos) << m;
+    EXPECT_NE(m.find("preempting the 2 requests newer than this one would leave 8192 B free"), std::string::npos)
+        << m;
+    EXPECT_NE(m.find("nothing was reclaimed or preempted"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(mid.preempted());
+  EXPECT_FALSE(young.preempted());
+  EXPECT_EQ(c.counters().preemptions, counters_before.preemptions);
+  EXPECT_EQ(c.counters().blocks_reclaimed, counters_before.blocks_reclaimed);
+  EXPECT_EQ(c.counters().refusals, counters_before.refusals + 1);
+  EXPECT_EQ(c.stats().bytes_in_use, pool_before.bytes_in_use);
+  EXPECT_EQ(c.stats().cached_blocks, pool_before.cached_blocks);
+  EXPECT_EQ(c.stats().running_sequences, 3);
+  old_before.expect_unchanged(MultiSequenceAccess::manager(old), "old after the refused append");
+  mid_before.expect_unchanged(MultiSequenceAccess::manager(mid), "mid after the refused append");
+  young_before.expect_unchanged(MultiSequenceAccess::manager(young), "young after the refused append");
+  c.check_invariants();
+  // 16 tokens (2048 B) fit by preempting the newest alone (one of its pages reclaimed).
+  old.append(0, synth(p1, 16, 16, 0, 0, kHkv), synth(p1, 16, 16, 0, 1, kHkv), at::arange(16, 32, at::kLong));
+  EXPECT_TRUE(young.preempted());
+  EXPECT_FALSE(mid.preempted());
+  EXPECT_EQ(c.counters().preemptions, 1);
+  c.check_invariants();
+}
+
+// Property (seeded): requests of four sequences over a pool that runs full, call by call,
+// under kPreemptNewest. Every refused call (PoolFullError, preempted() false) changes nothing —
+// no sequence preempted, every manager, the pool's counters and its index as they were — and
+// every accepted call preempts only requests that began after the caller's. The invariants
+// hold after every call.
+TEST(MultiSequenceCache, PoolExhaustionWithPreemptionProperty) {
+  CacheConfig model = make_config(kL, kHq, kHkv, kD, "int8", "full");
+  model.block_tokens = 8;
+  MultiSequenceConfig cfg = pool_config(model, 24 * 1024);
+  cfg.when_full = PoolFullRule::kPreemptNewest;
+  MultiSequenceCache c(cfg);
+  const std::vector<std::pair<const char*, const char*>> kinds = {
+      {"int8", "full"}, {"fp16", "window@40"}, {"int4:g8", "full"}, {"kivi:k2:v2:g8:r16", "full"}};
+  std::vector<Sequence*> seqs;
+  for (const auto& [q, p] : kinds) {
+    CacheConfig s = model;
+    s.scheme = q;
+    s.policy = p;
+    seqs.push_back(&c.add_sequence(s));
+  }
+  uint64_t rng = 777;
+  auto next = [&](uint64_t n) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (rng >> 33) % n;
+  };
+  // What a refused call must leave as it was.
+  struct World {
+    std::vector<bool> preempted;
+    std::vector<testing::Snapshot> managers;
+    PrefixCounters counters;
+    PoolStats pool;
+  };
+  auto world = [&] {
+    World w{{}, {}, c.counters(), c.stats()};
+    for (Sequence* s : seqs) {
+      w.preempted.push_back(s->preempted());
+      w.managers.emplace_back(MultiSequenceAccess::manager(*s));
+    }
+    return w;
+  };
+  std::vector<int64_t> began(seqs.size(), -1);  // request order, as the cache counts it
+  int64_t serial = 0, refused = 0, preempting_calls = 0, accepted = 0;
+  // Runs one call of sequence i; false when it threw PoolFullError.
+  auto call = [&](size_t i, const std::string& what, const std::function<void()>& f) {
+    const World before = world();
+    bool ok = true;
+    try {
+      f();
+      ++accepted;
+    } catch (const PoolFullError& e) {
+      ok = false;
+      if (!e.preempted()) {
+        ++refused;
+        const World after = world();
+        const std::string where = what + " (refused)";
+        EXPECT_EQ(after.preempted, before.preempted) << where;
+        for (size_t j = 0; j < seqs.size(); ++j) before.managers[j].expect_same(after.managers[j], where);
+        EXPECT_EQ(after.counters.preemptions, before.counters.preemptions) << where;
+        EXPECT_EQ(after.counters.blocks_reclaimed, before.counters.blocks_reclaimed) << where;
+        EXPECT_EQ(after.counters.refusals, before.counters.refusals + 1) << where;
+        EXPECT_EQ(after.pool.bytes_in_use, before.pool.bytes_in_use) << where;
+        EXPECT_EQ(after.pool.cached_blocks, before.pool.cached_blocks) << where;
+      }
+    }
+    if (ok) {
+      const World after = world();
+      bool any = false;
+      for (size_t j = 0; j < seqs.size(); ++j) {
+        if (after.preempted[j] && !before.preempted[j]) {
+          any = true;
+          EXPECT_GT(began[j], began[i]) << what << ": sequence " << j << " preempted for an older or equal request";
+        }
+      }
+      preempting_calls += any;
+    }
+    c.check_invariants();
+    EXPECT_LE(c.stats().bytes_in_use, cfg.capacity_bytes);
+    return ok;
+  };
+  // Requests advance one step at a time, interleaved: an older request that grows meets newer
+  // ones holding blocks (preemption), a newer one meets older ones (refusal).
+  struct Request {
+    bool active = false;
+    Ids ids;
+    int64_t prompt = 0, from = 0, end = 0, first_min = 0;
+  };
+  std::vector<Request> req(seqs.size());
+  const Ids base = tokens(9, 64);
+  for (int iter = 0; iter < 240; ++iter) {
+    const size_t i = next(seqs.size());
+    Sequence& s = *seqs[i];
+    Request& q = req[i];
+    const std::string what = "iteration " + std::to_string(iter) + " sequence " + std::to_string(i);
+    if (!q.active) {
+      const int64_t keep = static_cast<int64_t>(next(4)) * 8;
+      const Ids prompt = cat(Ids(base.begin(), base.begin() + keep),
+                             tokens(100 + static_cast<int64_t>(next(3)), 8 + static_cast<int64_t>(next(40))));
+      q.prompt = static_cast<int64_t>(prompt.size());
+      q.ids = cat(prompt, tokens(700, 16));
+      q.end = q.prompt + 1 + static_cast<int64_t>(next(16));
+      kvcache::PrefixReuse r;
+      if (!call(i, what + " begin_request", [&] { r = s.begin_request(prompt, q.end); })) continue;
+      began[i] = serial++;
+      q.active = true;
+      q.from = r.cached_tokens;
+      q.first_min = r.min_first_step;
+      continue;
+    }
+    // One step: a prefill chunk or one decode token.
+    const int64_t t = q.from >= q.prompt
+                          ? 1
+                          : std::min(std::max<int64_t>(q.first_min, 1 + static_cast<int64_t>(next(24))), q.prompt - q.from);
+    const int64_t first = q.from;
+    bool alive = true;
+    for (int64_t l = 0; alive && l < kL; ++l) {
+      const at::Tensor pos = at::arange(first, first + t, at::kLong);
+      alive = call(i, what + " append at " + std::to_string(first) + " layer " + std::to_string(l), [&] {
+        s.append(l, synth(q.ids, first, t, l, 0, kHkv), synth(q.ids, first, t, l, 1, kHkv), pos);
+        (void)s.attend(l, synth(q.ids, first, t, l, 2, kHq), pos);
+      });
+    }
+    if (alive) {
+      alive = call(i, what + " end_step", [&] {
+        s.end_step(first + t < q.prompt ? StepKind::kPrefill
+                                        : first + t == q.prompt ? StepKind::kPrefillEnd : StepKind::kDecode);
+      });
+    }
+    q.from += t;
+    q.first_min = 0;
+    if (!alive || q.from >= q.end) {
+      s.finish();
+      q.active = false;
+    }
+    c.check_invariants();
+  }
+  EXPECT_GT(refused, 3) << "the pool never refused: the property was not exercised";
+  EXPECT_GT(preempting_calls, 3) << "nothing was ever preempted: the property was not exercised";
+  EXPECT_GT(accepted, 100);
+}
+
 TEST(MultiSequenceCache, RandomizedInvariants) {
   // Random requests over a small vocabulary (prompts share prefixes often), mixed schemes and
   // policies, a pool that runs full: check_invariants() after every call.

@@ -157,6 +157,47 @@ TEST_P(QuantizerContract, RejectsForeignFormat) {
 }
 
 
+// A hand-built QuantizedTensor whose shape is not one quantize() makes — head_dim 0, a
+// negative size, a shape its tensors do not have — is refused by dequantize() with an
+// InvalidArgument (or, where the shape is consistent, decoded to that shape), never a crash
+// (issue 39, fault 4: head_dim 0 divided by a zero group size in int's dequantize: SIGFPE).
+TEST_P(QuantizerContract, HandBuiltShapesAreCheckedBeforeDecoding) {
+  const QuantizedTensor valid = q_->quantize(testing::randn_kv({1, 2, 64, 64}, 10));
+  const std::vector<std::vector<int64_t>> shapes = {
+      {1, 2, 64, 0}, {1, 2, 0, 0}, {0, 0, 0, 0}, {1, 2, -64, 64}, {1, -2, 64, 64}, {1, 2, 64, 32}};
+  for (const auto& shape : shapes) {
+    for (const bool empty_tensors : {false, true}) {
+      QuantizedTensor q = valid;
+      q.shape = shape;
+      if (empty_tensors) {  // tensors of no elements, as a zero-size shape would hold
+        q.codes = at::empty({1, 2, 0, 0}, at::kByte);
+        if (q.scales.defined()) q.scales = at::empty({0}, q.scales.options());
+        if (q.zeros.defined()) q.zeros = at::empty({0}, q.zeros.options());
+      }
+      const std::string what = GetParam() + " shape " + ::testing::PrintToString(shape) +
+                               (empty_tensors ? " (empty tensors)" : "");
+      for (const bool into : {false, true}) {
+        try {
+          at::Tensor y;
+          if (into) {
+            q_->dequantize_into(q, y);
+          } else {
+            y = q_->dequantize(q);
+          }
+          EXPECT_EQ(y.sizes().vec(), shape) << what << ": accepted, so it must decode to its shape";
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), HasSubstr(into ? "dequantize_into(q, out) [" : "dequantize(q) [")) << what;
+          if (shape[3] == 0 && GetParam().rfind("int", 0) == 0 && GetParam().find(":g") == std::string::npos) {
+            EXPECT_THAT(e.what(), HasSubstr("head_dim D = 0")) << what;
+          }
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << what << ": not an InvalidArgument: " << e.what();
+        }
+      }
+    }
+  }
+}
+
 TEST_P(QuantizerContract, DoesNotAliasInput) {
   at::Tensor x = testing::randn_kv({1, 2, 64, 64}, 9);
   QuantizedTensor qt = q_->quantize(x);

@@ -1181,5 +1181,45 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
                "decode_step_batch: token id 2048 at index 1");
 }
 
+// A corrupt model — a NaN written into layer 1's k_proj after the export, which the exporter
+// itself refuses — computes NaN keys from valid token ids. The first error names the model file
+// and the layer (issue 39, fault 8: it said "CacheManager::append: k contains NaN"), in
+// generate() and in a batched decode step.
+TEST(Runner, ACorruptModelIsNamedWithItsLayer) {
+  const TestModel& m = tinystories();
+  REQUIRE_MODEL(m);
+  t::TempDir tmp;
+  const std::string corrupt = tmp / "corrupt.pt";
+  const std::string failed = t::run_python(
+      "import torch\n"
+      "names = ['libkvcache_export.json', 'config.json', 'tokenizer.json', 'vocab.json', 'merges.txt',\n"
+      "         'tokenizer_config.json', 'generation_config.json']\n"
+      "files = {n: '' for n in names}\n"
+      "m = torch.jit.load('" + m.lm->path() + "', _extra_files=files)\n"
+      "with torch.no_grad():\n"
+      "    m.wk[1, 0, :] = float('nan')\n"
+      "m.save('" + corrupt + "', _extra_files={k: v for k, v in files.items() if v})\n",
+      tmp / "corrupt.py");
+  ASSERT_EQ(failed, "");
+  const CausalLM lm = CausalLM::load(corrupt, LoadOptions{1});
+  const Runner runner(lm);
+  const std::string want = "model '" + corrupt + "': layer 1 computed NaN in its keys at [b, h, t, d] = [0, 0, 0, 0]";
+  CacheManager cache(lm.cache_config());
+  try {
+    (void)runner.generate(m.prompt, greedy(2), cache);
+    ADD_FAILURE() << "a model computing NaN keys generated";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr(want));
+    EXPECT_THAT(e.what(), HasSubstr("the model file is corrupt or its weights overflow its dtype"));
+  }
+  CacheManager a(lm.cache_config()), b(lm.cache_config());
+  try {
+    (void)runner.decode_step_batch({1, 2}, {&a, &b});
+    ADD_FAILURE() << "a batch step of a model computing NaN keys ran";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr(want));
+  }
+}
+
 }  // namespace
 }  // namespace kvcache

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -226,6 +227,81 @@ TEST(Hadamard, FastTransformMatchesTheExplicitMatrix) {
   EXPECT_FALSE(quant::is_power_of_two(48));
   EXPECT_FALSE(quant::is_power_of_two(0));
   EXPECT_TRUE(quant::is_power_of_two(128));
+}
+
+// Rows holding values near FLT_MAX (issue 39, fault 3): the transform's butterflies add up to D
+// values, so they used to overflow where the result is finite — H·(FLT_MAX, 0, 0, 0) rotated
+// back gave +Inf. Now the rotation of such a row runs scaled by 1/D and every had(...) format
+// gives finite output for it; a row whose exact rotation leaves float32 is refused by quantize()
+// naming the row and the range that always rotates finitely, and is an overflow for encode().
+TEST(Hadamard, RowsNearFloatMaxRotateAndComeBackFinite) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  std::vector<float> row = {kMax, 0.0f, 0.0f, 0.0f};
+  quant::hadamard_rows(row.data(), 1, 4);
+  EXPECT_EQ(row, (std::vector<float>{kMax / 2, kMax / 2, kMax / 2, kMax / 2}));
+  quant::hadamard_rows(row.data(), 1, 4);  // 4 · FLT_MAX/2 in the butterflies: scaled, exact
+  EXPECT_EQ(row, (std::vector<float>{kMax, 0.0f, 0.0f, 0.0f}));
+  std::vector<float> ones(64, kMax);  // H·x = (8·FLT_MAX, 0, ...): beyond float32
+  quant::hadamard_rows(ones.data(), 1, 64);
+  EXPECT_EQ(ones[0], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(ones[1], 0.0f);
+
+  at::Tensor x = testing::randn_kv({1, 2, 32, 64}, 3);  // 64 rows: whole per-channel groups of 32
+  x[0][0][1][0] = kMax;  // one value at FLT_MAX, the rest of its row ordinary
+  x[0][1][2][5] = -kMax;
+  x[0][1][3][7] = 3.0e38f;
+  for (const auto& spec : testing::contract_specs()) {
+    if (spec.rfind("had(", 0) != 0) continue;
+    const auto q = make_quantizer(spec);
+    QuantizedTensor t;
+    try {
+      t = q->quantize(x);
+    } catch (const InvalidArgument& e) {
+      // Only an inner format without the range may refuse (fp16's ±65504), naming its range.
+      EXPECT_THAT(std::string(e.what()), HasSubstr("range")) << spec;
+      continue;
+    }
+    const at::Tensor y = q->dequantize(t);
+    EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec << ": finite in, finite out";
+    at::Tensor into;
+    q->dequantize_into(t, into);
+    EXPECT_TRUE(at::equal(into, y)) << spec;
+    // The stored form: encode() then decode() of the same rows.
+    const StoredLayout lay = q->stored_layout(64);
+    const at::Tensor xr = x.contiguous();
+    const int64_t groups = 64 / lay.group_tokens;
+    std::vector<uint8_t> codes(static_cast<size_t>(groups * lay.code_bytes));
+    std::vector<float> meta(static_cast<size_t>(2 * groups * lay.meta_count) + 2);
+    GroupBuffers out{codes.data(), meta.data(), meta.data() + groups * lay.meta_count + 1};
+    const float scale = q->fit_tensor_scale(xr);
+    const EncodeStatus st = q->encode(xr.data_ptr<float>(), groups, 64, scale, out);
+    if (!st.overflow) {
+      std::vector<float> back(64 * 64);
+      q->decode(ConstGroupBuffers{codes.data(), meta.data(), meta.data() + groups * lay.meta_count + 1}, groups, 64,
+                scale, back.data());
+      for (float v : back) ASSERT_TRUE(std::isfinite(v)) << spec << ": decode() of an encode() without overflow";
+    }
+    if (spec == "had(fp32)") {
+      EXPECT_FALSE(st.overflow);
+      EXPECT_NEAR(y[0][0][1][0].item<float>() / kMax, 1.0f, 1e-6) << spec;
+      EXPECT_NEAR(y[0][1][2][5].item<float>() / kMax, -1.0f, 1e-6) << spec;
+    }
+  }
+  // Every value of a row at FLT_MAX: H·x has 8·FLT_MAX in it. Refused, naming the row and range.
+  at::Tensor big = at::zeros({1, 1, 2, 64});
+  big[0][0][1].fill_(kMax);
+  const std::string err = error_of([&] { (void)make_quantizer("had(int4)")->quantize(big); });
+  EXPECT_THAT(err, HasSubstr("row [b, h, t] = [0, 0, 1]"));
+  EXPECT_THAT(err, HasSubstr("rotates beyond float32"));
+  EXPECT_THAT(err, HasSubstr("FLT_MAX/sqrt(D) = 4.25353e+37"));
+  const auto had = make_quantizer("had(int4)");
+  const StoredLayout lay = had->stored_layout(64);
+  std::vector<uint8_t> codes(static_cast<size_t>(2 * lay.code_bytes));
+  std::vector<uint16_t> meta(static_cast<size_t>(4 * lay.meta_count));
+  const EncodeStatus st = had->encode(big.contiguous().data_ptr<float>(), 2, 64, 1.0f,
+                                      GroupBuffers{codes.data(), meta.data(), meta.data() + 2 * lay.meta_count});
+  EXPECT_TRUE(st.overflow);  // the cache stores such a row in its float32 fallback
+  EXPECT_FALSE(st.nonfinite);
 }
 
 // had(q) stores q's codes of H·x: the stored bytes are those of q applied to the rotated rows,

@@ -2,9 +2,7 @@
 // kv_study calibrate: a KVQuant calibration file of a model (kvcache/study/kvquant_calibrate.h).
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <memory>
 
 #include "commands.h"
@@ -75,10 +73,11 @@ void add_calibrate_command(CLI::App& app) {
     }
     KV_CHECK_ARG(!o.fit.sparsities.empty(), "--sparsity needs at least one level");
     if (!text->empty()) {
-      std::ifstream in(*text, std::ios::binary);
-      KV_CHECK_ARG(in.good(), "--text: cannot open '", *text, "'");
-      o.text.assign((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      KV_CHECK_ARG(!o.text.empty(), "--text: '", *text, "' is empty");
+      try {
+        o.text = kvcache::study::read_calibration_text(*text);
+      } catch (const kvcache::InvalidArgument& e) {
+        throw kvcache::InvalidArgument(std::string("--text: ") + e.what());
+      }
     }
     const kvcache::KvquantCalibration c = kvcache::study::calibrate_kvquant(o);
     kvcache::save_kvquant_calibration(c, *out);

@@ -3,6 +3,7 @@
 // with prefix sharing off and on, one table of what each lever saves alone and together.
 #include <sys/stat.h>
 
+#include <cstdint>
 #include <iostream>
 #include <memory>
 
@@ -51,12 +52,14 @@ void add_prefix_command(CLI::App& app) {
   cmd->add_option("--prefill-chunk", *chunk, "prompt tokens per prefill step (0: whole prompt)")
       ->capture_default_str()
       ->check(IntRange(0, kvcache::kMaxTokens));
-  cmd->add_option("--seed", *seed, "suite seed the workloads are built from")->capture_default_str();
+  cmd->add_option("--seed", *seed, "suite seed the workloads are built from")
+      ->capture_default_str()
+      ->check(IntRange(0, INT64_MAX));
   cmd->add_option("--pool-mib", *pool_mib,
                   "capacity of each run's block pool in MiB (a small one shows the pool-full path: requests preempted "
                   "or refused, counted in the table)")
       ->capture_default_str()
-      ->check(CLI::Range(1.0 / 1024.0, 1024.0 * 1024.0));
+      ->check(NumberRange(1.0 / 1024.0, 1024.0 * 1024.0));  // finite: NaN passes CLI::Range
   cmd->add_option("--when-full", *when_full,
                   "what a request that does not fit does: preempt (the newest request yields, vLLM's order) or "
                   "refuse (the request that needs room ends)")

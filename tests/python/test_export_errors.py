@@ -555,6 +555,92 @@ class ExportErrors(unittest.TestCase):
         self.assertEqual(cfg["intermediate_size"], 384)
         self.assertIn("tokenizer.json", files)
 
+    # ---- hostile inputs of issue 39 (fault 7) ----
+    def run_export_bounded(self):
+        """The exporter in a fresh interpreter with 3 GiB of data and 120 s at most: before the fix
+        a config.json that was /dev/zero was read until MemoryError and a FIFO blocked forever."""
+        def limit():
+            resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
+        try:
+            return subprocess.run([sys.executable, os.path.join(U.TOOLS, "export_torchscript.py"), self.ckpt,
+                                   self.out], capture_output=True, text=True, preexec_fn=limit, timeout=120,
+                                  env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+        except subprocess.TimeoutExpired:
+            self.fail("the exporter was still running after 120 s (blocked on a FIFO?)")
+
+    def test_input_files_that_are_not_regular_are_refused_before_reading(self):
+        for name, what in (("config.json", "model config"), ("tokenizer.json", "tokenizer.json")):
+            for kind, shown_kind in (("device", "a character device"), ("fifo", "a FIFO (named pipe)")):
+                path = self.path(name)
+                saved = path + ".saved"
+                os.replace(path, saved)
+                try:
+                    if kind == "device":
+                        os.symlink("/dev/zero", path)
+                    else:
+                        os.mkfifo(path)
+                    p = self.run_export_bounded()
+                finally:
+                    os.remove(path)
+                    os.replace(saved, path)
+                self.assert_one_line_error(p.returncode, p.stderr)
+                self.assertEqual(p.stderr, f"error: {path}: {what} is {shown_kind}, not a regular file\n",
+                                 (name, kind))
+                self.assertEqual(os.listdir(self.out_dir), [])
+
+    def test_input_files_larger_than_the_limit_are_refused_before_reading(self):
+        with open(self.path("tokenizer.json"), "r+b") as f:
+            f.truncate(128 * 1024 * 1024 + 1)  # sparse: nothing is written
+        self.assert_export_fails(exact=f"{self.path('tokenizer.json')}: tokenizer.json is 134217729 bytes, more than "
+                                       f"the limit of 134217728 bytes (128 MiB) for a tokenizer.json")
+
+    def test_max_position_embeddings_beyond_the_library_limit(self):
+        self.edit_config(max_position_embeddings=10 ** 15)
+        self.assert_export_fails(exact=f"{self.path('config.json')}: field 'max_position_embeddings' = "
+                                       f"1000000000000000 exceeds the limit 1000000000 (the library runs at most "
+                                       f"10^9 tokens per request (kMaxTokens, kvcache/spec.h))")
+        self.edit_config(max_position_embeddings=10 ** 9)
+        rc, _, err = U.run_main(export_torchscript.main, self.ckpt, self.out)
+        self.assertEqual(rc, 0, err)
+
+    def test_tensors_whose_data_offsets_alias_are_refused(self):
+        header, data = read_header(self.path(WEIGHTS))
+        a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+        header[b]["data_offsets"] = list(header[a]["data_offsets"])
+        write_raw(self.path(WEIGHTS), header, data)
+        lo, hi = header[a]["data_offsets"]
+        self.assert_export_fails(exact=f"{self.path(WEIGHTS)}: tensors '{a}' and '{b}' overlap: data_offsets "
+                                       f"[{lo}, {hi}] and [{lo}, {hi}] share bytes (each tensor must have its own "
+                                       f"bytes in the data section)")
+        header[b]["data_offsets"] = [lo + 2, hi + 2]  # a partial overlap, the same size
+        write_raw(self.path(WEIGHTS), header, data)
+        self.assert_export_fails("overlap", f"[{lo}, {hi}] and [{lo + 2}, {hi + 2}]")
+
+    def test_bf16_data_labelled_f16_is_refused(self):
+        header, data = read_header(self.path(WEIGHTS))
+        for name, e in header.items():
+            if name != "__metadata__":
+                self.assertEqual(e["dtype"], "BF16")
+                e["dtype"] = "F16"  # the bits stay BF16
+        write_raw(self.path(WEIGHTS), header, data)
+        self.assert_export_fails(f"{self.path(WEIGHTS)}: tensor 'model.layers.0.self_attn.q_proj.weight' is labelled F16 "
+                                 f"but holds BF16 data: 16384 of its 16384 nonzero values have magnitude in [0.25, 4)",
+                                 "fix its dtype in the header to BF16")
+        # The same weights really converted to F16 export (50-70 % of them lie in that band).
+        shutil.copy(os.path.join(MODEL, WEIGHTS), self.path(WEIGHTS))
+        st = SafetensorsFile(self.path(WEIGHTS))
+        write_safetensors(self.path(WEIGHTS), [(n, st.get(n, torch.float16)) for n in st.keys()])
+        rc, _, err = U.run_main(export_torchscript.main, self.ckpt, self.out)
+        self.assertEqual(rc, 0, err)
+
+    def test_a_shape_of_true_is_refused(self):
+        header, data = read_header(self.path(WEIGHTS))
+        for bad in ([True], [1.0], [-1], ["1"], [None], [[128]], True):
+            header["model.norm.weight"]["shape"] = bad
+            write_raw(self.path(WEIGHTS), header, data)
+            self.assert_export_fails(f"{self.path(WEIGHTS)}: tensor 'model.norm.weight': field 'shape' must be a list "
+                                     f"of non-negative ints, got {bad!r}")
+
     # ---- sibling tools ----
     def test_make_random_checkpoint_too_large_before_writing(self):
         self.edit_config(intermediate_size=10 ** 12)

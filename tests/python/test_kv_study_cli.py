@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The kv_study CLI end to end, without a model: memory, suite, quant, list, merge, report, and
 errors (a message on stderr and a non-zero exit)."""
+import concurrent.futures
 import json
 import os
+import re
+import resource
 import subprocess
 import tempfile
 import unittest
@@ -13,6 +16,32 @@ KV_STUDY = os.path.join(BUILD, "apps", "kv_study", "kv_study")
 
 def run(*args):
     return subprocess.run([KV_STUDY, *args], capture_output=True, text=True, timeout=120)
+
+
+def run_bounded(*args, timeout=60):
+    """kv_study with 2 GiB of data and `timeout` seconds at most (a reader without bounds ran out
+    of memory on /dev/zero, and one that opened a FIFO waited forever); None if it timed out."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+    try:
+        return subprocess.run([KV_STUDY, *args], capture_output=True, text=True, timeout=timeout, preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+# Numbers a user may type by mistake or in malice (the floating-point options get them all).
+HOSTILE_NUMBERS = ["nan", "-inf", "1e999", "0x10", ""]
+# Options holding numbers in text (lists, budgets, shards), parsed by the library: (subcommand,
+# option, template with {} for the hostile number).
+TEXT_NUMBER_OPTIONS = [("memory", "--context", "4096,{}"), ("quant", "--bits", "2,{}"),
+                       ("calibrate", "--bits", "{}"), ("calibrate", "--sparsity", "{}"),
+                       ("run", "--shard", "{}/2"), ("run", "--budget", "{}"), ("run", "--budgets", "25%,{}%")]
+# Arguments that let each subcommand get past parsing and then fail fast (a missing model):
+# a number the option wrongly let through shows as an error about something else.
+BASE_ARGS = {"memory": [], "suite": ["--out", "-"], "quant": [], "run": ["--model", "/nonexistent.pt"],
+             "generate": ["--model", "/nonexistent.pt", "--prompt", "hi"], "prefix": ["--model", "/nonexistent.pt"],
+             "layers": ["--model", "/nonexistent.pt", "--choices", "int8,int4"],
+             "calibrate": ["--model", "/nonexistent.pt", "--out", "/nonexistent/x.kvqcal"]}
 
 
 def row(order, arm, task, passed, peak):
@@ -139,6 +168,100 @@ class KvStudyCliTest(unittest.TestCase):
             self.assertNotIn("frame #", r.stderr, args)
             self.assertNotIn("unexpected error", r.stderr, args)
             self.assertEqual(r.stdout, "", args)  # nothing printed before the check
+
+    def test_every_numeric_option_refuses_hostile_numbers(self):
+        """Property over every numeric option of every subcommand, read from --help: each INT/UINT
+        option checks its text with IntRange (kvcache::parse_integer: no NaN, no wrap, no rounding)
+        and each FLOAT option with NumberRange (finite numbers only), which --help shows as their
+        validators. Then each floating-point option, the options holding numbers in text and a
+        sample of integer ones refuse hostile numbers — a non-zero exit, the option named, no
+        backtrace, no 'unexpected' error, no number the user did not type (issue 39, fault 5:
+        `prefix --pool-mib nan` passed CLI::Range and came back as -9223372036854775808; `prefix
+        --seed` had no check at all)."""
+        cases = [("prefix", "--seed", "nan"), ("calibrate", "--seqlen", "99999999999999999999")]
+        numeric = []
+        for cmd in BASE_ARGS:
+            help_text = run(cmd, "--help").stdout
+            for opt, kind, validator in re.findall(r"^\s+(--[\w-]+) (INT|UINT|FLOAT):(\S+ in \[)", help_text, re.M):
+                numeric.append((cmd, opt))
+                want = "NUMBER in [" if kind == "FLOAT" else "INT in ["
+                self.assertEqual(validator, want, f"{cmd} {opt}: checked by {validator!r}")
+                if kind == "FLOAT":
+                    cases.extend((cmd, opt, v) for v in HOSTILE_NUMBERS)
+            for line in re.findall(r"^\s+--[\w-]+ (?:INT|UINT|FLOAT)\b.*$", help_text, re.M):
+                self.assertRegex(line, r" (INT|UINT|FLOAT):\S+ in \[", f"{cmd}: a numeric option without a range check")
+        self.assertIn(("prefix", "--pool-mib"), numeric)
+        self.assertIn(("prefix", "--seed"), numeric)
+        self.assertGreater(len(numeric), 20)
+        cases.extend((cmd, opt, template.format("nan")) for cmd, opt, template in TEXT_NUMBER_OPTIONS)
+        # (two at a time; OMP_WAIT_POLICY set so that kv_study does not start itself again)
+        env = dict(os.environ, OMP_WAIT_POLICY="passive")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda c: subprocess.run([KV_STUDY, c[0], *BASE_ARGS[c[0]], c[1], c[2]],
+                                                             capture_output=True, text=True, timeout=120, env=env),
+                                    cases))
+        for (cmd, opt, value), r in zip(cases, results):
+            args = (cmd, *BASE_ARGS[cmd], opt, value)
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertNotIn("unexpected", r.stderr, args)
+            self.assertNotIn("frame #", r.stderr, args)
+            named = opt in r.stderr or (
+                opt == "--shard" and "shard '" in r.stderr) or (opt == "--budget" and "budget '@" in r.stderr)
+            self.assertTrue(named, f"{args}: refused, but not by {opt}: {r.stderr!r}")
+            # No number the user did not type: an int64 wrapped from a cast, a NaN or Inf made up.
+            for made_up in ("-9223372036854775808", r"\bnan\b", r"\binf\b"):
+                if re.search(made_up, r.stderr, re.I) and not re.search(made_up, value, re.I):
+                    self.fail(f"{args}: the error shows {made_up!r}, typed {value!r}: {r.stderr!r}")
+            self.assertEqual(r.stdout, "", args)
+
+    def test_files_that_are_not_regular_are_refused_before_reading(self):
+        """`calibrate --text` and the results readers (`merge`, `report`) refuse a directory, a
+        device and a FIFO before reading (issue 39, fault 5: --text DIR failed with 'unexpected
+        error: basic_filebuf::underflow'; /dev/zero was read until memory ran out; a FIFO blocked),
+        and bound what they read: the file size and the line length, each limit named."""
+        with tempfile.TemporaryDirectory() as d:
+            fifo = os.path.join(d, "fifo")
+            os.mkfifo(fifo)
+            cal = ("calibrate", "--model", "/nonexistent.pt", "--out", os.path.join(d, "c.kvqcal"), "--text")
+            out = ("--out", os.path.join(d, "m.jsonl"))
+            for args, needle in [
+                    (cal + (d,), f"--text: cannot read calibration text '{d}': it is a directory"),
+                    (cal + ("/dev/zero",), "--text: cannot read calibration text '/dev/zero': it is a character "
+                                           "device, not a regular file"),
+                    (cal + (fifo,), f"--text: cannot read calibration text '{fifo}': it is a FIFO (named pipe), "
+                                    f"not a regular file"),
+                    (("merge", "/dev/zero") + out, "cannot read results file '/dev/zero': it is a character device"),
+                    (("merge", fifo) + out, f"cannot read results file '{fifo}': it is a FIFO (named pipe)"),
+                    (("report", "/dev/zero"), "cannot read results file '/dev/zero': it is a character device")]:
+                r = run_bounded(*args)
+                self.assertIsNotNone(r, f"{args}: still running after 60 s (blocked on a FIFO?)")
+                self.assertEqual(r.returncode, 1, (args, r.stderr))
+                self.assertTrue(r.stderr.startswith(f"kv_study: error: {needle}"), (args, r.stderr))
+                self.assertEqual(r.stderr.count("\n"), 1, (args, r.stderr))
+                self.assertNotIn("unexpected", r.stderr, args)
+            self.assertEqual(sorted(os.listdir(d)), ["fifo"])
+            # Size limits: sparse files one byte over, a line one byte over.
+            big = os.path.join(d, "big.jsonl")
+            with open(big, "wb") as f:
+                f.truncate((1 << 30) + 1)
+            r = run_bounded("merge", big, *out)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn(f"cannot read results file '{big}': it is 1073741825 bytes, more than the 1073741824 "
+                          f"bytes (1 GiB) a results file may have", r.stderr)
+            text = os.path.join(d, "big.txt")
+            with open(text, "wb") as f:
+                f.truncate((64 << 20) + 1)
+            r = run_bounded(*cal, text)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("it is 67108865 bytes, more than the 67108864 bytes (64 MiB) a calibration text may have",
+                          r.stderr)
+            long_line = os.path.join(d, "long.jsonl")
+            with open(long_line, "w") as f:
+                f.write(json.dumps(row(0, "fp32+full", "t0", True, 1024)) + "\n" + "x" * ((16 << 20) + 1) + "\n")
+            r = run_bounded("report", long_line)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn(f"results file '{long_line}': line 2 is 16777217 bytes long, more than the 16777216 bytes "
+                          f"(16 MiB) a line may have", r.stderr)
 
     def test_memory_of_huge_contexts_does_not_overflow(self):
         r = run("memory", "--model", "llama-3-8b", "--context", "1000000000", "--batch", "1000000", "--quant", "fp16")

@@ -32,6 +32,8 @@ INT64_WHY = "the C++ loader reads it as a 64-bit integer"
 MAX_VOCAB_SIZE = 1 << 26  # the C++ tokenizer loader accepts token ids below 2^26 (kMaxTokenId)
 VOCAB_WHY = "the C++ tokenizer loader accepts token ids below 2^26"
 FLOAT32_MAX = 3.4028234663852886e38  # RoPE frequencies are computed in float32 from rope_theta
+MAX_POSITIONS = 10 ** 9  # kMaxTokens (kvcache/spec.h): the library's bound on tokens and positions
+POSITIONS_WHY = "the library runs at most 10^9 tokens per request (kMaxTokens, kvcache/spec.h)"
 
 
 def _is_int(v: Any) -> bool:
@@ -180,7 +182,8 @@ def normalize_config(raw: Any, where: str = "config.json",
                                         "an RMSNorm epsilon is a small positive number"),
         "tie_word_embeddings": _bool(raw, "tie_word_embeddings", where, False),
         "attention_bias": attention_bias,
-        "max_position_embeddings": _positive_int(raw, "max_position_embeddings", where, default=2048),
+        "max_position_embeddings": _positive_int(raw, "max_position_embeddings", where, default=2048,
+                                                 maximum=MAX_POSITIONS, why=POSITIONS_WHY),
         "bos_token_id": ids["bos_token_id"],
         "eos_token_id": ids["eos_token_id"],
         "hidden_act": "silu",

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 import tempfile
 from typing import Any, List, Optional, Tuple
@@ -24,6 +25,9 @@ from .errors import ToolError
 # Deepest nesting accepted in a JSON file (real configs and tokenizer.json files nest < 10 deep);
 # well under Python's recursion limit, so the parser cannot hit RecursionError.
 MAX_JSON_DEPTH = 100
+# Largest text file read (config.json, tokenizer.json, ...): real tokenizer.json files are < 20 MB.
+# Checked before reading, so /dev/zero or a huge file ends in this error, not in a MemoryError.
+MAX_TEXT_BYTES = 128 * 1024 * 1024
 # Largest magnitude the C++ loader's JSON reader represents (a double); beyond it, it rejects the file.
 MAX_JSON_NUMBER = sys.float_info.max
 _MAX_INT_DIGITS = len(str(int(MAX_JSON_NUMBER)))  # 309
@@ -165,19 +169,50 @@ def parse_json(text: str, where: str, what: str = "file") -> Any:
     return doc
 
 
-def read_text(path: str, what: str) -> str:
-    """Reads a UTF-8 text file; ToolError naming the file when missing, unreadable or not UTF-8."""
-    if os.path.isdir(path):
-        raise ToolError(f"{path}: {what} is a directory, not a file")
-    if not os.path.exists(path):
-        raise ToolError(f"{path}: {what} not found")
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def read_text(path: str, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """Reads a UTF-8 text file of at most `max_bytes` bytes; ToolError naming the file when
+    missing, not a regular file (a directory, a device such as /dev/zero, a FIFO: checked before
+    anything is opened, so nothing blocks or reads without end), larger than the limit (named),
+    unreadable or not UTF-8."""
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise ToolError(f"{path}: {what} is not UTF-8 text: {e}") from None
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ToolError(f"{path}: {what} not found") from None
     except OSError as e:
         raise ToolError(f"{path}: cannot read {what}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ToolError(f"{path}: {what} is a directory, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ToolError(f"{path}: {what} is {_file_kind(st.st_mode)}, not a regular file")
+    if st.st_size > max_bytes:
+        raise ToolError(f"{path}: {what} is {st.st_size} bytes, more than the limit of {max_bytes} bytes "
+                        f"({max_bytes // (1024 * 1024)} MiB) for a {what}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ToolError(f"{path}: cannot read {what}: {e.strerror}") from None
+    if len(raw) > max_bytes:  # it grew since the check
+        raise ToolError(f"{path}: {what} holds more than the limit of {max_bytes} bytes for a {what}")
+    try:
+        # newline=None semantics of text mode: \r\n and \r become \n, as open(..., "r") read them
+        return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise ToolError(f"{path}: {what} is not UTF-8 text: {e}") from None
 
 
 def load_json(path: str, what: str) -> Any:

@@ -21,6 +21,13 @@ DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # a header larger than this is not a model checkpoint header (real ones are < 1 MiB)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# BF16 data labelled F16: BF16 bits read as F16 put every value of magnitude 2^-23 .. 2^9 into
+# F16's [0.25, 4) (the F16 exponent is the top 5 bits of the BF16 one). A weight matrix of at
+# least MIN_MISLABEL_VALUES nonzero values with at least this fraction of them there is refused:
+# real F16 weights spread over magnitudes (TinyStories-656K's: 50-70% in that band; a typical
+# N(0, 0.02) matrix: none).
+MISLABEL_FRACTION = 0.999
+MIN_MISLABEL_VALUES = 1024
 
 
 def _is_int(v) -> bool:
@@ -46,11 +53,15 @@ class SafetensorsFile:
     Validation (each failure raises ToolError naming the file and the tensor/field):
     file shorter than the header it announces (truncated), header not JSON, entry without
     dtype/shape/data_offsets, unsupported dtype, data_offsets span != numel * itemsize
-    (header/shape mismatch), data_offsets past the end of the file (truncated).
+    (header/shape mismatch), data_offsets past the end of the file (truncated), two tensors
+    whose data_offsets overlap (aliased bytes); on reading (`get`), an F16 weight matrix whose
+    values are BF16 bits (see MISLABEL_FRACTION).
     """
 
     def __init__(self, path: str):
         self.path = path
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise ToolError(f"{path}: weight file is not a regular file")
         if not os.path.isfile(path):
             raise ToolError(f"{path}: weight file not found")
         self.file_size = os.path.getsize(path)
@@ -80,6 +91,13 @@ class SafetensorsFile:
         self.tensors: Dict[str, TensorInfo] = {}
         for name, e in header.items():
             self.tensors[name] = self._parse_entry(name, e)
+        # Each tensor its own bytes: two whose (non-empty) spans overlap would alias each other.
+        spans = sorted((t for t in self.tensors.values() if t.end > t.begin), key=lambda t: (t.begin, t.end))
+        for a, b in zip(spans, spans[1:]):
+            if b.begin < a.end:
+                raise ToolError(f"{path}: tensors '{a.name}' and '{b.name}' overlap: data_offsets "
+                                f"[{a.begin}, {a.end}] and [{b.begin}, {b.end}] share bytes (each tensor must "
+                                f"have its own bytes in the data section)")
 
     def _parse_entry(self, name: str, e) -> TensorInfo:
         where = f"{self.path}: tensor '{name}'"
@@ -112,6 +130,20 @@ class SafetensorsFile:
     def keys(self) -> List[str]:
         return list(self.tensors)
 
+    def _check_f16_label(self, name: str, arr: np.ndarray) -> None:
+        """ToolError when an F16 weight matrix holds BF16 bits (MISLABEL_FRACTION)."""
+        bits = arr.view("<u2")
+        nonzero = (bits & 0x7FFF) != 0
+        n = int(nonzero.sum())
+        if n < MIN_MISLABEL_VALUES:
+            return
+        exponent = (bits >> 10) & 0x1F
+        in_band = int((nonzero & (exponent >= 13) & (exponent <= 16)).sum())
+        if in_band >= MISLABEL_FRACTION * n:
+            raise ToolError(f"{self.path}: tensor '{name}' is labelled F16 but holds BF16 data: {in_band} of its {n} "
+                            f"nonzero values have magnitude in [0.25, 4), as BF16 bits read as F16 do (F16 weights "
+                            f"spread over magnitudes); fix its dtype in the header to BF16")
+
     def get(self, name: str, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Reads one tensor. BF16 is widened exactly to float32 (the 16 bits shifted into the top of
         a float32); F16/F32 are returned as stored. With out_dtype the result is cast to it."""
@@ -124,6 +156,8 @@ class SafetensorsFile:
             arr = np.fromfile(f, dtype=raw_dtype, count=count)
         if arr.size != count:  # the file shrank after the header check
             raise ToolError(f"{self.path}: truncated safetensors file while reading tensor '{name}'")
+        if info.dtype == "F16" and len(info.shape) >= 2:
+            self._check_f16_label(name, arr)
         if info.dtype == "BF16":  # the upper 16 bits of an IEEE float32: widen exactly
             wide = arr.astype(np.uint32)
             wide <<= np.uint32(16)

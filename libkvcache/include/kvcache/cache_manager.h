@@ -24,6 +24,17 @@
 /// Storage per layer, stream (K, V) and KV head: quantized blocks followed by full-precision
 /// residual blocks, oldest first; heads may hold different numbers of tokens. Eviction
 /// leaves holes that attention skips and frees a block as soon as it is empty.
+///
+/// Threads: one CacheManager (with its policy) is driven by one thread at a time; it is not
+/// thread-safe. Separate CacheManagers share no mutable state, so an engine may drive
+/// different managers from different threads at the same time, and each computes bit for bit
+/// what it computes driven alone (test CacheThreads.TwoThreadsTwoCachesAreBitEqualToOneThread);
+/// the same holds for separate MultiSequenceCaches. What they do share is process-wide and set
+/// up front: the attention kernels (chosen once, KVCACHE_FUSED_ISA read at the first attend()),
+/// LibTorch's intra-op threads (at::set_num_threads), the library's logger (kvcache/log.h;
+/// thread-safe), the kvquant calibration files read (a mutex-guarded cache), and the
+/// CacheConfig::rope hook when several configs hold the same one — it is then called from
+/// several threads at once and must allow that (CausalLM::cache_config()'s does).
 
 #include <ATen/ATen.h>
 
@@ -93,8 +104,10 @@ class CacheManager final : public KVCache {
   /// @param positions int64 `[T_new]`: increasing, after the layer's last position, below
   ///        2^63 − 1 (in kRerotate mode exactly next_position(layer) + i)
   /// @throws InvalidArgument on a wrong shape/dtype/layer, NaN/Inf (naming the index), bad
-  ///         positions (the message names expected vs got), or an append after the layer's
-  ///         attention was observed in this step (append, then attend, then end_step).
+  ///         positions (the message names expected vs got), keys whose RoPE leaves float32
+  ///         (`rope(k) contains +Inf`, in both key storages), or an append after attend(),
+  ///         observe_attention() or observe_queries() ran on the layer in this step — for every
+  ///         policy, whether or not it reads attention (append, then attend, then end_step).
   void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override;
 
   /// Attention of `q` `[1, H_q, T_q, D]` (post-RoPE, float) at `q_positions` int64 `[T_q]`
@@ -149,7 +162,8 @@ class CacheManager final : public KVCache {
   void begin_replay() override;
 
   /// Position to give the next appended token of `layer`: the last written position + 1,
-  /// or the physical length in PositionMode::kRerotate. O(1).
+  /// or the physical length (the longest KV head's count) in PositionMode::kRerotate, where
+  /// every head's tokens are numbered contiguously up to it. O(1).
   int64_t next_position(int64_t layer) const override;
 
   /// The tokens `layer` holds: per-head positions, logical length, counters. O(T).

@@ -75,7 +75,8 @@ struct EvictionPlan {
   int64_t count(int64_t h) const;
 };
 
-/// Base class of eviction policies. Not thread-safe; one instance per CacheManager.
+/// Base class of eviction policies. Not thread-safe; one instance per CacheManager (driven by the
+/// thread driving that manager; separate managers' policies share nothing: cache_manager.h).
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;

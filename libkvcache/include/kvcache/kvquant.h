@@ -25,8 +25,11 @@
 
 namespace kvcache {
 
-/// The calibration file format version written and accepted.
-inline constexpr uint32_t kKvquantCalibrationVersion = 1;
+/// The calibration file format version written (and read, with version 1). Version 2 is
+/// version 1's layout with its checksum computed as documented (FNV-1a 64, offset basis
+/// 14695981039346656037); version 1 files were written with a mistaken basis and are read with
+/// either (docs/quantizers.md, "KVQuant calibration file").
+inline constexpr uint32_t kKvquantCalibrationVersion = 2;
 
 /// One codebook: 2^bits centroids, ascending, float32, normalised units.
 struct KvquantCodebook {
@@ -107,7 +110,8 @@ inline constexpr uint32_t kKvquantWeightsVersion = 1;
 /// @throws InvalidArgument naming the path: missing or unreadable, not a regular file or above
 ///         4 GiB, no magic, another version, a header of another shape (naming the expected
 ///         [L, N, H_kv, D] and the one found), a size other than the header's (naming both), a
-///         negative or non-finite weight (naming its layer, stream and index).
+///         negative or non-finite weight (naming its layer, stream and index), a layer whose
+///         keys' or values' weights are all 0 (no information to weigh by; naming it).
 KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int64_t tokens, int64_t heads,
                                     int64_t head_dim);
 
@@ -121,7 +125,8 @@ KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int
 /// kmeans_1d_weighted() and Q-Norm matches the weighted mean and standard deviation; the
 /// thresholds (quantiles) and outlier choices stay unweighted.
 /// @throws InvalidArgument on empty input, mismatched shapes, non-finite values, bad options,
-///         weights of another shape than the activations or negative / non-finite weights.
+///         weights of another shape than the activations or negative / non-finite weights, or
+///         a codebook whose pooled (non-outlier) values all weigh 0 (naming layer, level, stream).
 KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                            const KvquantFitOptions& options, const std::string& source,
                                            const KvquantWeights* weights = nullptr);
@@ -130,10 +135,10 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
 /// docs/quantizers.md. @throws InvalidArgument if `c` is inconsistent or the write fails.
 void save_kvquant_calibration(const KvquantCalibration& c, const std::string& path);
 
-/// Reads a calibration file. @throws InvalidArgument naming the path: missing or unreadable,
-/// not a regular file or above 1 GiB, not a calibration file (magic), another version (naming
-/// both), truncated or with trailing bytes (naming the sizes), a checksum mismatch,
-/// inconsistent contents.
+/// Reads a calibration file of format version 2 or 1. @throws InvalidArgument naming the path:
+/// missing or unreadable, not a regular file or above 1 GiB, not a calibration file (magic),
+/// another version (naming it and the versions read), truncated or with trailing bytes (naming
+/// the sizes), a checksum mismatch, inconsistent contents.
 KvquantCalibration load_kvquant_calibration(const std::string& path);
 
 // ---- the math, exposed for tests and tools ----------------------------------------------

@@ -42,10 +42,15 @@
 /// no eviction during the skipped prefix (its budget holds it); `fp8:*:scaled` streams (a
 /// scale fixed by the request's own first write) are never shared.
 ///
-/// When the pool is full: an append or an eviction that needs more bytes than are free first
-/// reclaims cached prefix blocks that no sequence uses (least recently used leaf first, its
-/// tail first); if that is not enough, PoolFullRule decides. Nothing is dropped silently.
-/// Not thread-safe: one thread drives the cache and all its sequences.
+/// When the pool is full: an append or an eviction that needs more bytes than are free is
+/// planned first: if it would not fit even after reclaiming every unused cached prefix and
+/// (kPreemptNewest) preempting every newer request, it is refused having changed nothing.
+/// Otherwise it reclaims cached prefix blocks that no sequence uses (least recently used leaf
+/// first, its tail first); if that is not enough, PoolFullRule decides. Nothing is dropped
+/// silently.
+/// Not thread-safe: one thread drives the cache and all its sequences. Separate
+/// MultiSequenceCaches share no mutable state and may be driven from separate threads at once,
+/// each computing what it computes alone (cache_manager.h, "Threads").
 
 #include <ATen/ATen.h>
 
@@ -70,7 +75,9 @@ enum class PoolFullRule {
   /// preemption order: the latest arrival yields), until the call fits: each preempted
   /// sequence gives back its blocks, and every later call on it throws PoolFullError
   /// (preempted() true) saying so
-  /// until it begins a new request. When the caller is the newest request, it is refused.
+  /// until it begins a new request. When the caller is the newest request, it is refused; so
+  /// is a call that would not fit even after preempting every newer request — before any of
+  /// them is preempted (a refused call changes nothing).
   kPreemptNewest,
 };
 

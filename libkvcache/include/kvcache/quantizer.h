@@ -123,12 +123,16 @@ class Quantizer {
   /// Quantizes `x` `[B, H_kv, T, D]`, dtype float32/float16/bfloat16, any strides.
   /// @throws InvalidArgument if `x` is not 4-D, has another dtype, contains NaN/Inf
   ///         (the message names the first bad index), or its grouped axis is not divisible
-  ///         by the group size (the message names both numbers).
+  ///         by the group size (the message names both numbers); `had(q)`: a row whose rotation
+  ///         leaves float32 (possible only when some |x| > FLT_MAX/√D; naming the row).
   QuantizedTensor quantize(const at::Tensor& x) const;
 
   /// Reconstructs a tensor of `q.shape` and `q.dtype`: the float32 reconstruction rounded to
   /// q.dtype, saturating at its largest finite value (finite input never comes back ±Inf).
-  /// @throws InvalidArgument if `q.format` differs from spec().
+  /// @throws InvalidArgument if `q.format` differs from spec(), or `q.shape` (checked first)
+  ///         is not the shape of a tensor the format makes: a negative size, more elements than
+  ///         int64 counts, a head_dim (e.g. 0) or seq_len that does not fit the group size, or
+  ///         tensors of other shapes than it implies (a hand-built q).
   at::Tensor dequantize(const QuantizedTensor& q) const;
 
   /// quantize(x) into a caller-held `out`, for callers that quantize same-shaped tensors

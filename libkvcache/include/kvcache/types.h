@@ -29,7 +29,11 @@ enum class KeyStorage {
 /// Which positions kept tokens carry after eviction.
 enum class PositionMode {
   kOriginal,  ///< kept tokens keep their absolute positions (H2O, kvpress default)
-  kRerotate,  ///< kept tokens re-assigned contiguous cache positions (StreamingLLM); needs kPreRoPE
+  /// Kept tokens re-assigned contiguous cache positions (StreamingLLM); needs kPreRoPE. Each KV
+  /// head's tokens end just before the layer's next position n (the longest head's count): a
+  /// head of n_h tokens (head-wise budgets: adakv, duo) holds n − n_h .. n − 1, so the query at
+  /// n sees its keys at the distances it would numbered alone (docs/cache-manager.md).
+  kRerotate,
 };
 
 /// What a forward step just ran: it tells the cache (and its eviction policy) where the

@@ -194,6 +194,9 @@ struct LayerState {
   bool observed = false;  ///< the policy got this step's attention for the layer
   int64_t min_step = 0;   ///< after an adopted prefix: tokens the next append must carry at least
   bool queried = false;   ///< the policy got this step's query rows for the layer
+  /// attend(), observe_attention or observe_queries ran on the layer in this step (whether or
+  /// not the policy uses attention): the step's appends are over — one rule for every policy.
+  bool attended = false;
   CacheStats stats;
 };
 
@@ -355,6 +358,28 @@ struct CacheManager::Impl {
     return cfg.position_mode == PositionMode::kRerotate ? l.store->max_resident() : l.last_pos + 1;
   }
 
+  /// Pre-RoPE keys: throws as check_finite(rope(k)) does when a key `k` `[1, H_kv, n, D]`
+  /// float32 (contiguous) rotated by the RoPE table at its position — what get() and attend()
+  /// read — is not finite, so that both key storages accept the same keys.
+  void check_rotated_finite(const at::Tensor& k, const int64_t* pp, const char* fn) const {
+    const int64_t hkv = cfg.num_kv_heads, d = cfg.head_dim, n = k.size(2);
+    const float* kp = k.data_ptr<float>();
+    std::vector<float> row(static_cast<size_t>(d));
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        std::copy_n(kp + (h * n + t) * d, d, row.begin());
+        rope_table.rotate(row.data(), pp[t]);
+        for (int64_t i = 0; i < d; ++i) {
+          const float y = row[static_cast<size_t>(i)];
+          KV_CHECK_ARG(std::isfinite(y), fn, ": rope(k) contains ", std::isnan(y) ? "NaN" : (y > 0 ? "+Inf" : "-Inf"),
+                       " at [b, h, t, d] = [0, ", h, ", ", t, ", ", i, "] (k = ", kp[(h * n + t) * d + i],
+                       " rotated to position ", pp[t],
+                       "); the cache stores finite keys and values only, and keys stored pre-RoPE are rotated on read");
+        }
+      }
+    }
+  }
+
   at::Tensor rope(const at::Tensor& x, const at::Tensor& positions) const {
     auto y = cfg.rope(x, positions);
     KV_CHECK_ARG(y.defined() && y.sizes() == x.sizes(), "CacheConfig.rope returned ", shape_str(y), " for input ",
@@ -383,7 +408,7 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(positions.defined() && positions.dim() == 1 && positions.size(0) == n &&
                      positions.scalar_type() == at::kLong && positions.device().is_cpu(),
                  fn, ": positions must be a CPU int64 tensor [T_new=", n, "], got ", shape_str(positions));
-    KV_CHECK_ARG(!(l.observed || l.queried) || n == 0, fn, ": the attention of layer ", layer,
+    KV_CHECK_ARG(!(l.observed || l.queried || l.attended) || n == 0, fn, ": the attention of layer ", layer,
                  " was already observed in this step (by attend(), observe_attention or observe_queries); append the step's "
                  "tokens first, then attend, then end_step()");
     const at::Tensor pos = positions.contiguous();
@@ -418,6 +443,8 @@ struct CacheManager::Impl {
     if (!pre_rope()) {
       k = rope(k, pos);
       check_finite(k, fn, "rope(k)");
+    } else {
+      check_rotated_finite(k, pp, fn);  // the rotation every read applies: the same range as post-RoPE
     }
     if (hooks != nullptr) {
       // The pool's capacity: what this append allocates, checked before anything changes. A
@@ -456,7 +483,7 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(!replaying, fn, ": a replay step is already open; end it with end_step(kReplay or kReplayEnd)");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& l = layers[i];
-      KV_CHECK_ARG(l.step_new == 0 && !l.observed && !l.queried, fn, ": layer ", i,
+      KV_CHECK_ARG(l.step_new == 0 && !l.observed && !l.queried && !l.attended, fn, ": layer ", i,
                    " is inside a step (tokens appended or attention observed); call begin_replay() after end_step()");
     }
     replaying = true;
@@ -587,6 +614,7 @@ struct CacheManager::Impl {
     const QueryNeed qneed = l.queried ? QueryNeed{} : policy->query_need();
     AttentionMass mass;
     at::Tensor out = attend_layer(layer, q, q_positions, need, &mass, cfg.fused_attention);
+    if (q.size(2) > 0) l.attended = true;
     if (need.any() && q.size(2) > 0) {
       policy->observe(layer, mass);
       l.observed = true;
@@ -645,6 +673,7 @@ struct CacheManager::Impl {
                  fn, ": q_positions must be a CPU int64 tensor [T_q=", q.size(2), "], got ", shape_str(q_positions));
     KV_CHECK_ARG(!l.queried, fn, ": the queries of layer ", layer, " were already observed in this step");
     check_finite(q, fn, "q");
+    l.attended = true;
     const QueryNeed need = policy->query_need();
     if (!need.any()) return;
     hand_queries(layer, q, q_positions, need);
@@ -702,6 +731,7 @@ struct CacheManager::Impl {
     KV_CHECK_ARG(!l.observed, fn, ": the attention of layer ", layer,
                  " was already observed in this step (by attend() or observe_attention)");
     check_probabilities(probs, fn);
+    l.attended = true;
     const AttentionNeed need = policy->attention_need();
     if (!need.any()) return;
     const AttentionMass mass = reduce_attention(probs, cfg.num_kv_heads, need);
@@ -798,6 +828,7 @@ struct CacheManager::Impl {
       l.step_new = 0;
       l.observed = false;
       l.queried = false;
+      l.attended = false;
     }
     if (replaying) {
       replaying = false;  // the replay's tokens are dropped: nothing of them was stored
@@ -817,8 +848,13 @@ struct CacheManager::Impl {
       if (t > l.written) fail("head " + std::to_string(h) + " holds " + std::to_string(t) + " > written " + std::to_string(l.written));
       if (t > 0 && pos.back() > l.last_pos) fail("position beyond the last written one");
       if (cfg.position_mode == PositionMode::kRerotate) {
+        // Contiguous, ending just before the layer's next position (the longest head's count).
+        const int64_t first = l.store->max_resident() - t;
         for (int64_t j = 0; j < t; ++j) {
-          if (pos[static_cast<size_t>(j)] != j) fail("rerotate positions not contiguous at head " + std::to_string(h));
+          if (pos[static_cast<size_t>(j)] != first + j) {
+            fail("rerotate positions of head " + std::to_string(h) + " are not " + std::to_string(first) + " .. " +
+                 std::to_string(first + t - 1));
+          }
         }
       }
     }
@@ -901,6 +937,7 @@ void CacheManager::reset(int64_t context_length) {
     l.observed = false;
     l.min_step = 0;
     l.queried = false;
+    l.attended = false;
     l.stats = CacheStats{};
   }
   if (!im.shared_pools) im.pools->clear();  // give the memory back

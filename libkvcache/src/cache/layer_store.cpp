@@ -146,9 +146,13 @@ int64_t LayerStore::cow_copies() const {
 }
 
 void LayerStore::renumber_positions() {
+  // Each head's survivors end just before the layer's next position (its longest head's
+  // count): a head of n_h tokens takes n − n_h .. n − 1, so the query at n sees its keys at the
+  // distances 1 .. n_h that numbering the head alone gives (heads of equal length: 0 .. n − 1).
+  const int64_t n = max_resident();
   for (size_t h = 0; h < k_.size(); ++h) {
     for (HeadStream* s : {&k_[h], &v_[h]}) {
-      int64_t next = 0;
+      int64_t next = n - s->live();
       s->quant.renumber_positions(next);
       s->resid.renumber_positions(next);
     }

@@ -89,7 +89,9 @@ class LayerStore {
   void write(int64_t h, const float* k, const float* v, const int64_t* pos, int64_t n);
   /// Evicts the head's live tokens at indices `idx` (strictly increasing) from both streams.
   void evict(int64_t h, const std::vector<int64_t>& idx);
-  /// Re-numbers every head's positions 0, 1, ... (PositionMode::kRerotate).
+  /// Re-numbers every head's positions contiguously, ending at max_resident() − 1: a head of
+  /// n_h tokens gets max_resident() − n_h, ..., max_resident() − 1 (PositionMode::kRerotate;
+  /// heads of equal length: 0, 1, ...).
   void renumber_positions();
   /// Takes shared blocks as head h's oldest tokens (prefix sharing): `k` and `v` in order,
   /// appended to the quantized lists (settled blocks: in neither residual). The head must be

@@ -233,36 +233,96 @@ struct MultiSequenceCache::Impl {
     log::logger().info("MultiSequenceCache: preempted sequence {} for sequence {} ({} B needed)", v.id, who.id, bytes);
   }
 
-  /// Makes `bytes` free for s's next allocation, or throws CapacityError (PoolFullRule).
+  /// Whether `c` is a request kPreemptNewest may preempt for `s`: running (it holds blocks) and
+  /// begun after s's.
+  static bool preemptible_for(const Sequence::State& c, const Sequence::State& s) {
+    return &c != &s && c.serial > s.serial && c.m->stats().bytes_reserved > 0;
+  }
+
+  /// The bytes free once every cached page no request would use is reclaimed and, with
+  /// `preempt`, every request begun after s's is preempted — all make_room can reach —
+  /// computed without changing anything: a block is freed when every reference to it goes
+  /// (the victims' block lists, then the pages left unlocked without the victims' locks).
+  int64_t reachable_free(const Sequence::State& s, bool preempt, int64_t* victims_out) {
+    std::vector<Sequence::State*> victims;
+    if (preempt) {
+      for (auto& q : seqs) {
+        if (preemptible_for(*q->s_, s)) victims.push_back(q->s_.get());
+      }
+    }
+    std::map<std::pair<const BlockPool*, cache::BlockId>, int64_t> dropped;
+    for (const Sequence::State* v : victims) {
+      const CacheManager& m = *v->m;
+      for (int64_t l = 0; l < m.config().num_layers; ++l) {
+        const LayerStore& store = SequenceSeam::layer(m, l);
+        for (int64_t h = 0; h < store.num_heads(); ++h) {
+          for (const BlockList* list : {&store.k(h).quant, &store.k(h).resid, &store.v(h).quant, &store.v(h).resid}) {
+            for (const Block& b : list->blocks()) ++dropped[{list->format(b).pool, b.id}];
+          }
+        }
+      }
+    }
+    // Lock counts as they would be without the victims (unlock and lock only count: restored
+    // exactly before anything else happens).
+    for (const Sequence::State* v : victims) {
+      if (v->locked != nullptr) tree.unlock(v->locked);
+    }
+    tree.for_each_page([&](RadixTree::PageId id, bool locked) {
+      if (locked) return;
+      const CachedPage& p = pages.at(id);
+      for (size_t i = 0; i < p.blocks.size(); ++i) ++dropped[{p.pools[i], p.blocks[i].id}];
+    });
+    for (const Sequence::State* v : victims) {
+      if (v->locked != nullptr) tree.lock(v->locked);
+    }
+    int64_t freed = 0;
+    for (const auto& [key, refs] : dropped) {
+      if (key.first->refcount(key.second) == refs) freed += key.first->block_bytes();
+    }
+    if (victims_out != nullptr) *victims_out = static_cast<int64_t>(victims.size());
+    return free_bytes() + freed;
+  }
+
+  /// Makes `bytes` free for s's next allocation, or throws PoolFullError (PoolFullRule). Plans
+  /// first: a call that cannot fit even after reclaiming every unused cached page (and, under
+  /// kPreemptNewest, preempting every newer request) is refused before anything is reclaimed or
+  /// preempted, so a refused call changes nothing.
   void make_room(Sequence::State& s, int64_t bytes) {
     if (bytes <= free_bytes()) return;
-    reclaim(bytes - free_bytes());
-    if (bytes <= free_bytes()) return;
-    if (cfg.when_full == PoolFullRule::kPreemptNewest) {
-      while (bytes > free_bytes()) {
-        Sequence::State* victim = nullptr;
-        for (auto& q : seqs) {
-          Sequence::State& c = *q->s_;
-          if (&c == &s || c.serial <= s.serial || c.m->stats().bytes_reserved == 0) continue;
-          if (victim == nullptr || c.serial > victim->serial) victim = &c;
-        }
-        if (victim == nullptr) break;
-        preempt(*victim, s, bytes);
-        if (bytes > free_bytes()) reclaim(bytes - free_bytes());  // its prefix may be unused now
-      }
-      if (bytes <= free_bytes()) return;
+    const bool preempting = cfg.when_full == PoolFullRule::kPreemptNewest;
+    int64_t newer = 0;
+    const int64_t reachable = reachable_free(s, preempting, &newer);
+    if (bytes > reachable) {
+      ++counters.refusals;
+      int64_t running = 0;
+      for (auto& q : seqs) running += q->s_->m->stats().bytes_reserved > 0;
+      throw PoolFullError(
+          detail::str_cat(
+              "MultiSequenceCache: sequence ", s.id, " needs up to ", bytes, " B of new blocks but only ",
+              free_bytes(), " B of the pool's capacity_bytes = ", cfg.capacity_bytes, " are free (", in_use(),
+              " B in use by ", running, " running sequences and the prefix index), and ",
+              preempting ? detail::str_cat("reclaiming every unused cached prefix and preempting the ", newer,
+                                           " requests newer than this one")
+                         : std::string("reclaiming every unused cached prefix"),
+              " would leave ", reachable, " B free",
+              preempting ? "" : " (PoolFullRule::kRefuse)",
+              "; nothing was reclaimed or preempted: end a request (Sequence::finish) and retry, or raise "
+              "capacity_bytes"),
+          /*preempted=*/false);
     }
-    ++counters.refusals;
-    int64_t running = 0;
-    for (auto& q : seqs) running += q->s_->m->stats().bytes_reserved > 0;
-    throw PoolFullError(detail::str_cat(
-        "MultiSequenceCache: sequence ", s.id, " needs up to ", bytes, " B of new blocks but only ", free_bytes(),
-        " B of the pool's capacity_bytes = ", cfg.capacity_bytes, " are free (", in_use(), " B in use by ", running,
-        " running sequences and the prefix index; no unused cached prefix is left to reclaim",
-        cfg.when_full == PoolFullRule::kPreemptNewest ? ", and no request newer than this one is left to preempt"
-                                                      : "; PoolFullRule::kRefuse",
-        "): end a request (Sequence::finish) and retry, or raise capacity_bytes"),
-                        /*preempted=*/false);
+    reclaim(bytes - free_bytes());
+    while (bytes > free_bytes()) {
+      Sequence::State* victim = nullptr;
+      for (auto& q : seqs) {
+        Sequence::State& c = *q->s_;
+        if (!preemptible_for(c, s)) continue;
+        if (victim == nullptr || c.serial > victim->serial) victim = &c;
+      }
+      KV_INTERNAL_ASSERT(preempting && victim != nullptr, "MultiSequenceCache: the plan said ", reachable,
+                         " B can be freed, but only ", free_bytes(), " B are free with no request left to preempt");
+      preempt(*victim, s, bytes);
+      if (bytes > free_bytes()) reclaim(bytes - free_bytes());  // its prefix may be unused now
+    }
   }
 
   // ---- prefix index -------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "kvcache/error.h"
 
@@ -61,6 +62,76 @@ void check_readable_file(const std::string& path, const std::string& what) {
   struct stat st {};
   KV_CHECK_ARG(::stat(path.c_str(), &st) == 0, "cannot open ", what, " '", path, "': ", std::strerror(errno));
   KV_CHECK_ARG(!S_ISDIR(st.st_mode), "cannot open ", what, " '", path, "': it is a directory");
+}
+
+std::string bytes_text(int64_t n) {
+  std::string unit;
+  if (n >= (int64_t{1} << 30) && n % (int64_t{1} << 30) == 0) {
+    unit = std::to_string(n >> 30) + " GiB";
+  } else if (n >= (int64_t{1} << 20) && n % (int64_t{1} << 20) == 0) {
+    unit = std::to_string(n >> 20) + " MiB";
+  } else if (n >= 1024 && n % 1024 == 0) {
+    unit = std::to_string(n >> 10) + " KiB";
+  }
+  return std::to_string(n) + " bytes" + (unit.empty() ? "" : " (" + unit + ")");
+}
+
+namespace {
+
+const char* file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "it is a directory";
+  if (S_ISCHR(m)) return "it is a character device, not a regular file";
+  if (S_ISBLK(m)) return "it is a block device, not a regular file";
+  if (S_ISFIFO(m)) return "it is a FIFO (named pipe), not a regular file";
+  if (S_ISSOCK(m)) return "it is a socket, not a regular file";
+  return "it is not a regular file";
+}
+
+}  // namespace
+
+std::string read_regular_file(const std::string& path, const std::string& what, int64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO without a writer returns at once (then refused below) instead
+  // of waiting; it changes nothing for a regular file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  KV_CHECK_ARG(fd >= 0, "cannot read ", what, " '", path, "': ", std::strerror(errno));
+  std::string data;
+  try {
+    struct stat st {};
+    KV_CHECK_ARG(::fstat(fd, &st) == 0, "cannot read ", what, " '", path, "': ", std::strerror(errno));
+    KV_CHECK_ARG(S_ISREG(st.st_mode), "cannot read ", what, " '", path, "': ", file_kind(st.st_mode));
+    KV_CHECK_ARG(st.st_size <= max_bytes, "cannot read ", what, " '", path, "': it is ", st.st_size,
+                 " bytes, more than the ", bytes_text(max_bytes), " a ", what, " may have");
+    data.reserve(static_cast<size_t>(st.st_size));
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      KV_CHECK_ARG(n >= 0, "cannot read ", what, " '", path, "': ", std::strerror(errno));
+      if (n == 0) break;
+      data.append(buf, static_cast<size_t>(n));
+      // (the file grew while it was read)
+      KV_CHECK_ARG(static_cast<int64_t>(data.size()) <= max_bytes, "cannot read ", what, " '", path,
+                   "': it holds more than the ", bytes_text(max_bytes), " a ", what, " may have");
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return data;
+}
+
+void check_line_lengths(const std::string& data, const std::string& what, const std::string& path,
+                        int64_t max_line) {
+  size_t start = 0;
+  for (int64_t line = 1; start < data.size(); ++line) {
+    size_t nl = data.find('\n', start);
+    if (nl == std::string::npos) nl = data.size();
+    const auto len = static_cast<int64_t>(nl - start);
+    KV_CHECK_ARG(len <= max_line, what, " '", path, "': line ", line, " is ", len, " bytes long, more than the ",
+                 bytes_text(max_line), " a line may have");
+    start = nl + 1;
+  }
 }
 
 }  // namespace kvcache::io

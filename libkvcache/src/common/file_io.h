@@ -23,4 +23,20 @@ void write_file_atomic(const std::string& path, const std::string& data);
 /// @throws InvalidArgument "cannot open <what> '<path>': ...".
 void check_readable_file(const std::string& path, const std::string& what);
 
+/// The whole of `path`, which must be a regular file of at most `max_bytes` bytes. Checked
+/// before anything is read (opened without blocking, so a FIFO is refused, not waited on): a
+/// directory, a device, a FIFO or a socket would be read without end or not at all.
+/// @throws InvalidArgument "cannot read <what> '<path>': <why>", naming the kind of file, or
+///         the size and the limit ("... is 2147483648 bytes, more than the 1073741824 bytes
+///         (1 GiB) a <what> may have").
+std::string read_regular_file(const std::string& path, const std::string& what, int64_t max_bytes);
+
+/// Throws unless every line of `data` (split at '\n') has at most `max_line` bytes, naming
+/// `what`, `path`, the first longer line's number (1-based), its length and the limit.
+void check_line_lengths(const std::string& data, const std::string& what, const std::string& path,
+                        int64_t max_line);
+
+/// "1073741824 bytes (1 GiB)": a limit as the messages state it.
+std::string bytes_text(int64_t n);
+
 }  // namespace kvcache::io

@@ -53,6 +53,38 @@ void check_cache_fits(const CacheConfig& c, const ModelConfig& m, const char* fn
                "); build it from CausalLM::cache_config()");
 }
 
+/// When the cache refused layer `layer`'s K/V/q (an InvalidArgument from append or attend) and
+/// the model computed a non-finite value there, throws an InvalidArgument naming the model file,
+/// the layer and the tensor: a corrupt model, not the caller's input. Otherwise returns (the
+/// caller rethrows the cache's own error).
+void throw_if_model_output_not_finite(const CausalLM& model, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& q, const InvalidArgument& refused) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "keys"}, {&v, "values"}, {&q, "queries"}}) {
+    if (at::isfinite(*t).all().item<bool>()) continue;
+    const at::Tensor i = at::logical_not(at::isfinite(*t)).nonzero()[0];
+    const float x = t->index({i[0], i[1], i[2], i[3]}).to(at::kFloat).item<float>();
+    throw InvalidArgument(detail::str_cat(
+        "model '", model.path(), "': layer ", layer, " computed ", std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf"),
+        " in its ", name, " at [b, h, t, d] = [", i[0].item<int64_t>(), ", ", i[1].item<int64_t>(), ", ",
+        i[2].item<int64_t>(), ", ", i[3].item<int64_t>(),
+        "] from valid token ids: the model file is corrupt or its weights overflow its dtype (the cache refused it: ",
+        refused.what(), ")"));
+  }
+}
+
+/// append + attend of layer `layer` (KVCache's order); a refusal caused by the model's own
+/// non-finite output names the model and the layer.
+at::Tensor append_attend(const CausalLM& model, int64_t layer, KVCache& cache, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& q, const at::Tensor& pos) {
+  try {
+    cache.append(layer, k, v, pos);
+    return cache.attend(layer, q, pos);
+  } catch (const InvalidArgument& e) {
+    throw_if_model_output_not_finite(model, layer, k, v, q, e);
+    throw;
+  }
+}
+
 enum class LogitsFor { kLastToken, kAllTokens, kNone };
 
 /// One forward step of `ids` `[1, T]` int64 through every layer with `cache`.
@@ -74,8 +106,7 @@ at::Tensor forward_step(const CausalLM& model, const at::Tensor& ids, KVCache& c
       pos_start = p0;
     }
     QKV x = model.qkv(l, h, pos);
-    cache.append(l, x.k, x.v, pos);
-    h = model.finish(l, h, cache.attend(l, x.q, pos).to(h.scalar_type()));
+    h = model.finish(l, h, append_attend(model, l, cache, x.k, x.v, x.q, pos).to(h.scalar_type()));
   }
   cache.end_step(step);
   if (which == LogitsFor::kNone) return {};
@@ -155,8 +186,9 @@ at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, co
       at::Tensor& out = outs[static_cast<size_t>(b)];
       const bool ok = !gone(b) && guarded(
                                       [&] {
-                                        c.append(l, x.k.slice(0, b, b + 1), x.v.slice(0, b, b + 1), pb);
-                                        out = c.attend(l, q.slice(0, b, b + 1).contiguous(), pb);
+                                        out = append_attend(model, l, c, x.k.slice(0, b, b + 1),
+                                                            x.v.slice(0, b, b + 1), q.slice(0, b, b + 1).contiguous(),
+                                                            pb);
                                       },
                                       c, left_of(b));
       if (!ok) {

@@ -133,6 +133,15 @@ void IntQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& resu
   const int64_t g = group_for(d);
   const bool per_token = axis_ == GroupAxis::kPerToken;
   const std::string where = "dequantize(q) [" + spec() + "]";
+  // The shape first: the sizes below divide by the group size (a hand-built q of head_dim 0
+  // would divide by zero).
+  if (per_token) {
+    KV_CHECK_ARG(g > 0 && d % g == 0, where, ": q.shape ", shape_str(q.shape), " has head_dim D = ", d,
+                 ", expected a positive multiple of the group size g = ", g, group_ == 0 ? " (= D)" : "");
+  } else {
+    KV_CHECK_ARG(t % g == 0, where, ": q.shape ", shape_str(q.shape), " has seq_len T = ", t,
+                 ", expected a multiple of the per-channel group size g = ", g, " tokens");
+  }
   const std::vector<int64_t> code_shape =
       per_token ? std::vector<int64_t>{b, h, t, d * bits_ / 8} : std::vector<int64_t>{b, h, t * bits_ / 8, d};
   const std::vector<int64_t> meta_shape =

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "common/file_io.h"
+#include "common/log.h"
 #include "kvcache/error.h"
 
 namespace kvcache {
@@ -90,13 +91,19 @@ std::vector<float> subsample(const std::vector<float>& y, int64_t cap) {
   return out;
 }
 
+/// `what` names the pool in messages ("layer 0 keys at sparsity 0.99").
 KvquantCodebook fit_codebook(const std::vector<float>& pool, int bits, const KvquantFitOptions& o,
-                             const std::vector<float>* weights = nullptr) {
+                             const std::vector<float>* weights, const std::string& what) {
   KvquantCodebook cb;
   cb.bits = bits;
-  const bool weighted = weights != nullptr && std::any_of(weights->begin(), weights->end(), [](float a) { return a > 0; });
-  if (pool.empty() || (weights != nullptr && !weighted)) {
-    // (A weighted pool whose weights are all zero carries no information either.)
+  // A weighted pool whose weights are all zero carries no information: refused, not fitted as
+  // anything (it used to become a uniform grid silently).
+  KV_CHECK_ARG(pool.empty() || weights == nullptr ||
+                   std::any_of(weights->begin(), weights->end(), [](float a) { return a > 0; }),
+               "fit_kvquant_calibration: ", what, ": every one of the ", pool.size(),
+               " calibration values its codebook is fitted to (the non-outliers) has weight 0; a weighted "
+               "k-means needs a positive weight there (check the weights, or fit without them)");
+  if (pool.empty()) {
     // Every calibration value was an outlier (cannot happen for p > 0.9 and D >= 2): a
     // uniform grid keeps the codebook usable.
     const int k = 1 << bits;
@@ -107,7 +114,11 @@ KvquantCodebook fit_codebook(const std::vector<float>& pool, int bits, const Kvq
   if (weights != nullptr) {
     const std::vector<float> w = subsample(*weights, o.max_samples);  // the same stride
     if (!std::any_of(w.begin(), w.end(), [](float a) { return a > 0; })) {
-      // Only zero weights left after the subsample: the unweighted fit of those values.
+      // Only zero weights left after the subsample: the unweighted fit of those values, said.
+      log::warn_once("kvquant-subsample-zero-weights:" + what,
+                     "fit_kvquant_calibration: " + what + ": the subsample of " + std::to_string(y.size()) +
+                         " of its " + std::to_string(pool.size()) +
+                         " calibration values kept only values of weight 0; its codebook is fitted unweighted");
       cb.centroids = kmeans_1d(y.data(), static_cast<int64_t>(y.size()), 1 << bits, o.max_iter);
       fit_qnorm(cb, y);
       return cb;
@@ -165,8 +176,15 @@ class Reader {
   size_t pos_ = 0;
 };
 
-uint64_t fnv1a(const char* p, size_t n) {
-  uint64_t h = 1469598103934665603ull;
+/// FNV-1a 64 (docs/quantizers.md, "KVQuant calibration file"): offset basis
+/// 14695981039346656037 (0xcbf29ce484222325), prime 1099511628211.
+constexpr uint64_t kFnvOffsetBasis = 14695981039346656037ull;
+/// The offset basis builds before format version 2 wrote by mistake (a digit short of the
+/// standard one): version 1 files carrying it are still read.
+constexpr uint64_t kLegacyV1OffsetBasis = 1469598103934665603ull;
+
+uint64_t fnv1a(const char* p, size_t n, uint64_t basis = kFnvOffsetBasis) {
+  uint64_t h = basis;
   for (size_t i = 0; i < n; ++i) {
     h ^= static_cast<unsigned char>(p[i]);
     h *= 1099511628211ull;
@@ -470,9 +488,10 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
           if (weighted) vw.push_back(vwp[r * D + d]);
         }
       }
+      const std::string where = detail::str_cat("layer ", l, " at sparsity ", p);
       for (int b : cal.bits) {
-        lc.key_codebooks.push_back(fit_codebook(kpool, b, o, weighted ? &kw : nullptr));
-        lc.value_codebooks.push_back(fit_codebook(vpool, b, o, weighted ? &vw : nullptr));
+        lc.key_codebooks.push_back(fit_codebook(kpool, b, o, weighted ? &kw : nullptr, where + ", keys"));
+        lc.value_codebooks.push_back(fit_codebook(vpool, b, o, weighted ? &vw : nullptr, where + ", values"));
       }
       lv.layers.push_back(std::move(lc));
     }
@@ -557,11 +576,17 @@ KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int
       std::memcpy(t.data_ptr<float>(), p, static_cast<size_t>(per) * 4);
       p += per * 4;
       const float* f = t.data_ptr<float>();
+      bool positive = false;
       for (int64_t i = 0; i < per; ++i) {
         KV_CHECK_ARG(std::isfinite(f[i]) && f[i] >= 0, "KVQuant weights '", path, "': layer ", l,
                      s == 0 ? " keys" : " values", " [", i / (heads * head_dim), ", ", i / head_dim % heads, ", ",
                      i % head_dim, "] is ", f[i], " (weights must be finite and >= 0)");
+        positive = positive || f[i] > 0;
       }
+      // All zero: no information to weigh by (a uniform codebook would come out, silently).
+      KV_CHECK_ARG(positive, "KVQuant weights '", path, "': every weight of layer ", l, s == 0 ? " keys" : " values",
+                   " is 0 (", per, " weights); a weighted k-means needs positive weights — check how the "
+                   "weights were computed, or calibrate without --weights");
       (s == 0 ? w.keys : w.values).push_back(std::move(t));
     }
   }
@@ -586,8 +611,9 @@ KvquantCalibration load_kvquant_calibration(const std::string& path) {
   Reader r(data, path);
   for (size_t i = 0; i < sizeof kMagic; ++i) (void)r.get<char>("the magic");
   const uint32_t version = r.get<uint32_t>("the version");
-  KV_CHECK_ARG(version == kKvquantCalibrationVersion, "KVQuant calibration '", path, "' has format version ", version,
-               "; this build reads version ", kKvquantCalibrationVersion, " (re-run kv_study calibrate)");
+  KV_CHECK_ARG(version == 1 || version == kKvquantCalibrationVersion, "KVQuant calibration '", path,
+               "' has format version ", version, "; this build reads versions 1 and ", kKvquantCalibrationVersion,
+               " (re-run kv_study calibrate)");
   KvquantCalibration c;
   c.num_layers = r.get<uint32_t>("the header");
   c.num_kv_heads = r.get<uint32_t>("the header");
@@ -640,8 +666,13 @@ KvquantCalibration load_kvquant_calibration(const std::string& path) {
   }
   const size_t body = r.pos();
   const uint64_t h = r.get<uint64_t>("the checksum");
-  KV_CHECK_ARG(h == fnv1a(data.data(), body), "KVQuant calibration '", path,
-               "': checksum mismatch (the file is corrupt; re-run kv_study calibrate)");
+  // Version 2: the documented FNV-1a. Version 1 (the layout is the same): the documented
+  // checksum, or the one earlier builds wrote with their mistaken offset basis.
+  const bool sum_ok = h == fnv1a(data.data(), body) ||
+                      (version == 1 && h == fnv1a(data.data(), body, kLegacyV1OffsetBasis));
+  KV_CHECK_ARG(sum_ok, "KVQuant calibration '", path,
+               "': checksum mismatch (the last 8 bytes are not FNV-1a 64 of the ", body,
+               " bytes before them; the file is corrupt: re-run kv_study calibrate)");
   c.check("KVQuant calibration '" + path + "'");
   return c;
 }

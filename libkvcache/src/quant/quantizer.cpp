@@ -84,6 +84,14 @@ void Quantizer::validate_dequantize_input(const QuantizedTensor& q) const {
                "', expected '", me, "' (decode a tensor with the quantizer that produced it)");
   KV_CHECK_ARG(q.shape.size() == 4, "dequantize(q) [", me, "]: q.shape must have 4 entries, got ",
                q.shape.size());
+  // Sizes a tensor can have: none negative, their product within int64 (what quantize() makes).
+  int64_t numel = 1;
+  for (int64_t s : q.shape) {
+    KV_CHECK_ARG(s >= 0 && (s == 0 || numel <= std::numeric_limits<int64_t>::max() / s), "dequantize(q) [", me,
+                 "]: q.shape ", quant::shape_str(q.shape), " is not the shape of a tensor [B, H_kv, T, D] (",
+                 s < 0 ? "a negative size" : "more elements than int64 counts", ")");
+    numel = s == 0 ? 0 : numel * s;
+  }
   KV_CHECK_ARG(q.codes.defined(), "dequantize(q) [", me, "]: q.codes is undefined");
 }
 

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/rotated_quantizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kvcache/error.h"
@@ -38,6 +40,29 @@ void check_head_dim(int64_t d, const std::string& where) {
                " (H_D is built by Sylvester's doubling)");
 }
 
+/// Clamps the n values of a reconstruction rotated back to float32's finite range: the inverse
+/// rotation of a finite decode can pass FLT_MAX only by the format's error on a row holding
+/// values near FLT_MAX (finite in, finite out, as the other formats saturate). NaN stays NaN.
+void saturate(float* x, int64_t n) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  for (int64_t i = 0; i < n; ++i) x[i] = std::min(std::max(x[i], -kMax), kMax);
+}
+
+/// Throws unless every row of the rotated `y` [B, H, T, D] is finite, naming the first row of
+/// `x` whose rotation leaves float32 and the range that always rotates finitely.
+void check_rotation_finite(const at::Tensor& x, const at::Tensor& y, const std::string& where) {
+  if (at::isfinite(y).all().item<bool>()) return;
+  const at::Tensor bad = at::logical_not(at::isfinite(y)).any(-1).nonzero()[0];
+  const int64_t d = x.size(3);
+  const at::Tensor row = x.index({bad[0], bad[1], bad[2]}).to(at::kFloat);
+  throw InvalidArgument(detail::str_cat(
+      where, ": row [b, h, t] = [", bad[0].item<int64_t>(), ", ", bad[1].item<int64_t>(), ", ", bad[2].item<int64_t>(),
+      "] (max |x| = ", row.abs().max().item<float>(), ") rotates beyond float32: an entry of H_D·x exceeds ",
+      std::numeric_limits<float>::max(), " (rows with every |x| <= FLT_MAX/sqrt(D) = ",
+      std::numeric_limits<float>::max() / std::sqrt(static_cast<float>(d)),
+      " always rotate finitely; docs/quantizers.md, \"Hadamard rotation\"); store such input unrotated"));
+}
+
 }  // namespace
 
 at::Tensor RotatedQuantizer::rotate(const at::Tensor& x) const {
@@ -60,8 +85,7 @@ void RotatedQuantizer::check_input(const at::Tensor& x) const {
 QuantizedTensor RotatedQuantizer::do_quantize(const at::Tensor& x) const {
   const std::string where = "quantize(x) [" + spec() + "]";
   const at::Tensor y = rotate(x);
-  KV_CHECK_ARG(at::isfinite(y).all().item<bool>(), where, ": the rotated x exceeds float32 (|x| up to ",
-               x.to(at::kFloat).abs().max().item<float>(), "); such input cannot be rotated");
+  check_rotation_finite(x, y, where);
   QuantizedTensor q;
   try {
     q = inner_->quantize(y);
@@ -85,14 +109,14 @@ at::Tensor RotatedQuantizer::do_dequantize(const QuantizedTensor& q) const {
   }
   check_head_dim(y.size(3), "dequantize(q) [" + spec() + "]");
   hadamard_rows(y.data_ptr<float>(), y.numel() / y.size(3), y.size(3));
+  saturate(y.data_ptr<float>(), y.numel());
   return to_input_dtype(y, q.dtype);  // saturating, as the other quantizers
 }
 
 void RotatedQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const {
   const std::string where = "quantize_into(x, out) [" + spec() + "]";
   const at::Tensor y = rotate(x);
-  KV_CHECK_ARG(at::isfinite(y).all().item<bool>(), where, ": the rotated x exceeds float32 (|x| up to ",
-               x.to(at::kFloat).abs().max().item<float>(), "); such input cannot be rotated");
+  check_rotation_finite(x, y, where);
   try {
     inner_->quantize_into(y, out);
   } catch (const InvalidArgument& e) {
@@ -118,6 +142,7 @@ void RotatedQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& 
   if (!out.is_contiguous()) out = out.contiguous();
   check_head_dim(out.size(3), "dequantize_into(q, out) [" + spec() + "]");
   hadamard_rows(out.data_ptr<float>(), out.numel() / out.size(3), out.size(3));
+  saturate(out.data_ptr<float>(), out.numel());
 }
 
 StoredLayout RotatedQuantizer::do_stored_layout(int64_t head_dim) const {
@@ -147,7 +172,9 @@ EncodeStatus RotatedQuantizer::do_encode(const float* x, int64_t groups, int64_t
 void RotatedQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
                                  float* out) const {
   inner_->decode(in, groups, head_dim, tensor_scale, out);
-  hadamard_rows(out, groups * inner_->stored_layout(head_dim).group_tokens, head_dim);
+  const int64_t rows = groups * inner_->stored_layout(head_dim).group_tokens;
+  hadamard_rows(out, rows, head_dim);
+  saturate(out, rows * head_dim);
 }
 
 }  // namespace kvcache::quant

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/file_io.h"
 #include "kvcache/attention.h"
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
@@ -13,6 +14,12 @@
 #include "kvcache/study/task_suite.h"
 
 namespace kvcache::study {
+std::string read_calibration_text(const std::string& path) {
+  std::string text = io::read_regular_file(path, "calibration text", kMaxCalibrationTextBytes);
+  KV_CHECK_ARG(!text.empty(), "calibration text '", path, "' is empty");
+  return text;
+}
+
 std::vector<std::string> split_sentences(const std::string& text) {
   std::vector<std::string> out;
   std::string cur;

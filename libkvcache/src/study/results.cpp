@@ -174,7 +174,13 @@ ResultsStore::ResultsStore(const std::string& path) : path_(path) {
     throw InvalidArgument("results file '" + path + "' is locked by another running kv_study process");
   }
   try {
+    struct stat st {};
+    KV_CHECK_ARG(::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode), "results file '", path,
+                 "' is not a regular file (a results file is appended to and fsync'd)");
+    KV_CHECK_ARG(st.st_size <= kMaxResultsFileBytes, "results file '", path, "' is ", st.st_size,
+                 " bytes, more than the ", io::bytes_text(kMaxResultsFileBytes), " a results file may have");
     const std::string data = read_all(fd_, path);
+    io::check_line_lengths(data, "results file", path, kMaxResultLineBytes);
     std::vector<std::string> lines;
     const size_t complete = complete_lines(data, &lines);
     if (complete < data.size()) {
@@ -215,11 +221,8 @@ void ResultsStore::append(const ResultRow& row) {
 
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines) {
   io::check_readable_file(path, "results file");
-  std::ifstream in(path, std::ios::binary);
-  KV_CHECK_ARG(in.good(), "cannot open results file '", path, "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string data = ss.str();
+  const std::string data = io::read_regular_file(path, "results file", kMaxResultsFileBytes);
+  io::check_line_lengths(data, "results file", path, kMaxResultLineBytes);
   std::vector<std::string> lines;
   const size_t complete = complete_lines(data, &lines);
   if (partial_lines != nullptr) *partial_lines = complete < data.size() ? 1 : 0;

@@ -334,8 +334,9 @@ void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks) 
 
 std::vector<Task> read_tasks_jsonl(const std::string& path) {
   io::check_readable_file(path, "task file");
-  std::ifstream in(path, std::ios::binary);
-  KV_CHECK_ARG(in.good(), "cannot open task file '", path, "'");
+  const std::string data = io::read_regular_file(path, "task file", kMaxTaskFileBytes);
+  io::check_line_lengths(data, "task file", path, kMaxTaskLineBytes);
+  std::istringstream in(data);
   std::vector<Task> tasks;
   std::string line;
   int64_t lineno = 0;

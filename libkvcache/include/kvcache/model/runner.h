@@ -136,7 +136,11 @@ class Runner {
   /// Does not reset the cache.
   /// @return logits `[V]` float32 of the last token of `ids`.
   /// @throws InvalidArgument if ids is empty, an id is outside [0, V), chunk_size < 0, or
-  ///         the cache's layer/head/head_dim counts differ from the model's.
+  ///         the cache's layer/head/head_dim counts differ from the model's; and, here as in
+  ///         every method that runs the model (decode_step, generate, score, the batch forms),
+  ///         when the model itself computes NaN/Inf keys, values or queries from valid ids (a
+  ///         corrupt export), naming the model file and the layer: "model 'm.pt': layer 1
+  ///         computed NaN in its keys at [b, h, t, d] = …" (not the cache's "k contains NaN").
   at::Tensor prefill(const std::vector<int64_t>& ids, KVCache& cache,
                      int64_t chunk_size = 0) const;
 

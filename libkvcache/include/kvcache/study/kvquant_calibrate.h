@@ -59,6 +59,15 @@ struct KvquantCalibrateOptions {
   std::string weights;
 };
 
+/// Largest `kv_study calibrate --text` file read (the text is tokenized whole).
+inline constexpr int64_t kMaxCalibrationTextBytes = int64_t{64} << 20;
+
+/// The text of a calibration text file (`kv_study calibrate --text FILE`).
+/// @throws InvalidArgument naming the path: missing or unreadable, not a regular file (a
+///         directory, a device such as /dev/zero, a FIFO: refused before anything is read),
+///         larger than kMaxCalibrationTextBytes (64 MiB), or empty.
+std::string read_calibration_text(const std::string& path);
+
 /// Runs the model over the calibration text and fits the calibration.
 /// @throws InvalidArgument if the model cannot be loaded, the text has fewer than 2 tokens,
 ///         an option is out of range, or the weights file does not fit the capture

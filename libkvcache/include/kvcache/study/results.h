@@ -66,6 +66,11 @@ ResultRow row_from_json(const std::string& line);
 /// The most shards a sweep may be cut into (`--shard i/n`: n <= 10^6, as Slurm's largest arrays).
 inline constexpr int64_t kMaxShards = 1000000;
 
+/// The largest results file read (a results file of the default suite's every arm is a few
+/// MB), and the longest line of one: bounds on what a file named by a user is read into memory.
+inline constexpr int64_t kMaxResultsFileBytes = int64_t{1} << 30;
+inline constexpr int64_t kMaxResultLineBytes = int64_t{16} << 20;
+
 /// Deterministic slice `index` of `count` (0-based): owns plan item `order` iff
 /// order % count == index.
 struct Shard {
@@ -83,8 +88,10 @@ class ResultsStore {
  public:
   /// Opens (creating) `path`, takes an exclusive advisory lock, truncates a trailing partial
   /// line, and loads the finished rows.
-  /// @throws InvalidArgument if the file cannot be opened, is locked by another process, or holds
-  ///         a complete line that is not a row (naming the line).
+  /// @throws InvalidArgument if the file cannot be opened, is not a regular file, is locked by
+  ///         another process, is larger than kMaxResultsFileBytes (1 GiB), has a line longer than
+  ///         kMaxResultLineBytes (16 MiB), or holds a complete line that is not a row (naming the
+  ///         line).
   explicit ResultsStore(const std::string& path);
   ~ResultsStore();
   ResultsStore(const ResultsStore&) = delete;
@@ -108,8 +115,10 @@ class ResultsStore {
 };
 
 /// Reads a results file without modifying it. A trailing partial line is skipped and counted in
-/// `*partial_lines` if given. @throws InvalidArgument if `path` does not exist, is a directory, or
-///         on a bad complete line (naming it).
+/// `*partial_lines` if given. @throws InvalidArgument if `path` does not exist, is not a regular
+///         file (a directory, a device such as /dev/zero, a FIFO: refused before reading), is
+///         larger than kMaxResultsFileBytes (1 GiB) or has a line longer than kMaxResultLineBytes
+///         (16 MiB) (naming the limit), or on a bad complete line (naming it).
 std::vector<ResultRow> read_results(const std::string& path, int64_t* partial_lines = nullptr);
 
 /// Writes rows (one line each) to `path` atomically: a temporary file in the same directory,

@@ -131,9 +131,14 @@ Task task_from_json(const std::string& line);
 /// Writes one task per line, atomically (as write_results). @throws InvalidArgument if the file
 /// cannot be written.
 void write_tasks_jsonl(const std::string& path, const std::vector<Task>& tasks);
+/// The largest task file read_tasks_jsonl() reads, and its longest line.
+inline constexpr int64_t kMaxTaskFileBytes = int64_t{1} << 30;
+inline constexpr int64_t kMaxTaskLineBytes = int64_t{16} << 20;
+
 /// Reads a file written by write_tasks_jsonl (blank lines ignored).
-/// @throws InvalidArgument if `path` does not exist or is a directory, or naming the file
-///         and line of a bad entry.
+/// @throws InvalidArgument if `path` does not exist, is not a regular file (a directory, a
+///         device, a FIFO), is larger than kMaxTaskFileBytes (1 GiB) or has a line longer than
+///         kMaxTaskLineBytes (16 MiB), or naming the file and line of a bad entry.
 std::vector<Task> read_tasks_jsonl(const std::string& path);
 
 /// Renders messages in ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message, then
