@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,12 +109,70 @@ def tokens_in(starts: List[int], end: int, lo: int, hi: int) -> List[int]:
 
 class Seq:
     """One training sequence: ids, per-position loss weights (of predicting token t+1 from t), the
-    key-token mask, the supervision entries (query position, target positions, slot) and where
+    key-token mask, the supervision entries (query position, target positions, slot), the gather
+    entries (query position, target positions: what a keyed copy is matched by) and where
     positional skips may go (token indices that start a sentence of the document)."""
-    __slots__ = ("ids", "w", "key", "first", "sup", "cuts", "family")
+    __slots__ = ("ids", "w", "key", "first", "sup", "gather", "cuts", "family")
 
-    def __init__(self, ids, w, key, first, sup, cuts, family):
-        self.ids, self.w, self.key, self.first, self.sup, self.cuts, self.family = ids, w, key, first, sup, cuts, family
+    def __init__(self, ids, w, key, first, sup, gather, cuts, family):
+        self.ids, self.w, self.key, self.first, self.sup = ids, w, key, first, sup
+        self.gather, self.cuts, self.family = gather, cuts, family
+
+
+# The keyed sentences of the long suite's grammar (long_suite.cpp) and their questions: what the
+# copied token is addressed by.
+KEYED = {
+    "multikey": re.compile(r"The access code for the (?P<key>[a-z]+) is (?P<val>[0-9])"),
+    "multivalue": re.compile(r"The (?P<ord>first|second|third|fourth) access code for the (?P<key>[a-z]+) is (?P<val>[0-9])"),
+    "vartrack": re.compile(r"Let (?P<key>[a-z]+) be (?P<val>[a-z0-9])"),
+}
+QUESTION_KEY = re.compile(r"(?:for the|value of) (?P<key>[a-z]+)\?$")
+
+
+def gather_targets(task: Dict, full: str, starts: List[int], n_prompt_chars: int, sup) -> List[Tuple[int, List[int]]]:
+    """The layer-0 'gather' supervision of the keyed families: the first token of a keyed value
+    (a code's first digit, a variable's value) attends to the words that address it in its
+    sentence (the key, and the ordinal of a multivalue code), and the reply position that
+    copies a value attends to the words that address it there (the question's key, the ordinal or
+    the variable the reply just wrote). A copy head one layer up then matches the two."""
+    fam = task["family"]
+    if fam not in KEYED:
+        return []
+    end = len(full)
+    out = []
+
+    def tok_at(c):
+        t = tokens_in(starts, end, c, c + 1)
+        return t[0] if t else None
+    for m in KEYED[fam].finditer(full, 0, n_prompt_chars):
+        v = tok_at(m.start("val"))
+        tg = [tok_at(m.start(g)) for g in ("ord", "key") if g in m.groupdict() and m.group(g)]
+        if v is not None and all(t is not None for t in tg):
+            out.append((v, sorted(set(tg))))
+    prompt = full[:n_prompt_chars]
+    qm = QUESTION_KEY.search(prompt[:prompt.rfind(tdm.IM_END)])
+    q_key = tok_at(qm.start("key")) if qm else None
+    reply = full[n_prompt_chars:]
+    for q, targets, slot in sup:
+        if slot != 0:
+            continue  # only the first token of a copied span is addressed by a key
+        c = starts[q + 1] - n_prompt_chars  # the copied token's offset in the reply
+        tg = []
+        if fam == "vartrack":
+            w = re.search(r"([a-z]+) is ?$", reply[:c])  # "... delta is" -> delta
+            if w:
+                tg.append(tok_at(n_prompt_chars + w.start(1)))
+        else:
+            if q_key is not None:
+                tg.append(q_key)
+            if fam == "multivalue":
+                w = re.search(r"(first|second|third|fourth) $", reply[:c])
+                if w:
+                    tg.append(tok_at(n_prompt_chars + w.start(1)))
+        tg = [t for t in tg if t is not None]
+        if tg:
+            out.append((q, sorted(set(tg))))
+    return out
 
 
 def encode_task(tok: tdm.Tokenizer, task: Dict, lm_weight: float) -> Seq:
@@ -178,7 +237,8 @@ def encode_task(tok: tdm.Tokenizer, task: Dict, lm_weight: float) -> Seq:
     doc_hi = offsets[q["message"]] + q["begin"] if q else offsets[last_user]
     cuts = [j for j in range(1, n_prompt) if doc_lo <= starts[j] < doc_hi
             and tok.inv[ids[j - 1]].endswith((".", "?", "!", "\u010a"))]
-    return Seq(np.array(ids, dtype=np.int64), w, key, first, sup, np.array(cuts, dtype=np.int64), fam)
+    gather = gather_targets(task, full, starts, n_prompt_chars, sup)
+    return Seq(np.array(ids, dtype=np.int64), w, key, first, sup, gather, np.array(cuts, dtype=np.int64), fam)
 
 
 def virtual_positions(n: int, cuts: np.ndarray, virtual_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -308,13 +368,16 @@ class LongQwen2(torch.nn.Module):
             self.embed_tokens.weight.copy_(torch.randn(self.embed_tokens.weight.shape, generator=gen) * embed_std)
             if self.lm_head is not None:  # aligned with the input embedding, at the usual 0.02 scale
                 self.lm_head.weight.copy_(self.embed_tokens.weight * (0.02 / embed_std))
+            groups: Dict[Tuple[int, int], torch.Tensor] = {}
             for li, h in copy_heads:
                 layer = self.layers[li]
                 d, D = layer.v_proj.weight.shape[1], layer.D
-                q, _ = torch.linalg.qr(torch.randn(d, D, generator=gen))  # [d, D], orthonormal columns
                 kv = h // (layer.H // layer.Hk)
-                layer.v_proj.weight[kv * D:(kv + 1) * D] = q.t()
-                layer.o_proj.weight[:, h * D:(h + 1) * D] = q
+                if (li, kv) not in groups:  # one projection per KV group: its query heads share the values
+                    q, _ = torch.linalg.qr(torch.randn(d, D, generator=gen))  # [d, D], orthonormal columns
+                    groups[(li, kv)] = q
+                    layer.v_proj.weight[kv * D:(kv + 1) * D] = q.t()
+                layer.o_proj.weight[:, h * D:(h + 1) * D] = groups[(li, kv)]
 
     def hf_state(self) -> Dict[str, torch.Tensor]:
         out = tdm.Qwen2Small.hf_state(self)
@@ -461,7 +524,7 @@ def make_batches(seqs: List[Seq], budget: int, rng: np.random.Generator) -> List
 
 
 def collate(seqs: List[Seq], idx: List[int], virt: int, max_pos: int, rng: np.random.Generator,
-            sup_context: int, heads: Sequence[int]):
+            sup_context: int, heads: Sequence[int], gather_head: int = 0):
     T = max(len(seqs[i].ids) for i in idx)
     B = len(idx)
     ids = np.zeros((B, T), dtype=np.int64)
@@ -469,7 +532,7 @@ def collate(seqs: List[Seq], idx: List[int], virt: int, max_pos: int, rng: np.ra
     w = np.zeros((B, T), dtype=np.float32)
     key = np.zeros((B, T), dtype=np.float32)
     first = np.zeros((B, T), dtype=np.float32)
-    sup = []
+    sup, gather = [], []
     for r, i in enumerate(idx):
         s = seqs[i]
         n = len(s.ids)
@@ -484,8 +547,10 @@ def collate(seqs: List[Seq], idx: List[int], virt: int, max_pos: int, rng: np.ra
             # F: the other keys' mass counted as in a context of sup_context tokens
             f = max(1.0, sup_context / (q + 1)) if sup_context > 0 else 1.0
             sup.append((r, q, heads[slot], tg, math.log(f), slot))
+        for q, tg in s.gather:  # local: no dilution
+            gather.append((r, q, gather_head, tg, 0.0, 0))
     return (torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(w), torch.from_numpy(key),
-            torch.from_numpy(first), sup)
+            torch.from_numpy(first), sup, gather)
 
 
 def sup_tensors(sup):
@@ -566,6 +631,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sup-heads", default=DEFAULT_SUP_HEADS,
                     help="query heads A,B,C,D supervised for the first token of a copied span, the later ones, "
                          "the rules and styles, and the aggregation")
+    ap.add_argument("--gather", type=float, default=1.0,
+                    help="weight (x --sup) of the gather supervision of the keyed families (gather_targets; 0: off)")
+    ap.add_argument("--gather-layer", type=int, default=0)
+    ap.add_argument("--gather-head", type=int, default=0)
     ap.add_argument("--sup-context", type=int, default=32768,
                     help="context the supervision's dilution simulates in the phases with positional skips (F = this "
                          "/ keys visible; 0: none)")
@@ -607,6 +676,9 @@ def run(args, t0: float) -> int:
         raise ToolError(f"--sup-layer {args.sup_layer}: the model has {args.layers} layers")
     if any(not 0 <= h < args.heads for h in args.sup_heads):
         raise ToolError(f"--sup-heads {args.sup_heads}: the model has {args.heads} query heads")
+    if args.gather > 0 and not (0 <= args.gather_layer < args.sup_layer and 0 <= args.gather_head < args.heads):
+        raise ToolError(f"--gather-layer {args.gather_layer} / --gather-head {args.gather_head}: expected a head of a "
+                        f"layer below --sup-layer {args.sup_layer}")
     if any(p[3] > args.max_positions for p in phases):
         raise ToolError(f"a phase's virtual length exceeds --max-positions {args.max_positions}")
     os.makedirs(os.path.join(args.out, "data"), exist_ok=True)
@@ -656,7 +728,9 @@ def run(args, t0: float) -> int:
     cfg = model_config(args, vocab_size, tok)
     model = LongQwen2(cfg)
     model.init_weights(torch.Generator().manual_seed(args.seed), args.embed_std,
-                       sorted({(args.sup_layer, h) for h in args.sup_heads}) if args.copy_init else ())
+                       sorted({(args.sup_layer, h) for h in args.sup_heads} |
+                              ({(args.gather_layer, args.gather_head)} if args.gather > 0 else set()))
+                       if args.copy_init else ())
     # no weight decay on the input embedding: decay shrinks the rare tokens' identity (a digit seen
     # only inside codes) toward their shared "digit" direction
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "embed_tokens.weight"]
@@ -695,9 +769,10 @@ def run(args, t0: float) -> int:
 
     bounds = np.cumsum([0] + [p[0] for p in phases])
     sup_layer = model.layers[args.sup_layer]
+    gather_layer = model.layers[args.gather_layer] if args.gather > 0 else None
     last_ckpt = time.time()
     acc = {"loss": 0.0, "n": 0, "reply": 0.0, "reply_n": 0.0, "sup": np.zeros(SUP_SLOTS), "sup_n": np.zeros(SUP_SLOTS),
-           "fam_key": {}, "tokens": 0, "first": 0.0, "first_n": 0.0}
+           "fam_key": {}, "tokens": 0, "first": 0.0, "first_n": 0.0, "gather": 0.0, "gather_n": 0}
     model.train()
     while step < total and not args.export_only:
         pi = int(np.searchsorted(bounds, step, side="right") - 1)
@@ -713,9 +788,12 @@ def run(args, t0: float) -> int:
             ts = time.time()
             rng = np.random.default_rng([args.seed, 7, step])
             # the dilution of the supervision simulates a long context where positions do (PoSE phases)
-            ids, pos, w, key, first, sup = collate(seqs, batches[local], virt, args.max_positions, rng,
-                                                   args.sup_context if virt > 0 else 0, args.sup_heads)
+            ids, pos, w, key, first, sup, gather = collate(seqs, batches[local], virt, args.max_positions, rng,
+                                                           args.sup_context if virt > 0 else 0, args.sup_heads,
+                                                           args.gather_head)
             sup_layer.sup = sup_tensors(sup) if args.sup > 0 else None
+            if gather_layer is not None:
+                gather_layer.sup = sup_tensors(gather) if args.sup > 0 and args.gather else None
             lr = tdm.lr_at(step, total, args.lr, args.warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -729,6 +807,13 @@ def run(args, t0: float) -> int:
                 loss = (nll * kf).sum() / kf.sum().clamp_min(1.0)
             else:
                 loss = (nll * ww).sum() / ww.sum().clamp_min(1e-6) + args.key_weight * key_term
+            if gather_layer is not None and gather_layer.sup is not None:
+                gl = gather_layer.sup_loss
+                loss = loss + args.sup * args.gather * gl.mean()
+                acc["gather"] += float(gl.detach().sum())
+                acc["gather_n"] += len(gl)
+            if gather_layer is not None:
+                gather_layer.sup, gather_layer.sup_loss = None, None
             if sup_layer.sup is not None:
                 sl = sup_layer.sup_loss
                 loss = loss + args.sup * sl.mean()
@@ -766,11 +851,12 @@ def run(args, t0: float) -> int:
                 sups = " ".join(f"{acc['sup'][k2] / max(acc['sup_n'][k2], 1):.2f}" for k2 in range(SUP_SLOTS))
                 log(f"step {step}/{total} phase {pi} lr {lr:.2e} loss {acc['loss'] / acc['n']:.4f} "
                     f"reply {acc['reply'] / max(acc['reply_n'], 1):.4f} first {acc['first'] / max(acc['first_n'], 1):.3f} "
-                    f"key [{keys}] sup [{sups}] "
+                    f"key [{keys}] sup [{sups}] gather {acc['gather'] / max(acc['gather_n'], 1):.2f} "
                     f"batch {ids.shape[0]}x{ids.shape[1]} {acc['tokens'] / max(train_time, 1e-9):.0f} tok/s(cum) "
                     f"train {train_time / 60:.1f} min")
                 acc.update({"loss": 0.0, "n": 0, "reply": 0.0, "reply_n": 0.0, "sup": np.zeros(SUP_SLOTS),
-                            "sup_n": np.zeros(SUP_SLOTS), "fam_key": {}, "first": 0.0, "first_n": 0.0})
+                            "sup_n": np.zeros(SUP_SLOTS), "fam_key": {}, "first": 0.0, "first_n": 0.0,
+                            "gather": 0.0, "gather_n": 0})
             if time.time() - last_ckpt > args.ckpt_minutes * 60:
                 save_ckpt()
                 last_ckpt = time.time()

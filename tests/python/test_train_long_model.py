@@ -74,14 +74,16 @@ class PositionsAndLosses(unittest.TestCase):
     def test_copy_init_writes_the_attended_tokens_embedding(self):
         cfg = tiny_cfg(hidden_size=64, head_dim=16)
         m = L.LongQwen2(cfg)
-        m.init_weights(torch.Generator().manual_seed(3), 0.3, [(0, 0), (0, 2)])
+        # heads 0 and 1 share KV head 0: both must copy through the one value projection
+        m.init_weights(torch.Generator().manual_seed(3), 0.3, [(0, 0), (0, 1), (0, 2)])
         layer = m.layers[0]
         x = torch.randn(64)
-        # v_proj rows of KV head 0 then o_proj columns of query head 0: a projection (P^2 = P)
-        P = layer.o_proj.weight[:, :16] @ layer.v_proj.weight[:16]
-        self.assertLess(float((P @ P - P).abs().max()), 1e-5)
-        self.assertAlmostEqual(float(torch.trace(P)), 16.0, places=4)
-        self.assertGreater(float(x @ P @ x), 0.0)
+        for h, kv in ((0, 0), (1, 0), (2, 1)):
+            # v_proj rows of the KV head then o_proj columns of the query head: a projection (P^2 = P)
+            P = layer.o_proj.weight[:, h * 16:(h + 1) * 16] @ layer.v_proj.weight[kv * 16:(kv + 1) * 16]
+            self.assertLess(float((P @ P - P).abs().max()), 1e-5, f"head {h}")
+            self.assertAlmostEqual(float(torch.trace(P)), 16.0, places=4)
+            self.assertGreater(float(x @ P @ x), 0.0)
         # lm_head starts aligned with the input embedding
         cos = torch.nn.functional.cosine_similarity(m.lm_head.weight, m.embed_tokens.weight, dim=1)
         self.assertGreater(float(cos.min()), 0.9999)

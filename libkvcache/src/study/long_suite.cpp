@@ -293,7 +293,10 @@ Task long_aggregation(Rng& r, size_t n_colours, int64_t target, const PromptToke
                                   pool, target, counter);
   Task t = base_task(TaskFamily::kAggregation, target, d);
   int64_t first = INT64_MAX, last = 0;
-  Evidence e{0, static_cast<int64_t>(colours[0].size()), {}};
+  // The reply names the colour after a space, as the document does: the token a copy of the
+  // mentions reads is the token the reply writes.
+  const std::string lead = "The lamps glowed ";
+  Evidence e{static_cast<int64_t>(lead.size()), static_cast<int64_t>(lead.size() + colours[0].size()), {}};
   for (size_t i = 0; i < ins.size(); ++i) {
     first = std::min(first, d.insert_at[i]);
     last = std::max(last, d.insert_at[i] + static_cast<int64_t>(ins[i].text.size()));
@@ -302,8 +305,8 @@ Task long_aggregation(Rng& r, size_t n_colours, int64_t target, const PromptToke
   }
   std::sort(e.sources.begin(), e.sources.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
   t.span = {1, first, last};
-  t.answer = colours[0];
-  t.rule = {RuleKind::kExact, colours[0]};
+  t.answer = lead + colours[0] + " most often.";
+  t.rule = {RuleKind::kExact, t.answer};
   t.evidence.push_back(std::move(e));
   return t;
 }

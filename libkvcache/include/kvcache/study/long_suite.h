@@ -19,7 +19,8 @@
 ///                variable, answered by walking the chain back ("delta is gamma, gamma is beta,
 ///                beta is alpha, alpha is 48213.").
 ///   aggregation  one lamp colour per sentence, L/128 sentences, one colour about twice as
-///                frequent as any other ("A lamp glowed amber."); asked: the most frequent colour.
+///                frequent as any other ("A lamp glowed amber."); asked: the most frequent colour
+///                ("The lamps glowed amber most often.").
 ///   instruction  an instruction in the system prompt (position 0) that the reply to a question
 ///                after the long note must follow (uppercase / start with / end with a word).
 ///   multiturn    a rule set in the first user turn ("When I say goodbye, ..."), many turns of
