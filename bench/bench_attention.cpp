@@ -9,8 +9,12 @@
 // counter `ring_layers` says how many a case cycled through. The cases of one spec and T run
 // next to each other (threads 1, then 2) so that each ring is filled once.
 //
-//   BM_Attend/<spec>/<T>/<threads>  CacheManager::attend() over T resident tokens per layer (the
-//                                   fused kernels where the CPU has them)
+//   BM_Attend/<spec>/<T>/<threads>  attend() over T resident tokens per layer through the ATen
+//                                   face (TorchCache::attend: at::Tensor q in, a new at::Tensor out;
+//                                   the fused kernels where the CPU has them)
+//   BM_AttendCore/<spec>/<T>/<threads>  the same call through the core API (CacheManager::attend:
+//                                   views of the caller's q and output buffer, no allocation),
+//                                   run next to BM_Attend on the same cache: the cost of the face
 //   BM_AttendGeneric/<spec>/<T>/<threads>  the same cache through the generic per-block path
 //                                   (the fused kernels' reference twin)
 //   BM_AttendBaseline/<T>/<threads> the old path: float32 K/V tensors (what get() handed out)
@@ -34,8 +38,9 @@
 //   build/bench/bench_attention --benchmark_filter='Copy|/32768/1' --benchmark_repetitions=3
 //   build/bench/bench_attention --block_tokens=128 --benchmark_filter=/4096/1   # other block sizes
 //   build/bench/bench_attention --fused_isa=avx2 --benchmark_filter=BM_Attend/   # the AVX2 kernels
-//                                   (avx512, avx2 or none as KVCACHE_FUSED_ISA; default: the
-//                                   CPU's best; refused if the CPU cannot run them)
+//                                   (avx512, avx2 or none as KVCACHE_FUSED_ISA, which is read
+//                                   when the flag is absent; default: the CPU's best; refused
+//                                   if the CPU cannot run them)
 //   build/bench/bench_attention --ring_bytes=268435456 ...   # another ring size (bytes; 1: one layer)
 //
 //   build/bench/bench_attention --mmap_threshold=131072 ...   # pin glibc's mmap threshold from the start
@@ -69,9 +74,13 @@
 #include "cache/attend_fused.h"
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
+#include "cache/attend.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/torch/attention.h"
+#include "kvcache/torch/cache.h"
+#include "kvcache/torch.h"
 
 namespace {
 
@@ -143,14 +152,14 @@ kvcache::CacheConfig config(const std::string& spec, int64_t layers = kLayers) {
   c.head_dim = kD;
   c.scheme = spec;
   c.policy = "full";
-  c.rope = rope;
+  c.rope = kvcache::rope_from(rope);
   c.block_tokens = g_block_tokens;
   return c;
 }
 
 /// T tokens appended to every layer of `m` (the same random K/V in each: only the bytes read
 /// matter here).
-void fill(kvcache::CacheManager& m, int64_t layers, int64_t t) {
+void fill(kvcache::TorchCache& m, int64_t layers, int64_t t) {
   at::manual_seed(0);
   const int64_t chunk = 4096;
   for (int64_t p = 0; p < t; p += chunk) {
@@ -164,20 +173,20 @@ void fill(kvcache::CacheManager& m, int64_t layers, int64_t t) {
 
 /// The ring of layers (ring_layers()) of T tokens each, built on first use and kept until
 /// another is asked for. One layer is built first to learn what a layer holds.
-kvcache::CacheManager& filled_cache(const std::string& spec, int64_t t) {
-  static std::unique_ptr<kvcache::CacheManager> cache;
+kvcache::TorchCache& filled_cache(const std::string& spec, int64_t t) {
+  static std::unique_ptr<kvcache::TorchCache> cache;
   static std::string key;
   const std::string want = spec + "/" + std::to_string(t);
   if (cache && key == want) return *cache;
   cache.reset();
   double layer_bytes = 0;
   {
-    kvcache::CacheManager probe(config(spec, 1));
+    kvcache::TorchCache probe(config(spec, 1));
     fill(probe, 1, t);
     layer_bytes = static_cast<double>(probe.stats().bytes_resident);
   }
   const int64_t layers = ring_layers(layer_bytes);
-  cache = std::make_unique<kvcache::CacheManager>(config(spec, layers));
+  cache = std::make_unique<kvcache::TorchCache>(config(spec, layers));
   key = want;
   fill(*cache, layers, t);
   return *cache;
@@ -318,7 +327,7 @@ double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused) {
   if (isa == fused_ns::FusedIsa::kAvx512) {
     instr = (int_keys ? 2 * macs / 64 : macs / 16) + macs / 16;
     rate = g_mac512_per_ns;
-  } else if (isa == fused_ns::FusedIsa::kAvx2 || fused_ns::requested_isa() == fused_ns::FusedIsa::kAvx2) {
+  } else if (isa == fused_ns::FusedIsa::kAvx2 || kvcache::cache::tile_lanes() == 8) {
     instr = 2 * macs / 8;  // the AVX2 kernels, or the generic path's 8-lane tile kernels
     rate = g_mac256_per_ns;
   } else {
@@ -330,29 +339,49 @@ double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused) {
   return instr * static_cast<double>(t * kHkv) / (rate * cores) / 1e6;
 }
 
-void BM_Attend(benchmark::State& state, const std::string& spec, bool fused) {
+/// Which call a BM_Attend case times.
+enum class Path {
+  kFace,     ///< TorchCache::attend: at::Tensors in, a new output tensor (the ATen face)
+  kCore,     ///< CacheManager::attend: views of q and of one output buffer (the core API)
+  kGeneric,  ///< the generic per-block path (CacheManagerAccess::attend, fused = false)
+};
+
+void BM_Attend(benchmark::State& state, const std::string& spec, Path path) {
   const int64_t t = state.range(0);
   at::set_num_threads(static_cast<int>(state.range(1)));
   auto& m = filled_cache(spec, t);
   const int64_t layers = m.config().num_layers;
   const auto q = at::randn({1, kHq, 1, kD});
   const auto pos = at::full({1}, t, at::kLong);
+  // The core API's arguments: the caller's buffers, viewed (as an engine holds them).
+  std::vector<float> qbuf(q.data_ptr<float>(), q.data_ptr<float>() + kHq * kD), out(kHq * kD);
+  const int64_t qpos = t;
+  const kvcache::TensorView qv(qbuf.data(), {1, kHq, 1, kD}), pv(&qpos, {1});
+  const kvcache::MutableTensorView ov(out.data(), {1, kHq, 1, kD});
   int64_t l = 0;
   for (auto _ : state) {
-    if (fused) {
-      benchmark::DoNotOptimize(m.attend(l, q, pos).data_ptr());
-    } else {
-      benchmark::DoNotOptimize(kvcache::cache::CacheManagerAccess::attend(m, l, q, pos, false).data_ptr());
+    switch (path) {
+      case Path::kFace: benchmark::DoNotOptimize(m.attend(l, q, pos).data_ptr()); break;
+      case Path::kCore:
+        m.core().attend(l, qv, pv, ov);
+        benchmark::DoNotOptimize(out.data());
+        break;
+      case Path::kGeneric:
+        kvcache::cache::CacheManagerAccess::attend(m.core(), l, qv, pv, false, ov);
+        benchmark::DoNotOptimize(out.data());
+        break;
     }
     l = (l + 1) % layers;
   }
   floor_counters(state, static_cast<double>(m.stats().bytes_resident) / static_cast<double>(layers));
   state.counters["ring_layers"] = static_cast<double>(layers);
   using Kind = kvcache::cache::fused::KernelFormat::Kind;
-  const auto& key_main = kvcache::cache::CacheManagerAccess::layer(m, 0).key_setup().formats.f[kvcache::cache::StreamFormats::kMain];
+  const auto& key_main = kvcache::cache::CacheManagerAccess::layer(m.core(), 0).key_setup().formats.f[kvcache::cache::StreamFormats::kMain];
   const Kind key_kind = kvcache::cache::fused::classify(key_main).kind;
   const bool int_keys = key_kind == Kind::kIntToken || key_kind == Kind::kIntChannel;
-  if (const double f = mac_floor_ms(int_keys, t, state.range(1), fused); f > 0) state.counters["mac_floor_ms"] = f;
+  if (const double f = mac_floor_ms(int_keys, t, state.range(1), path != Path::kGeneric); f > 0) {
+    state.counters["mac_floor_ms"] = f;
+  }
   state.counters["bits_per_value"] =
       static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(layers * 2 * kHkv * t * kD);
 }
@@ -387,7 +416,7 @@ void BM_Memory(benchmark::State& state, const std::string& spec) {
     const int64_t before = rss_bytes();
     double grown = 0, reserved = 0, resident = 0;
     {
-      kvcache::CacheManager m(config(spec));
+      kvcache::TorchCache m(config(spec));
       at::manual_seed(0);
       // Random K/V are generated per chunk and freed: they are not part of the growth
       // measured after the loop.
@@ -430,12 +459,17 @@ void register_all() {
     }
     for (const auto& s : specs()) {
       for (int64_t threads : {1, 2}) {
-        benchmark::RegisterBenchmark(("BM_Attend/" + s).c_str(), [s](benchmark::State& st) { BM_Attend(st, s, true); })
+        benchmark::RegisterBenchmark(("BM_Attend/" + s).c_str(), [s](benchmark::State& st) { BM_Attend(st, s, Path::kFace); })
+            ->Args({t, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(("BM_AttendCore/" + s).c_str(),
+                                     [s](benchmark::State& st) { BM_Attend(st, s, Path::kCore); })
             ->Args({t, threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
         benchmark::RegisterBenchmark(("BM_AttendGeneric/" + s).c_str(),
-                                     [s](benchmark::State& st) { BM_Attend(st, s, false); })
+                                     [s](benchmark::State& st) { BM_Attend(st, s, Path::kGeneric); })
             ->Args({t, threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
@@ -454,6 +488,7 @@ void register_all() {
 
 int main(int argc, char** argv) {
   std::vector<char*> args;
+  bool isa_flag = false;
   for (int i = 0; i < argc; ++i) {
     if (std::strncmp(argv[i], "--mmap_threshold=", 17) == 0) {
       const long long v = std::atoll(argv[i] + 17);
@@ -465,12 +500,12 @@ int main(int argc, char** argv) {
     } else if (std::strncmp(argv[i], "--block_tokens=", 15) == 0) {
       g_block_tokens = std::atoll(argv[i] + 15);
     } else if (std::strncmp(argv[i], "--fused_isa=", 12) == 0) {
-      // The library's own parser (KVCACHE_FUSED_ISA's vocabulary and checks).
-      namespace fused = kvcache::cache::fused;
+      // The library's own setter (KVCACHE_FUSED_ISA's vocabulary and checks; tile width too).
+      isa_flag = true;
       try {
-        fused::use_fused_isa(fused::isa_from_env(argv[i] + 12));
+        kvcache::set_attention_kernels(argv[i] + 12, "--fused_isa");
       } catch (const kvcache::InvalidArgument& e) {
-        std::fprintf(stderr, "bench_attention: --fused_isa: %s\n", e.what());
+        std::fprintf(stderr, "bench_attention: %s\n", e.what());
         return 2;
       }
     } else if (std::strncmp(argv[i], "--ring_bytes=", 13) == 0) {
@@ -485,6 +520,14 @@ int main(int argc, char** argv) {
   }
   argc = static_cast<int>(args.size());
   argv = args.data();
+  if (const char* isa = std::getenv("KVCACHE_FUSED_ISA"); isa != nullptr && !isa_flag) {
+    try {
+      kvcache::set_attention_kernels(isa, "KVCACHE_FUSED_ISA");
+    } catch (const kvcache::InvalidArgument& e) {
+      std::fprintf(stderr, "bench_attention: %s\n", e.what());
+      return 2;
+    }
+  }
   g_copy_gbps = measure_copy_gbps();
   g_read_gbps = measure_read_gbps();
   measure_mac_rates();

@@ -39,6 +39,8 @@
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/runner.h"
 #include "kvcache/multi_sequence_cache.h"
+#include "kvcache/torch/cache.h"
+#include "kvcache/torch.h"
 
 namespace {
 
@@ -78,10 +80,13 @@ void BM_Decode(benchmark::State& state, const std::string& quant, bool batched) 
   mc.capacity_bytes = int64_t{32} << 30;
   mc.prefix_sharing = false;
   kvcache::MultiSequenceCache pool(mc);
+  std::vector<kvcache::TorchCache> faces;  // each sequence through its at::Tensor face (the runner's)
+  faces.reserve(n);
   std::vector<KVCache*> seqs;
   const int64_t start = g_settings.context - g_settings.steps - 1;
   for (size_t i = 0; i < n; ++i) {
-    kvcache::Sequence& s = pool.add_sequence();
+    faces.emplace_back(pool.add_sequence());
+    kvcache::TorchCache& s = faces.back();
     s.reset(g_settings.context);
     fill_random(s, start - static_cast<int64_t>(i), 1 + i);
     seqs.push_back(&s);

@@ -12,6 +12,10 @@
 // evict; the key/value scorers decode the layer's blocks through the LayerView here). Each
 // part is timed on the thread's CPU clock; `evict_pct` = end_step / attend, the eviction cost
 // against the attention it serves. Multiply by 24 layers for the whole model. One thread.
+// BM_DecodeStep runs the step through the ATen face (TorchCache: at::Tensors in, a new output
+// tensor per attend); BM_DecodeStepCore runs the same step through the core API
+// (CacheManager::append/attend over views of the caller's buffers, one output buffer), on the
+// same shapes in the same run: the cost of the face.
 //
 //   ./build/bench/bench_cache --benchmark_min_time=0.3
 //   ./build/bench/bench_cache --benchmark_filter='h2o|tova|random' --benchmark_counters_tabular=true
@@ -25,6 +29,8 @@
 #include <vector>
 
 #include "kvcache/cache_manager.h"
+#include "kvcache/torch/cache.h"
+#include "kvcache/torch.h"
 
 namespace {
 
@@ -73,15 +79,15 @@ kvcache::CacheConfig one_layer_config(const std::string& quant, const std::strin
   c.head_dim = kD;
   c.scheme = quant;
   c.policy = policy;
-  c.rope = rope;
+  c.rope = kvcache::rope_from(rope);
   c.context_length = 4 * t;
   return c;
 }
 
-void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std::string& policy) {
+void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std::string& policy, bool core) {
   at::set_num_threads(1);
   const int64_t t = state.range(0);
-  kvcache::CacheManager m(one_layer_config(quant, policy_spec(policy, t), t));
+  kvcache::TorchCache m(one_layer_config(quant, policy_spec(policy, t), t));
   // Prefill exactly T tokens (no eviction), observing one query row per chunk.
   const int64_t chunk = 4096;
   for (int64_t p = 0; p < t; p += chunk) {
@@ -92,15 +98,33 @@ void BM_DecodeStep(benchmark::State& state, const std::string& quant, const std:
     m.end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
   }
   auto k1 = at::randn({1, kHkv, 1, kD}), v1 = at::randn({1, kHkv, 1, kD}), q1 = at::randn({1, kHq, 1, kD});
-  int64_t pos = t;
+  // The core API's arguments: the caller's own buffers, viewed.
+  std::vector<float> kb(k1.data_ptr<float>(), k1.data_ptr<float>() + kHkv * kD);
+  std::vector<float> vb(v1.data_ptr<float>(), v1.data_ptr<float>() + kHkv * kD);
+  std::vector<float> qb(q1.data_ptr<float>(), q1.data_ptr<float>() + kHq * kD), out(kHq * kD);
+  int64_t pos = t, core_pos = 0;
+  const kvcache::TensorView kv(kb.data(), {1, kHkv, 1, kD}), vv(vb.data(), {1, kHkv, 1, kD}),
+      qv(qb.data(), {1, kHq, 1, kD}), pv(&core_pos, {1});
+  const kvcache::MutableTensorView ov(out.data(), {1, kHq, 1, kD});
   double append_us = 0, attend_us = 0, end_us = 0;
   for (auto _ : state) {
-    const auto p = at::full({1}, pos++, at::kLong);
-    const double t0 = thread_cpu_us();
-    m.append(0, k1, v1, p);
-    const double t1 = thread_cpu_us();
-    benchmark::DoNotOptimize(m.attend(0, q1, p).data_ptr());
-    const double t2 = thread_cpu_us();
+    double t0 = 0, t1 = 0, t2 = 0;
+    if (core) {
+      core_pos = pos++;
+      t0 = thread_cpu_us();
+      m.core().append(0, kv, vv, pv);
+      t1 = thread_cpu_us();
+      m.core().attend(0, qv, pv, ov);
+      benchmark::DoNotOptimize(out.data());
+      t2 = thread_cpu_us();
+    } else {
+      const auto p = at::full({1}, pos++, at::kLong);
+      t0 = thread_cpu_us();
+      m.append(0, k1, v1, p);
+      t1 = thread_cpu_us();
+      benchmark::DoNotOptimize(m.attend(0, q1, p).data_ptr());
+      t2 = thread_cpu_us();
+    }
     m.end_step(kvcache::StepKind::kDecode);
     const double t3 = thread_cpu_us();
     append_us += t1 - t0;
@@ -128,7 +152,7 @@ void BM_ReplayStep(benchmark::State& state, const std::string& quant) {
   at::set_num_threads(1);
   const int64_t t = state.range(0), chunk = 512;
   // Budget = the context: the replay scores, nothing is evicted.
-  kvcache::CacheManager m(one_layer_config(quant, "kvzip@" + std::to_string(4 * t), t));
+  kvcache::TorchCache m(one_layer_config(quant, "kvzip@" + std::to_string(4 * t), t));
   m.append(0, at::randn({1, kHkv, t, kD}), at::randn({1, kHkv, t, kD}), at::arange(0, t, at::kLong));
   m.end_step(kvcache::StepKind::kPrefillEnd);
   const auto k = at::randn({1, kHkv, chunk, kD}), v = at::randn({1, kHkv, chunk, kD});
@@ -156,13 +180,17 @@ void register_all() {
                                                "perlayer"};
   for (const auto& q : quants) {
     for (const auto& p : policies) {
-      auto* b = benchmark::RegisterBenchmark(("BM_DecodeStep/" + q + "/" + p).c_str(),
-                                             [q, p](benchmark::State& s) { BM_DecodeStep(s, q, p); })
-                    ->Arg(4096)
-                    ->Arg(32768)
-                    ->Unit(benchmark::kMicrosecond);
-      // decode compresses every 512 steps: exactly two compressions, amortized over the interval.
-      if (p == "decode") b->Iterations(1024);
+      for (const bool core : {false, true}) {
+        // The core API beside the face for the policies whose step is mostly attention.
+        if (core && p != "full" && p != "window" && p != "h2o") continue;
+        auto* b = benchmark::RegisterBenchmark(((core ? "BM_DecodeStepCore/" : "BM_DecodeStep/") + q + "/" + p).c_str(),
+                                               [q, p, core](benchmark::State& s) { BM_DecodeStep(s, q, p, core); })
+                      ->Arg(4096)
+                      ->Arg(32768)
+                      ->Unit(benchmark::kMicrosecond);
+        // decode compresses every 512 steps: exactly two compressions, amortized over the interval.
+        if (p == "decode") b->Iterations(1024);
+      }
     }
   }
   for (const std::string q : {"fp16", "int8"}) {

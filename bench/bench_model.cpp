@@ -30,11 +30,13 @@
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/runner.h"
+#include "kvcache/torch/cache.h"
+#include "kvcache/torch.h"
 #include "concat_kv_cache.h"
 
 namespace {
 
-using kvcache::CacheManager;
+using kvcache::TorchCache;
 using kvcache::CausalLM;
 using kvcache::KVCache;
 using kvcache::StepKind;
@@ -73,7 +75,7 @@ std::unique_ptr<KVCache> make_cache(Kind kind) {
   if (kind == Kind::kBare) return std::make_unique<ConcatKVCache>(std::move(c));
   c.scheme = g_settings.quant;
   c.policy = "full";
-  return std::make_unique<CacheManager>(std::move(c));
+  return std::make_unique<TorchCache>(std::move(c));
 }
 
 /// Fills every layer with `n` tokens of random pre-RoPE K and V in one step.

@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "kvcache/multi_sequence_cache.h"
+#include "kvcache/torch/cache.h"
+#include "kvcache/torch.h"
 
 namespace {
 
@@ -75,7 +77,7 @@ void BM_SharedPrefix(benchmark::State& state, const std::string& quant, bool sha
   cfg.model.head_dim = kD;
   cfg.model.scheme = quant;
   cfg.model.policy = "full";
-  cfg.model.rope = rope;
+  cfg.model.rope = kvcache::rope_from(rope);
   cfg.capacity_bytes = int64_t{16} << 30;
   cfg.prefix_sharing = sharing;
   std::vector<std::vector<int64_t>> prompts(static_cast<size_t>(n));
@@ -107,7 +109,7 @@ void BM_SharedPrefix(benchmark::State& state, const std::string& quant, bool sha
     for (kvcache::Sequence* s : seqs) {
       for (int64_t l = 0; l < kLayers; ++l) {
         s->append(l, d.k1, d.v1, p1);
-        benchmark::DoNotOptimize(s->attend(l, d.q1, p1).data_ptr());
+        benchmark::DoNotOptimize(kvcache::TorchCache(*s).attend(l, d.q1, p1).data_ptr());
       }
       s->end_step(kvcache::StepKind::kDecode);
     }

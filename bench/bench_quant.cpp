@@ -27,8 +27,9 @@
 #include <vector>
 
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant/int_kernels.h"
-#include "quant/reference.h"
+#include "torch/quant_reference.h"
 
 namespace {
 
@@ -72,7 +73,7 @@ void bench_quantize(benchmark::State& state, std::string spec, std::vector<int64
   auto q = kvcache::make_quantizer(spec);
   for (auto _ : state) {
     kvcache::QuantizedTensor qt = q->quantize(x);
-    benchmark::DoNotOptimize(qt.codes.data_ptr());
+    benchmark::DoNotOptimize(qt.codes.data());
   }
   set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
 }
@@ -82,7 +83,7 @@ void bench_dequantize(benchmark::State& state, std::string spec, std::vector<int
   auto q = kvcache::make_quantizer(spec);
   const kvcache::QuantizedTensor qt = q->quantize(x);
   for (auto _ : state) {
-    at::Tensor y = q->dequantize(qt);
+    at::Tensor y = kvcache::dequantize(*q, qt);
     benchmark::DoNotOptimize(y.data_ptr());
   }
   set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
@@ -97,7 +98,7 @@ void bench_quantize_into(benchmark::State& state, std::string spec, std::vector<
   q->quantize_into(x, qt);
   for (auto _ : state) {
     q->quantize_into(x, qt);
-    benchmark::DoNotOptimize(qt.codes.data_ptr());
+    benchmark::DoNotOptimize(qt.codes.data());
     benchmark::ClobberMemory();
   }
   set_counters(state, x, q->bits_per_value(shape[3]), kvcache::reconstruction_error(*q, x).rel_fro);
@@ -109,9 +110,9 @@ void bench_dequantize_into(benchmark::State& state, std::string spec, std::vecto
   auto q = kvcache::make_quantizer(spec);
   const kvcache::QuantizedTensor qt = q->quantize(x);
   at::Tensor y;
-  q->dequantize_into(qt, y);
+  kvcache::dequantize_into(*q, qt, y);
   for (auto _ : state) {
-    q->dequantize_into(qt, y);
+    kvcache::dequantize_into(*q, qt, y);
     benchmark::DoNotOptimize(y.data_ptr());
     benchmark::ClobberMemory();
   }

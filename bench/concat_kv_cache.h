@@ -12,9 +12,10 @@
 #include <utility>
 #include <vector>
 
-#include "kvcache/attention.h"
 #include "kvcache/error.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/torch/attention.h"
+#include "kvcache/torch.h"
 
 namespace kvcache::bench {
 
@@ -32,7 +33,10 @@ class ConcatKVCache final : public KVCache {
   int64_t next_position(int64_t layer) const override { return layers_.at(static_cast<size_t>(layer)).length; }
   void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override {
     Layer& s = layers_.at(static_cast<size_t>(layer));
-    const at::Tensor kr = config_.rope(k.to(at::kFloat), positions);
+    // The cache's RoPE hook over a float32 copy of the keys, as the CacheManager applies it.
+    at::Tensor kr = k.to(at::kFloat).contiguous().clone();
+    const at::Tensor pos = positions.contiguous();
+    config_.rope(kr.data_ptr<float>(), kr.size(1), kr.size(2), kr.size(3), pos.data_ptr<int64_t>());
     const at::Tensor p = positions.view({1, -1}).expand({k.size(1), positions.numel()});
     if (s.length == 0) {
       s.k = kr.contiguous();
@@ -51,7 +55,7 @@ class ConcatKVCache final : public KVCache {
   }
   void end_step(StepKind /*step*/) override {}
 
-  /// The float32 K/V/positions of `layer` (what CacheManager::get() used to hand out).
+  /// The float32 K/V/positions of `layer` (what CacheManager::get() handed out before the core).
   const at::Tensor& keys(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).k; }
 
  private:

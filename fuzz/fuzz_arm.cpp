@@ -19,6 +19,7 @@
 #include "kvcache/cache_manager.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/study/arm.h"
+#include "kvcache/torch.h"
 
 using namespace kvcache;
 using kvcache::study::Arm;
@@ -31,8 +32,8 @@ constexpr int64_t kPrompt = 40, kChunk = 16, kDecode = 8;
 /// One request of an accepted arm; returns when the cache refuses a call with a user error.
 void run_request(const Arm& arm) {
   CacheConfig c = kvcache::testing::make_config(kLayers, kQHeads, kKvHeads, kHeadDim, arm.scheme, arm.policy);
-  std::unique_ptr<CacheManager> m;
-  if (!fuzz::accepts("CacheManager", [&] { m = std::make_unique<CacheManager>(c); })) return;
+  std::unique_ptr<TorchCache> m;
+  if (!fuzz::accepts("CacheManager", [&] { m = std::make_unique<TorchCache>(c); })) return;
   if (!fuzz::accepts("reset", [&] { m->reset(kPrompt + kDecode); })) return;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
   int64_t pos = 0;

@@ -17,6 +17,7 @@
 
 #include "fuzz_util.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 
 using namespace kvcache;
 
@@ -71,7 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     KV_FUZZ_CHECK(qt.numel() == x.numel() && qt.nbytes() >= 0, "quantize", spec, ": numel ", qt.numel(), " of ",
                   x.numel(), ", nbytes ", qt.nbytes());
     at::Tensor y;
-    KV_FUZZ_CHECK(fuzz::accepts("dequantize", [&] { y = q->dequantize(qt); }), "dequantize", spec,
+    KV_FUZZ_CHECK(fuzz::accepts("dequantize", [&] { y = kvcache::dequantize(*q, qt); }), "dequantize", spec,
                   " rejected what quantize() produced for ", x.sizes());
     KV_FUZZ_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(), "dequantize", spec, ": ",
                   y.sizes(), " ", y.scalar_type(), " for ", x.sizes(), " ", x.scalar_type());
@@ -86,12 +87,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (t % lay.group_tokens != 0) return 0;
   const int64_t groups = t / lay.group_tokens;
   std::vector<uint8_t> codes(static_cast<size_t>(groups * lay.code_bytes));
-  const size_t meta = static_cast<size_t>(groups * lay.meta_count) * at::elementSize(lay.meta_dtype);
+  const size_t meta = static_cast<size_t>(groups * lay.meta_count) * static_cast<size_t>(kvcache::dtype_size(lay.meta_dtype));
   std::vector<uint8_t> scales(meta), zeros(lay.has_zeros ? meta : 0);
   const float tensor_scale = q->fit_tensor_scale(head);
   GroupBuffers out{codes.data(), meta ? scales.data() : nullptr, lay.has_zeros && meta ? zeros.data() : nullptr};
   (void)q->encode(head.data_ptr<float>(), groups, d, tensor_scale, out);
   std::vector<float> decoded(static_cast<size_t>(t * d));
-  q->decode(ConstGroupBuffers{out.codes, out.scales, out.zeros}, groups, d, tensor_scale, decoded.data());
+  q->decode(ConstGroupBuffers{as_tensor(out.codes), as_tensor(out.scales), as_tensor(out.zeros)}, groups, d, tensor_scale, decoded.data());
   return 0;
 }

@@ -43,6 +43,7 @@
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant/fp8.h"
 
 namespace kvcache {
@@ -127,8 +128,8 @@ at::Tensor rounded_query(const at::Tensor& q) {
 }
 
 /// max over query rows and keys of |(q − q')·k̂| (per-token keys).
-double token_delta(const CacheManager& m, const at::Tensor& q) {
-  const LayerKV kv = m.get(0);
+double token_delta(const TorchCache& m, const at::Tensor& q) {
+  const TensorLayerKV kv = m.get(0);
   const int64_t hq = q.size(1), g = hq / kv.k.size(1);
   const auto qf = q * inv_sqrt(q.size(3));
   const auto dq = (qf - two_term_rounded(qf)).to(at::kDouble)[0];
@@ -154,9 +155,9 @@ struct ChannelBlock {
   std::vector<int32_t> slots;
 };
 
-std::vector<ChannelBlock> channel_blocks(const CacheManager& m) {
+std::vector<ChannelBlock> channel_blocks(const TorchCache& m) {
   std::vector<ChannelBlock> out;
-  const auto& L = CacheManagerAccess::layer(m, 0);
+  const auto& L = CacheManagerAccess::layer(m.core(), 0);
   for (int64_t h = 0; h < L.num_heads(); ++h) {
     const auto& list = L.k(h).quant;
     for (const auto& b : list.blocks()) {
@@ -187,7 +188,7 @@ std::vector<ChannelBlock> channel_blocks(const CacheManager& m) {
 }
 
 /// max |(w − w')·c| over rows and the per-channel blocks' keys (w = q/√D ⊙ s).
-double channel_delta(const CacheManager& m, const at::Tensor& q) {
+double channel_delta(const TorchCache& m, const at::Tensor& q) {
   const int64_t hq = q.size(1), g = hq / m.config().num_kv_heads;
   const auto qf = q * inv_sqrt(q.size(3));
   double delta = 0;
@@ -223,7 +224,7 @@ TEST(AttendFused, MatchesTheGenericPathForEveryFormat) {
         if (sh.block_tokens == 1 && channel_keys(quant)) continue;  // a per-channel block is one group
         auto c = make_config(1, sh.hq, sh.hkv, sh.d, quant, "full");
         c.block_tokens = sh.block_tokens;
-        CacheManager m(c);
+        TorchCache m(c);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
         int64_t pos = 0;
         for (int64_t n : {1, 37, 250, 1, 1, 80}) {  // T reaches 370: never a multiple of the block
@@ -236,8 +237,8 @@ TEST(AttendFused, MatchesTheGenericPathForEveryFormat) {
                                       std::to_string(tq);
             const auto q = testing::randn({1, sh.hq, tq, sh.d}, gen);
             const auto qp = positions_range(pos - tq, tq);
-            const auto fast = CacheManagerAccess::attend(m, 0, q, qp, /*fused=*/true);
-            const auto ref = CacheManagerAccess::attend(m, 0, q, qp, /*fused=*/false);
+            const auto fast = testing::access_attend(m, 0, q, qp, /*fused=*/true);
+            const auto ref = testing::access_attend(m, 0, q, qp, /*fused=*/false);
             const double vmax = max_abs(m.get(0).v);
             if (!integer_keys(quant) || avx2) {  // AVX2: no query rounding (file comment)
               EXPECT_LE(max_abs(fast - ref), kFloatTol) << where;
@@ -246,7 +247,7 @@ TEST(AttendFused, MatchesTheGenericPathForEveryFormat) {
             const double delta = channel_keys(quant) ? channel_delta(m, q) : token_delta(m, q);
             EXPECT_LE(max_abs(fast - ref), (std::exp(2 * delta) - 1) * vmax + kFloatTol) << where;
             if (!channel_keys(quant)) {  // exactly the rounded query's attention
-              const auto rounded = CacheManagerAccess::attend(m, 0, rounded_query(q), qp, /*fused=*/false);
+              const auto rounded = testing::access_attend(m, 0, rounded_query(q), qp, /*fused=*/false);
               EXPECT_LE(max_abs(fast - rounded), kFloatTol) << where;
             }
           }
@@ -284,7 +285,7 @@ TEST(AttendFused, WideHeadsAndGroupSizes) {
       ASSERT_NE(cache::fused::classify(cache::BlockFormat(*qz, cs.d, cap, nullptr)).kind, Kind::kNone) << quant;
       auto c = make_config(1, 7, 1, cs.d, quant, "full");
       c.block_tokens = 64;
-      CacheManager m(c);
+      TorchCache m(c);
       auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
       m.append(0, testing::randn({1, 1, 101, cs.d}, gen) * 1.5, testing::randn({1, 1, 101, cs.d}, gen),
                positions_range(0, 101));  // a full block and a tail of 37
@@ -292,14 +293,14 @@ TEST(AttendFused, WideHeadsAndGroupSizes) {
         const std::string where = quant + " D " + std::to_string(cs.d) + " T_q " + std::to_string(tq);
         const auto q = testing::randn({1, 7, tq, cs.d}, gen);
         const auto qp = positions_range(101 - tq, tq);
-        const auto fast = CacheManagerAccess::attend(m, 0, q, qp, /*fused=*/true);
+        const auto fast = testing::access_attend(m, 0, q, qp, /*fused=*/true);
         if (avx2 || !integer_keys(quant)) {
-          EXPECT_LE(max_abs(fast - CacheManagerAccess::attend(m, 0, q, qp, false)), kFloatTol) << where;
+          EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, q, qp, false)), kFloatTol) << where;
         } else if (!channel_keys(quant)) {
-          EXPECT_LE(max_abs(fast - CacheManagerAccess::attend(m, 0, rounded_query(q), qp, false)), kFloatTol) << where;
+          EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, rounded_query(q), qp, false)), kFloatTol) << where;
         } else {
           const double tol = (std::exp(2 * channel_delta(m, q)) - 1) * max_abs(m.get(0).v) + kFloatTol;
-          EXPECT_LE(max_abs(fast - CacheManagerAccess::attend(m, 0, q, qp, false)), tol) << where;
+          EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, q, qp, false)), tol) << where;
         }
       }
     }
@@ -311,7 +312,9 @@ TEST(AttendFused, WideHeadsAndGroupSizes) {
 TEST(AttendFused, IsaHookSelectsAndRestores) {
   const FusedIsa best = cache::fused::best_isa();
   const FusedIsa initial = cache::fused::current_isa();
-  EXPECT_EQ(initial, cache::fused::isa_from_env(std::getenv("KVCACHE_FUSED_ISA")));
+  // What the test executable set from KVCACHE_FUSED_ISA (tests/support/fused_isa_env.cpp).
+  const char* env = std::getenv("KVCACHE_FUSED_ISA");
+  EXPECT_EQ(initial, cache::fused::isa_from_name(env != nullptr ? env : "", "KVCACHE_FUSED_ISA"));
   for (const FusedIsa isa : {FusedIsa::kAvx512, FusedIsa::kAvx2, FusedIsa::kNone}) {
     const IsaScope restore(best);
     const bool ok = cache::fused::use_fused_isa(isa);
@@ -328,17 +331,17 @@ TEST(AttendFused, IsaHookSelectsAndRestores) {
   cache::fused::use_fused_isa(initial);
 }
 
-// KVCACHE_FUSED_ISA: unset or empty is the CPU's best; avx512/avx2/none select, if the CPU runs
-// them; anything else, or an ISA the CPU lacks, is refused naming the value.
+// KVCACHE_FUSED_ISA's vocabulary (what the apps pass to kvcache::set_attention_kernels): empty
+// is the CPU's best; avx512/avx2/none select, if the CPU runs them; anything else, or an ISA the
+// CPU lacks, is refused naming the source and the value.
 TEST(AttendFused, IsaFromTheEnvironment) {
-  using cache::fused::isa_from_env;
+  const auto isa_from_name = [](const char* v) { return cache::fused::isa_from_name(v, "KVCACHE_FUSED_ISA"); };
   const FusedIsa best = cache::fused::best_isa();
-  EXPECT_EQ(isa_from_env(nullptr), best);
-  EXPECT_EQ(isa_from_env(""), best);
-  EXPECT_EQ(isa_from_env("none"), FusedIsa::kNone);
+  EXPECT_EQ(isa_from_name(""), best);
+  EXPECT_EQ(isa_from_name("none"), FusedIsa::kNone);
   for (const char* bad : {"avx9", "AVX2", "avx2 "}) {
     try {
-      isa_from_env(bad);
+      isa_from_name(bad);
       ADD_FAILURE() << bad << " was accepted";
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find(std::string("KVCACHE_FUSED_ISA=") + bad + ":"), std::string::npos) << e.what();
@@ -348,9 +351,9 @@ TEST(AttendFused, IsaFromTheEnvironment) {
   for (const auto& [name, isa] : {std::pair{"avx512", FusedIsa::kAvx512}, std::pair{"avx2", FusedIsa::kAvx2}}) {
     const IsaScope restore(best);
     if (cache::fused::use_fused_isa(isa)) {
-      EXPECT_EQ(isa_from_env(name), isa);
+      EXPECT_EQ(isa_from_name(name), isa);
     } else {
-      EXPECT_THROW(isa_from_env(name), InvalidArgument) << name;
+      EXPECT_THROW(isa_from_name(name), InvalidArgument) << name;
     }
   }
 }
@@ -362,7 +365,7 @@ TEST(AttendFused, ChannelKeyScoresFollowTheFoldedQueryFormula) {
   for (const FusedIsa isa : runnable_isas()) {
     const IsaScope scope(isa);
     for (const std::string quant : {"int2:g32:chan", "int4:g32:chan", "int8:g32:chan", "kivi:k2:v2:g32:r128"}) {
-      CacheManager m(make_config(1, 6, 2, 64, quant, "full"));
+      TorchCache m(make_config(1, 6, 2, 64, quant, "full"));
       auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
       m.append(0, testing::randn({1, 2, 300, 64}, gen) * 2.0, testing::randn({1, 2, 300, 64}, gen), positions_range(0, 300));
       const auto q = testing::randn({1, 6, 3, 64}, gen);
@@ -491,7 +494,7 @@ TEST(AttendFused, SkipsHolesLikeTheGenericPath) {
     for (const std::string quant : {"fp16", "int4", "int8:g32", "kivi:k2:v2:g32:r128", "fp8:e5m2"}) {
       auto c = make_config(1, 14, 2, 64, quant, "random:seed9@300", 4000);
       c.block_tokens = 32;
-      CacheManager m(c);
+      TorchCache m(c);
       auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
       m.append(0, testing::randn({1, 2, 400, 64}, gen), testing::randn({1, 2, 400, 64}, gen), positions_range(0, 400));
       m.end_step(StepKind::kPrefillEnd);
@@ -499,16 +502,16 @@ TEST(AttendFused, SkipsHolesLikeTheGenericPath) {
         const int64_t p = 400 + step;
         m.append(0, testing::randn({1, 2, 1, 64}, gen), testing::randn({1, 2, 1, 64}, gen), positions_range(p, 1));
         const auto q = testing::randn({1, 14, 1, 64}, gen);
-        const auto fast = CacheManagerAccess::attend(m, 0, q, positions_range(p, 1), true);
+        const auto fast = testing::access_attend(m, 0, q, positions_range(p, 1), true);
         const auto qg = !avx2 && integer_keys(quant) && !channel_keys(quant) ? rounded_query(q) : q;
-        const auto ref = CacheManagerAccess::attend(m, 0, qg, positions_range(p, 1), false);
+        const auto ref = testing::access_attend(m, 0, qg, positions_range(p, 1), false);
         const double tol = !avx2 && channel_keys(quant)
                                ? (std::exp(2 * channel_delta(m, q)) - 1) * max_abs(m.get(0).v) + kFloatTol
                                : kFloatTol;
         EXPECT_LE(max_abs(fast - ref), tol) << quant << " step " << step;
         m.end_step(StepKind::kDecode);
       }
-      const auto s = CacheManagerAccess::stream(m, 0, false);
+      const auto s = CacheManagerAccess::stream(m.core(), 0, false);
       EXPECT_GT(s.dead_slots[0] + s.dead_slots[1], 0) << quant << ": the case must have holes";
     }
   }
@@ -544,13 +547,13 @@ TEST(AttendFused, ConfigSelectsThePath) {
                                        std::pair{"fp32", true}}) {
       auto c = make_config(1, 14, 2, 64, quant, "full");
       c.fused_attention = fused;
-      CacheManager m(c);
+      TorchCache m(c);
       auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
       m.append(0, testing::randn({1, 2, 200, 64}, gen), testing::randn({1, 2, 200, 64}, gen), positions_range(0, 200));
       const auto q = testing::randn({1, 14, 1, 64}, gen);
       const auto out = m.attend(0, q, positions_range(199, 1));
-      EXPECT_TRUE(at::equal(out, CacheManagerAccess::attend(m, 0, q, positions_range(199, 1), fused))) << quant;
-      EXPECT_FALSE(at::equal(out, CacheManagerAccess::attend(m, 0, q, positions_range(199, 1), !fused))) << quant;
+      EXPECT_TRUE(at::equal(out, testing::access_attend(m, 0, q, positions_range(199, 1), fused))) << quant;
+      EXPECT_FALSE(at::equal(out, testing::access_attend(m, 0, q, positions_range(199, 1), !fused))) << quant;
     }
   }
 }

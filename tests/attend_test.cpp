@@ -26,6 +26,7 @@
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -40,9 +41,9 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 /// attend() of q against the reference over get()'s K/V/positions.
-void expect_attend_matches_reference(CacheManager& m, int64_t layer, const at::Tensor& q, const at::Tensor& q_pos,
+void expect_attend_matches_reference(TorchCache& m, int64_t layer, const at::Tensor& q, const at::Tensor& q_pos,
                                      const std::string& where) {
-  const LayerKV kv = m.get(layer);
+  const TensorLayerKV kv = m.get(layer);
   at::Tensor probs;
   const at::Tensor ref = reference_attention(q, kv.k, kv.v, kv.positions, q_pos, &probs);
   const at::Tensor out = m.attend(layer, q, q_pos);
@@ -71,7 +72,7 @@ TEST(Attend, MatchesReferenceForEveryFormatAndBlockSize) {
   for (const auto& fc : cases) {
     auto c = make_config(2, 21, 3, 8, fc.quant, "full");
     c.block_tokens = fc.block_tokens;
-    CacheManager m(c);
+    TorchCache m(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
     int64_t pos = 0;
     for (int64_t n : {13, 1, 24, 1, 1, 1}) {  // prefill chunks, then decode
@@ -94,7 +95,7 @@ TEST(Attend, SkipsEvictedTokens) {
     for (const std::string quant : {"fp32", "int4", "kivi:k2:v2:g4:r8", "gear:b2:g4:s0.25:r1:loop1:nb4"}) {
       auto c = make_config(1, 4, 2, 8, quant, policy, 80);
       c.block_tokens = 4;
-      CacheManager m(c);
+      TorchCache m(c);
       auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
       int64_t pos = 0;
       for (int64_t step = 0; step < 30; ++step) {
@@ -114,7 +115,7 @@ TEST(Attend, SkipsEvictedTokens) {
 // Causal masking inside a prefill chunk, and keys whose positions are past some queries:
 // queries attending at earlier positions than the newest keys see only keys ≤ their position.
 TEST(Attend, CausalByStoredPositions) {
-  CacheManager m(make_config(1, 2, 1, 4, "fp32", "full"));
+  TorchCache m(make_config(1, 2, 1, 4, "fp32", "full"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   m.append(0, testing::randn({1, 1, 6, 4}, gen), testing::randn({1, 1, 6, 4}, gen),
            at::tensor({0, 1, 2, 10, 11, 12}, at::kLong));
@@ -134,7 +135,7 @@ TEST(Attend, PreRopeKeysRotateOnRead) {
     c.key_storage = KeyStorage::kPreRoPE;
     if (rerotate) c.position_mode = PositionMode::kRerotate;
     c.block_tokens = 3;
-    CacheManager m(c);
+    TorchCache m(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
     for (int64_t step = 0; step < 20; ++step) {
       const int64_t n = step == 0 ? 7 : 1;
@@ -155,13 +156,13 @@ TEST(Attend, PolicyFedByAttendPlansLikeReferenceProbabilities) {
   for (const std::string policy : {"h2o@9", "tova@9", "snapkv:w3:k1@80%"}) {
     auto c = make_config(1, 6, 2, 8, "int4", policy, 30);
     c.block_tokens = 5;
-    CacheManager m(c), scripted(c);
+    TorchCache m(c), scripted(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(23);
     const auto k = testing::randn({1, 2, 17, 8}, gen), v = testing::randn({1, 2, 17, 8}, gen);
     m.append(0, k, v, positions_range(0, 17));
     scripted.append(0, k, v, positions_range(0, 17));
     const auto q = testing::randn({1, 6, 17, 8}, gen) * 3.0;
-    const LayerKV kv = m.get(0);
+    const TensorLayerKV kv = m.get(0);
     at::Tensor probs;
     (void)reference_attention(q, kv.k, kv.v, kv.positions, positions_range(0, 17), &probs);
     (void)m.attend(0, q, positions_range(0, 17));
@@ -185,7 +186,7 @@ TEST(Attend, RaggedHeads) {
   cache::BlockPool pool_res(cache::BlockFormat::bytes_for(*f16, 8, 4));
   cache::BlockPool pool_fb(cache::BlockFormat::bytes_for(*f32, 8, 4));
   cache::StreamSetup st;
-  st.spec = StreamSpec{q4, 3, ResidualFlush::kSliding, at::kHalf, {}, 0, nullptr, false};
+  st.spec = StreamSpec{q4, 3, ResidualFlush::kSliding, DType::kFloat16, {}, 0, nullptr, false};
   st.formats.f[cache::StreamFormats::kMain] = cache::BlockFormat(*q4, 8, 4, &pool_main);
   st.formats.f[cache::StreamFormats::kResidual] = cache::BlockFormat(*f16, 8, 4, &pool_res);
   st.formats.f[cache::StreamFormats::kFallback] = cache::BlockFormat(*f32, 8, 4, &pool_fb);
@@ -250,7 +251,7 @@ TEST(Attend, RaggedHeads) {
             EXPECT_NEAR(mass.heads[h][j], want.heads[0][j], 1e-6) << where << " head " << h << " at " << j;
           }
         }
-        EXPECT_THROW(mass.to_tensor(), InvalidArgument);  // ragged: no [H_kv, rows, T] form
+        EXPECT_THROW(mass_tensor(mass), InvalidArgument);  // ragged: no [H_kv, rows, T] form
       }
     }
   }
@@ -282,7 +283,7 @@ TEST(Attend, EveryTileWidthMatchesTheReference) {
         for (const char* policy : {"full", "h2o@24"}) {
           auto c = make_config(1, 14, 2, d, quant, policy);
           c.block_tokens = 5;
-          CacheManager m(c);
+          TorchCache m(c);
           auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
           int64_t pos = 0;
           for (int64_t n : {21, 1, 9, 1, 1}) {
@@ -304,7 +305,7 @@ TEST(Attend, EveryTileWidthMatchesTheReference) {
 }
 
 TEST(Attend, ValidatesItsArguments) {
-  CacheManager m(make_config(2, 4, 2, 8, "fp16", "full"));
+  TorchCache m(make_config(2, 4, 2, 8, "fp16", "full"));
   m.append(0, at::zeros({1, 2, 3, 8}), at::zeros({1, 2, 3, 8}), positions_range(0, 3));
   EXPECT_THROW(m.attend(2, at::zeros({1, 4, 1, 8}), positions_range(3, 1)), InvalidArgument);  // layer
   EXPECT_THROW(m.attend(0, at::zeros({1, 3, 1, 8}), positions_range(3, 1)), InvalidArgument);  // H_q

@@ -16,6 +16,7 @@
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -70,12 +71,12 @@ TEST(StoredLayout, EncodeDecodeAreQuantizeDequantizeByteForByte) {
     const QuantizedTensor qt = q->quantize(x);
     const int64_t groups = t / l.group_tokens;
     auto bytes_of = [](const at::Tensor& a) { return a.defined() ? a.numel() * static_cast<int64_t>(a.element_size()) : 0; };
-    EXPECT_EQ(groups * l.code_bytes, bytes_of(qt.codes)) << spec;
-    const int64_t meta = groups * l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
+    EXPECT_EQ(groups * l.code_bytes, bytes_of(as_tensor(qt.codes))) << spec;
+    const int64_t meta = groups * l.meta_count * kvcache::dtype_size(l.meta_dtype);
     if (!l.tensor_scale) {
-      EXPECT_EQ(meta, bytes_of(qt.scales)) << spec;
+      EXPECT_EQ(meta, bytes_of(as_tensor(qt.scales))) << spec;
     }
-    EXPECT_EQ(l.has_zeros ? meta : 0, bytes_of(qt.zeros)) << spec;
+    EXPECT_EQ(l.has_zeros ? meta : 0, bytes_of(as_tensor(qt.zeros))) << spec;
     EXPECT_DOUBLE_EQ(static_cast<double>(l.group_bytes()) * 8 / static_cast<double>(l.group_tokens * d),
                      q->bits_per_value(d))
         << spec;
@@ -86,19 +87,19 @@ TEST(StoredLayout, EncodeDecodeAreQuantizeDequantizeByteForByte) {
     const at::Tensor xf = x.contiguous();
     const EncodeStatus st = q->encode(xf.data_ptr<float>(), groups, d, ts, {codes.data(), sc.data(), ze.data()});
     EXPECT_FALSE(st.overflow || st.nonfinite) << spec;
-    EXPECT_EQ(std::memcmp(codes.data(), qt.codes.data_ptr(), codes.size()), 0) << spec;
+    EXPECT_EQ(std::memcmp(codes.data(), qt.codes.data(), codes.size()), 0) << spec;
     if (l.meta_count > 0) {
-      EXPECT_EQ(std::memcmp(sc.data(), qt.scales.data_ptr(), sc.size()), 0) << spec;
+      EXPECT_EQ(std::memcmp(sc.data(), qt.scales.data(), sc.size()), 0) << spec;
     }
     if (l.has_zeros) {
-      EXPECT_EQ(std::memcmp(ze.data(), qt.zeros.data_ptr(), ze.size()), 0) << spec;
+      EXPECT_EQ(std::memcmp(ze.data(), qt.zeros.data(), ze.size()), 0) << spec;
     }
     if (l.tensor_scale) {
-      EXPECT_EQ(ts, qt.scales.item<float>()) << spec;
+      EXPECT_EQ(ts, as_tensor(qt.scales).item<float>()) << spec;
     }
     at::Tensor out = at::empty({t, d});
     q->decode({codes.data(), sc.data(), ze.data()}, groups, d, ts, out.data_ptr<float>());
-    EXPECT_TRUE(at::equal(out.view({1, 1, t, d}), q->dequantize(qt))) << spec;
+    EXPECT_TRUE(at::equal(out.view({1, 1, t, d}), kvcache::dequantize(*q, qt))) << spec;
   }
   EXPECT_EQ(make_quantizer("int4:g32:chan")->stored_layout(64).group_tokens, 32);
   EXPECT_FALSE(make_quantizer("int4:g32:chan")->stored_layout(64).token_readable());
@@ -186,7 +187,7 @@ TEST(BlockList, HolesFreeEmptyBlocksAndAdjacentBlocksMerge) {
   std::vector<float> got;
   L.live_rows(got, 1.0f);
   auto q = make_quantizer("int4");
-  const auto ref = q->dequantize(q->quantize(at::from_blob(const_cast<float*>(x.data()), {1, 1, 10, 8}).clone()));
+  const auto ref = kvcache::dequantize(*q, q->quantize(at::from_blob(const_cast<float*>(x.data()), {1, 1, 10, 8}).clone()));
   for (size_t i = 0; i < p.size(); ++i) {
     for (int64_t j = 0; j < 8; ++j) {
       EXPECT_EQ(got[i * 8 + static_cast<size_t>(j)], ref[0][0][p[i] - 100][j].item<float>());
@@ -268,14 +269,14 @@ TEST(BlockList, PerChannelGroupsConvertOrKeepTheirBytes) {
 // Without eviction a cache reserves little more than it stores (partly filled last blocks);
 // the exact numbers for a small case, and the ratio at 4096 tokens.
 TEST(CacheMemory, ReservedAgainstResident) {
-  CacheManager small(make_config(1, 2, 2, 8, "fp16", "full"));
+  TorchCache small(make_config(1, 2, 2, 8, "fp16", "full"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   small.append(0, testing::randn({1, 2, 70, 8}, gen), testing::randn({1, 2, 70, 8}, gen), positions_range(0, 70));
   // 70 tokens × (K + V) × 2 heads × 16 B; blocks of 64 tokens × 16 B: two per stream and head.
   EXPECT_EQ(small.stats().bytes_resident, 70 * 2 * 2 * 16);
   EXPECT_EQ(small.stats().bytes_reserved, 2 * 2 * 2 * 64 * 16);
   for (const std::string quant : {"fp32", "fp16", "int8", "int4", "int2", "kivi:k2:v2:g32:r128"}) {
-    CacheManager m(make_config(2, 14, 2, 64, quant, "full"));
+    TorchCache m(make_config(2, 14, 2, 64, quant, "full"));
     for (int64_t l = 0; l < 2; ++l) {
       m.append(l, testing::randn({1, 2, 4096, 64}, gen), testing::randn({1, 2, 4096, 64}, gen),
                positions_range(0, 4096));
@@ -292,15 +293,15 @@ TEST(CacheMemory, ReservedAgainstResident) {
 // (same block ids) and nothing is moved but inside the touched block's merge.
 TEST(CacheMemory, ScatteredEvictionTouchesOnlyItsBlock) {
   auto c = make_config(1, 2, 1, 8, "int8", "random:seed4@200");
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
   m.append(0, testing::randn({1, 1, 200, 8}, gen), testing::randn({1, 1, 200, 8}, gen), positions_range(0, 200));
   m.end_step(StepKind::kPrefillEnd);
-  const auto before = cache::CacheManagerAccess::stream(m, 0, false);
+  const auto before = cache::CacheManagerAccess::stream(m.core(), 0, false);
   m.append(0, testing::randn({1, 1, 1, 8}, gen), testing::randn({1, 1, 1, 8}, gen), positions_range(200, 1));
   m.end_step(StepKind::kDecode);
   m.check_invariants();
-  const auto after = cache::CacheManagerAccess::stream(m, 0, false);
+  const auto after = cache::CacheManagerAccess::stream(m.core(), 0, false);
   EXPECT_EQ(testing::physical_length(m, 0), 200);
   EXPECT_EQ(after.dead_slots[0], 1);  // one hole, in one block
   EXPECT_EQ(after.blocks[0], before.blocks[0]);  // 201 tokens still need 4 blocks of 64

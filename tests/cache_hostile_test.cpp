@@ -19,6 +19,7 @@
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -30,7 +31,7 @@ using testing::Snapshot;
 /// Runs `call`, which must throw `Exc` (exactly that class, never InternalError or a LibTorch
 /// error), leave `m` unchanged and its invariants intact. Returns the message.
 template <typename Exc>
-std::string expect_rejected(CacheManager& m, const std::function<void()>& call, const std::string& where) {
+std::string expect_rejected(TorchCache& m, const std::function<void()>& call, const std::string& where) {
   const Snapshot before(m);
   std::string message;
   try {
@@ -206,13 +207,13 @@ at::Tensor bad_probs(int kind, int64_t hq, int64_t n, int64_t t, at::Generator& 
 constexpr int kBadProbKinds = 8;
 
 /// Asserts the dequantized cache and an attention output are finite (finite in, finite out).
-void expect_finite(const CacheManager& m, const std::string& where) {
+void expect_finite(const TorchCache& m, const std::string& where) {
   for (int64_t l = 0; l < m.config().num_layers; ++l) {
     const auto& pos = m.tokens(l).positions;
     bool uniform = true;
     for (const auto& p : pos) uniform = uniform && p.size() == pos[0].size();
     if (!uniform) continue;
-    const LayerKV g = m.get(l);
+    const TensorLayerKV g = m.get(l);
     EXPECT_TRUE(at::isfinite(g.k).all().item<bool>()) << where << " layer " << l;
     EXPECT_TRUE(at::isfinite(g.v).all().item<bool>()) << where << " layer " << l;
   }
@@ -235,8 +236,8 @@ TEST(CacheHostile, RandomValidAndInvalidCalls) {
       for (int pre_rope = 0; pre_rope < 2; ++pre_rope) {
         auto c = make_config(layers, hq, hkv, d, quant, policy, context);
         if (pre_rope) c.key_storage = KeyStorage::kPreRoPE;
-        CacheManager m(c);
-        CacheManager twin(c);
+        TorchCache m(c);
+        TorchCache twin(c);
         std::mt19937 rng(static_cast<uint32_t>(++seed));
         auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
         const std::string where0 = quant + " " + policy + (pre_rope ? " pre-RoPE" : "");
@@ -324,8 +325,8 @@ TEST(CacheHostile, RandomValidAndInvalidCalls) {
 TEST(CacheHostile, EndStepRejectedForAMissingObservationChangesNothing) {
   for (const std::string policy : {"snapkv:w2@8", "pyramid:w2:b2@8", "h2o@6", "tova@6"}) {
     auto c = make_config(3, 4, 2, 8, "fp32", policy, 12);
-    CacheManager m(c);
-    CacheManager twin(c);
+    TorchCache m(c);
+    TorchCache twin(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
     const int64_t n = 10;
     std::vector<at::Tensor> probs;
@@ -354,8 +355,8 @@ TEST(CacheHostile, EndStepRejectedForAMissingObservationChangesNothing) {
 // made right.
 TEST(CacheHostile, CallsInTheWrongOrder) {
   auto c = make_config(2, 4, 2, 8, "int4:g4", "window@6", 12);
-  CacheManager m(c);
-  CacheManager twin(c);
+  TorchCache m(c);
+  TorchCache twin(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   const at::Tensor k = randn({1, 2, 4, 8}, gen), v = randn({1, 2, 4, 8}, gen);
   m.append(0, k, v, positions_range(0, 4));
@@ -377,7 +378,7 @@ TEST(CacheHostile, CallsInTheWrongOrder) {
 
 // What the rejections say: the bad value and what was expected.
 TEST(CacheHostile, RejectionsNameTheValue) {
-  CacheManager m(make_config(1, 4, 2, 8, "fp16", "h2o@6", 12));
+  TorchCache m(make_config(1, 4, 2, 8, "fp16", "h2o@6", 12));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   at::Tensor k = randn({1, 2, 3, 8}, gen);
   k[0][1][2][5] = std::nanf("");
@@ -412,7 +413,7 @@ TEST(CacheHostile, RejectionsNameTheValue) {
 TEST(CacheHostile, EdgesStayFinite) {
   for (const std::string quant : {"fp32", "fp16", "bf16", "fp8:e4m3", "int8", "int2:g4:chan", "kivi:k2:v2:g4:r4",
                                   "gear:b2:g4:s0.25:r1:loop1:nb4"}) {
-    CacheManager m(make_config(1, 2, 1, 8, quant, "full", 16));
+    TorchCache m(make_config(1, 2, 1, 8, quant, "full", 16));
     auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
     m.append(0, randn({1, 1, 4, 8}, gen), randn({1, 1, 4, 8}, gen), positions_range(5, 4));
     const at::Tensor none = m.attend(0, randn({1, 2, 1, 8}, gen), positions_range(0, 1));
@@ -436,7 +437,7 @@ TEST(CacheHostile, AbsurdConfigsAreRejected) {
     auto c = make_config(2, 4, 2, 8, "fp32", "full", 16);
     edit(c);
     try {
-      CacheManager m(c);
+      TorchCache m(c);
     } catch (const InvalidArgument& e) {
       return std::string(e.what());
     } catch (const CapacityError& e) {

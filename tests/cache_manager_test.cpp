@@ -17,6 +17,7 @@
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
 #include "kvcache/multi_sequence_cache.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -47,7 +48,7 @@ TEST(CacheConfig, ValidateNamesTheBadField) {
   EXPECT_NO_THROW(c.validate());
   c = ok;
   c.scheme = "int5";
-  EXPECT_THROW(CacheManager{c}, InvalidArgument);
+  EXPECT_THROW(TorchCache{c}, InvalidArgument);
   c = ok;
   c.policy = "lru@3";
   EXPECT_THROW(c.validate(), InvalidArgument);
@@ -66,7 +67,7 @@ TEST(CacheConfig, ValidateNamesTheBadField) {
 TEST(CacheManager, Fp32FullIsBitIdenticalToConcatenation) {
   {
     const int64_t batch = 1;
-    CacheManager m(make_config(2, 4, 2, 8, "fp32", "full"));
+    TorchCache m(make_config(2, 4, 2, 8, "fp32", "full"));
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
     std::vector<std::vector<at::Tensor>> ks(2), vs(2);
     int64_t pos = 0;
@@ -99,7 +100,7 @@ TEST(CacheManager, Fp32FullIsBitIdenticalToConcatenation) {
 }
 
 TEST(CacheManager, OneSequencePerCache) {
-  CacheManager m(make_config(1, 4, 2, 8, "fp32", "full"));
+  TorchCache m(make_config(1, 4, 2, 8, "fp32", "full"));
   try {
     m.append(0, at::zeros({2, 2, 3, 8}), at::zeros({2, 2, 3, 8}), positions_range(0, 3));
     FAIL() << "batch 2 accepted";
@@ -113,7 +114,7 @@ TEST(CacheManager, OneSequencePerCache) {
 }
 
 TEST(CacheManager, AppendValidation) {
-  CacheManager m(make_config(2, 4, 2, 8, "fp32", "full"));
+  TorchCache m(make_config(2, 4, 2, 8, "fp32", "full"));
   auto k = at::zeros({1, 2, 3, 8});
   EXPECT_THROW(m.append(2, k, k, positions_range(0, 3)), InvalidArgument);  // layer
   try {
@@ -143,7 +144,7 @@ TEST(CacheManager, KeysWhoseRopeOverflowsAreRefusedInBothStorages) {
     const std::string where = ks == KeyStorage::kPreRoPE ? "pre-RoPE" : "post-RoPE";
     auto c = make_config(1, 2, 2, 8, "fp32", "full");
     c.key_storage = ks;
-    CacheManager m(c);
+    TorchCache m(c);
     // At position 1: y[4] = x[4]·cos 1 + x[0]·sin 1 = 3e38 · 1.38, beyond float32.
     at::Tensor k = at::zeros({1, 2, 2, 8});
     k[0][1][1][0] = 3.0e38f;
@@ -159,7 +160,7 @@ TEST(CacheManager, KeysWhoseRopeOverflowsAreRefusedInBothStorages) {
     k0[0][1][0][0] = 3.0e38f;
     k0[0][1][0][4] = 3.0e38f;
     m.append(0, k0, at::zeros({1, 2, 1, 8}), positions_range(0, 1));
-    const LayerKV kv = m.get(0);
+    const TensorLayerKV kv = m.get(0);
     EXPECT_TRUE(at::isfinite(kv.k).all().item<bool>()) << where;
     EXPECT_EQ(kv.k[0][1][0][4].item<float>(), 3.0e38f) << where;
     m.check_invariants();
@@ -173,7 +174,7 @@ TEST(CacheManager, KeysWhoseRopeOverflowsAreRefusedInBothStorages) {
 TEST(CacheManager, AppendAfterAttendIsRefusedForEveryPolicy) {
   for (const std::string policy : {"full", "window@8", "h2o@8", "expected:s2:stream@8"}) {
     for (int how = 0; how < 3; ++how) {  // attend, observe_attention, observe_queries
-      CacheManager m(make_config(1, 4, 2, 8, "fp32", policy, 32));
+      TorchCache m(make_config(1, 4, 2, 8, "fp32", policy, 32));
       auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
       m.append(0, testing::randn({1, 2, 3, 8}, gen), testing::randn({1, 2, 3, 8}, gen), positions_range(0, 3));
       if (how == 0) (void)m.attend(0, testing::randn({1, 4, 3, 8}, gen), positions_range(0, 3));
@@ -206,7 +207,7 @@ TEST(CacheManager, ChunkedIngestionBookkeeping) {
   // fp32: 2 (K, V) × 2 heads × 4 dims × 4 B = 64 B per token per layer.
   // int8 (one group per token): 2 × 2 × (4 codes + fp16 scale + fp16 zero) = 32 B.
   for (auto [quant, per_token] : std::vector<std::pair<std::string, int64_t>>{{"fp32", 64}, {"int8", 32}}) {
-    CacheManager m(make_config(2, 2, 2, 4, quant, "window@8"));
+    TorchCache m(make_config(2, 2, 2, 4, quant, "window@8"));
     auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
     const std::vector<StepExpect> steps = {
         {5, 5, 5, 5, 5}, {5, 10, 10, 8, 10}, {5, 15, 13, 8, 13}, {1, 16, 9, 8, 13}, {1, 17, 9, 8, 13}};
@@ -248,7 +249,7 @@ TEST(CacheManager, ChunkedIngestionBookkeeping) {
 // kvpress StreamingLLM vector through the manager: T = 10, sink@50% → positions [0,1,2,3,9].
 TEST(CacheManager, SinkKeepsSinksAndRecentWithOriginalPositions) {
   auto c = make_config(1, 2, 2, 4, "fp32", "sink@50%", 10);
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   auto k = testing::randn({1, 2, 10, 4}, gen), v = testing::randn({1, 2, 10, 4}, gen);
   m.append(0, k, v, positions_range(0, 10));
@@ -266,7 +267,7 @@ TEST(CacheManager, SinkKeepsSinksAndRecentWithOriginalPositions) {
 
 // H2O end to end with GQA (H_q = 14, H_kv = 2): heads keep different tokens.
 TEST(CacheManager, H2OPerHeadSurvivorsFromObservedAttention) {
-  CacheManager m(make_config(1, 14, 2, 4, "int8", "h2o:r2@4"));
+  TorchCache m(make_config(1, 14, 2, 4, "int8", "h2o:r2@4"));
   EXPECT_TRUE(m.policy().needs_attention());
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   auto k = testing::randn({1, 2, 6, 4}, gen), v = testing::randn({1, 2, 6, 4}, gen);
@@ -298,7 +299,7 @@ TEST(CacheManager, H2OPerHeadSurvivorsFromObservedAttention) {
 
 TEST(CacheManager, SnapKVCompressesOnceAtPrefillEndThenGrows) {
   // Context 20 = 16 prompt + 4 new; budget 50% = 10 → keep 6 prompt tokens (window 4 + top 2).
-  CacheManager m(make_config(2, 4, 2, 8, "fp16", "snapkv:w4:k3@50%", 20));
+  TorchCache m(make_config(2, 4, 2, 8, "fp16", "snapkv:w4:k3@50%", 20));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   for (int64_t chunk = 0; chunk < 2; ++chunk) {
     for (int64_t l = 0; l < 2; ++l) {
@@ -331,7 +332,7 @@ TEST(CacheManager, RerotateMatchesRopeOfPrunedKeys) {
   auto c = make_config(1, 2, 2, 8, "fp32", "sink:s2:w3");
   c.key_storage = KeyStorage::kPreRoPE;
   c.position_mode = PositionMode::kRerotate;
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
   std::vector<at::Tensor> kept_pre;  // pre-RoPE keys of the expected survivors
   std::vector<int64_t> orig_pos;     // their original (absolute) positions
@@ -382,7 +383,7 @@ TEST(CacheManager, RerotateWithRaggedHeadsNumbersEachHeadUpToTheNextPosition) {
     auto c = make_config(1, 4, 2, 8, "fp32", policy, 40);
     c.key_storage = KeyStorage::kPreRoPE;
     c.position_mode = PositionMode::kRerotate;
-    CacheManager m(c);
+    TorchCache m(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
     bool ragged = false;
     for (int64_t step = 0; step < 11; ++step) {
@@ -396,15 +397,15 @@ TEST(CacheManager, RerotateWithRaggedHeadsNumbersEachHeadUpToTheNextPosition) {
       const at::Tensor out = m.attend(0, test_rope(q_pre, positions_range(p, n)), positions_range(p, n));
       if (n == 1) {
         // Per KV head h: its stored pre-RoPE keys numbered 0 .. n_h − 1, the query at n_h − 1.
-        const auto ks = cache::CacheManagerAccess::stream(m, 0, true);
-        const auto vs = cache::CacheManagerAccess::stream(m, 0, false);
+        const auto ks = cache::CacheManagerAccess::stream(m.core(), 0, true);
+        const auto vs = cache::CacheManagerAccess::stream(m.core(), 0, false);
         for (int64_t h = 0; h < 2; ++h) {
-          const at::Tensor kh = ks.stored[static_cast<size_t>(h)][0][0];  // [n_h, D]
+          const at::Tensor kh = as_tensor(ks.stored[static_cast<size_t>(h)])[0][0];  // [n_h, D]
           const int64_t nh = kh.size(0);
           const at::Tensor kr = test_rope(kh.view({1, 1, nh, 8}), positions_range(0, nh))[0][0];
           const at::Tensor qh = test_rope(q_pre.narrow(1, 2 * h, 2), positions_range(nh - 1, 1))[0];  // [2, 1, D]
           const at::Tensor probs = at::softmax(at::matmul(qh, kr.t()) / std::sqrt(8.0), -1);
-          const at::Tensor want = at::matmul(probs, vs.stored[static_cast<size_t>(h)][0][0]);
+          const at::Tensor want = at::matmul(probs, as_tensor(vs.stored[static_cast<size_t>(h)])[0][0]);
           EXPECT_TRUE(at::allclose(out[0].narrow(0, 2 * h, 2), want, 1e-5, 1e-5))
               << policy << " step " << step << " head " << h << " (" << nh << " tokens)";
         }
@@ -429,7 +430,7 @@ TEST(CacheManager, RerotateWithRaggedHeadsNumbersEachHeadUpToTheNextPosition) {
 TEST(CacheManager, PreRopeOriginalPositionsRotatesOnRead) {
   auto c = make_config(1, 2, 2, 8, "int4", "window@6");
   c.key_storage = KeyStorage::kPreRoPE;
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
   int64_t pos = 0;
   for (int64_t n : {5, 4, 1, 1}) {
@@ -439,24 +440,24 @@ TEST(CacheManager, PreRopeOriginalPositionsRotatesOnRead) {
     pos += n;
   }
   EXPECT_TRUE(at::equal(m.get(0).positions, positions_range(5, 6).unsqueeze(0).expand({2, 6})));
-  auto kv = cache::CacheManagerAccess::stream(m, 0, true);
-  EXPECT_TRUE(at::allclose(m.get(0).k.narrow(1, 1, 1), test_rope(kv.stored[1], positions_range(5, 6)), 1e-5, 1e-5));
+  auto kv = cache::CacheManagerAccess::stream(m.core(), 0, true);
+  EXPECT_TRUE(at::allclose(m.get(0).k.narrow(1, 1, 1), test_rope(as_tensor(kv.stored[1]), positions_range(5, 6)), 1e-5, 1e-5));
 }
 
 TEST(CacheManager, ResidualWindowWithPlainQuantizer) {
   auto c = make_config(1, 2, 2, 8, "int4", "full");
   c.residual_length = 3;
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
   auto v = testing::randn({1, 2, 5, 8}, gen);
   m.append(0, testing::randn({1, 2, 5, 8}, gen), v, positions_range(0, 5));
   m.end_step(StepKind::kPrefillEnd);
   m.check_invariants();
-  auto s = cache::CacheManagerAccess::stream(m, 0, false);
+  auto s = cache::CacheManagerAccess::stream(m.core(), 0, false);
   EXPECT_EQ(s.quantized_tokens, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(s.residual_tokens, (std::vector<int64_t>{3, 3}));
   EXPECT_TRUE(s.token_readable);
-  EXPECT_TRUE(at::equal(s.residual[0], v.narrow(1, 0, 1).narrow(2, 2, 3).to(at::kHalf).to(at::kFloat)));
+  EXPECT_TRUE(at::equal(as_tensor(s.residual[0]), v.narrow(1, 0, 1).narrow(2, 2, 3).to(at::kHalf).to(at::kFloat)));
   // Bytes: per head 2 int4 tokens (4 B codes + 2 + 2 B) + 3 fp16 tokens (16 B) = 16 + 48.
   EXPECT_EQ(m.tokens(0).stats.bytes_resident, 2 * 2 * (2 * 8 + 3 * 16));
 }
@@ -501,7 +502,7 @@ TEST(CacheManager, RandomizedInvariants) {
         if (mode == 2) c.position_mode = PositionMode::kRerotate;
         std::mt19937 rng(static_cast<uint32_t>(seed + 1));
         c.block_tokens = std::vector<int64_t>{0, 8, 16}[rng() % 3];  // multiples of every group here
-        CacheManager m(c);
+        TorchCache m(c);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
         int64_t steps = 0;
         int64_t written = 0;
@@ -639,9 +640,9 @@ CacheRun drive(KVCache& c, const ThreadInputs& in) {
   return r;
 }
 
-void finish_run(const CacheManager& m, CacheRun& r) {
+void finish_run(const TorchCache& m, CacheRun& r) {
   for (int64_t l = 0; l < 2; ++l) {
-    const LayerKV kv = m.get(l);
+    const TensorLayerKV kv = m.get(l);
     r.kv.push_back(kv.k);
     r.kv.push_back(kv.v);
   }
@@ -687,7 +688,7 @@ TEST(CacheThreads, TwoThreadsTwoCachesAreBitEqualToOneThread) {
     // One thread: A, then B, then B's request again in a MultiSequenceCache sequence.
     CacheRun ra, rb, rs;
     {
-      CacheManager ma(config(a)), mb(config(b));
+      TorchCache ma(config(a)), mb(config(b));
       ra = drive(ma, ia);
       finish_run(ma, ra);
       rb = drive(mb, ib);
@@ -696,18 +697,20 @@ TEST(CacheThreads, TwoThreadsTwoCachesAreBitEqualToOneThread) {
       mc.model = config(b);
       mc.capacity_bytes = int64_t{1} << 30;
       MultiSequenceCache pool(mc);
-      Sequence& s = pool.add_sequence();
+      Sequence& seq = pool.add_sequence();
+      TorchCache s(seq);
       s.reset(64);
       rs = drive(s, ib);
     }
     expect_bit_equal(rb, CacheRun{rs.outputs, rb.kv, rb.stats}, where + " (sequence alone)");
     for (int round = 0; round < 4; ++round) {
-      CacheManager ma(config(a)), mb(config(b));
+      TorchCache ma(config(a)), mb(config(b));
       MultiSequenceConfig mc;
       mc.model = config(b);
       mc.capacity_bytes = int64_t{1} << 30;
       MultiSequenceCache pool(mc);
-      Sequence& s = pool.add_sequence();
+      Sequence& seq = pool.add_sequence();
+      TorchCache s(seq);
       s.reset(64);
       CacheRun ta, tb, ts;
       std::string errors[3];

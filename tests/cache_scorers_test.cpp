@@ -14,6 +14,7 @@
 #include "evict/policies.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -55,7 +56,7 @@ TEST(LayerView, MatchesGetForEveryFormatAndKeyMode) {
         if (pre) c.key_storage = KeyStorage::kPreRoPE;
         c.block_tokens = block;
         c.context_length = 200;
-        CacheManager m(c);
+        TorchCache m(c);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
         for (int64_t step = 0; step < 11; ++step) {  // 11 × 12 tokens, random eviction to 100
           const int64_t p0 = m.next_position(0);
@@ -64,7 +65,7 @@ TEST(LayerView, MatchesGetForEveryFormatAndKeyMode) {
         }
         const std::string where = quant + (pre ? " pre-RoPE" : " post-RoPE") + " block " + std::to_string(block);
         const auto kv = m.get(0);
-        const auto view = cache::CacheManagerAccess::view(m, 0);
+        const auto view = cache::CacheManagerAccess::view(m.core(), 0);
         EXPECT_EQ(view.next_position(), m.next_position(0)) << where;
         for (int64_t h = 0; h < 2; ++h) {
           const auto got = visit_all(view, h, ViewStreams::kBoth);
@@ -90,12 +91,12 @@ TEST(LayerView, ScorersSeeWhatGetShows) {
   for (const std::string spec : {"knorm:stream@100", "keydiff:stream@100"}) {
     auto c = make_config(1, 14, 2, 8, "int4:g4", spec, 64);
     c.key_storage = KeyStorage::kPreRoPE;
-    CacheManager m(c);
+    TorchCache m(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
     m.append(0, testing::randn({1, 2, 30, 8}, gen), testing::randn({1, 2, 30, 8}, gen), positions_range(0, 30));
     m.end_step(StepKind::kPrefill);
     const auto& p = dynamic_cast<const evict::ScorerPolicy&>(m.policy());
-    const auto block_view = cache::CacheManagerAccess::view(m, 0);
+    const auto block_view = cache::CacheManagerAccess::view(m.core(), 0);
     const auto kv = m.get(0);
     const TensorLayerView plain(kv.k, kv.v, kv.positions, 30);
     EvictionContext ctx;
@@ -111,8 +112,8 @@ TEST(LayerView, ScorersSeeWhatGetShows) {
 // with its own kernel hands the same through observe_queries().
 TEST(QueryRows, AttendHandsPreRopeQueries) {
   auto c = make_config(2, 4, 2, 8, "fp16", "expected:s2@50%", 12);  // a 10-token prompt + 2 new
-  CacheManager m(c);
-  CacheManager e(c);  // the engine path
+  TorchCache m(c);
+  TorchCache e(c);  // the engine path
   auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
   const auto q_pre = testing::randn({1, 4, 10, 8}, gen);
   const auto pos = positions_range(0, 10);
@@ -149,7 +150,7 @@ TEST(QueryRows, AttendHandsPreRopeQueries) {
 // A policy that needs pre-RoPE queries needs a rotate-half RoPE: validate() says so.
 TEST(QueryRows, ConfigNeedsARotateHalfRope) {
   auto c = make_config(1, 4, 2, 8, "fp16", "expected@50%", 40);
-  c.rope = [](const at::Tensor& x, const at::Tensor&) { return x * 2.0; };
+  c.rope = rope_from([](const at::Tensor& x, const at::Tensor&) { return x * 2.0; });
   try {
     c.validate();
     FAIL() << "expected InvalidArgument";
@@ -159,7 +160,7 @@ TEST(QueryRows, ConfigNeedsARotateHalfRope) {
   }
   c.policy = "knorm@50%";  // keys only: any RoPE hook will do
   EXPECT_NO_THROW(c.validate());
-  EXPECT_NO_THROW(CacheManager{c});
+  EXPECT_NO_THROW(TorchCache{c});
 }
 
 // AdaKV gives heads different numbers of tokens, and the bytes follow: fp16 K and V of D = 8
@@ -167,7 +168,7 @@ TEST(QueryRows, ConfigNeedsARotateHalfRope) {
 TEST(HeadWise, AdaKVFreesTheBlocksOfTheHeadsItShrinks) {
   auto c = make_config(1, 14, 2, 8, "fp16", "adakv:a0:knorm:stream@8", 64);
   c.block_tokens = 4;
-  CacheManager m(c);
+  TorchCache m(c);
   // Head 0's keys have small norms, head 1's large (except its newest): head 0 keeps 15, head 1
   // only its newest.
   auto k = at::ones({1, 2, 16, 8});
@@ -192,7 +193,7 @@ TEST(HeadWise, AdaKVFreesTheBlocksOfTheHeadsItShrinks) {
   // Uniform knorm keeps 8 and 8: more bytes in head 1, fewer in head 0, the same total tokens.
   auto u = c;
   u.policy = "knorm:stream@8";
-  CacheManager mu(u);
+  TorchCache mu(u);
   mu.append(0, k, at::ones({1, 2, 16, 8}), positions_range(0, 16));
   mu.end_step(StepKind::kPrefill);
   EXPECT_EQ(mu.tokens(0).resident(0), 8);
@@ -207,7 +208,7 @@ TEST(HeadWise, DuoStreamingHeadsFreeTheirBlocks) {
   // ⌈4·20 / 32⌉ = 3 heads stream.
   auto c = make_config(2, 4, 2, 8, "fp16", "duo:s2:r6:w4@50%", 40);
   c.block_tokens = 8;
-  CacheManager m(c);
+  TorchCache m(c);
   EXPECT_EQ(dynamic_cast<const evict::DuoAttentionPolicy&>(m.policy()).streaming_heads(), 3);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
   for (int64_t chunk = 0; chunk < 2; ++chunk) {

@@ -11,8 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "cache/cache_manager_access.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/torch/cache.h"
+#include "kvcache/torch/rope.h"
+#include "kvcache/torch/tensor_view.h"
+#include "kvcache/torch.h"
 
 namespace kvcache::testing {
 
@@ -40,7 +45,7 @@ inline CacheConfig make_config(int64_t layers, int64_t hq, int64_t hkv, int64_t 
   c.scheme = quant;
   c.policy = policy;
   c.context_length = context;
-  c.rope = test_rope;
+  c.rope = rope_from(test_rope);
   return c;
 }
 
@@ -57,7 +62,8 @@ inline at::Tensor random_probs(int64_t b, int64_t hq, int64_t tq, int64_t t, at:
 inline StepKind step_kind(bool prefill_end) { return prefill_end ? StepKind::kPrefillEnd : StepKind::kDecode; }
 
 /// Tokens of the largest head of `layer` (the layer's physical length).
-inline int64_t physical_length(const CacheManager& m, int64_t layer) { return m.tokens(layer).max_resident(); }
+inline int64_t physical_length(const TorchCache& m, int64_t layer) { return m.tokens(layer).max_resident(); }
+inline int64_t physical_length(const SequenceCache& m, int64_t layer) { return m.tokens(layer).max_resident(); }
 
 inline at::Tensor positions_range(int64_t start, int64_t n) {
   return at::arange(start, start + n, at::kLong);
@@ -74,14 +80,14 @@ struct Snapshot {
   int64_t budget = 0;
   bool needs_attention = false;
 
-  explicit Snapshot(const CacheManager& m) : stats(m.stats()) {
+  explicit Snapshot(const TorchCache& m) : stats(m.stats()) {
     for (int64_t l = 0; l < m.config().num_layers; ++l) {
       layers.push_back(m.tokens(l));
       const auto& pos = layers.back().positions;
       bool uniform = true;
       for (const auto& p : pos) uniform = uniform && p.size() == pos[0].size();
       if (uniform) {
-        const LayerKV g = m.get(l);
+        const TensorLayerKV g = m.get(l);
         kv.push_back(g.k.clone());
         kv.push_back(g.v.clone());
       } else {
@@ -127,13 +133,13 @@ struct Snapshot {
     EXPECT_EQ(needs_attention, other.needs_attention) << where;
   }
   /// EXPECTs that `m` still shows this snapshot.
-  void expect_unchanged(const CacheManager& m, const std::string& where) const { expect_same(Snapshot(m), where); }
+  void expect_unchanged(const TorchCache& m, const std::string& where) const { expect_same(Snapshot(m), where); }
 };
 
 /// Appends a 30-token prefill and six decode tokens to every layer of `m` (2 KV heads, 4 query
 /// heads, head_dim 16; random K/V/q, seed 31), attending after each append: every output finite,
 /// the invariants held after each step. `what` names the case in failures.
-inline void run_prefill_then_decode(CacheManager& m, const std::string& what) {
+inline void run_prefill_then_decode(TorchCache& m, const std::string& what) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
   int64_t pos = 0;
   for (int64_t n : {30, 1, 1, 1, 1, 1, 1}) {
@@ -146,6 +152,19 @@ inline void run_prefill_then_decode(CacheManager& m, const std::string& what) {
     m.check_invariants();
     pos += n;
   }
+}
+
+/// CacheManagerAccess::attend as a tensor: attention of `layer` without feeding the policy,
+/// through the fused kernels (`fused`) or the generic path everywhere.
+inline at::Tensor access_attend(const SequenceCache& m, int64_t layer, const at::Tensor& q, const at::Tensor& qp,
+                                bool fused) {
+  at::Tensor out = at::empty({1, m.config().num_q_heads, q.size(2), m.config().head_dim}, at::kFloat);
+  cache::CacheManagerAccess::attend(m, layer, q, qp, fused, out);
+  return out;
+}
+inline at::Tensor access_attend(const TorchCache& m, int64_t layer, const at::Tensor& q, const at::Tensor& qp,
+                                bool fused) {
+  return access_attend(m.core(), layer, q, qp, fused);
 }
 
 /// The message of the `E` (InvalidArgument unless said) `f` throws, or "no error" (other

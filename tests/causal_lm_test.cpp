@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "kvcache/error.h"
+#include "kvcache/torch.h"
 #include "model_test_util.h"
 
 namespace kvcache {

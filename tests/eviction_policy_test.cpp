@@ -11,6 +11,7 @@
 #include "evict/policies.h"
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -305,14 +306,22 @@ TEST(RandomPolicy, SeededReproducibleNewestKept) {
 
 // methods.md b.10: avg_pool1d counts zero padding; maxpool ignores it.
 TEST(SnapKVPolicy, PoolingWorkedNumbers) {
-  auto s = at::tensor({0.1f, 0.5f, 0.0f, 0.2f, 0.2f}).unsqueeze(0);
-  auto avg = evict::SnapKVPolicy::pool(s, 3, false);
+  const std::vector<float> s = {0.1f, 0.5f, 0.0f, 0.2f, 0.2f};  // one head
+  const auto avg = evict::SnapKVPolicy::pool(s, 1, 3, false);
   const float want_avg[] = {0.2f, 0.2f, 0.7f / 3, 0.4f / 3, 0.4f / 3};
-  auto mx = evict::SnapKVPolicy::pool(s, 3, true);
+  const auto mx = evict::SnapKVPolicy::pool(s, 1, 3, true);
   const float want_max[] = {0.5f, 0.5f, 0.5f, 0.2f, 0.2f};
   for (int i = 0; i < 5; ++i) {
-    EXPECT_NEAR(avg[0][i].item<float>(), want_avg[i], 1e-6) << i;
-    EXPECT_NEAR(mx[0][i].item<float>(), want_max[i], 1e-7) << i;
+    EXPECT_NEAR(avg[static_cast<size_t>(i)], want_avg[i], 1e-6) << i;
+    EXPECT_NEAR(mx[static_cast<size_t>(i)], want_max[i], 1e-7) << i;
+  }
+  // The same pooling on a tensor (what kvpress computes): bit for bit.
+  const at::Tensor st = at::tensor(s).view({1, 1, 5});
+  const at::Tensor ref_avg = at::avg_pool1d(st, {3}, {1}, {1}, false, true).view({5});
+  const at::Tensor ref_max = at::max_pool1d(st, {3}, {1}, {1}).view({5});
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(avg[static_cast<size_t>(i)], ref_avg[i].item<float>()) << i;
+    EXPECT_EQ(mx[static_cast<size_t>(i)], ref_max[i].item<float>()) << i;
   }
 }
 
@@ -373,11 +382,11 @@ TEST(EvictionPolicyHelpers, ReduceAttentionIsGroupMean) {
   // Group 0 = heads 0..6: mean of rows 0..6 = row 3; group 1 = row 10. Per row, last row only.
   auto r = reduce_attention(p, 2, AttentionNeed{1, true});
   ASSERT_EQ(r.rows, 1);
-  EXPECT_TRUE(at::allclose(r.to_tensor()[0][0], p[0][3][1]));
-  EXPECT_TRUE(at::allclose(r.to_tensor()[1][0], p[0][10][1]));
+  EXPECT_TRUE(at::allclose(mass_tensor(r)[0][0], p[0][3][1]));
+  EXPECT_TRUE(at::allclose(mass_tensor(r)[1][0], p[0][10][1]));
   // Summed over both rows.
   auto s = reduce_attention(p, 2, AttentionNeed{AttentionNeed::kAllRows, false});
-  EXPECT_TRUE(at::allclose(s.to_tensor()[0][0], p[0][3][0] + p[0][3][1]));
+  EXPECT_TRUE(at::allclose(mass_tensor(s)[0][0], p[0][3][0] + p[0][3][1]));
   EXPECT_THROW(reduce_attention(p, 4, AttentionNeed{1, true}), InvalidArgument);
   auto bad = p.clone();
   bad[0][5][1][2] = std::nanf("");

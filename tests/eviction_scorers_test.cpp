@@ -18,6 +18,7 @@
 #include "kvcache/error.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/layer_view.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -81,7 +82,7 @@ TensorLayerView keys_view(const std::vector<std::vector<std::vector<float>>>& he
     p.push_back(at::arange(t, at::kLong));
     next = std::max(next, t);
   }
-  return TensorLayerView(k, v, p, next, std::move(rope));
+  return TensorLayerView(views(k), views(v), views(p), next, std::move(rope));
 }
 
 /// The identity "RoPE" (cos 1, sin 0): a rotate-half RoPE whose mean rotation is I.
@@ -249,7 +250,7 @@ TEST(ExpectedAttentionPolicy, MeanQueriesAndValueNormsHandWorked) {
   // [.09778, .40222, .09778, .40222]; group mean [.25, .25, .09778, .40222]; × ‖v‖ = [1, 3, 5, .5].
   std::vector<at::Tensor> k = {at::tensor({1.f, 0.f, 0.f, 1.f, 0.f, 0.f, 1.f, 1.f}).view({4, 2})};
   std::vector<at::Tensor> v = {at::tensor({1.f, 0.f, 0.f, 3.f, 5.f, 0.f, 0.f, .5f}).view({4, 2})};
-  const TensorLayerView view(k, v, {at::arange(4, at::kLong)}, 4, identity_rope);
+  const TensorLayerView view(views(k), views(v), views({at::arange(4, at::kLong)}), 4, rope_from(identity_rope));
   auto p = make("expected:s0:mean:stream@2", 0, 2, 1);
   auto q = at::zeros({2, 3, 2});
   q.select(0, 0).select(1, 0).fill_(2.0f);
@@ -277,7 +278,8 @@ TEST(ExpectedAttentionPolicy, CovarianceTermAndSinks) {
   // kᵀΣk / (2·2) = k₀². Keys [1,0], [0,1], [0,0] → logits [1, 0, 0] → softmax
   // [e/(e+2), 1/(e+2), 1/(e+2)]. With the mean only every logit is 0 → 1/3 each.
   std::vector<at::Tensor> k = {at::tensor({1.f, 0.f, 0.f, 1.f, 0.f, 0.f}).view({3, 2})};
-  const TensorLayerView view(k, {k[0].clone()}, {at::arange(3, at::kLong)}, 3, identity_rope);
+  const at::Tensor v0 = k[0].clone(), p0 = at::arange(3, at::kLong);
+  const TensorLayerView view(views(k), {TensorView(v0)}, {TensorView(p0)}, 3, rope_from(identity_rope));
   auto q = at::tensor({2.f, 0.f, -2.f, 0.f}).view({1, 2, 2});
   auto cov = make("expected:s0:novnorm:stream@2", 0, 1, 1);
   feed_queries(*cov, 0, q, {0, 1}, view);
@@ -309,8 +311,8 @@ TEST(ExpectedAttentionPolicy, CovarianceTermAndSinks) {
 TEST(ExpectedAttentionPolicy, MeanRotationOfTheNextPositions) {
   // RoPE of D = 2 (θ = 1): the mean of cos(p) and sin(p) over p = 10 .. 14.
   using Ts = std::vector<at::Tensor>;
-  const TensorLayerView view(Ts{at::zeros({1, 2})}, Ts{at::zeros({1, 2})}, Ts{at::zeros({1}, at::kLong)}, 10,
-                             testing::test_rope);
+  const TensorLayerView view(views(Ts{at::zeros({1, 2})}), views(Ts{at::zeros({1, 2})}),
+                             views(Ts{at::zeros({1}, at::kLong)}), 10, rope_from(testing::test_rope));
   float c = 0, s = 0;
   view.mean_rotation(10, 5, &c, &s);
   double wc = 0, ws = 0;
@@ -320,7 +322,8 @@ TEST(ExpectedAttentionPolicy, MeanRotationOfTheNextPositions) {
   }
   EXPECT_NEAR(c, wc, 1e-6);
   EXPECT_NEAR(s, ws, 1e-6);
-  const TensorLayerView bare(Ts{at::zeros({1, 2})}, Ts{at::zeros({1, 2})}, Ts{at::zeros({1}, at::kLong)}, 10);
+  const TensorLayerView bare(views(Ts{at::zeros({1, 2})}), views(Ts{at::zeros({1, 2})}),
+                             views(Ts{at::zeros({1}, at::kLong)}), 10);
   EXPECT_THROW(bare.mean_rotation(10, 5, &c, &s), UnsupportedError);
 }
 
@@ -359,7 +362,7 @@ TEST(ExpectedAttentionPolicy, MatchesThePlainReferenceWithGqaAndRope) {
   const auto q = testing::randn({hq, n, d}, gen) + 0.5;
   const auto k = testing::randn({1, hkv, t, d}, gen), v = testing::randn({1, hkv, t, d}, gen);
   const auto pos = at::arange(t, at::kLong).unsqueeze(0).repeat({hkv, 1}).contiguous();
-  const TensorLayerView view(k, v, pos, t, testing::test_rope);
+  const TensorLayerView view(k, v, pos, t, rope_from(testing::test_rope));
   auto p = make("expected:n16:s2:stream@10", 0, hq, hkv);
   std::vector<int64_t> qpos;
   for (int64_t i = 0; i < n; ++i) qpos.push_back(i + 2);  // every row at a position >= s

@@ -17,6 +17,7 @@
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant/gear_quantizer.h"
 
 namespace kvcache {
@@ -74,7 +75,7 @@ TEST(GearOutliers, KeptExactlyAndReplacedByTheMeanBeforeQuantization) {
   EXPECT_EQ(v.per_side(4), 1);
   EXPECT_EQ(v.outliers_per_block(4), 8);  // 4 tokens × (1 + 1)
   at::Tensor x = at::tensor({0.f, 10.f, -10.f, 3.f}, at::kFloat).repeat({4}).reshape({1, 1, 4, 4});
-  const at::Tensor y = v.dequantize(v.quantize(x));
+  const at::Tensor y = kvcache::dequantize(v, v.quantize(x));
   EXPECT_EQ(max_abs_diff(x, y), 0.0) << y;
   // Keys: channel 0 constant 3 over 4 tokens (k = 1: tokens 0 and 1 are the outliers; a zero
   // range stores 3 exactly), channel 1 = 0, 1, 4, 10: 10 (t 3) and 0 (t 0) kept, 1 and 4
@@ -85,7 +86,7 @@ TEST(GearOutliers, KeptExactlyAndReplacedByTheMeanBeforeQuantization) {
   EXPECT_EQ(k.outliers_per_block(4), 8);  // 4 channels × (1 + 1)
   at::Tensor xk = at::tensor({3.f, 0.f, 3.f, 1.f, 3.f, 4.f, 3.f, 10.f}, at::kFloat).reshape({4, 2}).repeat({1, 2});
   xk = xk.reshape({1, 1, 4, 4});
-  const at::Tensor yk = k.dequantize(k.quantize(xk));
+  const at::Tensor yk = kvcache::dequantize(k, k.quantize(xk));
   EXPECT_EQ(max_abs_diff(xk, yk), 0.0) << yk;
 }
 
@@ -95,11 +96,11 @@ TEST(GearOutliers, KeptExactlyAndReplacedByTheMeanBeforeQuantization) {
 TEST(GearOutliers, BaseLevelsAreTwoToTheBitsMinusOne) {
   const LayerStreams s = streams_of("gear:b3:g8:s0:r0:loop1:nb8", 8);
   const at::Tensor x = at::arange(8, at::kFloat).repeat({8}).reshape({1, 1, 8, 8});
-  EXPECT_EQ(max_abs_diff(x, s.value.quantizer->dequantize(s.value.quantizer->quantize(x))), 0.0);
+  EXPECT_EQ(max_abs_diff(x, kvcache::dequantize(*s.value.quantizer, s.value.quantizer->quantize(x))), 0.0);
   // At 2 bits (3 levels either way) a 4-value row 0 … 3 is exact too.
   const LayerStreams t = streams_of("gear:b2:g4:s0:r0:loop1:nb4", 4);
   const at::Tensor y = at::arange(4, at::kFloat).repeat({4}).reshape({1, 1, 4, 4});
-  EXPECT_EQ(max_abs_diff(y, t.value.quantizer->dequantize(t.value.quantizer->quantize(y))), 0.0);
+  EXPECT_EQ(max_abs_diff(y, kvcache::dequantize(*t.value.quantizer, t.value.quantizer->quantize(y))), 0.0);
 }
 
 // ------------------------------------------------------------ low rank
@@ -142,11 +143,11 @@ TEST(GearLowRank, RecoversARankOneResidualThroughTheStoredFactors) {
   }
   const LayerStreams base = streams_of("gear:b2:g4:s0:r0:loop1:nb8", 4);
   const Quantizer& base_only = *base.value.quantizer;
-  EXPECT_EQ(max_abs_diff(x, base_only.dequantize(base_only.quantize(x))), 0.25);
+  EXPECT_EQ(max_abs_diff(x, kvcache::dequantize(base_only, base_only.quantize(x))), 0.25);
   for (const std::string spec : {"gear:b2:g4:s0:r1:loop1:nb8", "gear:b2:g4:s0:r1:loop3:nb8"}) {
     const LayerStreams st = streams_of(spec, 4);
     const Quantizer& q = *st.value.quantizer;
-    EXPECT_LT(max_abs_diff(x, q.dequantize(q.quantize(x))), 0.25 * 1.1e-3) << spec;
+    EXPECT_LT(max_abs_diff(x, kvcache::dequantize(q, q.quantize(x))), 0.25 * 1.1e-3) << spec;
   }
 }
 
@@ -160,8 +161,8 @@ TEST(GearLowRank, FullRankRecoversAnyResidual) {
   for (int i = 0; i < 2; ++i) {
     const Quantizer& q = i == 0 ? *s.key.quantizer : *s.value.quantizer;
     const Quantizer& b = i == 0 ? *base.key.quantizer : *base.value.quantizer;
-    const double e_base = max_abs_diff(x, b.dequantize(b.quantize(x)));
-    const double e_full = max_abs_diff(x, q.dequantize(q.quantize(x)));
+    const double e_base = max_abs_diff(x, kvcache::dequantize(b, b.quantize(x)));
+    const double e_full = max_abs_diff(x, kvcache::dequantize(q, q.quantize(x)));
     EXPECT_GT(e_base, 0.1) << q.spec();
     EXPECT_LT(e_full, 5e-3) << q.spec();
   }
@@ -211,7 +212,7 @@ TEST(GearBytes, LayoutAndQuantizedTensorMatchTheHandCount) {
 // residual as fp16.
 TEST(GearCache, StoresWhatQuantizeStores) {
   const std::string spec = "gear:b2:g4:s0.25:r1:loop2:nb8";
-  CacheManager m(testing::make_config(1, 4, 2, 8, spec, "full"));
+  TorchCache m(testing::make_config(1, 4, 2, 8, spec, "full"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   const at::Tensor k = testing::randn({1, 2, 20, 8}, gen);
   const at::Tensor v = testing::randn({1, 2, 20, 8}, gen);
@@ -219,13 +220,13 @@ TEST(GearCache, StoresWhatQuantizeStores) {
   m.end_step(StepKind::kPrefillEnd);
   m.check_invariants();
   EXPECT_EQ(m.stats().bytes_resident, 2 * 2 * (2 * 176 + 4 * 8 * 2));
-  const LayerKV kv = m.get(0);
+  const TensorLayerKV kv = m.get(0);
   const LayerStreams s = make_cache_scheme(spec)->streams(CacheGeometry{1, 2, 8}, 0, 0);
   // Keys are stored post-RoPE (the config's default): the manager rotates them on append.
   const at::Tensor k16 = testing::test_rope(k, testing::positions_range(0, 20)).to(at::kHalf).to(at::kFloat);
   const at::Tensor v16 = v.to(at::kHalf).to(at::kFloat);
-  const at::Tensor k_hat = s.key.quantizer->dequantize(s.key.quantizer->quantize(k16.narrow(2, 0, 16)));
-  const at::Tensor v_hat = s.value.quantizer->dequantize(s.value.quantizer->quantize(v16.narrow(2, 0, 16)));
+  const at::Tensor k_hat = kvcache::dequantize(*s.key.quantizer, s.key.quantizer->quantize(k16.narrow(2, 0, 16)));
+  const at::Tensor v_hat = kvcache::dequantize(*s.value.quantizer, s.value.quantizer->quantize(v16.narrow(2, 0, 16)));
   EXPECT_EQ(max_abs_diff(kv.k.narrow(2, 0, 16), k_hat), 0.0);
   EXPECT_EQ(max_abs_diff(kv.v.narrow(2, 0, 16), v_hat), 0.0);
   EXPECT_EQ(max_abs_diff(kv.k.narrow(2, 16, 4), k16.narrow(2, 16, 4)), 0.0);
@@ -242,7 +243,7 @@ TEST(GearCache, StoresWhatQuantizeStores) {
 // ------------------------------------------------------------ prefill rank and streaming modes
 
 /// dequantize(quantize(x)) by `q` (x [B, H, n_b, D], one block per head).
-at::Tensor round_trip(const Quantizer& q, const at::Tensor& x) { return q.dequantize(q.quantize(x)); }
+at::Tensor round_trip(const Quantizer& q, const at::Tensor& x) { return kvcache::dequantize(q, q.quantize(x)); }
 
 // rp2 beside r1 at D = 8, n_b = 8, g = 4, s = 0.25: every block reserves 2 factor columns.
 // The hand count of GearBytes (r1: 112 code bytes, 32 of them U [8, 1] and P [8, 1] fp16)
@@ -283,7 +284,7 @@ TEST(GearPrefillRank, EveryBlockReservesTheLargerRank) {
 // reserved columns) reconstructs it: the zero columns add nothing.
 TEST(GearPrefillRank, PromptBlocksUseRpDecodeBlocksUseR) {
   const std::string spec = "gear:b2:g4:s0.25:r1:rp2:loop2:nb8";
-  CacheManager m(testing::make_config(1, 4, 2, 8, spec, "full"));
+  TorchCache m(testing::make_config(1, 4, 2, 8, spec, "full"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   const at::Tensor k = testing::randn({1, 2, 24, 8}, gen);
   const at::Tensor v = testing::randn({1, 2, 24, 8}, gen);
@@ -295,7 +296,7 @@ TEST(GearPrefillRank, PromptBlocksUseRpDecodeBlocksUseR) {
   }
   m.check_invariants();
   EXPECT_EQ(m.stats().bytes_resident, 2 * 2 * 3 * 208);
-  const LayerKV kv = m.get(0);
+  const TensorLayerKV kv = m.get(0);
   const at::Tensor k16 = testing::test_rope(k, testing::positions_range(0, 24)).to(at::kHalf).to(at::kFloat);
   const at::Tensor v16 = v.to(at::kHalf).to(at::kFloat);
   const LayerStreams r2 = streams_of("gear:b2:g4:s0.25:r2:loop2:nb8", 8);
@@ -318,17 +319,17 @@ TEST(GearPrefillRank, PromptBlocksUseRpDecodeBlocksUseR) {
 // plain loop y = Q_rp(x) or Q_r(x), then y = Q_r(y) (Q = dequantize ∘ quantize) 3 − j times.
 TEST(GearWhole, RecompressionKeepsTheBytesAndCompoundsLikeTheReferenceLoop) {
   const std::string spec = "gear:b2:g4:s0.25:r1:rp2:loop2:nb8";
-  CacheManager whole(testing::make_config(1, 4, 2, 8, spec + ":whole", "full"));
-  CacheManager newest(testing::make_config(1, 4, 2, 8, spec, "full"));
+  TorchCache whole(testing::make_config(1, 4, 2, 8, spec + ":whole", "full"));
+  TorchCache newest(testing::make_config(1, 4, 2, 8, spec, "full"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   const at::Tensor k = testing::randn({1, 2, 32, 8}, gen);
   const at::Tensor v = testing::randn({1, 2, 32, 8}, gen);
-  for (CacheManager* m : {&whole, &newest}) {
+  for (TorchCache* m : {&whole, &newest}) {
     m->append(0, k.narrow(2, 0, 8), v.narrow(2, 0, 8), testing::positions_range(0, 8));
     m->end_step(StepKind::kPrefillEnd);
   }
   for (int64_t t = 8; t < 32; ++t) {
-    for (CacheManager* m : {&whole, &newest}) {
+    for (TorchCache* m : {&whole, &newest}) {
       m->append(0, k.narrow(2, t, 1), v.narrow(2, t, 1), testing::positions_range(t, 1));
       m->end_step(StepKind::kDecode);
       m->check_invariants();
@@ -337,7 +338,7 @@ TEST(GearWhole, RecompressionKeepsTheBytesAndCompoundsLikeTheReferenceLoop) {
     EXPECT_EQ(whole.stats().bytes_resident, 2 * 2 * (blocks * 208 + resid * 8 * 2)) << "t = " << t;
     EXPECT_EQ(whole.stats().bytes_resident, newest.stats().bytes_resident) << "t = " << t;
   }
-  const LayerKV w = whole.get(0), n = newest.get(0);
+  const TensorLayerKV w = whole.get(0), n = newest.get(0);
   const at::Tensor k16 = testing::test_rope(k, testing::positions_range(0, 32)).to(at::kHalf).to(at::kFloat);
   const at::Tensor v16 = v.to(at::kHalf).to(at::kFloat);
   const LayerStreams s = streams_of(spec + ":whole", 8);
@@ -385,7 +386,7 @@ TEST(GearSpec, CanonicalFormsRoundTrip) {
   EXPECT_EQ(st.key.residual, 64);
   EXPECT_EQ(st.key.flush, ResidualFlush::kBlock);
   EXPECT_EQ(st.value.flush, ResidualFlush::kBlock);
-  EXPECT_EQ(st.value.residual_dtype, at::kHalf);
+  EXPECT_EQ(st.value.residual_dtype, DType::kFloat16);
 }
 
 TEST(GearSpec, BadSpecsNameTheValue) {

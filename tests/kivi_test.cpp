@@ -11,6 +11,7 @@
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -36,9 +37,9 @@ Expect kivi_rule(int64_t t) {
 // residual token 64 × 2 B.
 int64_t kivi_bytes(const Expect& e) { return kH * (24 * (e.k_quant + e.v_quant) + 128 * (e.k_res + e.v_res)); }
 
-void check_stream(const CacheManager& m, bool key, int64_t quant, int64_t res, const at::Tensor& source,
+void check_stream(const TorchCache& m, bool key, int64_t quant, int64_t res, const at::Tensor& source,
                   const std::string& where) {
-  auto s = CacheManagerAccess::stream(m, 0, key);
+  auto s = CacheManagerAccess::stream(m.core(), 0, key);
   for (int64_t h = 0; h < kH; ++h) {
     EXPECT_EQ(s.quantized_tokens[h], quant) << where;
     EXPECT_EQ(s.residual_tokens[h], res) << where;
@@ -48,12 +49,12 @@ void check_stream(const CacheManager& m, bool key, int64_t quant, int64_t res, c
     const int64_t t = quant + res;
     auto src = source.narrow(1, h, 1);
     if (res > 0) {  // the residual holds exactly the most recent tokens, in fp16
-      EXPECT_TRUE(at::equal(s.residual[h], src.narrow(2, t - res, res).to(at::kHalf))) << where;
+      EXPECT_TRUE(at::equal(as_tensor(s.residual[h]), src.narrow(2, t - res, res).to(at::kHalf))) << where;
     }
     if (quant > 0) {
       // Quantized part within half a quantization step of its fp16 input.
       auto x = src.narrow(2, 0, quant).to(at::kHalf).to(at::kFloat);
-      auto xh = s.stored[h].narrow(2, 0, quant);
+      auto xh = as_tensor(s.stored[h]).narrow(2, 0, quant);
       at::Tensor step;
       if (key) {  // per channel, groups of 32 tokens
         auto g = x.view({quant / kG, kG, kD});
@@ -78,25 +79,25 @@ TEST(Kivi, ResidualFlushingPrefillAndDecode) {
     const Expect e = kivi_rule(t);
     const std::string where = "T=" + std::to_string(t);
 
-    CacheManager prefill(make_config(1, kH, kH, kD, "kivi:k2:v2:g32:r128", "full"));
-    EXPECT_EQ(CacheManagerAccess::scheme(prefill), "kivi:k2:v2:g32:r128");
+    TorchCache prefill(make_config(1, kH, kH, kD, "kivi:k2:v2:g32:r128", "full"));
+    EXPECT_EQ(CacheManagerAccess::scheme(prefill.core()), "kivi:k2:v2:g32:r128");
     prefill.append(0, k, v, positions_range(0, t));
     prefill.end_step(StepKind::kPrefillEnd);
     prefill.check_invariants();
     check_stream(prefill, true, e.k_quant, e.k_res, k_post, where + " prefill K");
     check_stream(prefill, false, e.v_quant, e.v_res, v, where + " prefill V");
     EXPECT_EQ(prefill.stats().bytes_resident, kivi_bytes(e)) << where;
-    EXPECT_FALSE(CacheManagerAccess::stream(prefill, 0, true).token_readable);  // per-channel keys
-    EXPECT_TRUE(CacheManagerAccess::stream(prefill, 0, false).token_readable);  // per-token values
+    EXPECT_FALSE(CacheManagerAccess::stream(prefill.core(), 0, true).token_readable);  // per-channel keys
+    EXPECT_TRUE(CacheManagerAccess::stream(prefill.core(), 0, false).token_readable);  // per-token values
 
     if (t > 300) continue;
-    CacheManager decode(make_config(1, kH, kH, kD, "kivi:k2:v2:g32:r128", "full"));
+    TorchCache decode(make_config(1, kH, kH, kD, "kivi:k2:v2:g32:r128", "full"));
     for (int64_t i = 0; i < t; ++i) {
       decode.append(0, k.narrow(2, i, 1), v.narrow(2, i, 1), positions_range(i, 1));
       decode.end_step(testing::step_kind(i == 0));
       const Expect ei = kivi_rule(i + 1);
-      auto ks = CacheManagerAccess::stream(decode, 0, true);
-      auto vs = CacheManagerAccess::stream(decode, 0, false);
+      auto ks = CacheManagerAccess::stream(decode.core(), 0, true);
+      auto vs = CacheManagerAccess::stream(decode.core(), 0, false);
       ASSERT_EQ(ks.residual_tokens[0], ei.k_res) << where << " step " << i;  // oscillates 0..R−1
       ASSERT_EQ(vs.residual_tokens[1], ei.v_res) << where << " step " << i;  // min(T, R)
     }
@@ -111,7 +112,7 @@ TEST(Kivi, ResidualFlushingPrefillAndDecode) {
 
 TEST(Kivi, SchemeSpecValidation) {
   auto c = make_config(1, 2, 2, 64, "kivi:k4:v4:g32:r128", "full");
-  EXPECT_NO_THROW(CacheManager{c});
+  EXPECT_NO_THROW(TorchCache{c});
   c.scheme = "kivi:k2:v2:g32:r100";
   EXPECT_THROW(c.validate(), InvalidArgument);
   c.scheme = "kivi:k2:v2:g32:r128:x1";
@@ -121,8 +122,8 @@ TEST(Kivi, SchemeSpecValidation) {
   EXPECT_THROW(c.validate(), InvalidArgument);
   c.scheme = "kivi";  // defaults k2 v2 g32 r128
   c.residual_length = 0;
-  CacheManager m(c);
-  EXPECT_EQ(CacheManagerAccess::scheme(m), "kivi:k2:v2:g32:r128");
+  TorchCache m(c);
+  EXPECT_EQ(CacheManagerAccess::scheme(m.core()), "kivi:k2:v2:g32:r128");
 }
 
 // What validates runs: a residual shorter than a key group (r0 once passed validation and then
@@ -154,7 +155,7 @@ TEST(Kivi, SchemesThatCannotRunAreRejected) {
   EXPECT_THROW((void)make_cache_scheme("kivi:g2:r2"), InvalidArgument);  // needs no head_dim to know
   EXPECT_EQ(message("kivi:k8:v8:g4:r4"), "valid");
   // The smallest residual that validates runs: prefill, a flush, decode.
-  CacheManager m(make_config(1, 2, 2, 8, "kivi:k2:v2:g4:r4", "full"));
+  TorchCache m(make_config(1, 2, 2, 8, "kivi:k2:v2:g4:r4", "full"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   m.append(0, testing::randn({1, 2, 5, 8}, gen), testing::randn({1, 2, 5, 8}, gen), positions_range(0, 5));
   m.end_step(StepKind::kPrefillEnd);
@@ -164,7 +165,7 @@ TEST(Kivi, SchemesThatCannotRunAreRejected) {
     m.check_invariants();
   }
   EXPECT_EQ(m.stats().tokens_resident, 12);
-  EXPECT_EQ(CacheManagerAccess::stream(m, 0, true).residual_tokens, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(CacheManagerAccess::stream(m.core(), 0, true).residual_tokens, (std::vector<int64_t>{0, 0}));
 }
 
 // Evicting tokens of per-channel key groups (g = 8, D = 8, one KV head): a group that loses
@@ -172,11 +173,11 @@ TEST(Kivi, SchemesThatCannotRunAreRejected) {
 // to fp16 once; otherwise the group stays quantized and holds dead slots.
 TEST(Kivi, EvictionFromPerChannelGroups) {
   auto c = make_config(1, 1, 1, 8, "kivi:k2:v2:g8:r16", "h2o:h4:r4");
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
   auto k = testing::randn({1, 1, 32, 8}, gen), v = testing::randn({1, 1, 32, 8}, gen);
   m.append(0, k, v, positions_range(0, 32));
-  auto ks = CacheManagerAccess::stream(m, 0, true);
+  auto ks = CacheManagerAccess::stream(m.core(), 0, true);
   EXPECT_EQ(ks.quantized_groups[0], 4);  // 32 % 16 == 0: all keys quantized, 4 groups
   EXPECT_EQ(ks.residual_tokens[0], 0);
   auto before = m.get(0);
@@ -191,13 +192,13 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
   EXPECT_TRUE(at::equal(after.positions[0], kept));
   // Group 0 keeps 3 tokens (3 × 8 × 2 B = 48 B ≤ its 48 B) → fp16; group 1 keeps 1 → fp16;
   // group 2 loses all → freed; group 3 keeps 4 (64 B > 48 B) → stays quantized, 4 dead slots.
-  ks = CacheManagerAccess::stream(m, 0, true);
+  ks = CacheManagerAccess::stream(m.core(), 0, true);
   EXPECT_EQ(ks.quantized_groups[0], 1);
   EXPECT_EQ(ks.dead_slots[0], 4);
   EXPECT_EQ(ks.quantized_tokens[0], 4);  // group 3's survivors {28..31}
   EXPECT_EQ(ks.converted_tokens[0], 4);  // {0, 1, 2} and {9}, each group in a small fp16 block
   EXPECT_EQ(ks.blocks[0], 3);
-  auto vs = CacheManagerAccess::stream(m, 0, false);
+  auto vs = CacheManagerAccess::stream(m.core(), 0, false);
   EXPECT_EQ(vs.quantized_tokens[0], 4);  // {0, 1, 2, 9} from the quantized values
   EXPECT_EQ(vs.residual_tokens[0], 4);   // {28..31} from the fp16 residual
   // Bytes: K 48 + 16 + 48; V 4 × (2 B codes + 4 B scale/zero) + 4 × 16 B.
@@ -210,7 +211,7 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
   // Decode (r = 8, budget 24): flushes of 8 keys into new groups, scattered evictions
   // inside them. Partial groups never hold more bytes than their survivors would in fp16, so
   // the cache never exceeds 32 B (fp16 K + V, D = 8) per resident token.
-  CacheManager d(make_config(1, 1, 1, 8, "kivi:k2:v2:g8:r8", "h2o:r4@24"));
+  TorchCache d(make_config(1, 1, 1, 8, "kivi:k2:v2:g8:r8", "h2o:r4@24"));
   int64_t conversions_seen = 0, groups_seen = 0, dead_seen = 0;
   for (int64_t i = 0; i < 120; ++i) {
     d.append(0, testing::randn({1, 1, 1, 8}, gen), testing::randn({1, 1, 1, 8}, gen), positions_range(i, 1));
@@ -219,7 +220,7 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
     d.check_invariants();
     EXPECT_EQ(testing::physical_length(d, 0), std::min<int64_t>(i + 1, 24));
     EXPECT_LE(d.stats().bytes_resident, 32 * testing::physical_length(d, 0));
-    auto s = CacheManagerAccess::stream(d, 0, true);
+    auto s = CacheManagerAccess::stream(d.core(), 0, true);
     if (s.converted_tokens[0] > 0) ++conversions_seen;
     groups_seen += s.quantized_groups[0];
     dead_seen += s.dead_slots[0];
@@ -233,14 +234,14 @@ TEST(Kivi, EvictionFromPerChannelGroups) {
 // A sliding window drains the oldest key group token by token: dead slots stay below one
 // group, and the group is converted or freed, never requantized.
 TEST(Kivi, WindowDrainsGroupsFrontFirst) {
-  CacheManager m(make_config(1, 1, 1, 8, "kivi:k2:v2:g8:r16", "window@20"));
+  TorchCache m(make_config(1, 1, 1, 8, "kivi:k2:v2:g8:r16", "window@20"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   int64_t max_bytes = 0;
   for (int64_t i = 0; i < 120; ++i) {
     m.append(0, testing::randn({1, 1, 1, 8}, gen), testing::randn({1, 1, 1, 8}, gen), positions_range(i, 1));
     m.end_step(testing::step_kind(i == 0));
     m.check_invariants();
-    auto ks = CacheManagerAccess::stream(m, 0, true);
+    auto ks = CacheManagerAccess::stream(m.core(), 0, true);
     EXPECT_LT(ks.dead_slots[0], 8);
     EXPECT_LE(ks.quantized_groups[0], 20 / 8 + 1);
     EXPECT_EQ(testing::physical_length(m, 0), std::min<int64_t>(i + 1, 20));

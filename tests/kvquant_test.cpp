@@ -28,6 +28,7 @@
 #include "kvcache/error.h"
 #include "kvcache/kvquant.h"
 #include "kvcache/study/kvquant_calibrate.h"
+#include "kvcache/torch.h"
 #include "quant/kvquant_quantizer.h"
 
 namespace kvcache {
@@ -162,7 +163,7 @@ TEST(KvquantMath, FitSetsPerChannelThresholdsAndQNorm) {
   KvquantFitOptions o;
   o.bits = {2};
   o.sparsities = {1.0, 0.99};
-  const KvquantCalibration c = fit_kvquant_calibration({k}, {v}, o, "test");
+  const KvquantCalibration c = fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{v}, o, "test");
   EXPECT_EQ(c.num_layers, 1);
   EXPECT_EQ(c.num_kv_heads, 1);
   EXPECT_EQ(c.head_dim, 2);
@@ -246,19 +247,19 @@ TEST(KvquantWeights, AFileOfWeightsFeedsTheWeightedFit) {
   write_bytes(path, weights_file(1, 1, 2, 5, w));
   const KvquantWeights kw = load_kvquant_weights(path, 1, 5, 1, 2);
   ASSERT_EQ(kw.keys.size(), 1u);
-  EXPECT_EQ(kw.keys[0].sizes().vec(), (std::vector<int64_t>{5, 1, 2}));
-  EXPECT_EQ(kw.keys[0][3][0][1].item<float>(), 0.0f);
-  EXPECT_EQ(kw.values[0][4][0][1].item<float>(), 1.0f);
+  EXPECT_EQ(kw.keys[0].shape(), (std::vector<int64_t>{5, 1, 2}));
+  EXPECT_EQ(as_tensor(kw.keys[0])[3][0][1].item<float>(), 0.0f);
+  EXPECT_EQ(as_tensor(kw.values[0])[4][0][1].item<float>(), 1.0f);
   KvquantFitOptions o;
   o.bits = {2};
   o.sparsities = {1.0};
-  const KvquantCalibration c = fit_kvquant_calibration({k}, {k.clone()}, o, "test", &kw);
+  const KvquantCalibration c = fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test", &kw);
   EXPECT_EQ(c.levels[0].layers[0].key_codebooks[0].centroids, (std::vector<float>{-0.75f, 0.0f, 0.5f, 1.0f}));
-  const KvquantCalibration u = fit_kvquant_calibration({k}, {k.clone()}, o, "test");
+  const KvquantCalibration u = fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test");
   EXPECT_NE(u.levels[0].layers[0].key_codebooks[0].centroids, c.levels[0].layers[0].key_codebooks[0].centroids);
   // Unit weights everywhere: the unweighted codebooks (up to the sums' float64 rounding).
-  const KvquantWeights ones{{at::ones({5, 1, 2})}, {at::ones({5, 1, 2})}};
-  const KvquantCalibration c1 = fit_kvquant_calibration({k}, {k.clone()}, o, "test", &ones);
+  const KvquantWeights ones = kvquant_weights({at::ones({5, 1, 2})}, {at::ones({5, 1, 2})});
+  const KvquantCalibration c1 = fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test", &ones);
   for (size_t j = 0; j < 4; ++j) {
     EXPECT_NEAR(c1.levels[0].layers[0].key_codebooks[0].centroids[j], u.levels[0].layers[0].key_codebooks[0].centroids[j], 1e-6);
     EXPECT_NEAR(c1.levels[0].layers[0].value_codebooks[0].centroids[j], u.levels[0].layers[0].value_codebooks[0].centroids[j], 1e-6);
@@ -286,8 +287,8 @@ TEST(KvquantWeights, AFileOfWeightsFeedsTheWeightedFit) {
   EXPECT_THAT(error_of([] { (void)load_kvquant_weights("/nonexistent/w.kvqw", 1, 5, 1, 2); }),
               HasSubstr("/nonexistent/w.kvqw"));
   // Weights of another shape than the activations (the library call).
-  const KvquantWeights small{{at::ones({4, 1, 2})}, {at::ones({5, 1, 2})}};
-  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &small); }),
+  const KvquantWeights small = kvquant_weights({at::ones({4, 1, 2})}, {at::ones({5, 1, 2})});
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test", &small); }),
               HasSubstr("layer 0 key weights: expected [5, 1, 2], got [4, 1, 2]"));
   std::remove(path.c_str());
 }
@@ -311,17 +312,22 @@ TEST(KvquantWeights, AllZeroWeightsAreRefused) {
   KvquantFitOptions o;
   o.bits = {2};
   o.sparsities = {1.0};
-  const KvquantWeights zero_keys{{at::zeros({5, 1, 2})}, {at::ones({5, 1, 2})}};
-  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &zero_keys); }),
+  auto filled = [](float x) { Buffer b(DType::kFloat32, {5, 1, 2}); as_tensor(b).fill_(x); return b; };
+  KvquantWeights zero_keys;
+  zero_keys.keys.push_back(filled(0.0f));
+  zero_keys.values.push_back(filled(1.0f));
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test", &zero_keys); }),
               HasSubstr("fit_kvquant_calibration: layer 0 at sparsity 1, keys: every one of the 10 calibration "
                         "values its codebook is fitted to (the non-outliers) has weight 0"));
-  const KvquantWeights zero_values{{at::ones({5, 1, 2})}, {at::zeros({5, 1, 2})}};
-  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &zero_values); }),
+  KvquantWeights zero_values;
+  zero_values.keys.push_back(filled(1.0f));
+  zero_values.values.push_back(filled(0.0f));
+  EXPECT_THAT(error_of([&] { (void)fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test", &zero_values); }),
               HasSubstr("layer 0 at sparsity 1, values: every one of the 10"));
   // One positive weight is enough.
   KvquantWeights one = zero_keys;
-  one.keys[0][2][0][1] = 1.0f;
-  EXPECT_NO_THROW((void)fit_kvquant_calibration({k}, {k.clone()}, o, "test", &one));
+  as_tensor(one.keys[0])[2][0][1] = 1.0f;
+  EXPECT_NO_THROW((void)fit_kvquant_calibration(std::vector<at::Tensor>{k}, std::vector<at::Tensor>{k.clone()}, o, "test", &one));
 }
 
 // ------------------------------------------------------------ the file
@@ -697,12 +703,12 @@ TEST(KvquantStored, TwoThreeFourBitsAndQNorm) {
     for (int j = 0; j < 16; ++j) x[static_cast<size_t>(j)] = -1.0f + (2.0f * static_cast<float>(j % k) + 1.0f) / static_cast<float>(k);
     const at::Tensor t = at::tensor(x).reshape({1, 1, 1, 16});
     const QuantizedTensor qt = q.quantize(t);
-    EXPECT_EQ(qt.codes.numel(), 16 * b / 8) << b;
+    EXPECT_EQ(as_tensor(qt.codes).numel(), 16 * b / 8) << b;
     EXPECT_EQ(qt.nbytes(), 16 * b / 8) << b;
-    EXPECT_TRUE(at::equal(q.dequantize(qt), t)) << b;
+    EXPECT_TRUE(at::equal(kvcache::dequantize(q, qt), t)) << b;
     EXPECT_DOUBLE_EQ(q.bits_per_value(16), b) << b;
     const Streams qn = streams_of("b" + std::to_string(b) + ":qnorm", 1, 16);
-    EXPECT_TRUE(at::allclose(qn.s.key.quantizer->dequantize(qn.s.key.quantizer->quantize(t)), 2 * t + 0.5, 0, 1e-6))
+    EXPECT_TRUE(at::allclose(kvcache::dequantize(*qn.s.key.quantizer, qn.s.key.quantizer->quantize(t)), 2 * t + 0.5, 0, 1e-6))
         << b;
     std::remove(st.path.c_str());
   }
@@ -727,7 +733,7 @@ TEST(KvquantCache, AttentionEqualsAttentionOverTheDequantizedKV) {
     auto c = make_config(2, 4, 2, 16, "kvquant:" + fields + ":cal=" + path, "full");
     c.key_storage = KeyStorage::kPreRoPE;
     c.block_tokens = 5;
-    CacheManager m(c);
+    TorchCache m(c);
     const auto scheme = make_cache_scheme(c.scheme);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
     std::vector<at::Tensor> ks(2), vs(2);
@@ -741,8 +747,8 @@ TEST(KvquantCache, AttentionEqualsAttentionOverTheDequantizedKV) {
         // Reference: the layer's quantizers over the whole history (head h with head h's
         // thresholds), the first f tokens in fp16, RoPE applied to the dequantised keys.
         const LayerStreams st = scheme->streams(CacheGeometry{2, 2, 16}, l, 0);
-        at::Tensor kd = st.key.quantizer->dequantize(st.key.quantizer->quantize(ks[static_cast<size_t>(l)]));
-        at::Tensor vd = st.value.quantizer->dequantize(st.value.quantizer->quantize(vs[static_cast<size_t>(l)]));
+        at::Tensor kd = kvcache::dequantize(*st.key.quantizer, st.key.quantizer->quantize(ks[static_cast<size_t>(l)]));
+        at::Tensor vd = kvcache::dequantize(*st.value.quantizer, st.value.quantizer->quantize(vs[static_cast<size_t>(l)]));
         const int64_t f = st.key.sink_tokens;
         if (f > 0) {
           kd.narrow(2, 0, f).copy_(ks[static_cast<size_t>(l)].narrow(2, 0, f).to(at::kHalf).to(at::kFloat));
@@ -771,7 +777,7 @@ TEST(KvquantCache, BytesAreTheStoredBuffers) {
   for (int64_t f : {0, 2}) {
     auto c = make_config(2, 2, 2, 16, "kvquant:b3:o1:f" + std::to_string(f) + ":cal=" + path, "full");
     c.key_storage = KeyStorage::kPreRoPE;
-    CacheManager m(c);
+    TorchCache m(c);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
     const int64_t T = 11;
     for (int64_t l = 0; l < 2; ++l) {
@@ -792,7 +798,7 @@ TEST(KvquantCache, RunsThroughTheCacheWithEvictionAndSinks) {
   for (const std::string fields : {"b2:o1:f4:qnorm", "b3", "b4:o1"}) {
     auto c = make_config(2, 4, 2, 16, "kvquant:" + fields + ":cal=" + path, "h2o@24");
     c.key_storage = KeyStorage::kPreRoPE;
-    CacheManager m(c);
+    TorchCache m(c);
     testing::run_prefill_then_decode(m, fields);
     EXPECT_LE(m.stats().tokens_resident, 2 * 2 * 24) << fields;
   }

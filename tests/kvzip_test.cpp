@@ -21,6 +21,7 @@
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/runner.h"
 #include "kvcache/model/tokenizer.h"
+#include "kvcache/torch.h"
 #include "model_test_util.h"
 
 namespace kvcache {
@@ -153,7 +154,7 @@ TEST(KVzipPolicy, AStepAfterThePromptWithoutTheReplayFails) {
 
 // The same through a CacheManager driven by hand: prefill, then decode without the replay.
 TEST(KVzipCache, ABareManagerWithoutTheReplayFailsAtTheNextStep) {
-  CacheManager m(t::make_config(1, 4, 2, 8, "fp32", "kvzip@50%", 12));
+  TorchCache m(t::make_config(1, 4, 2, 8, "fp32", "kvzip@50%", 12));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   m.append(0, t::randn({1, 2, 8, 8}, gen), t::randn({1, 2, 8, 8}, gen), t::positions_range(0, 8));
   (void)m.attend(0, t::randn({1, 4, 8, 8}, gen), t::positions_range(0, 8));
@@ -163,7 +164,7 @@ TEST(KVzipCache, ABareManagerWithoutTheReplayFailsAtTheNextStep) {
   (void)m.attend(0, t::randn({1, 4, 1, 8}, gen), t::positions_range(8, 1));
   EXPECT_THROW(m.end_step(StepKind::kDecode), InvalidArgument);
   // Replay kinds need begin_replay(), and a replay needs kReplay / kReplayEnd.
-  CacheManager f(t::make_config(1, 4, 2, 8, "fp32", "full", 12));
+  TorchCache f(t::make_config(1, 4, 2, 8, "fp32", "full", 12));
   EXPECT_THROW(f.end_step(StepKind::kReplayEnd), InvalidArgument);
   f.begin_replay();
   EXPECT_THROW(f.begin_replay(), InvalidArgument);
@@ -171,8 +172,8 @@ TEST(KVzipCache, ABareManagerWithoutTheReplayFailsAtTheNextStep) {
   EXPECT_THROW(f.end_step(StepKind::kReplayEnd), InvalidArgument);  // layer 0 appended nothing
   // A replay on caches whose policies asked for none (h2o needs every step's attention) only
   // computes attention: no plan, nothing stored.
-  CacheManager h(t::make_config(1, 4, 2, 8, "fp32", "h2o@6", 12));
-  for (CacheManager* c : {&f, &h}) {
+  TorchCache h(t::make_config(1, 4, 2, 8, "fp32", "h2o@6", 12));
+  for (TorchCache* c : {&f, &h}) {
     if (c == &h) {
       c->append(0, t::randn({1, 2, 8, 8}, gen), t::randn({1, 2, 8, 8}, gen), t::positions_range(0, 8));
       (void)c->attend(0, t::randn({1, 4, 8, 8}, gen), t::positions_range(0, 8));
@@ -200,7 +201,7 @@ TEST(KVzipCache, ABareManagerWithoutTheReplayFailsAtTheNextStep) {
 // keeps per head the sink, the newest token and the top-scored others.
 TEST(KVzipCache, ReplayStoresNothingAndScoresByTheMaxOfTheReference) {
   const int64_t L = 2, hq = 14, hkv = 2, d = 8, n = 10;
-  CacheManager m(t::make_config(L, hq, hkv, d, "int8", "kvzip:s1@6", n));
+  TorchCache m(t::make_config(L, hq, hkv, d, "int8", "kvzip:s1@6", n));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   for (int64_t l = 0; l < L; ++l) {
     m.append(l, t::randn({1, hkv, n, d}, gen), t::randn({1, hkv, n, d}, gen), t::positions_range(0, n));
@@ -208,7 +209,7 @@ TEST(KVzipCache, ReplayStoresNothingAndScoresByTheMaxOfTheReference) {
   }
   m.end_step(StepKind::kPrefillEnd);
   ASSERT_TRUE(m.replay_need().any());
-  std::vector<LayerKV> stored;
+  std::vector<TensorLayerKV> stored;
   for (int64_t l = 0; l < L; ++l) stored.push_back(m.get(l));
   std::vector<std::vector<std::vector<float>>> expect(static_cast<size_t>(L));  // [layer][head][token]
   for (int chunk = 0; chunk < 2; ++chunk) {
@@ -223,7 +224,7 @@ TEST(KVzipCache, ReplayStoresNothingAndScoresByTheMaxOfTheReference) {
       m.append(l, k, v, pos);
       const at::Tensor out = m.attend(l, q, pos);
       // The plain reference over [stored context, rope(chunk keys)].
-      const LayerKV& s = stored[static_cast<size_t>(l)];
+      const TensorLayerKV& s = stored[static_cast<size_t>(l)];
       const at::Tensor kall = at::cat({s.k, t::test_rope(k, pos)}, 2);
       const at::Tensor vall = at::cat({s.v, v}, 2);
       const at::Tensor kpos = at::cat({s.positions, pos.view({1, r}).expand({hkv, r})}, 1).contiguous();
@@ -302,7 +303,7 @@ TEST(KVzipRunner, AtABudgetHoldingThePromptItGeneratesWhatTheFullCacheDoes) {
     auto full_cfg = lm.cache_config();
     full_cfg.scheme = "fp32";
     full_cfg.policy = "full";
-    CacheManager full(full_cfg);
+    TorchCache full(full_cfg);
     const GenerationResult want = runner.generate(prompt, go, full);
     EXPECT_EQ(want.replay_steps, 0);
     EXPECT_EQ(want.replay_seconds, 0.0);
@@ -311,7 +312,7 @@ TEST(KVzipRunner, AtABudgetHoldingThePromptItGeneratesWhatTheFullCacheDoes) {
     for (const std::string policy : {"kvzip@100%", "kvzip:c7@100%", "adakv:kvzip@100%"}) {
       auto cfg = full_cfg;
       cfg.policy = policy;
-      CacheManager m(cfg);
+      TorchCache m(cfg);
       const GenerationResult got = runner.generate(prompt, go, m);
       const std::string where = policy + " question_start " + std::to_string(question_start);
       EXPECT_EQ(got.tokens, want.tokens) << where;
@@ -326,7 +327,7 @@ TEST(KVzipRunner, AtABudgetHoldingThePromptItGeneratesWhatTheFullCacheDoes) {
     // The same replay with the instruction given by the caller (GenerationOptions::replay_prefix).
     auto cfg = full_cfg;
     cfg.policy = "kvzip@50%";
-    CacheManager a(cfg), b(cfg);
+    TorchCache a(cfg), b(cfg);
     go.replay_prefix.clear();
     const GenerationResult ra = runner.generate(prompt, go, a);
     go.replay_prefix = instr;

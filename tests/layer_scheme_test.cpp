@@ -21,6 +21,7 @@
 #include "kvcache/study/memory.h"
 #include "kvcache/study/metrics.h"
 #include "kvcache/study/quant_error.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -121,7 +122,7 @@ TEST(LayerScheme, EachLayerResolvesItsRunsStreams) {
 
 /// Stored bytes of `scheme` after `tokens` random tokens through every layer of a cache.
 CacheStats fill(const std::string& scheme, int64_t layers, int64_t tokens) {
-  CacheManager m(make_config(layers, 4, 2, 32, scheme, "full"));
+  TorchCache m(make_config(layers, 4, 2, 32, scheme, "full"));
   m.reset(tokens);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   for (int64_t l = 0; l < layers; ++l) {
@@ -156,7 +157,7 @@ TEST(LayerScheme, EachLayerStoresTheBytesOfItsOwnFormat) {
 TEST(LayerScheme, RunsThroughTheCacheWithEvictionAndAttention) {
   const std::string scheme = "layers(kivi:k4:v2:g8:r8;int3;had(int4))";
   auto c = make_config(3, 4, 2, 16, scheme, "h2o@24");
-  CacheManager m(c);
+  TorchCache m(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
   int64_t pos = 0;
   for (int64_t n : {30, 1, 1, 1, 1, 1, 1}) {
@@ -170,7 +171,7 @@ TEST(LayerScheme, RunsThroughTheCacheWithEvictionAndAttention) {
     pos += n;
   }
   EXPECT_LE(m.stats().tokens_resident, 3 * 24);
-  EXPECT_EQ(cache::CacheManagerAccess::scheme(m), make_cache_scheme(scheme)->spec());
+  EXPECT_EQ(cache::CacheManagerAccess::scheme(m.core()), make_cache_scheme(scheme)->spec());
 }
 
 // The study's memory format: the mean over layers of each stream's bits.

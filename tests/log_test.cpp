@@ -52,7 +52,7 @@ TEST(Log, LevelsParseAndPrintBack) {
 // level, nothing for a budget that evicts, nothing for `full`.
 TEST(Log, BudgetThatEvictsNothingWarnsOnce) {
   Capture cap;
-  CacheManager m(testing::make_config(1, 2, 1, 8, "fp32", "window@64", 0));
+  TorchCache m(testing::make_config(1, 2, 1, 8, "fp32", "window@64", 0));
   EXPECT_TRUE(cap.messages.empty());  // context unknown: nothing to say yet
   m.reset(40);
   ASSERT_EQ(cap.messages.size(), 1u);
@@ -67,13 +67,13 @@ TEST(Log, BudgetThatEvictsNothingWarnsOnce) {
   ASSERT_EQ(cap.messages.size(), 2u);
   EXPECT_EQ(cap.messages[1].first, LogLevel::kDebug);
   set_log_level(LogLevel::kError);
-  CacheManager quiet(testing::make_config(1, 2, 1, 8, "fp32", "sink@100%", 10));
+  TorchCache quiet(testing::make_config(1, 2, 1, 8, "fp32", "sink@100%", 10));
   EXPECT_EQ(cap.messages.size(), 2u);
   set_log_level(LogLevel::kWarn);
-  CacheManager evicts(testing::make_config(1, 2, 1, 8, "fp32", "window@8", 10));
-  CacheManager full(testing::make_config(1, 2, 1, 8, "fp32", "full", 10));
+  TorchCache evicts(testing::make_config(1, 2, 1, 8, "fp32", "window@8", 10));
+  TorchCache full(testing::make_config(1, 2, 1, 8, "fp32", "full", 10));
   EXPECT_EQ(cap.messages.size(), 2u);
-  CacheManager all(testing::make_config(1, 2, 1, 8, "fp32", "h2o@100%", 10));
+  TorchCache all(testing::make_config(1, 2, 1, 8, "fp32", "h2o@100%", 10));
   ASSERT_EQ(cap.messages.size(), 3u);
   EXPECT_THAT(cap.messages[2].second, HasSubstr("'h2o@100%' evicts nothing from a request of 10 tokens"));
 }
@@ -81,7 +81,7 @@ TEST(Log, BudgetThatEvictsNothingWarnsOnce) {
 // The library's logger is its own: named "kvcache", not spdlog's default one.
 TEST(Log, OwnNamedLoggerNotTheDefault) {
   Capture cap;
-  CacheManager m(testing::make_config(1, 2, 1, 8, "fp32", "window@99", 5));  // logs once
+  TorchCache m(testing::make_config(1, 2, 1, 8, "fp32", "window@99", 5));  // logs once
   ASSERT_NE(spdlog::get("kvcache"), nullptr);
   EXPECT_NE(spdlog::default_logger_raw(), spdlog::get("kvcache").get());
   EXPECT_EQ(spdlog::default_logger_raw()->name(), "");

@@ -16,11 +16,11 @@
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
 #include "cache/multi_sequence_access.h"
-#include "cache/sequence_seam.h"
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
 #include "kvcache/multi_sequence_cache.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -47,7 +47,8 @@ at::Tensor synth(const Ids& ids, int64_t from, int64_t n, int64_t layer, int whi
 
 /// One step of ids[from, from + n) through every layer: append, attend. Returns the attention
 /// outputs of the layers, stacked: [L, 1, H_q, n, D].
-at::Tensor step(KVCache& c, const Ids& ids, int64_t from, int64_t n, StepKind kind) {
+at::Tensor step(SequenceCache& seq, const Ids& ids, int64_t from, int64_t n, StepKind kind) {
+  TorchCache c(seq);  // the at::Tensor face of the sequence (or manager)
   std::vector<at::Tensor> out;
   for (int64_t l = 0; l < kL; ++l) {
     EXPECT_EQ(c.next_position(l), from);
@@ -62,7 +63,7 @@ at::Tensor step(KVCache& c, const Ids& ids, int64_t from, int64_t n, StepKind ki
 /// Prefill of ids[start, n_prompt) as the runner does it (first step ≥ first_min, then chunks
 /// of `chunk`, 0 = the rest in one step), then `decode` tokens ids[n_prompt ..]: every step's
 /// outputs, in order.
-std::vector<at::Tensor> run(KVCache& c, const Ids& prompt_ids, int64_t n_prompt, int64_t start, int64_t chunk,
+std::vector<at::Tensor> run(SequenceCache& c, const Ids& prompt_ids, int64_t n_prompt, int64_t start, int64_t chunk,
                             int64_t first_min, int64_t decode) {
   // Decoded tokens past the end of `prompt_ids` are a fixed function of their index (the
   // callers pass only the prompt).
@@ -123,7 +124,7 @@ void expect_unchanged(const std::map<const uint8_t*, uint64_t>& before, const Mu
   }
 }
 
-void expect_same_state(const CacheManager& a, const CacheManager& b, const std::string& where) {
+void expect_same_state(const SequenceCache& a, const SequenceCache& b, const std::string& where) {
   for (int64_t l = 0; l < kL; ++l) {
     const LayerTokens ta = a.tokens(l), tb = b.tokens(l);
     EXPECT_EQ(ta.positions, tb.positions) << where << " layer " << l;
@@ -136,7 +137,7 @@ void expect_same_state(const CacheManager& a, const CacheManager& b, const std::
       EXPECT_EQ(sa.residual_tokens, sb.residual_tokens) << where;
       EXPECT_EQ(sa.blocks, sb.blocks) << where << " layer " << l << (key ? " K" : " V") << ": the same block layout";
       for (size_t h = 0; h < sa.stored.size(); ++h) {
-        EXPECT_TRUE(at::equal(sa.stored[h], sb.stored[h])) << where << " layer " << l << " head " << h;
+        EXPECT_TRUE(at::equal(as_tensor(sa.stored[h]), as_tensor(sb.stored[h]))) << where << " layer " << l << " head " << h;
       }
     }
   }
@@ -189,13 +190,13 @@ TEST_P(PrefixReuse, IsBitIdenticalToComputingThePrefix) {
   cache.check_invariants();
 
   // The reference: a plain CacheManager that appends the prefix itself (one step), then the same steps.
-  CacheManager alone(cache.config().model);
+  TorchCache alone(cache.config().model);
   alone.reset(100);
-  if (r.cached_tokens > 0) step(alone, b_ids, 0, r.cached_tokens, StepKind::kPrefill);
-  const auto ref = run(alone, b_ids, nb, r.cached_tokens, rc.chunk, r.min_first_step, 6);
+  if (r.cached_tokens > 0) step(alone.core(), b_ids, 0, r.cached_tokens, StepKind::kPrefill);
+  const auto ref = run(alone.core(), b_ids, nb, r.cached_tokens, rc.chunk, r.min_first_step, 6);
   ASSERT_EQ(out.size(), ref.size());
   for (size_t i = 0; i < out.size(); ++i) EXPECT_TRUE(at::equal(out[i], ref[i])) << "step " << i;
-  expect_same_state(MultiSequenceAccess::manager(b), alone, rc.name);
+  expect_same_state(b, alone.core(), rc.name);
   expect_unchanged(hashes, cache);
   if (rc.copies) {
     EXPECT_GT(b.blocks_copied(), 0) << "eviction inside the shared prefix copied blocks on write";
@@ -480,11 +481,11 @@ TEST(MultiSequenceCache, PerChannelGroupsAreBatchInvariant) {
       EXPECT_TRUE(at::equal(a, b)) << quant << " at " << at;
       at += n;
     }
-    expect_same_state(MultiSequenceAccess::manager(x), MultiSequenceAccess::manager(y), quant);
+    expect_same_state(x, y, quant);
     // 90 tokens: int2:g8:chan flushes whole groups of 8 (11 groups); KIVI flushes keys in blocks
     // of r = 16 (80 tokens: 10 groups of 8) — per head, whatever the others did.
     const int64_t want = std::string(quant) == "int2:g8:chan" ? 11 : 10;
-    EXPECT_EQ(cache::CacheManagerAccess::stream(MultiSequenceAccess::manager(y), 0, true).quantized_groups,
+    EXPECT_EQ(cache::CacheManagerAccess::stream(y, 0, true).quantized_groups,
               (std::vector<int64_t>{want, want}))
         << quant;
     crowd.check_invariants();
@@ -515,7 +516,7 @@ TEST(MultiSequenceCache, PoolFullReclaimsThenRefusesThenPreempts) {
     r3.begin_request(p3, 40);
     run(r3, p3, 16, 0, 8, 0, 0);  // two pages, from r1's last cached ones
     EXPECT_EQ(c.counters().blocks_reclaimed, 4 * 8);
-    const testing::Snapshot before(MultiSequenceAccess::manager(r3));
+    const testing::Snapshot before{TorchCache(r3)};
     try {
       step(r3, p3, 16, 8, StepKind::kPrefill);
       ADD_FAILURE() << "an append beyond capacity was accepted";
@@ -525,7 +526,7 @@ TEST(MultiSequenceCache, PoolFullReclaimsThenRefusesThenPreempts) {
       EXPECT_NE(m.find("capacity_bytes = 12288"), std::string::npos) << m;
       EXPECT_NE(m.find("kRefuse"), std::string::npos) << m;
     }
-    before.expect_unchanged(MultiSequenceAccess::manager(r3), "refused append");
+    before.expect_unchanged(TorchCache(r3), "refused append");
     EXPECT_EQ(c.counters().refusals, 1);
     c.check_invariants();
     r2.finish();
@@ -589,8 +590,7 @@ TEST(MultiSequenceCache, ARefusedCallPreemptsNobody) {
   run(old, p1, 16, 0, 16, 0, 0);
   run(mid, p2, 16, 0, 16, 0, 0);
   run(young, p3, 16, 0, 16, 0, 0);  // 6 pages: full, every page locked by its request
-  const testing::Snapshot old_before(MultiSequenceAccess::manager(old)), mid_before(MultiSequenceAccess::manager(mid)),
-      young_before(MultiSequenceAccess::manager(young));
+  const testing::Snapshot old_before{TorchCache(old)}, mid_before{TorchCache(mid)}, young_before{TorchCache(young)};
   const PoolStats pool_before = c.stats();
   const PrefixCounters counters_before = c.counters();
   // 72 more tokens of the oldest request in layer 0 need 9 blocks in each of its 4 lists
@@ -614,9 +614,9 @@ TEST(MultiSequenceCache, ARefusedCallPreemptsNobody) {
   EXPECT_EQ(c.stats().bytes_in_use, pool_before.bytes_in_use);
   EXPECT_EQ(c.stats().cached_blocks, pool_before.cached_blocks);
   EXPECT_EQ(c.stats().running_sequences, 3);
-  old_before.expect_unchanged(MultiSequenceAccess::manager(old), "old after the refused append");
-  mid_before.expect_unchanged(MultiSequenceAccess::manager(mid), "mid after the refused append");
-  young_before.expect_unchanged(MultiSequenceAccess::manager(young), "young after the refused append");
+  old_before.expect_unchanged(TorchCache(old), "old after the refused append");
+  mid_before.expect_unchanged(TorchCache(mid), "mid after the refused append");
+  young_before.expect_unchanged(TorchCache(young), "young after the refused append");
   c.check_invariants();
   // 16 tokens (2048 B) fit by preempting the newest alone (one of its pages reclaimed).
   old.append(0, synth(p1, 16, 16, 0, 0, kHkv), synth(p1, 16, 16, 0, 1, kHkv), at::arange(16, 32, at::kLong));
@@ -662,7 +662,7 @@ TEST(MultiSequenceCache, PoolExhaustionWithPreemptionProperty) {
     World w{{}, {}, c.counters(), c.stats()};
     for (Sequence* s : seqs) {
       w.preempted.push_back(s->preempted());
-      w.managers.emplace_back(MultiSequenceAccess::manager(*s));
+      w.managers.emplace_back(TorchCache(*s));
     }
     return w;
   };
@@ -744,7 +744,7 @@ TEST(MultiSequenceCache, PoolExhaustionWithPreemptionProperty) {
       const at::Tensor pos = at::arange(first, first + t, at::kLong);
       alive = call(i, what + " append at " + std::to_string(first) + " layer " + std::to_string(l), [&] {
         s.append(l, synth(q.ids, first, t, l, 0, kHkv), synth(q.ids, first, t, l, 1, kHkv), pos);
-        (void)s.attend(l, synth(q.ids, first, t, l, 2, kHq), pos);
+        (void)TorchCache(s).attend(l, synth(q.ids, first, t, l, 2, kHq), pos);
       });
     }
     if (alive) {

@@ -16,6 +16,7 @@
 #include "kvcache/eviction_policy.h"
 #include "kvcache/registry.h"
 #include "kvcache/study/arm.h"
+#include "kvcache/torch.h"
 
 namespace kvcache {
 namespace {
@@ -74,16 +75,16 @@ TEST(PerLayerPolicy, RunsThatDoNotCoverTheCacheNameExpectedAndFound) {
   EXPECT_EQ(error_of([] { make_config(3, 4, 2, 16, "fp32", "perlayer(window@4*2;window@8*2)").validate(); }),
             "eviction policy 'perlayer(window@4*2;window@8*2)': its runs cover 4 layers (2 + 2), the cache has 3 "
             "(expected counts summing to 3)");
-  EXPECT_THROW(CacheManager(make_config(5, 4, 2, 16, "fp32", "perlayer(window@4*2;window@8*2)")), InvalidArgument);
+  EXPECT_THROW(TorchCache(make_config(5, 4, 2, 16, "fp32", "perlayer(window@4*2;window@8*2)")), InvalidArgument);
   EXPECT_NO_THROW(make_config(4, 4, 2, 16, "fp32", "perlayer(window@4*2;window@8*2)").validate());
   // A fractional budget resolves per request; one too small for a run's protected tokens is
   // named with the run's layers.
-  CacheManager m(make_config(2, 4, 2, 16, "fp32", "perlayer(sink:s4:w4@50%;sink:s4:w4@90%)"));
+  TorchCache m(make_config(2, 4, 2, 16, "fp32", "perlayer(sink:s4:w4@50%;sink:s4:w4@90%)"));
   EXPECT_THAT(error_of<CapacityError>([&] { m.reset(12); }), HasSubstr("'perlayer(sink:s4:w4@50%;sink:s4:w4@90%)': layers 0-0: "));
 }
 
 /// Resident positions of every head of every layer.
-std::vector<std::vector<std::vector<int64_t>>> positions(const CacheManager& m, int64_t layers) {
+std::vector<std::vector<std::vector<int64_t>>> positions(const TorchCache& m, int64_t layers) {
   std::vector<std::vector<std::vector<int64_t>>> out;
   for (int64_t l = 0; l < layers; ++l) out.push_back(m.tokens(l).positions);
   return out;
@@ -91,7 +92,7 @@ std::vector<std::vector<std::vector<int64_t>>> positions(const CacheManager& m, 
 
 // Heads really hold their layer's budget: window@4 in layers 0-1, window@8 in layer 2, full in 3.
 TEST(PerLayerPolicy, EachLayerHoldsItsOwnBudget) {
-  CacheManager m(make_config(4, 4, 2, 16, "fp16", "perlayer(window@4*2;window@8;full)"));
+  TorchCache m(make_config(4, 4, 2, 16, "fp16", "perlayer(window@4*2;window@8;full)"));
   m.reset(24);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   int64_t pos = 0;
@@ -125,7 +126,7 @@ TEST(PerLayerPolicy, EachLayerHoldsItsOwnBudget) {
 /// Runs `policy` on a 2-layer cache through a prompt and decode steps with attention (the same
 /// random inputs for any policy); returns the resident positions.
 std::vector<std::vector<std::vector<int64_t>>> run_with_attention(const std::string& policy) {
-  CacheManager m(make_config(2, 14, 2, 16, "fp32", policy));
+  TorchCache m(make_config(2, 14, 2, 16, "fp32", policy));
   m.reset(40);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   int64_t pos = 0;
@@ -167,7 +168,7 @@ TEST(PerLayerPolicy, EachRunMatchesThePlainPolicyOnItsLayers) {
 // Knorm on scripted keys (no attention): layer 0 keeps 2 per head, layer 1 keeps 4; the
 // survivors are the lowest-norm keys plus the newest (never evicted).
 TEST(PerLayerPolicy, KnormKeepsEachLayersBudgetOfLowNormKeys) {
-  CacheManager m(make_config(2, 4, 2, 8, "fp32", "perlayer(knorm@2;knorm@4)"));
+  TorchCache m(make_config(2, 4, 2, 8, "fp32", "perlayer(knorm@2;knorm@4)"));
   m.reset(8);
   const std::vector<float> norms = {5, 1, 4, 2, 3, 6, 0.5f, 7};
   at::Tensor k = at::zeros({1, 2, 8, 8});

@@ -9,6 +9,7 @@
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant_test_util.h"
 
 namespace kvcache {
@@ -48,7 +49,7 @@ TEST_P(QuantizerContract, SpecRoundTripsThroughFactory) {
   EXPECT_EQ(again->group_axis(), q_->group_axis());
   // A tensor quantized by one instance decodes with the other.
   at::Tensor x = testing::randn_kv({1, 2, 64, 64}, 1);
-  EXPECT_TRUE(at::equal(again->dequantize(q_->quantize(x)), q_->dequantize(q_->quantize(x))));
+  EXPECT_TRUE(at::equal(kvcache::dequantize(*again, q_->quantize(x)), kvcache::dequantize(*q_, q_->quantize(x))));
 }
 
 TEST_P(QuantizerContract, ShapeAndDtypePreserved) {
@@ -56,10 +57,10 @@ TEST_P(QuantizerContract, ShapeAndDtypePreserved) {
     at::Tensor x = testing::randn_kv({2, 3, 64, 64}, 2).to(dtype);
     QuantizedTensor qt = q_->quantize(x);
     EXPECT_EQ(qt.shape, (std::vector<int64_t>{2, 3, 64, 64}));
-    EXPECT_EQ(qt.dtype, dtype);
+    EXPECT_EQ(qt.dtype, kvcache::dtype_of(dtype));
     EXPECT_EQ(qt.format, q_->spec());
     EXPECT_EQ(qt.numel(), 2 * 3 * 64 * 64);
-    at::Tensor y = q_->dequantize(qt);
+    at::Tensor y = kvcache::dequantize(*q_, qt);
     EXPECT_EQ(y.sizes(), x.sizes()) << c10::toString(dtype);
     EXPECT_EQ(y.scalar_type(), dtype);
     EXPECT_TRUE(at::isfinite(y).all().item<bool>());
@@ -67,7 +68,7 @@ TEST_P(QuantizerContract, ShapeAndDtypePreserved) {
   // Any strides: a transposed view quantizes like its contiguous copy.
   at::Tensor x = testing::randn_kv({1, 64, 2, 64}, 3).transpose(1, 2);  // [1, 2, 64, 64], strided
   ASSERT_FALSE(x.is_contiguous());
-  EXPECT_TRUE(at::equal(q_->dequantize(q_->quantize(x)), q_->dequantize(q_->quantize(x.contiguous()))));
+  EXPECT_TRUE(at::equal(kvcache::dequantize(*q_, q_->quantize(x)), kvcache::dequantize(*q_, q_->quantize(x.contiguous()))));
 }
 
 
@@ -95,9 +96,9 @@ TEST_P(QuantizerContract, NbytesAgreesWithBitsPerValue) {
     const double per_tensor = GetParam().find("scaled") != std::string::npos ? 4.0 : 0.0;
     EXPECT_EQ(static_cast<double>(qt.nbytes()), expected + per_tensor) << GetParam() << " D=" << d;
     // nbytes() is measured from the tensors held.
-    int64_t held = qt.codes.numel() * static_cast<int64_t>(qt.codes.element_size());
-    if (qt.scales.defined()) held += qt.scales.numel() * static_cast<int64_t>(qt.scales.element_size());
-    if (qt.zeros.defined()) held += qt.zeros.numel() * static_cast<int64_t>(qt.zeros.element_size());
+    int64_t held = as_tensor(qt.codes).numel() * static_cast<int64_t>(as_tensor(qt.codes).element_size());
+    if (as_tensor(qt.scales).defined()) held += as_tensor(qt.scales).numel() * static_cast<int64_t>(as_tensor(qt.scales).element_size());
+    if (as_tensor(qt.zeros).defined()) held += as_tensor(qt.zeros).numel() * static_cast<int64_t>(as_tensor(qt.zeros).element_size());
     EXPECT_EQ(qt.nbytes(), held);
   }
 }
@@ -149,7 +150,7 @@ TEST_P(QuantizerContract, RejectsForeignFormat) {
   const std::string other = GetParam() == "int4" ? "int2" : "int4";
   QuantizedTensor foreign = make_quantizer(other)->quantize(x);
   try {
-    q_->dequantize(foreign);
+    kvcache::dequantize(*q_, foreign);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("q.format is '" + other + "'"));
@@ -170,9 +171,9 @@ TEST_P(QuantizerContract, HandBuiltShapesAreCheckedBeforeDecoding) {
       QuantizedTensor q = valid;
       q.shape = shape;
       if (empty_tensors) {  // tensors of no elements, as a zero-size shape would hold
-        q.codes = at::empty({1, 2, 0, 0}, at::kByte);
-        if (q.scales.defined()) q.scales = at::empty({0}, q.scales.options());
-        if (q.zeros.defined()) q.zeros = at::empty({0}, q.zeros.options());
+        q.codes = Buffer(DType::kUInt8, {1, 2, 0, 0});
+        if (q.scales.defined()) q.scales = Buffer(q.scales.dtype(), {0});
+        if (q.zeros.defined()) q.zeros = Buffer(q.zeros.dtype(), {0});
       }
       const std::string what = GetParam() + " shape " + ::testing::PrintToString(shape) +
                                (empty_tensors ? " (empty tensors)" : "");
@@ -180,9 +181,9 @@ TEST_P(QuantizerContract, HandBuiltShapesAreCheckedBeforeDecoding) {
         try {
           at::Tensor y;
           if (into) {
-            q_->dequantize_into(q, y);
+            kvcache::dequantize_into(*q_, q, y);
           } else {
-            y = q_->dequantize(q);
+            y = kvcache::dequantize(*q_, q);
           }
           EXPECT_EQ(y.sizes().vec(), shape) << what << ": accepted, so it must decode to its shape";
         } catch (const InvalidArgument& e) {
@@ -201,9 +202,9 @@ TEST_P(QuantizerContract, HandBuiltShapesAreCheckedBeforeDecoding) {
 TEST_P(QuantizerContract, DoesNotAliasInput) {
   at::Tensor x = testing::randn_kv({1, 2, 64, 64}, 9);
   QuantizedTensor qt = q_->quantize(x);
-  at::Tensor before = q_->dequantize(qt);
+  at::Tensor before = kvcache::dequantize(*q_, qt);
   x.fill_(3.0);
-  EXPECT_TRUE(at::equal(q_->dequantize(qt), before));
+  EXPECT_TRUE(at::equal(kvcache::dequantize(*q_, qt), before));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllSpecs, QuantizerContract, ::testing::ValuesIn(testing::contract_specs()),
@@ -284,12 +285,14 @@ TEST(QuantizedTensorApi, NbytesCountsEveryHeldTensorIncludingSide) {
   q.shape = {1, 2, 8, 64};
   EXPECT_EQ(q.numel(), 1024);
   EXPECT_EQ(q.nbytes(), 0);
-  q.codes = at::zeros({1, 2, 8, 32}, at::kByte);                  // 512
-  q.scales = at::zeros({1, 2, 8, 1}, at::kHalf);                  // 32
-  q.zeros = at::zeros({1, 2, 8, 1}, at::kHalf);                   // 32
-  q.side["outlier_values"] = at::zeros({10}, at::kHalf);          // 20
-  q.side["outlier_index"] = at::zeros({10}, at::kInt);            // 40
-  q.side["lowrank_a"] = at::zeros({1, 2, 8, 4}, at::kFloat);      // 256
+  using kvcache::Buffer;
+  using kvcache::DType;
+  q.codes = Buffer::zeros(DType::kUInt8, {1, 2, 8, 32});                // 512
+  q.scales = Buffer::zeros(DType::kFloat16, {1, 2, 8, 1});              // 32
+  q.zeros = Buffer::zeros(DType::kFloat16, {1, 2, 8, 1});               // 32
+  q.side["outlier_values"] = Buffer::zeros(DType::kFloat16, {10});      // 20
+  q.side["outlier_index"] = Buffer::zeros(DType::kInt32, {10});         // 40
+  q.side["lowrank_a"] = Buffer::zeros(DType::kFloat32, {1, 2, 8, 4});   // 256
   EXPECT_EQ(q.nbytes(), 512 + 32 + 32 + 20 + 40 + 256);
 }
 

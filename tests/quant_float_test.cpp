@@ -8,6 +8,7 @@
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant/cast_kernels.h"
 #include "quant/simd.h"
 #include "quant_test_util.h"
@@ -21,10 +22,10 @@ TEST(FloatQuantizers, Fp32IsIdentity) {
   at::Tensor x = testing::outlier_kv({1, 2, 16, 64}, 1);
   auto q = make_quantizer("fp32");
   QuantizedTensor qt = q->quantize(x);
-  EXPECT_EQ(qt.codes.scalar_type(), at::kFloat);
+  EXPECT_EQ(as_tensor(qt.codes).scalar_type(), at::kFloat);
   EXPECT_EQ(qt.nbytes(), x.numel() * 4);
-  EXPECT_TRUE(at::equal(q->dequantize(qt), x));
-  EXPECT_NE(qt.codes.data_ptr(), x.data_ptr());
+  EXPECT_TRUE(at::equal(kvcache::dequantize(*q, qt), x));
+  EXPECT_NE(qt.codes.data(), x.data_ptr());
 }
 
 // Every binary16 bit pattern (zeros, subnormals, normals, ±Inf, NaNs) widens to the float32
@@ -58,13 +59,13 @@ TEST(FloatQuantizers, Fp16AndBf16AreRoundToNearestEvenCasts) {
   for (auto [spec, dtype] : {std::pair{"fp16", at::kHalf}, std::pair{"bf16", at::kBFloat16}}) {
     auto q = make_quantizer(spec);
     QuantizedTensor qt = q->quantize(x);
-    EXPECT_EQ(qt.codes.scalar_type(), dtype);
+    EXPECT_EQ(as_tensor(qt.codes).scalar_type(), dtype);
     EXPECT_EQ(qt.nbytes(), x.numel() * 2);
-    EXPECT_TRUE(at::equal(q->dequantize(qt), x.to(dtype).to(at::kFloat))) << spec;
+    EXPECT_TRUE(at::equal(kvcache::dequantize(*q, qt), x.to(dtype).to(at::kFloat))) << spec;
   }
   // 1 + 2^-11 is a tie between 1 and 1 + 2^-10 in fp16 → even (1).
   at::Tensor t = at::tensor({1.0f + 0.00048828125f, 1.0f + 3 * 0.00048828125f}).reshape({1, 1, 1, 2});
-  at::Tensor y = make_quantizer("fp16")->dequantize(make_quantizer("fp16")->quantize(t));
+  at::Tensor y = kvcache::dequantize(*make_quantizer("fp16"), make_quantizer("fp16")->quantize(t));
   EXPECT_EQ(y[0][0][0][0].item<float>(), 1.0f);
   EXPECT_EQ(y[0][0][0][1].item<float>(), 1.0f + 2 * 0.0009765625f);
 }
@@ -89,7 +90,7 @@ TEST(FloatQuantizers, Fp16RejectsValuesBeyondItsRange) {
 TEST(FloatQuantizers, HalfInputToBf16AndBack) {
   at::Tensor x = testing::randn_kv({1, 2, 8, 64}, 3).to(at::kHalf);
   auto q = make_quantizer("bf16");
-  at::Tensor y = q->dequantize(q->quantize(x));
+  at::Tensor y = kvcache::dequantize(*q, q->quantize(x));
   EXPECT_EQ(y.scalar_type(), at::kHalf);
   EXPECT_TRUE(at::equal(y, x.to(at::kBFloat16).to(at::kHalf)));
 }

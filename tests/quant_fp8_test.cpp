@@ -13,6 +13,7 @@
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant/fp8.h"
 #include "quant_test_util.h"
 
@@ -39,14 +40,14 @@ std::vector<float> floats_of(const at::Tensor& t) {
 
 TEST(Fp8Golden, E4M3Bytes) {
   QuantizedTensor qt = make_quantizer("fp8:e4m3")->quantize(row({1.0f, 2.0f, 3.5f, 0.25f}));
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x38, 0x40, 0x46, 0x28}));
-  EXPECT_FALSE(qt.scales.defined());
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x38, 0x40, 0x46, 0x28}));
+  EXPECT_FALSE(as_tensor(qt.scales).defined());
   EXPECT_EQ(qt.nbytes(), 4);
 }
 
 TEST(Fp8Golden, E5M2Bytes) {
   QuantizedTensor qt = make_quantizer("fp8:e5m2")->quantize(row({1.0f, 2.0f, 3.5f, 0.25f}));
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x3C, 0x40, 0x43, 0x34}));
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x3C, 0x40, 0x43, 0x34}));
 }
 
 TEST(Fp8Golden, NegativeZeroAndSubnormals) {
@@ -62,7 +63,7 @@ TEST(Fp8Golden, NegativeZeroAndSubnormals) {
 
 TEST(Fp8Saturation, E4M3ClampsTo448) {
   auto q = make_quantizer("fp8:e4m3");
-  at::Tensor y = q->dequantize(q->quantize(row({449.0f, 1000.0f, -1000.0f, 1e6f})));
+  at::Tensor y = kvcache::dequantize(*q, q->quantize(row({449.0f, 1000.0f, -1000.0f, 1e6f})));
   EXPECT_EQ(floats_of(y), (std::vector<float>{448.0f, 448.0f, -448.0f, 448.0f}));
   EXPECT_EQ(quant::fp8_encode(464.0f, Fp8Format::kE4M3), 0x7E);  // would round to 480: saturate, not NaN
   EXPECT_EQ(quant::fp8_encode(3.0e38f, Fp8Format::kE4M3), 0x7E);
@@ -70,7 +71,7 @@ TEST(Fp8Saturation, E4M3ClampsTo448) {
 
 TEST(Fp8Saturation, E5M2ClampsTo57344) {
   auto q = make_quantizer("fp8:e5m2");
-  at::Tensor y = q->dequantize(q->quantize(row({60000.0f, 1e6f, -1e9f, 57344.0f})));
+  at::Tensor y = kvcache::dequantize(*q, q->quantize(row({60000.0f, 1e6f, -1e9f, 57344.0f})));
   EXPECT_EQ(floats_of(y), (std::vector<float>{57344.0f, 57344.0f, -57344.0f, 57344.0f}));
   EXPECT_EQ(quant::fp8_encode(3.0e38f, Fp8Format::kE5M2), 0x7B);
 }
@@ -79,7 +80,7 @@ TEST(Fp8Saturation, FiniteInputNeverGivesNaNOrInf) {
   at::Tensor x = testing::randn_kv({1, 2, 64, 64}, 3) * 1e30;
   for (const char* spec : {"fp8:e4m3", "fp8:e5m2", "fp8:e4m3:scaled", "fp8:e5m2:scaled"}) {
     auto q = make_quantizer(spec);
-    EXPECT_TRUE(at::isfinite(q->dequantize(q->quantize(x))).all().item<bool>()) << spec;
+    EXPECT_TRUE(at::isfinite(kvcache::dequantize(*q, q->quantize(x))).all().item<bool>()) << spec;
   }
 }
 
@@ -123,17 +124,17 @@ TEST(Fp8Scaled, PerTensorScaleIsAmaxOver448) {
   auto q = make_quantizer("fp8:e4m3:scaled");
   at::Tensor x = row({0.318f, 1.1f, 11.9f, -12.0f});
   QuantizedTensor qt = q->quantize(x);
-  ASSERT_TRUE(qt.scales.defined());
-  EXPECT_EQ(qt.scales.scalar_type(), at::kFloat);
-  EXPECT_EQ(qt.scales.numel(), 1);
-  EXPECT_EQ(qt.scales.item<float>(), 12.0f / 448.0f);
+  ASSERT_TRUE(as_tensor(qt.scales).defined());
+  EXPECT_EQ(as_tensor(qt.scales).scalar_type(), at::kFloat);
+  EXPECT_EQ(as_tensor(qt.scales).numel(), 1);
+  EXPECT_EQ(as_tensor(qt.scales).item<float>(), 12.0f / 448.0f);
   EXPECT_EQ(qt.nbytes(), 4 + 4);
-  at::Tensor y = q->dequantize(qt);
-  EXPECT_EQ(bytes_of(qt.codes)[3], 0xFE);  // -amax → -448
+  at::Tensor y = kvcache::dequantize(*q, qt);
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes))[3], 0xFE);  // -amax → -448
   EXPECT_NEAR(floats_of(y)[3], -12.0f, 1e-5);
   EXPECT_LE(reconstruction_error(x, y).rel_fro, 0.0625);
   // e5m2: amax / 57344.
-  EXPECT_EQ(make_quantizer("fp8:e5m2:scaled")->quantize(x).scales.item<float>(), 12.0f / 57344.0f);
+  EXPECT_EQ(as_tensor(make_quantizer("fp8:e5m2:scaled")->quantize(x).scales).item<float>(), 12.0f / 57344.0f);
 }
 
 TEST(Fp8Scaled, ScalingHelpsSmallValues) {
@@ -149,12 +150,12 @@ TEST(Fp8Format, DecodingAsOtherFormatIsAnError) {
   QuantizedTensor qt = make_quantizer("fp8:e4m3")->quantize(x);
   EXPECT_EQ(qt.format, "fp8:e4m3");
   try {
-    make_quantizer("fp8:e5m2")->dequantize(qt);
+    kvcache::dequantize(*make_quantizer("fp8:e5m2"), qt);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("q.format is 'fp8:e4m3', expected 'fp8:e5m2'"));
   }
-  EXPECT_THROW(make_quantizer("fp8:e4m3:scaled")->dequantize(qt), InvalidArgument);
+  EXPECT_THROW(kvcache::dequantize(*make_quantizer("fp8:e4m3:scaled"), qt), InvalidArgument);
 }
 
 /// Nearest representable value by exhaustive search, ties to the even code, saturating.

@@ -14,7 +14,8 @@
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
-#include "quant/reference.h"
+#include "kvcache/torch.h"
+#include "torch/quant_reference.h"
 #include "quant/simd.h"
 #include "quant_test_util.h"
 
@@ -44,15 +45,15 @@ const std::vector<float> kWorked = {0.10f, -0.50f, 0.32f, 1.20f, -0.05f, 0.77f, 
 TEST(IntQuantizerExact, Int4WorkedExampleCodesAndFp16Reconstruction) {
   auto q = make_quantizer("int4:g8");
   QuantizedTensor qt = q->quantize(row(kWorked));
-  const auto codes = quant::ref::unpack_codes(qt.codes, 4, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
+  const auto codes = quant::ref::unpack_codes(as_tensor(qt.codes), 4, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
   EXPECT_EQ(bytes_of(codes), (std::vector<int>{5, 0, 7, 15, 4, 11, 2, 9}));
   // Golden packing: byte j = c[j] | c[j + 4] << 4.
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x45, 0xB0, 0x27, 0x9F}));
-  ASSERT_EQ(qt.scales.scalar_type(), at::kHalf);
-  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{0.11334228515625f}));
-  EXPECT_EQ(floats_of(qt.zeros), (std::vector<float>{-0.5f}));
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x45, 0xB0, 0x27, 0x9F}));
+  ASSERT_EQ(as_tensor(qt.scales).scalar_type(), at::kHalf);
+  EXPECT_EQ(floats_of(as_tensor(qt.scales)), (std::vector<float>{0.11334228515625f}));
+  EXPECT_EQ(floats_of(as_tensor(qt.zeros)), (std::vector<float>{-0.5f}));
   const std::vector<float> expect = {0.06671f, -0.5f, 0.29340f, 1.20013f, -0.04663f, 0.74677f, -0.27332f, 0.52008f};
-  const auto got = floats_of(q->dequantize(qt));
+  const auto got = floats_of(kvcache::dequantize(*q, qt));
   for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-5) << i;
   EXPECT_FLOAT_EQ(got[0], 5 * 0.11334228515625f - 0.5f);
   EXPECT_EQ(qt.nbytes(), 4 + 2 + 2);
@@ -62,12 +63,12 @@ TEST(IntQuantizerExact, Int4WorkedExampleCodesAndFp16Reconstruction) {
 TEST(IntQuantizerExact, Int2WorkedExample) {
   auto q = make_quantizer("int2:g8");
   QuantizedTensor qt = q->quantize(row(kWorked));
-  const auto codes = quant::ref::unpack_codes(qt.codes, 2, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
+  const auto codes = quant::ref::unpack_codes(as_tensor(qt.codes), 2, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
   EXPECT_EQ(bytes_of(codes), (std::vector<int>{1, 0, 1, 3, 1, 2, 0, 2}));
   // Golden packing: byte j = c[j] | c[j+2] << 2 | c[j+4] << 4 | c[j+6] << 6.
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x15, 0xAC}));
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x15, 0xAC}));
   const std::vector<float> expect = {0.0667f, -0.5f, 0.0667f, 1.2f, 0.0667f, 0.6333f, -0.5f, 0.6333f};
-  const auto got = floats_of(q->dequantize(qt));
+  const auto got = floats_of(kvcache::dequantize(*q, qt));
   for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-3) << i;
 }
 
@@ -75,16 +76,16 @@ TEST(IntQuantizerExact, Int2WorkedExample) {
 TEST(IntQuantizerExact, Int3WorkedExampleCodesAndTwoPlanePacking) {
   auto q = make_quantizer("int3:g8");
   QuantizedTensor qt = q->quantize(row(kWorked));
-  const auto codes = quant::ref::unpack_codes(qt.codes, 3, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
+  const auto codes = quant::ref::unpack_codes(as_tensor(qt.codes), 3, 8, GroupAxis::kPerToken, {1, 1, 1, 8});
   EXPECT_EQ(bytes_of(codes), (std::vector<int>{2, 0, 3, 7, 2, 5, 1, 4}));
   // Golden packing (8 codes in 3 bytes): low plane byte 0 = c0 | c2 << 2 | c4 << 4 | c6 << 6
   // (the low two bits), byte 1 = c1 | c3 << 2 | c5 << 4 | c7 << 6, high plane bit m = c[m] >> 2.
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x6E, 0x1C, 0xA8}));
-  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{0.242919921875f}));
-  EXPECT_EQ(floats_of(qt.zeros), (std::vector<float>{-0.5f}));
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x6E, 0x1C, 0xA8}));
+  EXPECT_EQ(floats_of(as_tensor(qt.scales)), (std::vector<float>{0.242919921875f}));
+  EXPECT_EQ(floats_of(as_tensor(qt.zeros)), (std::vector<float>{-0.5f}));
   const std::vector<float> expect = {-0.01416015625f, -0.5f,          0.228759765625f, 1.200439453125f,
                                      -0.01416015625f, 0.714599609375f, -0.257080078125f, 0.4716796875f};
-  EXPECT_EQ(floats_of(q->dequantize(qt)), expect);
+  EXPECT_EQ(floats_of(kvcache::dequantize(*q, qt)), expect);
   EXPECT_EQ(qt.nbytes(), 3 + 2 + 2);
   EXPECT_EQ(q->bits_per_value(8), 3.0 + 32.0 / 8);
 }
@@ -107,9 +108,9 @@ TEST(IntQuantizerExact, Int8WorkedExampleIsWithinHalfAStep) {
   // s = fp16(1.7 / 255) = 0.00666809082; (x + 0.5) / s = [89.98, 0, 122.97, 254.95, 67.49, ...].
   auto q = make_quantizer("int8:g8");
   QuantizedTensor qt = q->quantize(row(kWorked));
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{90, 0, 123, 255, 67, 190, 28, 147}));
-  const auto got = floats_of(q->dequantize(qt));
-  const float s = floats_of(qt.scales)[0];
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{90, 0, 123, 255, 67, 190, 28, 147}));
+  const auto got = floats_of(kvcache::dequantize(*q, qt));
+  const float s = floats_of(as_tensor(qt.scales))[0];
   for (size_t i = 0; i < kWorked.size(); ++i) EXPECT_LE(std::fabs(got[i] - kWorked[i]), s / 2 + 1e-6f) << i;
 }
 
@@ -119,29 +120,29 @@ TEST(IntQuantizerExact, PerChannelInt2HalfRoundsToEven) {
   EXPECT_EQ(q->group_axis(), GroupAxis::kPerChannel);
   at::Tensor k = at::tensor({1.0f, -3.0f, 2.0f, 9.0f, 0.5f, -1.0f, 1.5f, 5.0f}).reshape({1, 1, 4, 2});
   QuantizedTensor qt = q->quantize(k);
-  EXPECT_EQ(qt.codes.sizes(), (std::vector<int64_t>{1, 1, 1, 2}));
-  EXPECT_EQ(qt.scales.sizes(), (std::vector<int64_t>{1, 1, 1, 2}));
-  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{0.5f, 4.0f}));
-  EXPECT_EQ(floats_of(qt.zeros), (std::vector<float>{0.5f, -3.0f}));
-  const auto codes = quant::ref::unpack_codes(qt.codes, 2, 4, GroupAxis::kPerChannel, {1, 1, 4, 2});
+  EXPECT_EQ(as_tensor(qt.codes).sizes(), (std::vector<int64_t>{1, 1, 1, 2}));
+  EXPECT_EQ(as_tensor(qt.scales).sizes(), (std::vector<int64_t>{1, 1, 1, 2}));
+  EXPECT_EQ(floats_of(as_tensor(qt.scales)), (std::vector<float>{0.5f, 4.0f}));
+  EXPECT_EQ(floats_of(as_tensor(qt.zeros)), (std::vector<float>{0.5f, -3.0f}));
+  const auto codes = quant::ref::unpack_codes(as_tensor(qt.codes), 2, 4, GroupAxis::kPerChannel, {1, 1, 4, 2});
   // rows = tokens: channel 0 q [1, 3, 0, 2]; channel 1 (x-mn)/s = [0, 3, 0.5, 2] → [0, 3, 0, 2].
   EXPECT_EQ(bytes_of(codes), (std::vector<int>{1, 0, 3, 3, 0, 0, 2, 2}));
   // Golden packing: column d holds tokens 0..3 at bits 0,2,4,6: [1,3,0,2] → 0x8D (KIVI's word 141).
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x8D, 0x8C}));
-  EXPECT_EQ(floats_of(q->dequantize(qt)), (std::vector<float>{1.0f, -3.0f, 2.0f, 9.0f, 0.5f, -3.0f, 1.5f, 5.0f}));
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x8D, 0x8C}));
+  EXPECT_EQ(floats_of(kvcache::dequantize(*q, qt)), (std::vector<float>{1.0f, -3.0f, 2.0f, 9.0f, 0.5f, -3.0f, 1.5f, 5.0f}));
 }
 
 TEST(IntQuantizerExact, PerChannelLayoutPairsTokenJWithJPlusHalfGroup) {
   // int4:g4:chan on 8 tokens × 1 channel with codes 0..15 known: tokens t, t+2 share a byte.
   at::Tensor k = at::tensor({0.0f, 15.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 15.0f}).reshape({1, 1, 8, 1});
   QuantizedTensor qt = make_quantizer("int4:g4:chan")->quantize(k);
-  EXPECT_EQ(qt.codes.sizes(), (std::vector<int64_t>{1, 1, 4, 1}));
+  EXPECT_EQ(as_tensor(qt.codes).sizes(), (std::vector<int64_t>{1, 1, 4, 1}));
   // block 0: tokens 0..3 codes [0, 15, 1, 2]; block 1: min 3, s = 12/15 rounded UP to fp16
   // = 0.80029296875 (nearest would be 0.7998, and 3 + 15·0.7998 < 15 would leave the max
   // outside [z, z + 15·s]) → (x - 3)/s = [0, 1.2495, 2.4991, 14.9945] → [0, 1, 2, 15].
   // byte j = code(token j) | code(token j + 2) << 4.
-  EXPECT_EQ(bytes_of(qt.codes), (std::vector<int>{0x10, 0x2F, 0x20, 0xF1}));
-  EXPECT_EQ(floats_of(qt.scales), (std::vector<float>{1.0f, 0.80029296875f}));
+  EXPECT_EQ(bytes_of(as_tensor(qt.codes)), (std::vector<int>{0x10, 0x2F, 0x20, 0xF1}));
+  EXPECT_EQ(floats_of(as_tensor(qt.scales)), (std::vector<float>{1.0f, 0.80029296875f}));
 }
 
 TEST(IntQuantizerDegenerate, ConstantGroupIsExactOrWithinHalfItsStep) {
@@ -150,17 +151,17 @@ TEST(IntQuantizerDegenerate, ConstantGroupIsExactOrWithinHalfItsStep) {
     // An fp16 value: z = x, s = 0, every code 0, x̂ = x exactly.
     at::Tensor x = at::full({1, 2, 8, 64}, 0.75f);
     QuantizedTensor qt = q->quantize(x);
-    EXPECT_TRUE(at::equal(q->dequantize(qt), x)) << spec;
-    EXPECT_TRUE(at::all(qt.codes == 0).item<bool>()) << spec;
-    EXPECT_TRUE(at::all(qt.scales.to(at::kFloat) == 0).item<bool>()) << spec;
+    EXPECT_TRUE(at::equal(kvcache::dequantize(*q, qt), x)) << spec;
+    EXPECT_TRUE(at::all(as_tensor(qt.codes) == 0).item<bool>()) << spec;
+    EXPECT_TRUE(at::all(as_tensor(qt.scales).to(at::kFloat) == 0).item<bool>()) << spec;
     // 0.3 is not: z = 0.2998046875 (fp16 round-down), s = fp16 round-up of
     // (0.3 − z)/L > 0, and x̂ is within s/2 of 0.3 (closer than fp16(0.3) = 0.30005).
     at::Tensor x3 = at::full({1, 2, 8, 64}, 0.3f);
     QuantizedTensor q3 = q->quantize(x3);
-    EXPECT_TRUE(at::all(q3.zeros.to(at::kFloat) == 0.2998046875f).item<bool>()) << spec;
-    const float s = q3.scales.to(at::kFloat).max().item<float>();
+    EXPECT_TRUE(at::all(as_tensor(q3.zeros).to(at::kFloat) == 0.2998046875f).item<bool>()) << spec;
+    const float s = as_tensor(q3.scales).to(at::kFloat).max().item<float>();
     EXPECT_GT(s, 0.0f) << spec;
-    const double err = reconstruction_error(x3, q->dequantize(q3)).max_abs;
+    const double err = reconstruction_error(x3, kvcache::dequantize(*q, q3)).max_abs;
     EXPECT_LE(err, s / 2 + 1e-7) << spec;
     EXPECT_LT(err, std::fabs(static_cast<float>(c10::Half(0.3f)) - 0.3f)) << spec;
   }
@@ -170,11 +171,11 @@ TEST(IntQuantizerDegenerate, TinyRangeGivesNoNaN) {
   for (const char* spec : {"int8:g8", "int4:g8", "int3:g8", "int2:g8"}) {
     auto q = make_quantizer(spec);
     at::Tensor x = row({0.0f, 1e-30f, 5e-31f, 0.0f, 1e-30f, 0.0f, 2e-31f, 1e-30f});
-    at::Tensor y = q->dequantize(q->quantize(x));
+    at::Tensor y = kvcache::dequantize(*q, q->quantize(x));
     EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
     EXPECT_LE(reconstruction_error(x, y).max_abs, 1.01e-30) << spec;
     at::Tensor x2 = row({1.0f, 1.0f + 1e-7f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f});
-    at::Tensor y2 = q->dequantize(q->quantize(x2));
+    at::Tensor y2 = kvcache::dequantize(*q, q->quantize(x2));
     EXPECT_TRUE(at::isfinite(y2).all().item<bool>()) << spec;
     EXPECT_LE(reconstruction_error(x2, y2).max_abs, 1e-6) << spec;
   }
@@ -209,21 +210,21 @@ TEST(IntQuantizerDegenerate, BeyondFp16RangeKeepsMetadataInFp32) {
     for (const char* spec : {"int8", "int4:g32", "int2:g16:chan"}) {
       auto q = make_quantizer(spec);
       QuantizedTensor qt = q->quantize(x);
-      EXPECT_EQ(qt.scales.scalar_type(), at::kFloat) << spec;
-      EXPECT_EQ(qt.zeros.scalar_type(), at::kFloat) << spec;
-      EXPECT_TRUE(at::isfinite(qt.scales).all().item<bool>());
-      EXPECT_TRUE(at::isfinite(qt.zeros).all().item<bool>());
-      at::Tensor y = q->dequantize(qt);
+      EXPECT_EQ(as_tensor(qt.scales).scalar_type(), at::kFloat) << spec;
+      EXPECT_EQ(as_tensor(qt.zeros).scalar_type(), at::kFloat) << spec;
+      EXPECT_TRUE(at::isfinite(as_tensor(qt.scales)).all().item<bool>());
+      EXPECT_TRUE(at::isfinite(as_tensor(qt.zeros)).all().item<bool>());
+      at::Tensor y = kvcache::dequantize(*q, qt);
       EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
       // Real memory: codes + fp32 scale and zero per group.
-      const int64_t groups = qt.scales.numel();
-      EXPECT_EQ(qt.nbytes(), qt.codes.numel() + groups * 8);
+      const int64_t groups = as_tensor(qt.scales).numel();
+      EXPECT_EQ(qt.nbytes(), as_tensor(qt.codes).numel() + groups * 8);
       const double bound = std::string(spec).rfind("int8", 0) == 0 ? 0.02 : 0.8;
       EXPECT_LE(reconstruction_error(x, y).rel_fro, bound) << spec;
     }
   }
   // In range: fp16 metadata.
-  EXPECT_EQ(make_quantizer("int4")->quantize(at::ones({1, 1, 1, 64}) * 6e4).scales.scalar_type(), at::kHalf);
+  EXPECT_EQ(make_quantizer("int4")->quantize(at::ones({1, 1, 1, 64}) * 6e4).scales.dtype(), kvcache::DType::kFloat16);
 }
 
 // A range past float32 (max − min > FLT_MAX) is quantized at 1/4 scale with fp32 metadata:
@@ -234,11 +235,11 @@ TEST(IntQuantizerDegenerate, RangeBeyondFloat32IsQuantizedFinitely) {
   for (const char* spec : {"int8:g8", "int4:g8", "int3:g8", "int2:g8"}) {
     auto q = make_quantizer(spec);
     QuantizedTensor qt = q->quantize(x);
-    ASSERT_EQ(qt.scales.scalar_type(), at::kFloat) << spec;
-    const float s = qt.scales.item<float>();
+    ASSERT_EQ(as_tensor(qt.scales).scalar_type(), at::kFloat) << spec;
+    const float s = as_tensor(qt.scales).item<float>();
     EXPECT_TRUE(std::isfinite(s)) << spec;
-    EXPECT_EQ(qt.zeros.item<float>(), -big) << spec;
-    at::Tensor y = q->dequantize(qt);
+    EXPECT_EQ(as_tensor(qt.zeros).item<float>(), -big) << spec;
+    at::Tensor y = kvcache::dequantize(*q, qt);
     EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
     EXPECT_EQ(y[0][0][0][0].item<float>(), big) << spec;   // the top code reconstructs FLT_MAX, clamped
     EXPECT_EQ(y[0][0][0][1].item<float>(), -big) << spec;  // code 0 is z exactly
@@ -254,10 +255,10 @@ TEST(IntQuantizerBound, ElementwiseErrorWithinHalfStep) {
     auto q = make_quantizer(spec);
     at::Tensor x = testing::outlier_kv({1, 2, 64, 64}, 12);
     QuantizedTensor qt = q->quantize(x);
-    at::Tensor y = q->dequantize(qt);
+    at::Tensor y = kvcache::dequantize(*q, qt);
     // Broadcast per-group scale to every element.
-    at::Tensor s = qt.scales.to(at::kFloat);
-    at::Tensor z = qt.zeros.to(at::kFloat);
+    at::Tensor s = as_tensor(qt.scales).to(at::kFloat);
+    at::Tensor z = as_tensor(qt.zeros).to(at::kFloat);
     at::Tensor sb, zb;
     if (q->group_axis() == GroupAxis::kPerToken) {
       const int64_t g = 64 / s.size(3);
@@ -340,12 +341,12 @@ void expect_parity(const ParityCase& c, const at::Tensor& x) {
   auto q = make_quantizer(spec);
   QuantizedTensor qt = q->quantize(x);
   quant::ref::IntRefResult r = quant::ref::quantize_int(x, c.bits, c.g, c.axis);
-  ASSERT_TRUE(at::equal(qt.codes, r.packed)) << spec << " codes differ";
-  ASSERT_EQ(qt.scales.scalar_type(), r.scales.scalar_type()) << spec;
-  ASSERT_TRUE(at::equal(qt.scales, r.scales)) << spec << " scales differ";
-  ASSERT_TRUE(at::equal(qt.zeros, r.zeros)) << spec << " zeros differ";
-  ASSERT_TRUE(at::equal(quant::ref::unpack_codes(qt.codes, c.bits, c.g, c.axis, x.sizes()), r.codes)) << spec;
-  at::Tensor fast = q->dequantize(qt).to(at::kFloat);
+  ASSERT_TRUE(at::equal(as_tensor(qt.codes), r.packed)) << spec << " codes differ";
+  ASSERT_EQ(as_tensor(qt.scales).scalar_type(), r.scales.scalar_type()) << spec;
+  ASSERT_TRUE(at::equal(as_tensor(qt.scales), r.scales)) << spec << " scales differ";
+  ASSERT_TRUE(at::equal(as_tensor(qt.zeros), r.zeros)) << spec << " zeros differ";
+  ASSERT_TRUE(at::equal(quant::ref::unpack_codes(as_tensor(qt.codes), c.bits, c.g, c.axis, x.sizes()), r.codes)) << spec;
+  at::Tensor fast = kvcache::dequantize(*q, qt).to(at::kFloat);
   at::Tensor ref = quant::ref::to_dtype_saturating(quant::ref::dequantize_int(r.codes, r.scales, r.zeros, c.g, c.axis),
                                                    x.scalar_type())
                        .to(at::kFloat);
@@ -436,11 +437,11 @@ TEST(IntQuantizerThreads, ThreadCountDoesNotChangeResults) {
     auto q = make_quantizer(spec);
     at::set_num_threads(1);
     QuantizedTensor one = q->quantize(x);
-    at::Tensor y1 = q->dequantize(one);
+    at::Tensor y1 = kvcache::dequantize(*q, one);
     at::set_num_threads(2);
     QuantizedTensor two = q->quantize(x);
-    EXPECT_TRUE(at::equal(one.codes, two.codes)) << spec;
-    EXPECT_TRUE(at::equal(q->dequantize(two), y1)) << spec;
+    EXPECT_TRUE(at::equal(as_tensor(one.codes), as_tensor(two.codes))) << spec;
+    EXPECT_TRUE(at::equal(kvcache::dequantize(*q, two), y1)) << spec;
   }
   // NaN detection is per chunk: still found (and named) with several threads.
   x[1][3][200][7] = std::numeric_limits<float>::quiet_NaN();
@@ -456,14 +457,14 @@ TEST(IntQuantizerThreads, ThreadCountDoesNotChangeResults) {
 TEST(IntQuantizerFormat, MetadataShapes) {
   at::Tensor x = testing::randn_kv({2, 2, 64, 64}, 41);
   QuantizedTensor a = make_quantizer("int4:g32")->quantize(x);
-  EXPECT_EQ(a.codes.sizes(), (std::vector<int64_t>{2, 2, 64, 32}));
-  EXPECT_EQ(a.scales.sizes(), (std::vector<int64_t>{2, 2, 64, 2}));
+  EXPECT_EQ(as_tensor(a.codes).sizes(), (std::vector<int64_t>{2, 2, 64, 32}));
+  EXPECT_EQ(as_tensor(a.scales).sizes(), (std::vector<int64_t>{2, 2, 64, 2}));
   QuantizedTensor b = make_quantizer("int2:g32:chan")->quantize(x);
-  EXPECT_EQ(b.codes.sizes(), (std::vector<int64_t>{2, 2, 16, 64}));
-  EXPECT_EQ(b.zeros.sizes(), (std::vector<int64_t>{2, 2, 2, 64}));
+  EXPECT_EQ(as_tensor(b.codes).sizes(), (std::vector<int64_t>{2, 2, 16, 64}));
+  EXPECT_EQ(as_tensor(b.zeros).sizes(), (std::vector<int64_t>{2, 2, 2, 64}));
   // Tampered metadata is rejected, not read out of bounds.
-  a.scales = a.scales.narrow(3, 0, 1);
-  EXPECT_THROW(make_quantizer("int4:g32")->dequantize(a), InvalidArgument);
+  a.scales = kvcache::Buffer(a.scales.dtype(), {2, 2, 64, 1});
+  EXPECT_THROW(kvcache::dequantize(*make_quantizer("int4:g32"), a), InvalidArgument);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch.h"
 #include "quant_test_util.h"
 
 namespace {
@@ -33,9 +34,9 @@ void expect_same(const QuantizedTensor& a, const QuantizedTensor& b, const std::
   EXPECT_EQ(a.format, b.format) << what;
   EXPECT_EQ(a.shape, b.shape) << what;
   EXPECT_EQ(a.dtype, b.dtype) << what;
-  EXPECT_TRUE(same_bytes(a.codes, b.codes)) << what << ": codes";
-  EXPECT_TRUE(same_bytes(a.scales, b.scales)) << what << ": scales";
-  EXPECT_TRUE(same_bytes(a.zeros, b.zeros)) << what << ": zeros";
+  EXPECT_TRUE(same_bytes(as_tensor(a.codes), as_tensor(b.codes))) << what << ": codes";
+  EXPECT_TRUE(same_bytes(as_tensor(a.scales), as_tensor(b.scales))) << what << ": scales";
+  EXPECT_TRUE(same_bytes(as_tensor(a.zeros), as_tensor(b.zeros))) << what << ": zeros";
   EXPECT_EQ(a.side.size(), b.side.size()) << what;
 }
 
@@ -49,21 +50,21 @@ TEST(QuantizeInto, BitIdenticalAndReusesTheCallersTensors) {
       QuantizedTensor out;
       q->quantize_into(x1, out);
       expect_same(out, q->quantize(x1), what + " first call");
-      const void* codes = out.codes.data_ptr();
-      const void* scales = out.scales.defined() ? out.scales.data_ptr() : nullptr;
+      const void* codes = out.codes.data();
+      const void* scales = as_tensor(out.scales).defined() ? out.scales.data() : nullptr;
       q->quantize_into(x2, out);
       expect_same(out, q->quantize(x2), what + " second call");
-      EXPECT_EQ(out.codes.data_ptr(), codes) << what << ": codes reallocated";
+      EXPECT_EQ(out.codes.data(), codes) << what << ": codes reallocated";
       if (scales != nullptr) {
-        EXPECT_EQ(out.scales.data_ptr(), scales) << what << ": scales reallocated";
+        EXPECT_EQ(out.scales.data(), scales) << what << ": scales reallocated";
       }
 
       at::Tensor y;
-      q->dequantize_into(out, y);
-      const at::Tensor want = q->dequantize(out);
+      kvcache::dequantize_into(*q, out, y);
+      const at::Tensor want = kvcache::dequantize(*q, out);
       EXPECT_TRUE(same_bytes(y, want)) << what << ": dequantize_into";
       const void* yp = y.data_ptr();
-      q->dequantize_into(out, y);
+      kvcache::dequantize_into(*q, out, y);
       EXPECT_TRUE(same_bytes(y, want)) << what << ": dequantize_into again";
       if (dt == at::kFloat) {
         EXPECT_EQ(y.data_ptr(), yp) << what << ": output reallocated";
@@ -81,8 +82,8 @@ TEST(QuantizeInto, ShapeChangeReallocatesAndStaysCorrect) {
     q->quantize_into(bigger, out);
     expect_same(out, q->quantize(bigger), spec);
     at::Tensor y = at::zeros({3});  // wrong shape: replaced
-    q->dequantize_into(out, y);
-    EXPECT_TRUE(same_bytes(y, q->dequantize(out))) << spec;
+    kvcache::dequantize_into(*q, out, y);
+    EXPECT_TRUE(same_bytes(y, kvcache::dequantize(*q, out))) << spec;
   }
 }
 
@@ -94,29 +95,30 @@ TEST(QuantizeInto, FallsBackToFp32MetadataAndBackToFp16) {
   big[0][0][1][7] = 1e6f;
   QuantizedTensor out;
   q->quantize_into(big, out);
-  EXPECT_EQ(out.scales.scalar_type(), at::kFloat);
+  EXPECT_EQ(as_tensor(out.scales).scalar_type(), at::kFloat);
   expect_same(out, q->quantize(big), "fp32 metadata");
   const at::Tensor small = kvcache::testing::randn_kv({1, 1, 4, 64}, 6);
   q->quantize_into(small, out);
-  EXPECT_EQ(out.scales.scalar_type(), at::kHalf);
+  EXPECT_EQ(as_tensor(out.scales).scalar_type(), at::kHalf);
   expect_same(out, q->quantize(small), "fp16 metadata");
 }
 
 TEST(QuantizeInto, NeverWritesIntoTheInput) {
-  // fp32 codes of the same shape as x: handing x itself (or a view of it) as out.codes must
-  // not make the cache alias the caller's buffer.
+  // fp32 codes of the same shape as x: handing the output's own codes as x must not make the
+  // cache write into the caller's input (the codes are reallocated, the input read intact).
   auto q = make_quantizer("fp32");
-  const at::Tensor x = kvcache::testing::randn_kv({1, 2, 8, 64}, 7);
-  const at::Tensor keep = x.clone();
   QuantizedTensor out;
-  out.codes = x;
+  q->quantize_into(kvcache::testing::randn_kv({1, 2, 8, 64}, 7), out);
+  const at::Tensor x = as_tensor(out.codes);  // the input is the output's memory
+  const at::Tensor keep = x.clone();
+  const void* codes = out.codes.data();
   q->quantize_into(x, out);
-  EXPECT_NE(out.codes.data_ptr(), x.data_ptr());
-  EXPECT_TRUE(same_bytes(x, keep));
-  EXPECT_TRUE(same_bytes(out.codes, keep));
-  at::Tensor y = out.codes;  // the output may not be the codes it decodes either
-  q->dequantize_into(out, y);
-  EXPECT_NE(y.data_ptr(), out.codes.data_ptr());
+  EXPECT_NE(out.codes.data(), codes);
+  EXPECT_TRUE(same_bytes(x, keep));  // the input stays valid and unchanged until the next call
+  EXPECT_TRUE(same_bytes(as_tensor(out.codes), keep));
+  at::Tensor y = as_tensor(out.codes);  // the output may not be the codes it decodes either
+  kvcache::dequantize_into(*q, out, y);
+  EXPECT_NE(y.data_ptr(), out.codes.data());
   EXPECT_TRUE(same_bytes(y, keep));
 }
 
@@ -135,7 +137,7 @@ TEST(QuantizeInto, SameErrorsAsQuantize) {
   EXPECT_THROW(q->quantize_into(at::zeros({2, 64}), out), kvcache::InvalidArgument);
   QuantizedTensor other = make_quantizer("int4")->quantize(kvcache::testing::randn_kv({1, 1, 2, 64}, 9));
   at::Tensor y;
-  EXPECT_THROW(q->dequantize_into(other, y), kvcache::InvalidArgument);
+  EXPECT_THROW(kvcache::dequantize_into(*q, other, y), kvcache::InvalidArgument);
 }
 
 /// The message of a rejected *_into call names that call, as the user wrote it, wherever the
@@ -163,9 +165,9 @@ TEST(QuantizeInto, ErrorsNameTheCallMade) {
         << message_of([&] { (void)q->quantize(x); });
     EXPECT_EQ(message_of([&] { q->quantize_into(at::zeros({2, 64}), out); }).rfind(into, 0), 0u);
     const QuantizedTensor other = make_quantizer("int2")->quantize(kvcache::testing::randn_kv({1, 1, 2, 64}, 9));
-    EXPECT_EQ(message_of([&] { q->dequantize_into(other, y); }).rfind("dequantize_into(q, out) [" + spec + "]: ", 0),
+    EXPECT_EQ(message_of([&] { kvcache::dequantize_into(*q, other, y); }).rfind("dequantize_into(q, out) [" + spec + "]: ", 0),
               0u)
-        << message_of([&] { q->dequantize_into(other, y); });
+        << message_of([&] { kvcache::dequantize_into(*q, other, y); });
   }
   // A quantizer's own input check: head_dim 48 is not a multiple of int4:g32's group.
   const auto q = make_quantizer("int4:g32");

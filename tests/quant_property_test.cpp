@@ -24,7 +24,8 @@
 
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
-#include "quant/reference.h"
+#include "kvcache/torch.h"
+#include "torch/quant_reference.h"
 #include "quant_test_util.h"
 
 namespace kvcache {
@@ -158,7 +159,7 @@ at::Tensor in_dtype(const at::Tensor& xf, at::ScalarType dtype) {
 
 /// Per-element scale s and zero z of an int QuantizedTensor, broadcast to x's shape (float).
 void broadcast_meta(const QuantizedTensor& qt, GroupAxis axis, at::Tensor* sb, at::Tensor* zb) {
-  const at::Tensor s = qt.scales.to(at::kFloat), z = qt.zeros.to(at::kFloat);
+  const at::Tensor s = as_tensor(qt.scales).to(at::kFloat), z = as_tensor(qt.zeros).to(at::kFloat);
   if (axis == GroupAxis::kPerToken) {
     const int64_t g = kD / s.size(3);
     *sb = s.repeat_interleave(g, 3);
@@ -194,7 +195,7 @@ at::Tensor bound_of(const SpecInfo& info, const QuantizedTensor& qt, GroupAxis a
       // v = x / s (s = 1 unscaled): |v − fp8(v)| ≤ 2^-(M+1)·|v| + 2^(−bias−M) (half the
       // least subnormal), saturating at ±max beyond it; times s, plus float32 rounding of
       // x / s and of the product (2^-22 relative).
-      const double s = info.scaled ? qt.scales.item<float>() : 1.0;
+      const double s = info.scaled ? as_tensor(qt.scales).item<float>() : 1.0;
       *why = "fp8: |x − x̂| ≤ (2^-(M+1) + 2^-22)·|x| + s·2^(−bias−M) + (|x| − s·max past it)";
       return ax * (std::ldexp(1.0, -info.fp8_man - 1) + std::ldexp(1.0, -22)) +
              std::ldexp(1.0, -info.fp8_bias - info.fp8_man) * s +
@@ -236,12 +237,12 @@ int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_
 
 /// The float32 reconstruction dequantize() computes before narrowing to the input dtype.
 at::Tensor reconstruct_f32(const Quantizer& q, QuantizedTensor qt) {
-  qt.dtype = at::kFloat;
-  return q.dequantize(qt);
+  qt.dtype = kvcache::DType::kFloat32;
+  return kvcache::dequantize(q, qt);
 }
 
 bool promoted(const SpecInfo& info, const QuantizedTensor& qt) {
-  return info.kind == SpecInfo::kInt && qt.scales.scalar_type() == at::kFloat;
+  return info.kind == SpecInfo::kInt && as_tensor(qt.scales).scalar_type() == at::kFloat;
 }
 
 /// Buffers of n groups of a layout.
@@ -249,7 +250,7 @@ struct Buffers {
   std::vector<uint8_t> codes, scales, zeros;
   Buffers(const StoredLayout& l, int64_t n)
       : codes(static_cast<size_t>(n * l.code_bytes)),
-        scales(static_cast<size_t>(n * l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype)))),
+        scales(static_cast<size_t>(n * l.meta_count * kvcache::dtype_size(l.meta_dtype))),
         zeros(l.has_zeros ? scales.size() : 0) {}
   GroupBuffers out() { return {codes.data(), scales.data(), zeros.data()}; }
   ConstGroupBuffers in() const { return {codes.data(), scales.data(), zeros.data()}; }
@@ -277,7 +278,7 @@ bool check_quantize(const Quantizer& q, const SpecInfo& info, const at::Tensor& 
     return true;
   }
   const QuantizedTensor qt = q.quantize(x);
-  const at::Tensor y = q.dequantize(qt);
+  const at::Tensor y = kvcache::dequantize(q, qt);
   EXPECT_EQ(y.scalar_type(), dtype);
   EXPECT_EQ(y.sizes(), x.sizes());
   if (!at::isfinite(y).all().item<bool>()) {
@@ -289,9 +290,9 @@ bool check_quantize(const Quantizer& q, const SpecInfo& info, const at::Tensor& 
   const int64_t meta = promoted(info, qt) ? l.meta_count * 2 * 4 : l.meta_bytes();
   // Exact byte counts: what the StoredLayout says (fp32 metadata, 4 B each, when promoted).
   EXPECT_EQ(qt.nbytes(), groups * (l.code_bytes + meta) + (l.tensor_scale ? 4 : 0));
-  EXPECT_EQ(qt.nbytes(), bytes_of(qt.codes) + bytes_of(qt.scales) + bytes_of(qt.zeros));
+  EXPECT_EQ(qt.nbytes(), bytes_of(as_tensor(qt.codes)) + bytes_of(as_tensor(qt.scales)) + bytes_of(as_tensor(qt.zeros)));
   if (l.tensor_scale) {
-    EXPECT_EQ(q.fit_tensor_scale(xf), qt.scales.item<float>());
+    EXPECT_EQ(q.fit_tensor_scale(xf), as_tensor(qt.scales).item<float>());
   }
   if (x.numel() == 0) return !::testing::Test::HasFailure();
   const at::Tensor xh = reconstruct_f32(q, qt);
@@ -344,12 +345,12 @@ void check_codec(const Quantizer& q, const SpecInfo& info, const at::Tensor& x, 
   const QuantizedTensor qt = q.quantize(xf);
   EXPECT_EQ(st.overflow, promoted(info, qt)) << "encode() overflow must match quantize()'s fp32 metadata";
   if (!st.overflow) {
-    EXPECT_TRUE(same_bytes(buf.codes, qt.codes)) << "codes";
+    EXPECT_TRUE(same_bytes(buf.codes, as_tensor(qt.codes))) << "codes";
     if (l.meta_count > 0) {
-      EXPECT_TRUE(same_bytes(buf.scales, qt.scales)) << "scales";
+      EXPECT_TRUE(same_bytes(buf.scales, as_tensor(qt.scales))) << "scales";
     }
     if (l.has_zeros) {
-      EXPECT_TRUE(same_bytes(buf.zeros, qt.zeros)) << "zeros";
+      EXPECT_TRUE(same_bytes(buf.zeros, as_tensor(qt.zeros))) << "zeros";
     }
     at::Tensor out = at::empty(xf.sizes());
     q.decode(buf.in(), groups, kD, ts, out.data_ptr<float>());
@@ -369,7 +370,7 @@ void check_codec(const Quantizer& q, const SpecInfo& info, const at::Tensor& x, 
     at::Tensor out = at::empty(xg.sizes());
     q.decode(one.in(), 1, kD, ts, out.data_ptr<float>());
     EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << "group " << i << " decodes non-finite";
-    EXPECT_TRUE(same_bytes(one.codes, qg.codes)) << "group " << i;
+    EXPECT_TRUE(same_bytes(one.codes, as_tensor(qg.codes))) << "group " << i;
     EXPECT_TRUE(at::equal(out, reconstruct_f32(q, qg))) << "group " << i;
     check_quantize(q, info, xg);
     if (::testing::Test::HasFailure()) return;
@@ -396,8 +397,8 @@ TEST_P(QuantizerProperty, AdversarialValuesAreFiniteWithinTheBoundAndByteExact) 
       if (!check_quantize(*q, info, xs)) return;
       if (info.kind != SpecInfo::kFp16 || !(x.to(at::kFloat).abs() >= 65520.0f).any().item<bool>()) {
         const QuantizedTensor a = q->quantize(x), b = q->quantize(xs);
-        EXPECT_TRUE(at::equal(a.codes, b.codes));
-        EXPECT_TRUE(at::equal(q->dequantize(a), q->dequantize(b)));
+        EXPECT_TRUE(at::equal(as_tensor(a.codes), as_tensor(b.codes)));
+        EXPECT_TRUE(at::equal(kvcache::dequantize(*q, a), kvcache::dequantize(*q, b)));
       }
       check_codec(*q, info, x, 16);
       if (::testing::Test::HasFailure()) return;
@@ -416,7 +417,7 @@ TEST_P(QuantizerProperty, EmptyAndSingleTokenTensors) {
     const at::Tensor empty = at::empty({kB, kH, 0, kD}, at::TensorOptions().dtype(dtype));
     const QuantizedTensor qe = q->quantize(empty);
     EXPECT_EQ(qe.nbytes(), info.scaled ? 4 : 0);
-    const at::Tensor ye = q->dequantize(qe);
+    const at::Tensor ye = kvcache::dequantize(*q, qe);
     EXPECT_EQ(ye.sizes(), empty.sizes());
     EXPECT_EQ(ye.scalar_type(), dtype);
     EXPECT_TRUE(check_quantize(*q, info, empty));
@@ -456,10 +457,10 @@ TEST(IntBound, OffsetGroupWithTinyRangeIsWithinHalfAStep) {
   const at::Tensor x = at::tensor({1000.3f, 1000.31f, 1000.32f, 1000.35f}).reshape({1, 1, 1, 4});
   auto q = make_quantizer("int8:g4");
   const QuantizedTensor qt = q->quantize(x);
-  EXPECT_EQ(qt.zeros.item<float>(), 1000.0f);
-  EXPECT_EQ(qt.scales.item<float>(), 0.001373291015625f);
-  const at::Tensor y = q->dequantize(qt);
-  const float s = qt.scales.item<float>();
+  EXPECT_EQ(as_tensor(qt.zeros).item<float>(), 1000.0f);
+  EXPECT_EQ(as_tensor(qt.scales).item<float>(), 0.001373291015625f);
+  const at::Tensor y = kvcache::dequantize(*q, qt);
+  const float s = as_tensor(qt.scales).item<float>();
   for (int64_t i = 0; i < 4; ++i) {
     EXPECT_LE(std::fabs(y[0][0][0][i].item<float>() - x[0][0][0][i].item<float>()), s / 2 + 1e-4f) << i;
   }
@@ -473,15 +474,15 @@ TEST(IntBound, Fp16MaxInputComesBackFinite) {
   const at::Tensor x = at::tensor({0.0f, 65504.0f, -65504.0f, 65504.0f}).reshape({1, 1, 1, 4}).to(at::kHalf);
   for (const char* spec : {"int2:g4", "int4:g4", "int8:g4", "bf16", "fp8:e5m2:scaled"}) {
     auto q = make_quantizer(spec);
-    const at::Tensor y = q->dequantize(q->quantize(x));
+    const at::Tensor y = kvcache::dequantize(*q, q->quantize(x));
     EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
     EXPECT_EQ(y[0][0][0][1].item<float>(), 65504.0f) << spec;
   }
   const at::Tensor top = at::tensor({0.0f, 65504.0f, 1.0f, 2.0f}).reshape({1, 1, 1, 4}).to(at::kHalf);
   QuantizedTensor qt = make_quantizer("int2:g4")->quantize(top);
-  EXPECT_EQ(qt.scales.item<float>(), 21840.0f);  // 65504 / 3 rounded up to fp16
-  qt.dtype = at::kFloat;
-  EXPECT_EQ(make_quantizer("int2:g4")->dequantize(qt)[0][0][0][1].item<float>(), 65520.0f);
+  EXPECT_EQ(as_tensor(qt.scales).item<float>(), 21840.0f);  // 65504 / 3 rounded up to fp16
+  qt.dtype = kvcache::DType::kFloat32;
+  EXPECT_EQ(kvcache::dequantize(*make_quantizer("int2:g4"), qt)[0][0][0][1].item<float>(), 65520.0f);
 }
 
 // bf16 storage saturates: FLT_MAX rounds past bf16's largest finite and is stored as it.
@@ -489,7 +490,7 @@ TEST(FloatBound, Bf16SaturatesNearFltMax) {
   const float big = std::numeric_limits<float>::max();
   const at::Tensor x = at::tensor({big, -big, 1.0f, kBf16Max}).reshape({1, 1, 1, 4});
   auto q = make_quantizer("bf16");
-  const at::Tensor y = q->dequantize(q->quantize(x));
+  const at::Tensor y = kvcache::dequantize(*q, q->quantize(x));
   EXPECT_EQ(y[0][0][0][0].item<float>(), kBf16Max);
   EXPECT_EQ(y[0][0][0][1].item<float>(), -kBf16Max);
   EXPECT_EQ(y[0][0][0][3].item<float>(), kBf16Max);
@@ -507,7 +508,7 @@ TEST(Fp8Bound, ScaleNearFltMaxDecodesFinite) {
   for (const char* spec : {"fp8:e4m3:scaled", "fp8:e5m2:scaled"}) {
     auto q = make_quantizer(spec);
     const at::Tensor x = at::tensor({big, -big, 1.0f, 0.0f}).reshape({1, 1, 1, 4});
-    const at::Tensor y = q->dequantize(q->quantize(x));
+    const at::Tensor y = kvcache::dequantize(*q, q->quantize(x));
     EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec;
     EXPECT_NEAR(y[0][0][0][0].item<float>() / big, 1.0, 1e-6) << spec;
     std::vector<uint8_t> codes(4);

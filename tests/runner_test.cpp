@@ -2,6 +2,7 @@
 // Runner: the managed forward pass over a CacheManager, proven on real models (golden ids and
 // logits of TinyStories-656K and stories260K), on a random Qwen2.5-0.5B-shape checkpoint, and
 // against the unmanaged TorchScript `forward` (the control arm: fp32 cache, `full` policy).
+// Batched decode: tests/runner_batch_test.cpp; the models: tests/runner_test_util.h.
 
 #include "kvcache/model/runner.h"
 
@@ -19,162 +20,16 @@
 #include "kvcache/model/tokenizer.h"
 #include "kvcache/multi_sequence_cache.h"
 #include "kvcache/attention.h"
+#include "kvcache/torch.h"
 #include "model_test_util.h"
+#include "runner_test_util.h"
 
 namespace kvcache {
 namespace {
 
 using ::testing::HasSubstr;
+using namespace kvcache::runner_testing;
 namespace t = kvcache::testing;
-
-// ----------------------------------------------------------------------------------------
-// Models, built once per process (tool outputs are cached across processes).
-
-struct Golden {
-  std::vector<int64_t> prompt_ids, greedy_ids;
-  nlohmann::json logits, kv;
-};
-
-struct TestModel {
-  std::string skip;   ///< why the model is unavailable ("" = available)
-  std::string error;  ///< a tool failed
-  std::unique_ptr<CausalLM> lm;
-  std::vector<int64_t> prompt;  ///< a prompt for the generic tests
-};
-
-Golden read_golden(const std::string& model_dir) {
-  const auto j = t::read_json(model_dir + "/golden_once_upon_a_time.json");
-  return Golden{j.at("prompt_ids").get<std::vector<int64_t>>(),
-                j.at("greedy_ids").get<std::vector<int64_t>>(), j.at("logits"),
-                j.at("kv_cache_prompt")};
-}
-
-TestModel make_model(const std::function<std::string(std::string*)>& export_fn,
-                     std::vector<int64_t> prompt) {
-  TestModel m;
-  if (!t::have_shared_data()) {
-    m.skip = "../shared/data is absent";
-    return m;
-  }
-  const std::string pt = export_fn(&m.skip);
-  if (!m.skip.empty() || pt.empty()) {
-    if (m.skip.rfind("SKIP:", 0) != 0) m.error = m.skip, m.skip.clear();
-    return m;
-  }
-  // One thread: tests are not about speed, and two OpenMP threads on a loaded 2-core machine
-  // stall at every barrier (60 tokens of a 260K model: 0.1 s on 1 thread, up to 14 s on 2).
-  m.lm = std::make_unique<CausalLM>(CausalLM::load(pt, LoadOptions{1}));
-  m.prompt = std::move(prompt);
-  return m;
-}
-
-std::string tinystories_dir() { return t::shared_data() + "/models/tinystories-656k"; }
-std::string stories260k_dir() { return t::shared_data() + "/models/stories260K"; }
-
-const TestModel& tinystories() {
-  static const TestModel m = make_model(
-      [](std::string* err) -> std::string {
-        if (!t::have_tool("export_torchscript.py"))
-          return *err = "SKIP: tools/export_torchscript.py absent", "";
-        return t::export_hf(tinystories_dir(), "ts656k.pt", err);
-      },
-      {1, 80, 147, 201, 282, 57, 8, 1137, 117, 1513, 101, 87, 1076, 1005, 361, 1377, 436});
-  return m;
-}
-
-const TestModel& stories260k() {
-  static const TestModel m = make_model(
-      [](std::string* err) -> std::string {
-        if (!t::have_tool("convert_llama2c.py") || !t::have_tool("export_torchscript.py"))
-          return *err = "SKIP: tools/convert_llama2c.py or export_torchscript.py absent", "";
-        const std::string src = stories260k_dir();
-        const std::string hf = t::cached_artifact(
-            "stories260K-hf", t::tool_key("convert_llama2c.py", src),
-            [&](const std::string& out) {
-              return t::run_tool("convert_llama2c.py",
-                                 t::quote(src + "/stories260K.bin") + " " +
-                                     t::quote(src + "/tok512.bin") + " " + t::quote(out),
-                                 out + ".log");
-            },
-            err);
-        if (hf.empty()) return "";
-        return t::export_hf(hf, "stories260K.pt", err);
-      },
-      {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338});
-  return m;
-}
-
-/// Random-weight checkpoint of Qwen2.5-0.5B-Instruct's exact config with fewer layers
-/// (`layers`), exported.
-const TestModel& qwen_random(int layers) {
-  static std::map<int, std::unique_ptr<TestModel>> models;
-  auto& slot = models[layers];
-  if (!slot) {
-    slot = std::make_unique<TestModel>(make_model(
-        [layers](std::string* err) -> std::string {
-          if (!t::have_tool("make_random_checkpoint.py") || !t::have_tool("export_torchscript.py"))
-            return *err = "SKIP: tools/make_random_checkpoint.py or export_torchscript.py absent",
-                   "";
-          const std::string args =
-              "--config " +
-              t::quote(t::shared_data() + "/models/qwen2.5-0.5b-instruct/config.json") +
-              " --tokenizer-dir " + t::quote(t::shared_data() + "/tokenizers/qwen2") +
-              " --seed 0 --dtype bf16 --num-layers " + std::to_string(layers);
-          const std::string ck = t::cached_artifact(
-              "qwen-random-l" + std::to_string(layers),
-              t::tool_key("make_random_checkpoint.py", args),
-              [&](const std::string& out) {
-                return t::run_tool("make_random_checkpoint.py", t::quote(out) + " " + args,
-                                   out + ".log");
-              },
-              err);
-          if (ck.empty()) return "";
-          return t::export_hf(ck, "qwen-random-l" + std::to_string(layers) + ".pt", err);
-        },
-        // Arbitrary ids inside the Qwen2 vocabulary (no tokenizer needed here).
-        {151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 151645, 198}));
-  }
-  return *slot;
-}
-
-#define REQUIRE_MODEL(m)                             \
-  do {                                               \
-    if (!(m).skip.empty()) GTEST_SKIP() << (m).skip; \
-    ASSERT_EQ((m).error, "");                        \
-    ASSERT_TRUE((m).lm != nullptr);                  \
-  } while (0)
-
-at::Tensor to_tensor(const nlohmann::json& j) {
-  return at::tensor(j.get<std::vector<float>>(), at::kFloat);
-}
-
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
-
-std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int64_t>& b, size_t n) {
-  a.insert(a.end(), b.begin(), b.begin() + static_cast<std::ptrdiff_t>(std::min(n, b.size())));
-  return a;
-}
-
-at::Tensor ids_tensor(const int64_t* ids, int64_t n) {
-  return at::tensor(at::ArrayRef<int64_t>(ids, static_cast<size_t>(n)), at::kLong).view({1, n});
-}
-
-CacheManager fp32_full_cache(const CausalLM& lm) {
-  CacheConfig c = lm.cache_config();
-  c.scheme = "fp32";
-  c.policy = "full";
-  return CacheManager(std::move(c));
-}
-
-GenerationOptions greedy(int64_t n, int64_t chunk = 0) {
-  GenerationOptions o;
-  o.max_new_tokens = n;
-  o.prefill_chunk = chunk;
-  o.keep_logits = true;
-  return o;
-}
 
 // ----------------------------------------------------------------------------------------
 // Attention, hand-checked.
@@ -239,7 +94,7 @@ TEST(GqaAttention, MatchesRepeatedKvReferenceWithPerHeadPositions) {
 /// convert_llama2c.py permutes the wq/wk rows of each head to HF's rotate_half order (i with
 /// i + D/2), so our dimension c·D/2 + i holds llama2.c's dimension 2i + c.
 void expect_prompt_kv_matches_golden(const CausalLM& lm, const Golden& g, bool adjacent_pairs) {
-  CacheManager cache = fp32_full_cache(lm);
+  TorchCache cache = fp32_full_cache(lm);
   cache.reset(static_cast<int64_t>(g.prompt_ids.size()));
   Runner(lm).prefill(g.prompt_ids, cache, 0);
   // Golden K/V: [layers, positions, kv_heads, D] → ours per layer [1, H_kv, T, D].
@@ -265,7 +120,7 @@ void expect_prompt_kv_matches_golden(const CausalLM& lm, const Golden& g, bool a
   }
   const at::Tensor v = flat(g.kv.at("v")).view(shape).permute({0, 2, 1, 3});
   for (int64_t l = 0; l < shape[0]; ++l) {
-    const LayerKV kv = cache.get(l);
+    const TensorLayerKV kv = cache.get(l);
     EXPECT_LT(max_abs_diff(kv.k[0], k[l]), 1e-4) << "layer " << l;
     EXPECT_LT(max_abs_diff(kv.v[0], v[l]), 1e-4) << "layer " << l;
   }
@@ -275,7 +130,7 @@ TEST(RunnerGolden, TinyStories656KGreedyIdsAndLogits) {
   const TestModel& m = tinystories();
   REQUIRE_MODEL(m);
   const Golden g = read_golden(tinystories_dir());
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   const GenerationResult r = Runner(*m.lm).generate(g.prompt_ids, greedy(60), cache);
   EXPECT_EQ(r.tokens, g.greedy_ids);
   EXPECT_FALSE(r.stopped_at_eos);
@@ -292,7 +147,7 @@ TEST(RunnerGolden, Stories260KGreedyIdsAndLogits) {
   const TestModel& m = stories260k();
   REQUIRE_MODEL(m);
   const Golden g = read_golden(stories260k_dir());
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   const Runner runner(*m.lm);
   const GenerationResult r = runner.generate(g.prompt_ids, greedy(60), cache);
   EXPECT_EQ(r.tokens, g.greedy_ids);
@@ -315,7 +170,7 @@ TEST(RunnerGolden, PerplexityOfOwnContinuationMatchesReadme) {
     ASSERT_EQ(m.error, "");
     const Golden g = read_golden(dir);
     const std::vector<int64_t> ids = concat(g.prompt_ids, g.greedy_ids, 60);
-    CacheManager cache = fp32_full_cache(*m.lm);
+    TorchCache cache = fp32_full_cache(*m.lm);
     const ScoreResult s = Runner(*m.lm).score(ids, cache, 1);
     EXPECT_EQ(s.logprobs.numel(), static_cast<int64_t>(ids.size()) - 1);
     EXPECT_NEAR(s.perplexity(), ppl, 0.005) << dir;
@@ -325,39 +180,6 @@ TEST(RunnerGolden, PerplexityOfOwnContinuationMatchesReadme) {
 // ----------------------------------------------------------------------------------------
 // Every model: the control arm, chunking, scoring, determinism.
 
-struct ModelParam {
-  const char* name;
-  const TestModel& (*get)();
-};
-
-void PrintTo(const ModelParam& p, std::ostream* os) { *os << p.name; }
-
-const TestModel& qwen_random_2l() { return qwen_random(2); }
-
-void expect_control_arm(const TestModel& m) {
-  // fp32 cache + `full` policy: 64 greedy tokens through the managed cache equal greedy
-  // decoding with the unmanaged `forward`. Checked by teacher forcing: one forward over
-  // prompt + the 64 managed tokens; the managed token i must be the argmax of the forward's
-  // logits at position P - 1 + i (by induction, the unmanaged greedy loop then produces the
-  // same 64 tokens), and the managed logits must agree within 1e-4.
-  GenerationOptions o = greedy(64);
-  o.stop_at_eos = false;
-  CacheManager cache = fp32_full_cache(*m.lm);
-  const GenerationResult r = Runner(*m.lm).generate(m.prompt, o, cache);
-  ASSERT_EQ(r.tokens.size(), 64u);
-  const auto P = static_cast<int64_t>(m.prompt.size());
-  const std::vector<int64_t> seq = concat(m.prompt, r.tokens, 63);
-  const at::Tensor ref =
-      m.lm->forward(ids_tensor(seq.data(), static_cast<int64_t>(seq.size())))[0];
-  const at::Tensor ref_rows = ref.slice(0, P - 1, P + 63);
-  EXPECT_LT(max_abs_diff(r.logits, ref_rows), 1e-4);
-  const at::Tensor ref_ids = ref_rows.argmax(-1);
-  for (int64_t i = 0; i < 64; ++i) {
-    ASSERT_EQ(r.tokens[static_cast<size_t>(i)], ref_ids[i].item<int64_t>()) << "token " << i;
-  }
-}
-
-class RunnerModels : public ::testing::TestWithParam<ModelParam> {};
 
 TEST_P(RunnerModels, ControlArmManagedEqualsUnmanagedForward) {
   const TestModel& m = GetParam().get();
@@ -370,7 +192,7 @@ TEST_P(RunnerModels, PrefillChunkSizesGiveTheSameLogits) {
   const TestModel& m = GetParam().get();
   REQUIRE_MODEL(m);
   const Runner runner(*m.lm);
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   const GenerationResult whole = runner.generate(m.prompt, greedy(8, 0), cache);
   for (int64_t chunk : {1, 7}) {
     const GenerationResult r = runner.generate(m.prompt, greedy(8, chunk), cache);
@@ -390,7 +212,7 @@ TEST_P(RunnerModels, ScoreEqualsLogSoftmaxOfForward) {
   const at::Tensor ids = ids_tensor(m.prompt.data(), n);
   const at::Tensor lp = at::log_softmax(m.lm->forward(ids)[0].slice(0, 0, n - 1), -1);
   const at::Tensor ref = lp.gather(1, ids[0].slice(0, 1, n).unsqueeze(1)).squeeze(1);
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   for (int64_t chunk : {0, 1, 5}) {
     const ScoreResult s = Runner(*m.lm).score(m.prompt, cache, chunk);
     ASSERT_EQ(s.logprobs.numel(), n - 1);
@@ -402,7 +224,7 @@ TEST_P(RunnerModels, GenerationIsDeterministic) {
   const TestModel& m = GetParam().get();
   REQUIRE_MODEL(m);
   const Runner runner(*m.lm);
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   const GenerationResult a = runner.generate(m.prompt, greedy(6, 3), cache);
   const GenerationResult b = runner.generate(m.prompt, greedy(6, 3), cache);
   EXPECT_EQ(a.tokens, b.tokens);
@@ -433,15 +255,16 @@ TEST_P(RunnerModels, PrefixCachingSkipsTheSharedPrefillAndGeneratesTheSame) {
     MultiSequenceCache pool(mc);
     Sequence& a = pool.add_sequence();
     Sequence& b = pool.add_sequence();
-    CacheManager alone(c);
+    TorchCache ta(a), tb(b);  // the runner drives each sequence through its at::Tensor face
+    TorchCache alone(c);
 
-    const GenerationResult ra = runner.generate(pa, greedy(8, 12), a);
+    const GenerationResult ra = runner.generate(pa, greedy(8, 12), ta);
     EXPECT_EQ(ra.cached_prompt_tokens, 0) << quant;
     const GenerationResult ref_a = runner.generate(pa, greedy(8, 12), alone);
     EXPECT_EQ(ra.tokens, ref_a.tokens) << quant;
     EXPECT_TRUE(at::equal(ra.logits, ref_a.logits)) << quant << ": a sequence alone is a CacheManager";
 
-    const GenerationResult rb = runner.generate(pb, greedy(8), b);
+    const GenerationResult rb = runner.generate(pb, greedy(8), tb);
     EXPECT_EQ(rb.prompt_tokens, 15);
     EXPECT_EQ(rb.cached_prompt_tokens, 12) << quant << ": " << b.prefix().limited_by;
     const GenerationResult ref_b = runner.generate(pb, greedy(8, 12), alone);
@@ -450,7 +273,7 @@ TEST_P(RunnerModels, PrefixCachingSkipsTheSharedPrefillAndGeneratesTheSame) {
         << quant << ": max diff " << max_abs_diff(rb.logits, ref_b.logits);
     EXPECT_EQ(rb.tokens, runner.generate(pb, greedy(8), alone).tokens) << quant;
 
-    const GenerationResult ra2 = runner.generate(pa, greedy(8), a);  // its previous request ends
+    const GenerationResult ra2 = runner.generate(pa, greedy(8), ta);  // its previous request ends
     EXPECT_EQ(ra2.cached_prompt_tokens, 12) << quant;
     EXPECT_EQ(ra2.tokens, ra.tokens) << quant;
     EXPECT_TRUE(at::equal(ra2.logits, ra.logits)) << quant;
@@ -459,328 +282,6 @@ TEST_P(RunnerModels, PrefixCachingSkipsTheSharedPrefillAndGeneratesTheSame) {
     EXPECT_EQ(pool.counters().prompt_tokens_queried, 13 + 15 + 13);
     EXPECT_EQ(pool.counters().prompt_tokens_hit, 12 + 12);
     pool.check_invariants();
-  }
-}
-
-// ----------------------------------------------------------------------------------------
-// Batched decode (Runner::generate_batch): one forward per step for the batch.
-
-/// Three ragged prompts (13, 9 and 16 tokens) from the model's test prompt; the first and the
-/// third share their first 8 tokens (two blocks of 4).
-std::vector<std::vector<int64_t>> ragged_prompts(const std::vector<int64_t>& p) {
-  std::vector<int64_t> a(p.begin(), p.begin() + 13);
-  std::vector<int64_t> b(p.begin() + 3, p.begin() + 12);
-  std::vector<int64_t> c(p.begin(), p.begin() + 8);
-  for (size_t i : {9, 4, 2, 11, 6, 1, 10, 5}) c.push_back(p[i]);
-  return {a, b, c};
-}
-
-std::vector<KVCache*> pointers(std::vector<std::unique_ptr<CacheManager>>& caches) {
-  std::vector<KVCache*> out;
-  for (auto& c : caches) out.push_back(c.get());
-  return out;
-}
-
-TEST_P(RunnerModels, BatchOfOneIsBitIdenticalToGenerate) {
-  // One sequence: the dense layers take the same GEMV path, and q rotated after qkv at
-  // position 0 equals q rotated inside qkv, so every logit is the same bits.
-  const TestModel& m = GetParam().get();
-  REQUIRE_MODEL(m);
-  const Runner runner(*m.lm);
-  for (const char* quant : {"fp32", "int4"}) {
-    CacheConfig c = m.lm->cache_config();
-    c.scheme = quant;
-    CacheManager alone(c), batched(c);
-    GenerationOptions o = greedy(10, 4);
-    o.stop_at_eos = false;
-    const GenerationResult a = runner.generate(m.prompt, o, alone);
-    const std::vector<GenerationResult> b = runner.generate_batch({m.prompt}, o, {&batched});
-    ASSERT_EQ(b.size(), 1u);
-    EXPECT_EQ(b[0].tokens, a.tokens) << quant;
-    EXPECT_TRUE(at::equal(b[0].logits, a.logits)) << quant << ": max diff " << max_abs_diff(b[0].logits, a.logits);
-    EXPECT_EQ(b[0].decode_steps, 9);
-    EXPECT_EQ(b[0].prompt_tokens, static_cast<int64_t>(m.prompt.size()));
-  }
-}
-
-TEST_P(RunnerModels, RaggedBatchGeneratesWhatEachSequenceGeneratesAlone) {
-  // Three prompts of 13, 9 and 16 tokens decoded together (positions 13.., 9.., 16.. in the
-  // same step), over CacheManagers and over the Sequences of one MultiSequenceCache (blocks
-  // of 4, the third prompt reusing the first's 8-token prefix), for fp32 and deterministic
-  // quantizers, KIVI's per-channel key groups among them (a group never spans two sequences),
-  // and with eviction (window@12, int8+h2o@60%: each sequence evicts by its own state).
-  // Each sequence's greedy tokens are the ones it generates alone, and so are the logits of
-  // its prefill (computed alone in both). The decode steps' dense layers multiply 3 rows (a
-  // GEMM) instead of one (a GEMV), which rounds differently: with fp32 storage the logits agree
-  // within 1e-5 × the logit scale (measured: 4.7e-7 to 1.2e-6); a quantizer may round a value that
-  // sits on a bin edge into the neighbouring bin, so only the tokens are held equal there.
-  const TestModel& m = GetParam().get();
-  REQUIRE_MODEL(m);
-  const Runner runner(*m.lm);
-  const auto prompts = ragged_prompts(m.prompt);
-  GenerationOptions o = greedy(12, 5);
-  o.stop_at_eos = false;
-  const std::pair<const char*, const char*> arms[] = {{"fp32", "full"},    {"int8", "full"},
-                                                      {"int4:g8", "full"}, {"kivi:k4:v4:g4:r4", "full"},
-                                                      {"fp32", "window@12"}, {"int8", "h2o@60%"}};
-  for (const auto& arm : arms) {
-    const char* quant = arm.first;
-    const std::string policy = arm.second;
-    CacheConfig c = m.lm->cache_config();
-    c.scheme = quant;
-    c.policy = policy;
-    c.block_tokens = 4;
-    // The references: each prompt alone in a CacheManager, and one at a time in a pool of
-    // their own (the third then reuses the same prefix and prefills in the same steps as in
-    // the batch, which matters with eviction: a window evicts at step ends).
-    std::vector<GenerationResult> alone, alone_in_pool;
-    for (const auto& p : prompts) {
-      CacheManager cache(c);
-      alone.push_back(runner.generate(p, o, cache));
-    }
-    MultiSequenceConfig mc;
-    mc.model = c;
-    mc.capacity_bytes = int64_t{1} << 30;
-    {
-      MultiSequenceCache one_at_a_time(mc);
-      for (const auto& p : prompts) alone_in_pool.push_back(runner.generate(p, o, one_at_a_time.add_sequence()));
-    }
-    std::vector<std::unique_ptr<CacheManager>> managers;
-    for (size_t i = 0; i < prompts.size(); ++i) managers.push_back(std::make_unique<CacheManager>(c));
-    const std::vector<GenerationResult> in_managers = runner.generate_batch(prompts, o, pointers(managers));
-
-    MultiSequenceCache pool(mc);
-    std::vector<KVCache*> seqs;
-    for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
-    const std::vector<GenerationResult> in_pool = runner.generate_batch(prompts, o, seqs);
-    EXPECT_EQ(in_pool[0].cached_prompt_tokens, 0) << quant;
-    EXPECT_EQ(in_pool[1].cached_prompt_tokens, 0) << quant;
-    // The third prompt reuses the first's two blocks where the scheme allows it (KIVI's
-    // residual of 4 tokens caps a reuse at a multiple of 4 leaving at least 4 to compute).
-    // H2O reads attention during prefill, so it reuses nothing (without allow_inexact_reuse).
-    EXPECT_EQ(in_pool[2].cached_prompt_tokens, policy == "h2o@60%" ? 0 : 8)
-        << quant << "+" << policy << ": " << pool.sequence(2).prefix().limited_by;
-    pool.check_invariants();
-
-    ASSERT_EQ(in_managers.size(), 3u);
-    ASSERT_EQ(in_pool.size(), 3u);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const double scale = std::max(1.0, alone[i].logits.abs().max().item<double>());
-      const std::pair<const GenerationResult*, const GenerationResult*> pairs[] = {{&in_managers[i], &alone[i]},
-                                                                             {&in_pool[i], &alone_in_pool[i]}};
-      for (const auto& pr : pairs) {
-        const GenerationResult& r = *pr.first;
-        const GenerationResult& ref = *pr.second;
-        EXPECT_EQ(r.tokens, ref.tokens) << quant << "+" << policy << " sequence " << i;
-        EXPECT_EQ(r.decode_steps, 11) << quant << "+" << policy << " sequence " << i;
-        EXPECT_EQ(r.cached_prompt_tokens, ref.cached_prompt_tokens);
-        // The prefill is computed alone in both: the same bits.
-        EXPECT_TRUE(at::equal(r.logits[0], ref.logits[0])) << quant << "+" << policy << " sequence " << i;
-        if (std::string(quant) == "fp32" && policy == "full") {
-          EXPECT_LT(max_abs_diff(r.logits, ref.logits), 1e-5 * scale) << quant << " sequence " << i;
-        }
-      }
-      // Without eviction a reused prefix changes nothing either: the pool's tokens are the
-      // CacheManager's.
-      if (policy == "full") {
-        EXPECT_EQ(in_pool[i].tokens, alone[i].tokens) << quant << " sequence " << i;
-      }
-      EXPECT_EQ(managers[i]->next_position(0), static_cast<int64_t>(prompts[i].size()) + 11);
-    }
-    for (Sequence* s : {&pool.sequence(0), &pool.sequence(1), &pool.sequence(2)}) s->finish();
-    pool.check_invariants();
-  }
-}
-
-TEST_P(RunnerModels, SequencesLeaveTheBatchAtTheirOwnEos) {
-  // The EOS id is the 4th token the second prompt generates alone: that sequence stops after
-  // 4 tokens (3 decode steps) while the others run on; every result is what generate() gives
-  // with the same options.
-  const TestModel& m = GetParam().get();
-  REQUIRE_MODEL(m);
-  const Runner runner(*m.lm);
-  const auto prompts = ragged_prompts(m.prompt);
-  GenerationOptions o = greedy(10);
-  o.stop_at_eos = false;
-  CacheConfig c = m.lm->cache_config();
-  {
-    CacheManager cache(c);
-    o.eos_token_ids = {runner.generate(prompts[1], o, cache).tokens[3]};
-  }
-  o.stop_at_eos = true;
-  std::vector<GenerationResult> alone;
-  for (const auto& p : prompts) {
-    CacheManager cache(c);
-    alone.push_back(runner.generate(p, o, cache));
-  }
-  ASSERT_TRUE(alone[1].stopped_at_eos);
-  std::vector<std::unique_ptr<CacheManager>> managers;
-  for (size_t i = 0; i < prompts.size(); ++i) managers.push_back(std::make_unique<CacheManager>(c));
-  const std::vector<GenerationResult> batch = runner.generate_batch(prompts, o, pointers(managers));
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EXPECT_EQ(batch[i].tokens, alone[i].tokens) << "sequence " << i;
-    EXPECT_EQ(batch[i].stopped_at_eos, alone[i].stopped_at_eos) << "sequence " << i;
-    EXPECT_EQ(batch[i].decode_steps, alone[i].decode_steps) << "sequence " << i;
-  }
-  EXPECT_LE(batch[1].tokens.size(), 4u);
-  // The cache of a stopped sequence received no token after its EOS (the last is not fed back).
-  EXPECT_EQ(managers[1]->next_position(0),
-            static_cast<int64_t>(prompts[1].size() + batch[1].tokens.size()) - 1);
-}
-
-/// Bytes of one page of `c` in a MultiSequenceCache (a block of block_tokens tokens in every
-/// (layer, KV head, stream) list), measured: one prompt of block_tokens tokens.
-int64_t page_bytes(const Runner& runner, const CacheConfig& c, int64_t token) {
-  MultiSequenceConfig mc;
-  mc.model = c;
-  mc.capacity_bytes = int64_t{1} << 30;
-  mc.prefix_sharing = false;
-  MultiSequenceCache pool(mc);
-  Sequence& s = pool.add_sequence();
-  const std::vector<int64_t> ids(static_cast<size_t>(c.block_tokens), token);
-  s.begin_request(ids, c.block_tokens + 1);
-  runner.prefill(ids, s);
-  return pool.stats().bytes_in_use;
-}
-
-/// The batch of PoolFullInTheBatch in a pool of `pages` pages (1 GiB when 0) under `rule`.
-struct PoolRun {
-  std::vector<GenerationResult> results;
-  PrefixCounters counters;
-  PoolStats stats;
-};
-
-PoolRun run_in_pool(const Runner& runner, const CacheConfig& c, const std::vector<std::vector<int64_t>>& prompts,
-                    const GenerationOptions& o, int64_t capacity, PoolFullRule rule, bool sharing) {
-  MultiSequenceConfig mc;
-  mc.model = c;
-  mc.capacity_bytes = capacity;
-  mc.prefix_sharing = sharing;
-  mc.when_full = rule;
-  MultiSequenceCache pool(mc);
-  std::vector<KVCache*> seqs;
-  for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
-  PoolRun r;
-  r.results = runner.generate_batch(prompts, o, seqs);
-  pool.check_invariants();
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    // A sequence that left the batch was finished by the runner: it holds nothing.
-    if (r.results[i].status != GenerationStatus::kOk) {
-      EXPECT_EQ(pool.sequence(static_cast<int64_t>(i)).stats().bytes_reserved, 0);
-    }
-    pool.sequence(static_cast<int64_t>(i)).finish();
-  }
-  pool.check_invariants();
-  EXPECT_EQ(pool.stats().running_sequences, 0);
-  EXPECT_EQ(pool.stats().bytes_in_use, pool.stats().bytes_cached) << "only the index holds blocks";
-  pool.reclaim(std::numeric_limits<int64_t>::max());
-  EXPECT_EQ(pool.stats().bytes_in_use, 0) << "every reference count is back to zero";
-  pool.check_invariants();
-  r.counters = pool.counters();
-  r.stats = pool.stats();
-  return r;
-}
-
-TEST_P(RunnerModels, PoolFullInTheBatchDropsOneSequenceAndTheOthersFinishAsWithoutPressure) {
-  // A pool of 11 pages (fp32, blocks of 4 tokens, no prefix sharing), 12 new tokens each (11
-  // fed back). kRefuse: prompts of 13, 9 and 24 tokens: the first two prefill 4 + 3 pages, the
-  // third's prefill (steps of 5) is refused when it needs its 5th page (7 + 4 = 11 held); it
-  // leaves with nothing generated, its 4 pages go back, and the two others grow to 6 + 5 = 11
-  // pages and finish. kPreemptNewest: prompts of 13, 9 and 12 tokens (4 + 3 + 3 pages; the third
-  // takes the 11th page in decode step 1); in step 4 the first (13 + 4 = 17 tokens) needs a 5th
-  // page: the newest request, the third, is preempted and leaves with the 4 tokens it had; the
-  // others finish. In both, the sequences that stay generate the tokens of the same batch in a
-  // pool with room, the counters are exact, and the pool is consistent, every reference count
-  // back to zero once all end (with prefix sharing on, too: the refused prompt's published
-  // blocks are reclaimed for the others' growth).
-  const TestModel& m = GetParam().get();
-  REQUIRE_MODEL(m);
-  const Runner runner(*m.lm);
-  CacheConfig c = m.lm->cache_config();
-  c.scheme = "fp32";
-  c.policy = "full";
-  c.block_tokens = 4;
-  const int64_t page = page_bytes(runner, c, m.prompt[1]);
-  ASSERT_GT(page, 0);
-  GenerationOptions o = greedy(12, 5);
-  o.stop_at_eos = false;
-  const std::vector<int64_t> a(m.prompt.begin(), m.prompt.begin() + 13);
-  const std::vector<int64_t> b(m.prompt.begin() + 3, m.prompt.begin() + 12);
-  std::vector<int64_t> c24, c12;
-  for (int64_t i = 0; i < 24; ++i) c24.push_back(m.prompt[static_cast<size_t>((i * 5 + 2) % 15)]);
-  c12.assign(c24.begin(), c24.begin() + 12);
-  const int64_t roomy = int64_t{1} << 30;
-
-  for (bool sharing : {false, true}) {
-    const std::vector<std::vector<int64_t>> prompts = {a, b, c24};
-    const PoolRun ref = run_in_pool(runner, c, prompts, o, roomy, PoolFullRule::kRefuse, sharing);
-    const PoolRun got = run_in_pool(runner, c, prompts, o, 11 * page, PoolFullRule::kRefuse, sharing);
-    for (size_t i = 0; i < 2; ++i) {
-      EXPECT_EQ(got.results[i].status, GenerationStatus::kOk) << i << ": " << got.results[i].error;
-      EXPECT_EQ(got.results[i].error, "");
-      EXPECT_EQ(got.results[i].tokens, ref.results[i].tokens) << "sequence " << i << " sharing " << sharing;
-      EXPECT_EQ(got.results[i].decode_steps, 11);
-    }
-    const GenerationResult& r = got.results[2];
-    EXPECT_EQ(r.status, GenerationStatus::kRefused);
-    EXPECT_STREQ(to_string(r.status), "refused");
-    EXPECT_TRUE(r.tokens.empty());
-    EXPECT_EQ(r.computed_prompt_tokens, 15) << "3 prefill steps of 5 completed; the 4th needed a 5th page";
-    EXPECT_EQ(got.results[0].computed_prompt_tokens, 13);
-    EXPECT_EQ(got.results[1].computed_prompt_tokens, 9);
-    EXPECT_FALSE(r.logits.defined());
-    EXPECT_EQ(r.decode_steps, 0);
-    EXPECT_THAT(r.error, HasSubstr("sequence 2 needs up to"));
-    EXPECT_THAT(r.error, HasSubstr("capacity_bytes = " + std::to_string(11 * page)));
-    EXPECT_THAT(r.error, HasSubstr("kRefuse"));
-    EXPECT_EQ(got.counters.refusals, 1) << "sharing " << sharing;
-    EXPECT_EQ(got.counters.preemptions, 0);
-    EXPECT_EQ(ref.counters.refusals, 0);
-    EXPECT_EQ(got.stats.bytes_in_use_peak, 11 * page) << "sharing " << sharing;
-    if (!sharing) {
-      EXPECT_EQ(ref.stats.bytes_in_use_peak, (6 + 5 + 9) * page);
-      EXPECT_EQ(got.counters.blocks_reclaimed, 0);
-    } else {
-      EXPECT_GT(got.counters.blocks_reclaimed, 0) << "the refused prompt's cached blocks made room";
-    }
-  }
-  {
-    const std::vector<std::vector<int64_t>> prompts = {a, b, c12};
-    const PoolRun ref = run_in_pool(runner, c, prompts, o, roomy, PoolFullRule::kPreemptNewest, false);
-    const PoolRun got = run_in_pool(runner, c, prompts, o, 11 * page, PoolFullRule::kPreemptNewest, false);
-    for (size_t i = 0; i < 2; ++i) {
-      EXPECT_EQ(got.results[i].status, GenerationStatus::kOk) << i << ": " << got.results[i].error;
-      EXPECT_EQ(got.results[i].tokens, ref.results[i].tokens) << "sequence " << i;
-      EXPECT_EQ(got.results[i].decode_steps, 11);
-    }
-    const GenerationResult& r = got.results[2];
-    EXPECT_EQ(r.status, GenerationStatus::kPreempted);
-    EXPECT_STREQ(to_string(r.status), "preempted");
-    ASSERT_EQ(r.tokens.size(), 4u);
-    EXPECT_EQ(r.computed_prompt_tokens, 12);
-    EXPECT_EQ(r.decode_steps, 3);
-    EXPECT_EQ(r.logits.size(0), 4);
-    EXPECT_EQ(r.tokens, std::vector<int64_t>(ref.results[2].tokens.begin(), ref.results[2].tokens.begin() + 4));
-    EXPECT_THAT(r.error, HasSubstr("sequence 2 was preempted"));
-    EXPECT_THAT(r.error, HasSubstr("when sequence 0 needed up to"));
-    EXPECT_THAT(r.error, HasSubstr("capacity_bytes = " + std::to_string(11 * page)));
-    EXPECT_EQ(got.counters.preemptions, 1);
-    EXPECT_EQ(got.counters.refusals, 0);
-    EXPECT_EQ(got.stats.bytes_in_use_peak, 11 * page);
-    EXPECT_EQ(ref.stats.bytes_in_use_peak, (6 + 5 + 6) * page);
-  }
-  // decode_step_batch keeps throwing: it has no results to mark.
-  {
-    MultiSequenceConfig mc;
-    mc.model = c;
-    mc.capacity_bytes = page;
-    mc.prefix_sharing = false;
-    MultiSequenceCache pool(mc);
-    Sequence& s = pool.add_sequence();
-    const std::vector<int64_t> four(a.begin(), a.begin() + 4);
-    s.begin_request(four, 8);
-    runner.prefill(four, s);
-    EXPECT_THROW(runner.decode_step_batch({a[5]}, {&s}), PoolFullError);
   }
 }
 
@@ -814,7 +315,7 @@ TEST(RunnerGolden, TokenizerAndGenerationReproduceTheGoldenText) {
     const Tokenizer tok = Tokenizer::from_texts(m.lm->tokenizer_files());
     const std::vector<int64_t> prompt = tok.encode(j.at("prompt").get<std::string>());
     EXPECT_EQ(prompt, j.at("prompt_ids").get<std::vector<int64_t>>()) << dir;
-    CacheManager cache = fp32_full_cache(*m.lm);
+    TorchCache cache = fp32_full_cache(*m.lm);
     const GenerationResult r = Runner(*m.lm).generate(prompt, greedy(60), cache);
     EXPECT_EQ(tok.decode(concat(prompt, r.tokens, 60), /*skip_special=*/true),
               j.at("text").get<std::string>())
@@ -859,7 +360,7 @@ TEST(RunnerEviction, StreamingWindowEqualsSlidingWindowReference) {
   const std::vector<int64_t> ids = concat(g.prompt_ids, g.greedy_ids, 30);
   CacheConfig c = m.lm->cache_config();
   c.policy = "window@8";
-  CacheManager cache(std::move(c));
+  TorchCache cache(std::move(c));
   const ScoreResult s = Runner(*m.lm).score(ids, cache, /*chunk_size=*/1);
   const at::Tensor ref = windowed_reference_logprobs(*m.lm, ids, 8);
   EXPECT_LT(max_abs_diff(s.logprobs, ref), 1e-4);
@@ -885,7 +386,7 @@ TEST(RunnerEviction, EveryPolicyRunsWithinBudget) {
       CacheConfig c = m.lm->cache_config();
       c.policy = policy;
       c.scheme = "int8";
-      CacheManager cache(std::move(c));
+      TorchCache cache(std::move(c));
       o.prefill_chunk = chunk;
       const GenerationResult a = runner.generate(m.prompt, o, cache);
       ASSERT_EQ(a.tokens.size(), 12u) << policy;
@@ -909,12 +410,12 @@ TEST(RunnerEviction, PreRopeStorageWithoutEvictionEqualsPostRope) {
   const TestModel& m = tinystories();
   REQUIRE_MODEL(m);
   const Runner runner(*m.lm);
-  CacheManager post = fp32_full_cache(*m.lm);
+  TorchCache post = fp32_full_cache(*m.lm);
   const GenerationResult a = runner.generate(m.prompt, greedy(16, 5), post);
   CacheConfig c = m.lm->cache_config();
   c.key_storage = KeyStorage::kPreRoPE;
   c.position_mode = PositionMode::kRerotate;
-  CacheManager pre(std::move(c));
+  TorchCache pre(std::move(c));
   const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), pre);
   EXPECT_EQ(a.tokens, b.tokens);
   EXPECT_LT(max_abs_diff(a.logits, b.logits), 1e-5);
@@ -931,7 +432,7 @@ TEST(RunnerSchemes, HadamardFp32GeneratesWhatFp32Generates) {
     base.key_storage = ks;
     CacheConfig rotated = base;
     rotated.scheme = "had(fp32)";
-    CacheManager a_cache(std::move(base)), b_cache(std::move(rotated));
+    TorchCache a_cache(std::move(base)), b_cache(std::move(rotated));
     const GenerationResult a = runner.generate(m.prompt, greedy(16, 5), a_cache);
     const GenerationResult b = runner.generate(m.prompt, greedy(16, 5), b_cache);
     EXPECT_EQ(a.tokens, b.tokens);
@@ -952,14 +453,14 @@ TEST(RunnerEviction, RerotatedSinkCacheKeepsPositionsContiguous) {
   c.policy = "sink:s2@8";
   c.key_storage = KeyStorage::kPreRoPE;
   c.position_mode = PositionMode::kRerotate;
-  CacheManager cache(std::move(c));
+  TorchCache cache(std::move(c));
   const GenerationResult r = Runner(*m.lm).generate(m.prompt, greedy(10, 1), cache);
   EXPECT_EQ(r.tokens.size(), 10u);
   cache.check_invariants();
   EXPECT_EQ(cache.tokens(0).max_resident(), 8);
   EXPECT_EQ(cache.next_position(0), 8);
   EXPECT_EQ(cache.tokens(0).written, static_cast<int64_t>(m.prompt.size()) + 9);
-  const LayerKV kv = cache.get(0);
+  const TensorLayerKV kv = cache.get(0);
   EXPECT_TRUE(at::equal(kv.positions[0], at::arange(8, at::kLong)));
 }
 
@@ -977,7 +478,7 @@ TEST(RunnerHalfPrecision, Bf16AndFp16ExportsTrackTheFp32Golden) {
                                         &err, std::string("--dtype ") + dtype);
     ASSERT_EQ(err, "");
     const CausalLM lm = CausalLM::load(pt, LoadOptions{1});
-    CacheManager cache = fp32_full_cache(lm);
+    TorchCache cache = fp32_full_cache(lm);
     const GenerationResult r = Runner(lm).generate(g.prompt_ids, greedy(60), cache);
     // Measured: bf16 0.093, fp16 0.0096 at position 6; all 60 greedy ids equal.
     const double tol = std::string(dtype) == "bf16" ? 0.2 : 0.02;
@@ -1005,7 +506,7 @@ TEST(RunnerHalfPrecision, Bf16AndFp16ExportsTrackTheFp32Golden) {
 // compressed alone, the question follows as decode steps.
 
 /// Per layer and KV head, the resident positions below `limit`.
-std::vector<std::vector<int64_t>> positions_below(const CacheManager& cache, int64_t layers, int64_t limit) {
+std::vector<std::vector<int64_t>> positions_below(const TorchCache& cache, int64_t layers, int64_t limit) {
   std::vector<std::vector<int64_t>> out;
   for (int64_t l = 0; l < layers; ++l) {
     for (const auto& head : cache.tokens(l).positions) {
@@ -1044,20 +545,20 @@ TEST(RunnerQueryModes, SnapKvSurvivorsDependOnTheQuestionOnlyWhenItIsInThePrompt
   const int64_t L = m.lm->config().num_hidden_layers;
   CacheConfig c = m.lm->cache_config();
   c.policy = "snapkv:w4@16";
-  auto run = [&](const std::vector<int64_t>& prompt, int64_t question_start, CacheManager& cache) {
+  auto run = [&](const std::vector<int64_t>& prompt, int64_t question_start, TorchCache& cache) {
     GenerationOptions o = greedy(4);
     o.stop_at_eos = false;
     o.question_start = question_start;
     return runner.generate(prompt, o, cache);
   };
   // The reference: the context alone prefilled into a request of the same length.
-  CacheManager ref(c);
+  TorchCache ref(c);
   ref.reset(26 + 4);
   runner.prefill(context, ref);
   const auto ref_kept = positions_below(ref, L, 20);
   for (const auto& h : ref_kept) EXPECT_EQ(h.size(), 6u);
 
-  CacheManager a1(c), a2(c), w1(c), w2(c);
+  TorchCache a1(c), a2(c), w1(c), w2(c);
   const GenerationResult ra1 = run(p1, 20, a1);
   const GenerationResult ra2 = run(p2, 20, a2);
   EXPECT_EQ(ra1.question_tokens, 6);
@@ -1087,7 +588,7 @@ TEST(RunnerQueryModes, FullCacheGivesTheSameReplyInBothModes) {
   const TestModel& m = tinystories();
   REQUIRE_MODEL(m);
   const Runner runner(*m.lm);
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   const auto n = static_cast<int64_t>(m.prompt.size());
   const GenerationResult aware = runner.generate(m.prompt, greedy(8), cache);
   GenerationOptions o = greedy(8);
@@ -1118,7 +619,7 @@ TEST(Runner, StopsAtEosAndAtMaxNewTokens) {
   REQUIRE_MODEL(m);
   const Golden g = read_golden(tinystories_dir());
   const Runner runner(*m.lm);
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   GenerationOptions o = greedy(60);
   o.eos_token_ids = {g.greedy_ids[5]};  // pretend the 6th greedy token ends the sequence
   GenerationResult r = runner.generate(g.prompt_ids, o, cache);
@@ -1138,7 +639,7 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
   const TestModel& m = tinystories();
   REQUIRE_MODEL(m);
   const Runner runner(*m.lm);
-  CacheManager cache = fp32_full_cache(*m.lm);
+  TorchCache cache = fp32_full_cache(*m.lm);
   auto expect_throw = [](const std::function<void()>& f, const std::string& what) {
     try {
       f();
@@ -1161,9 +662,9 @@ TEST(Runner, BadInputThrowsNamingTheValue) {
   expect_throw([&] { runner.decode_step(5000, cache); }, "token id 5000");
   CacheConfig wrong = m.lm->cache_config();
   wrong.num_kv_heads = 8;
-  CacheManager wrong_cache(std::move(wrong));
+  TorchCache wrong_cache(std::move(wrong));
   expect_throw([&] { runner.generate({1}, greedy(1), wrong_cache); }, "H_kv=8");
-  CacheManager other = fp32_full_cache(*m.lm);
+  TorchCache other = fp32_full_cache(*m.lm);
   expect_throw([&] { runner.generate_batch({{1}, {2}}, greedy(2), {&cache}); },
                "generate_batch: 2 prompts but 1 caches");
   expect_throw([&] { runner.generate_batch({}, greedy(2), {}); }, "at least one prompt");
@@ -1204,7 +705,7 @@ TEST(Runner, ACorruptModelIsNamedWithItsLayer) {
   const CausalLM lm = CausalLM::load(corrupt, LoadOptions{1});
   const Runner runner(lm);
   const std::string want = "model '" + corrupt + "': layer 1 computed NaN in its keys at [b, h, t, d] = [0, 0, 0, 0]";
-  CacheManager cache(lm.cache_config());
+  TorchCache cache(lm.cache_config());
   try {
     (void)runner.generate(m.prompt, greedy(2), cache);
     ADD_FAILURE() << "a model computing NaN keys generated";
@@ -1212,7 +713,7 @@ TEST(Runner, ACorruptModelIsNamedWithItsLayer) {
     EXPECT_THAT(e.what(), HasSubstr(want));
     EXPECT_THAT(e.what(), HasSubstr("the model file is corrupt or its weights overflow its dtype"));
   }
-  CacheManager a(lm.cache_config()), b(lm.cache_config());
+  TorchCache a(lm.cache_config()), b(lm.cache_config());
   try {
     (void)runner.decode_step_batch({1, 2}, {&a, &b});
     ADD_FAILURE() << "a batch step of a model computing NaN keys ran";

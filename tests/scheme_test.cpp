@@ -21,8 +21,9 @@
 #include "kvcache/quantizer.h"
 #include "kvcache/registry.h"
 #include "kvcache/study/arm.h"
+#include "kvcache/torch.h"
 #include "quant/hadamard.h"
-#include "quant/reference.h"
+#include "torch/quant_reference.h"
 #include "quant_test_util.h"
 
 namespace kvcache {
@@ -141,7 +142,7 @@ TEST(CacheScheme, TrivialSchemeStreams) {
   EXPECT_EQ(s.value.quantizer->spec(), "int4");
   EXPECT_EQ(s.key.residual, 5);
   EXPECT_EQ(s.key.flush, ResidualFlush::kSliding);
-  EXPECT_EQ(s.key.residual_dtype, at::kHalf);
+  EXPECT_EQ(s.key.residual_dtype, DType::kFloat16);
   // Per-channel groups of 32 tokens: the residual is raised to whole groups, flushed in blocks.
   s = make_cache_scheme("int3:g32:chan")->streams(g, 0, 5);
   EXPECT_EQ(s.key.residual, 32);
@@ -149,9 +150,9 @@ TEST(CacheScheme, TrivialSchemeStreams) {
   s = make_cache_scheme("int3:g32:chan")->streams(g, 0, 40);
   EXPECT_EQ(s.value.residual, 64);
   // float32 rows keep a float32 residual, rotated or not.
-  EXPECT_EQ(make_cache_scheme("fp32")->streams(g, 0, 4).key.residual_dtype, at::kFloat);
-  EXPECT_EQ(make_cache_scheme("had(fp32)")->streams(g, 0, 4).key.residual_dtype, at::kFloat);
-  EXPECT_EQ(make_cache_scheme("fp16")->streams(g, 0, 4).key.residual_dtype, at::kHalf);
+  EXPECT_EQ(make_cache_scheme("fp32")->streams(g, 0, 4).key.residual_dtype, DType::kFloat32);
+  EXPECT_EQ(make_cache_scheme("had(fp32)")->streams(g, 0, 4).key.residual_dtype, DType::kFloat32);
+  EXPECT_EQ(make_cache_scheme("fp16")->streams(g, 0, 4).key.residual_dtype, DType::kFloat16);
   EXPECT_THAT(error_of([&] { make_cache_scheme("int4")->streams(g, 2, 0); }), HasSubstr("layer 2 out of range [0, 2)"));
 }
 
@@ -261,10 +262,10 @@ TEST(Hadamard, RowsNearFloatMaxRotateAndComeBackFinite) {
       EXPECT_THAT(std::string(e.what()), HasSubstr("range")) << spec;
       continue;
     }
-    const at::Tensor y = q->dequantize(t);
+    const at::Tensor y = kvcache::dequantize(*q, t);
     EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << spec << ": finite in, finite out";
     at::Tensor into;
-    q->dequantize_into(t, into);
+    kvcache::dequantize_into(*q, t, into);
     EXPECT_TRUE(at::equal(into, y)) << spec;
     // The stored form: encode() then decode() of the same rows.
     const StoredLayout lay = q->stored_layout(64);
@@ -315,21 +316,21 @@ TEST(Hadamard, RotatedQuantizerStoresTheRotatedRows) {
   const QuantizedTensor a = had->quantize(x);
   const QuantizedTensor b = plain->quantize(hx);
   EXPECT_EQ(a.format, "had(int4:g32)");
-  EXPECT_TRUE(at::equal(a.codes, b.codes));
-  EXPECT_TRUE(at::equal(a.scales, b.scales));
+  EXPECT_TRUE(at::equal(as_tensor(a.codes), as_tensor(b.codes)));
+  EXPECT_TRUE(at::equal(as_tensor(a.scales), as_tensor(b.scales)));
   EXPECT_EQ(a.nbytes(), b.nbytes());
-  at::Tensor back = plain->dequantize(b).contiguous();
+  at::Tensor back = kvcache::dequantize(*plain, b).contiguous();
   quant::hadamard_rows(back.data_ptr<float>(), 2 * 16, 64);
-  EXPECT_TRUE(at::equal(had->dequantize(a), back));
+  EXPECT_TRUE(at::equal(kvcache::dequantize(*had, a), back));
 }
 
 // What the rotation is for (QuaRot): outlier channels spread over the row, so per-token int4
 // of outlier-heavy keys loses less. Measured on tests' outlier_kv (channels ×20 and +5, spikes).
 TEST(Hadamard, RotationLowersPerTokenErrorOnOutlierChannels) {
   const at::Tensor x = testing::outlier_kv({1, 4, 128, 64}, 9);
-  const double plain = reconstruction_error(x, make_quantizer("int4")->dequantize(make_quantizer("int4")->quantize(x))).rel_fro;
+  const double plain = reconstruction_error(x, kvcache::dequantize(*make_quantizer("int4"), make_quantizer("int4")->quantize(x))).rel_fro;
   const auto had = make_quantizer("had(int4)");
-  const double rotated = reconstruction_error(x, had->dequantize(had->quantize(x))).rel_fro;
+  const double rotated = reconstruction_error(x, kvcache::dequantize(*had, had->quantize(x))).rel_fro;
   EXPECT_LT(rotated, 0.8 * plain) << "int4 " << plain << " had(int4) " << rotated;
 }
 
@@ -344,7 +345,7 @@ TEST(Hadamard, Fp32RotationReproducesFp32Attention) {
       auto c_had = make_config(2, 8, 2, 32, scheme, "full");
       c_ref.key_storage = c_had.key_storage = ks;
       c_ref.block_tokens = c_had.block_tokens = 5;  // tiles across blocks
-      CacheManager ref(c_ref), had(c_had);
+      TorchCache ref(c_ref), had(c_had);
       auto gen = at::make_generator<at::CPUGeneratorImpl>(23);
       int64_t pos = 0;
       const std::string where = std::string(scheme) + (ks == KeyStorage::kPreRoPE ? " pre-RoPE" : " post-RoPE");
@@ -375,10 +376,10 @@ TEST(Hadamard, Fp32RotationReproducesFp32Attention) {
 TEST(CacheScheme, NewSchemesRunThroughTheCacheWithEviction) {
   for (const char* scheme : {"int3", "int3:g8:chan", "kivi:k3:v3:g8:r8", "had(int4)", "had:k(kivi:k2:v2:g8:r8)"}) {
     auto c = make_config(2, 4, 2, 16, scheme, "h2o@24");
-    CacheManager m(c);
+    TorchCache m(c);
     testing::run_prefill_then_decode(m, scheme);
     EXPECT_LE(m.stats().tokens_resident, 2 * 2 * 24) << scheme;
-    EXPECT_EQ(cache::CacheManagerAccess::scheme(m), make_cache_scheme(scheme)->spec());
+    EXPECT_EQ(cache::CacheManagerAccess::scheme(m.core()), make_cache_scheme(scheme)->spec());
   }
 }
 

@@ -20,6 +20,7 @@
 #include "kvcache/quantizer.h"
 #include "kvcache/study/layer_assign.h"
 #include "kvcache/study/model_evaluator.h"
+#include "kvcache/torch.h"
 #include "model_test_util.h"
 
 namespace kvcache::study {

@@ -8,6 +8,7 @@
 
 #include "kvcache/error.h"
 #include "kvcache/study/metrics.h"
+#include "kvcache/torch.h"
 
 using namespace kvcache;
 using namespace kvcache::study;

@@ -13,6 +13,7 @@
 #include "kvcache/study/model_evaluator.h"
 #include "kvcache/study/report.h"
 #include "kvcache/study/task_suite.h"
+#include "kvcache/torch.h"
 #include "model_test_util.h"
 
 using namespace kvcache;
@@ -145,7 +146,7 @@ TEST(StudyModel, CapturedQkvMatchesTheManagedCache) {
   // layer (layer 1 checks the capture's own attention).
   auto model = CausalLM::load(pt, LoadOptions{1});
   Runner runner(model);
-  CacheManager cache(model.cache_config());
+  TorchCache cache(model.cache_config());
   cache.reset(tok);
   const auto ids = Tokenizer::from_texts({model.extra_file("tokenizer.json"), "", "", model.extra_file("tokenizer_config.json")})
                        .encode(filler_passage(1234, 60), SpecialTokens::kIgnore, PostProcess::kApply);

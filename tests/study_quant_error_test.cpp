@@ -8,6 +8,7 @@
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/study/quant_error.h"
+#include "kvcache/torch.h"
 
 using namespace kvcache;
 using namespace kvcache::study;
@@ -74,8 +75,8 @@ TEST(StudyQuantError, AttentionErrorOfTheSchemeIsTheReferenceOverItsReconstructi
       const auto k = x.k.narrow(2, 0, t).contiguous();
       const auto v = x.v.narrow(2, 0, t).contiguous();
       const auto e = attention_error(x.q.narrow(2, 0, t), k, v,
-                                     st.key.quantizer->dequantize(st.key.quantizer->quantize(k)),
-                                     st.value.quantizer->dequantize(st.value.quantizer->quantize(v)), true);
+                                     kvcache::dequantize(*st.key.quantizer, st.key.quantizer->quantize(k)),
+                                     kvcache::dequantize(*st.value.quantizer, st.value.quantizer->quantize(v)), true);
       out += e.out_rel_fro / 2;
       prob += e.prob_rel_fro / 2;
     }

@@ -17,6 +17,7 @@
 #include "kvcache/study/schema.h"
 #include "kvcache/study/sweep.h"
 #include "kvcache/study/task_suite.h"
+#include "kvcache/torch.h"
 #include "study/fake_evaluator.h"
 
 using namespace kvcache;

@@ -55,9 +55,12 @@ int main(int argc, char** argv) {
   kv_study::add_prefix_command(app);
   kv_study::add_layers_command(app);
   kv_study::add_calibrate_command(app);
-  // A bad KVCACHE_FUSED_ISA is refused once parsing is done, before any subcommand runs (not
+  // KVCACHE_FUSED_ISA picks the attention kernels (the library reads no environment: the app
+  // passes it on). A bad value is refused once parsing is done, before any subcommand runs (not
   // as an error row per task); --help still prints.
-  app.parse_complete_callback([] { (void)kvcache::attention_kernels(); });
+  app.parse_complete_callback([] {
+    if (const char* isa = std::getenv("KVCACHE_FUSED_ISA")) kvcache::set_attention_kernels(isa, "KVCACHE_FUSED_ISA");
+  });
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -3,8 +3,6 @@
 /// @file cache_config.h
 /// The configuration of a KV cache (CacheConfig) and what it measures (CacheStats).
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -13,8 +11,26 @@
 
 namespace kvcache {
 
-/// Rotary embedding hook: x `[B, H, T, D]` float32, positions int64 `[T]` → rotated x.
-using RopeFn = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& positions)>;
+/// Rotary embedding hook: rotates `x` in place — float32, row-major `[H, T, D]` (rows of H
+/// heads at the same T tokens) — by `positions` int64 `[T]` (token t of every head by
+/// positions[t]). Must be deterministic. A model's RoPE over at::Tensors becomes one through
+/// kvcache::rope_from (kvcache/torch/rope.h); an engine without a framework uses
+/// rotate_half_rope() or keys_already_rotated().
+using RopeFn = std::function<void(float* x, int64_t heads, int64_t tokens, int64_t head_dim, const int64_t* positions)>;
+
+/// The rotate-half RoPE of HF Llama/Qwen (and of model ABI v1) with base `theta`: for i < D/2,
+/// inv_freq_i = 1 / theta^(2i/D) and angle = position · inv_freq_i in float32 (the steps of
+/// HF's LlamaRotaryEmbedding; cos/sin are the C library's, which may differ from a
+/// framework's vectorized ones in the last bit), then y_i = x_i·cos − x_{i+D/2}·sin,
+/// y_{i+D/2} = x_{i+D/2}·cos + x_i·sin. D must be even (checked when called: InvalidArgument).
+/// @throws InvalidArgument if theta is not finite and > 1.
+RopeFn rotate_half_rope(double theta);
+
+/// The hook of an engine that appends keys it has already rotated itself: leaves x as it is.
+/// Valid with post-RoPE storage and policies that read no pre-RoPE queries (a configuration
+/// that needs the RoPE table — kPreRoPE, kRerotate, Expected Attention — is then rejected by
+/// validate(), since this hook is not a rotate-half RoPE).
+RopeFn keys_already_rotated();
 
 /// Default tokens per block (CacheConfig::block_tokens = 0). Measured in bench_attention /
 /// bench_cache (docs/performance.md, "Block size"): 64 keeps the per-block work of the read

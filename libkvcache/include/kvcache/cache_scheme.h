@@ -62,8 +62,6 @@
 /// (outliers, low-rank factors: bytes the cache counts because it stores them), a required key
 /// storage (pre-RoPE keys), and the residual rules above.
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -94,7 +92,7 @@ struct StreamSpec {
   std::shared_ptr<const Quantizer> quantizer;
   int64_t residual = 0;  ///< R: full-precision recent tokens, in [0, kMaxTokens]
   ResidualFlush flush = ResidualFlush::kSliding;
-  at::ScalarType residual_dtype = at::kHalf;  ///< float16 or float32: residual (and converted) rows
+  DType residual_dtype = DType::kFloat16;  ///< float16 or float32: residual (and converted) rows
   /// Optional: one quantizer per KV head (size H_kv), each with `quantizer`'s StoredLayout,
   /// for formats whose static side data differs by head (KVQuant's calibrated per-channel key
   /// ranges: each head's channels have their own). Empty: `quantizer` stores every head.

@@ -17,16 +17,14 @@
 ///   - The budget is `@N` tokens or `@P%` of the request's full context (prompt + max new
 ///     tokens, given to reset()); a resolved budget is never 0 (CapacityError). A budget at
 ///     least as large as the resident length evicts nothing.
-///   - Attention reaches a policy as AttentionMass (kvcache/attention.h): per KV head, the
+///   - Attention reaches a policy as AttentionMass (kvcache/eviction_inputs.h): per KV head, the
 ///     MEAN over the G = H_q / H_kv query heads of each group (query head h → KV head h / G)
 ///     and the SUM over batch rows, for the query rows its attention_need() selects — or, in
 ///     the replay steps of a policy whose replay_need() asks for one (KVzip), the MAX over the
 ///     group and the replay's query rows (AttentionNeed::Reduce::kMax).
-///   - Keys and values reach a policy through EvictionContext::view (kvcache/layer_view.h), a
+///   - Keys and values reach a policy through EvictionContext::view (a LayerView, same header), a
 ///     read-only view that decodes the stored blocks on demand; query rows through
 ///     query_need() / observe_queries(). Policies never change K/V.
-
-#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <memory>
@@ -34,8 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "kvcache/attention.h"
-#include "kvcache/layer_view.h"
+#include "kvcache/eviction_inputs.h"
 #include "kvcache/spec.h"
 #include "kvcache/types.h"
 
@@ -111,9 +108,10 @@ class EvictionPolicy {
   /// @throws InvalidArgument on a layer out of range, a head count other than H_kv, or
   ///         non-finite mass.
   void observe(int64_t layer, const AttentionMass& mass);
-  /// Convenience for engines and tests that hold probabilities `[B, H_q, T_q, T_res]`:
+  /// Convenience for engines and tests that hold probabilities `[B, H_q, T_q, T_res]` float32
+  /// (a view; an at::Tensor converts with kvcache/torch/tensor_view.h):
   /// observe(layer, reduce_attention(probs, H_kv, attention_need())).
-  void observe(int64_t layer, const at::Tensor& probs);
+  void observe(int64_t layer, const TensorView& probs);
 
   /// The query rows plan() will need after this step (Expected Attention's statistics,
   /// DuoAttention's head scores). Default: none. Query it every step, like attention_need().

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file kv_cache.h
-/// KVCache: the interface the model runner drives in the forward pass. CacheManager
-/// implements it; an engine may implement it to run its own cache under the same runner
-/// (bench/ has a bare concatenating baseline).
+/// KVCache: the interface the model runner drives in the forward pass, over at::Tensors
+/// (kvcache::torch target). TorchCache (kvcache/torch/cache.h) implements it over a core
+/// CacheManager or a MultiSequenceCache's Sequence; an engine may implement it to run its own
+/// cache under the same runner (bench/ has a bare concatenating baseline).
 ///
 /// Protocol per forward step (a prefill chunk or one decode token), for each layer l:
 ///   1. p = next_position(l); positions p .. p + T − 1 for the step's T tokens;
@@ -19,23 +20,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "kvcache/attention.h"
 #include "kvcache/cache_config.h"
 #include "kvcache/error.h"
+#include "kvcache/eviction_inputs.h"
+#include "kvcache/sequence_cache.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
-
-/// What begin_request() found: the prompt's first `cached_tokens` tokens are already in the
-/// cache (their keys and values, at positions 0 .. cached_tokens − 1), so the caller ingests
-/// only the rest, starting at next_position(layer) == cached_tokens.
-struct PrefixReuse {
-  int64_t cached_tokens = 0;  ///< prompt tokens the cache holds already (their prefill is skipped)
-  /// The first step after them must append at least this many tokens (a scheme with a
-  /// sliding full-precision residual of R tokens needs R, to hold exactly what computing the
-  /// prefix would hold; 0: any step).
-  int64_t min_first_step = 0;
-};
 
 class KVCache {
  public:

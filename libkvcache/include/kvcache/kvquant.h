@@ -17,11 +17,12 @@
 ///     token with the token's own (dynamic) range.
 ///   - codebooks hold 2^b centroids in normalised units, ascending.
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "kvcache/buffer.h"
+#include "kvcache/view.h"
 
 namespace kvcache {
 
@@ -97,7 +98,7 @@ struct KvquantFitOptions {
 /// shapes of the activations they weight. A value's weight travels with it into its layer's
 /// pool; outliers (and their weights) stay out of it, as in the unweighted fit.
 struct KvquantWeights {
-  std::vector<at::Tensor> keys, values;
+  std::vector<Buffer> keys, values;
 };
 
 /// The weights file format version written and accepted.
@@ -127,7 +128,8 @@ KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int
 /// @throws InvalidArgument on empty input, mismatched shapes, non-finite values, bad options,
 ///         weights of another shape than the activations or negative / non-finite weights, or
 ///         a codebook whose pooled (non-outlier) values all weigh 0 (naming layer, level, stream).
-KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+/// (Views of any float dtype and strides; kvcache/torch/kvquant.h takes at::Tensors.)
+KvquantCalibration fit_kvquant_calibration(const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
                                            const KvquantFitOptions& options, const std::string& source,
                                            const KvquantWeights* weights = nullptr);
 

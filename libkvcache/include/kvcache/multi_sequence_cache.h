@@ -5,14 +5,14 @@
 /// bytes, and prefix caching between them (docs/cache-manager.md, "Many sequences, shared
 /// prefixes").
 ///
-/// Every sequence is a CacheManager of its own (kvcache/cache_manager.h) — its own positions,
-/// eviction policy, residual and quantization groups (a per-channel group never spans two
+/// Every sequence is a SequenceCache of its own (kvcache/sequence_cache.h), driven as a
+/// CacheManager is — its own positions, eviction policy, residual and quantization groups (a per-channel group never spans two
 /// sequences, so a sequence holds and computes the same alone or beside others) — whose blocks
 /// come from the cache's shared pools. A prefix index, a radix tree over token ids at block
 /// granularity (RadixAttention: Zheng et al., "SGLang: Efficient Execution of Structured
 /// Language Model Programs", arXiv 2312.07104; methods.md b.8), maps a new request's prompt to the
 /// longest cached prefix; the request takes over those blocks by reference count and its
-/// caller skips their prefill (Runner::generate does, through KVCache::begin_request()).
+/// caller skips their prefill (Runner::generate does, through the torch face's KVCache::begin_request()).
 ///
 /// Why a radix tree rather than vLLM's chained block hashes (automatic prefix caching over
 /// PagedAttention blocks: Kwon et al., "Efficient Memory Management for Large Language Model
@@ -52,17 +52,14 @@
 /// MultiSequenceCaches share no mutable state and may be driven from separate threads at once,
 /// each computing what it computes alone (cache_manager.h, "Threads").
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kvcache/cache_config.h"
-#include "kvcache/cache_manager.h"
 #include "kvcache/eviction_policy.h"
-#include "kvcache/kv_cache.h"
+#include "kvcache/sequence_cache.h"
 
 namespace kvcache {
 
@@ -159,18 +156,16 @@ namespace cache {
 struct MultiSequenceAccess;  // test/debug introspection (src/cache/multi_sequence_access.h)
 }  // namespace cache
 
-/// One sequence of a MultiSequenceCache: a KVCache for the runner, with the verbs of a
-/// CacheManager. Made by MultiSequenceCache::add_sequence(); lives until remove_sequence().
-class Sequence final : public KVCache {
+/// One sequence of a MultiSequenceCache: a SequenceCache (the verbs of a CacheManager, the
+/// same checks and guarantees) whose blocks come from the cache's pool, plus the request
+/// verbs of prefix caching. Made by MultiSequenceCache::add_sequence(); lives until
+/// remove_sequence(). The runner drives it through kvcache/torch/cache.h's TorchCache.
+class Sequence final : public SequenceCache {
  public:
   ~Sequence() override;
-  Sequence(const Sequence&) = delete;
-  Sequence& operator=(const Sequence&) = delete;
 
   /// Its id in the cache (0, 1, ... in order of add_sequence()).
   int64_t id() const;
-  const CacheConfig& config() const override;
-  const EvictionPolicy& policy() const;
 
   /// Starts a request for `prompt` (token ids; opaque to the cache) of at most
   /// `context_length` tokens: ends the sequence's previous request, then reuses the longest
@@ -180,43 +175,35 @@ class Sequence final : public KVCache {
   /// they settle (at the start of each end_step). All-or-nothing.
   /// @throws InvalidArgument if context_length < 0 or < the prompt's length; CapacityError as
   ///         CacheManager::reset (a budget that does not fit the context).
-  PrefixReuse begin_request(const std::vector<int64_t>& prompt, int64_t context_length) override;
+  PrefixReuse begin_request(const std::vector<int64_t>& prompt, int64_t context_length);
   /// Starts a request without a prompt: nothing reused, nothing published (CacheManager::reset).
   void reset(int64_t context_length) override;
   /// Ends the request: its blocks go back to the pool (what it published stays cached).
-  /// Valid at any point, mid-step or after preemption (clears preempted()).
-  void finish() override;
+  /// Valid at any point, mid-step or after preemption (clears preempted()). Never throws.
+  void finish();
   /// True after preemption, until begin_request()/reset()/finish().
   bool preempted() const;
   /// The current request's prefix match (all zero without begin_request()).
   const PrefixMatch& prefix() const;
-
-  /// As CacheManager (the same checks and guarantees), plus: PoolFullError (a CapacityError)
-  /// when the pool has no room (PoolFullRule; preempted() false, the call changed nothing) or
-  /// this sequence was preempted (preempted() true); InvalidArgument when the first step after
-  /// a reused prefix appends fewer than min_first_step tokens.
-  int64_t next_position(int64_t layer) const override;
-  void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override;
-  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) override;
-  void observe_attention(int64_t layer, const at::Tensor& probs);
-  void end_step(StepKind step) override;
-
-  LayerTokens tokens(int64_t layer) const;
-  /// This sequence's counters as CacheManager::stats(): its logical view (shared blocks count
-  /// whole, in every sequence that holds them); MultiSequenceCache::stats() has the pool's.
-  /// An adopted prefix counts as written and resident from begin_request() on.
-  CacheStats stats() const;
-  LayerKV get(int64_t layer) const;
   /// Blocks this sequence copied on write (cumulative).
   int64_t blocks_copied() const;
-  /// The sequence's manager's invariants (MultiSequenceCache::check_invariants checks the pool).
-  void check_invariants() const;
+
+  /// As SequenceCache (the same checks and guarantees), plus: PoolFullError (a CapacityError)
+  /// when the pool has no room (PoolFullRule; preempted() false, the call changed nothing) or
+  /// this sequence was preempted (preempted() true); InvalidArgument when the first step after
+  /// a reused prefix appends fewer than min_first_step tokens. begin_replay() throws
+  /// UnsupportedError (a sequence runs no context replay; add_sequence refuses KVzip).
+  int64_t next_position(int64_t layer) const override;
+  void append(int64_t layer, const TensorView& k, const TensorView& v, const TensorView& positions) override;
+  void attend(int64_t layer, const TensorView& q, const TensorView& q_positions, const MutableTensorView& out) override;
+  void end_step(StepKind step) override;
+  void begin_replay() override;
 
  private:
   friend class MultiSequenceCache;
   friend struct cache::MultiSequenceAccess;
   struct State;
-  explicit Sequence(std::unique_ptr<State> state);
+  Sequence(std::unique_ptr<cache::StepProtocol> steps, std::unique_ptr<State> state);
   std::unique_ptr<State> s_;
 };
 

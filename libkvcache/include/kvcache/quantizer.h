@@ -3,12 +3,13 @@
 /// @file quantizer.h
 /// The Quantizer interface, the QuantizedTensor it produces, and the factory.
 ///
-/// A Quantizer turns a K or V tensor `[B, H_kv, T, D]` (float32/float16/bfloat16) into a
-/// QuantizedTensor that holds exactly the bytes a cache would store (packed codes, fp16
-/// scales/zeros, side tensors such as outliers or low-rank factors). `nbytes()` is summed
-/// over the tensors really held: memory is measured, never computed from a formula.
-
-#include <ATen/ATen.h>
+/// A Quantizer turns a K or V tensor `[B, H_kv, T, D]` (float32/float16/bfloat16, a view:
+/// kvcache/view.h) into a QuantizedTensor that holds exactly the bytes a cache would store
+/// (packed codes, fp16 scales/zeros, side data such as outliers or low-rank factors) in
+/// Buffers the core owns. `nbytes()` is summed over the buffers really held: memory is
+/// measured, never computed from a formula. Reconstructions are written into the caller's
+/// memory (dequantize_into). The at::Tensor forms (dequantize(q) returning a tensor, the
+/// reuse of a caller's at::Tensor) are in kvcache/torch/quantizer.h.
 
 #include <cstdint>
 #include <map>
@@ -16,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/buffer.h"
 #include "kvcache/spec.h"
 #include "kvcache/types.h"
+#include "kvcache/view.h"
 
 namespace kvcache {
 
@@ -28,23 +31,39 @@ struct QuantizedTensor {
   std::string format;
   /// Logical shape `[B, H_kv, T, D]` of the original tensor.
   std::vector<int64_t> shape;
-  /// dtype of the original tensor; dequantize() returns this dtype.
-  at::ScalarType dtype = at::kFloat;
-  /// Packed codes, uint8 (or the raw values for float formats: fp16/bf16/fp32 bytes).
-  at::Tensor codes;
+  /// dtype of the original tensor (float32, float16 or bfloat16): what dequantize_into()
+  /// rounds to unless asked for float32.
+  DType dtype = DType::kFloat32;
+  /// Packed codes, uint8 (or the raw values for float formats: float32/float16/bfloat16).
+  Buffer codes;
   /// Per-group scales (fp16 for integer formats, fp32 for a tensor whose metadata exceeds
   /// fp16's range; one fp32 per-tensor scale for `fp8:*:scaled`). May be undefined.
-  at::Tensor scales;
+  Buffer scales;
   /// Per-group zero points (the group minimum, rounded down to fp16 when fp16; same dtype and
   /// shape as `scales`). May be undefined.
-  at::Tensor zeros;
-  /// Named side tensors (outlier values/indices, low-rank factors, ...). May be empty.
-  std::map<std::string, at::Tensor> side;
+  Buffer zeros;
+  /// Named side data (outlier values/indices, low-rank factors, ...). May be empty.
+  std::map<std::string, Buffer> side;
 
-  /// Bytes really held: sum of numel * element_size over every defined tensor above.
+  /// Bytes really held: sum of nbytes() over every defined buffer above.
   int64_t nbytes() const;
   /// Number of logical values (product of `shape`).
   int64_t numel() const;
+};
+
+/// Which fused attention kernel reads a format's stored bytes without decoding them
+/// (src/cache/attend_fused.h): the format says so itself, so the dispatch asks the layout,
+/// never the quantizer's class. kNone: the generic path decodes its blocks (int3, rotated
+/// `had(...)`, GEAR, KVQuant).
+enum class KernelKind : uint8_t {
+  kNone,
+  kFloat32,     ///< raw float32 values
+  kFloat16,     ///< raw float16 values
+  kBFloat16,    ///< raw bfloat16 values
+  kFp8E4M3,     ///< fp8 codes (tensor_scale says whether scaled)
+  kFp8E5M2,
+  kIntToken,    ///< per-token integer groups: kernel_bits 8/4/2, kernel_group values per group
+  kIntChannel,  ///< per-channel integer groups: kernel_bits 8/4/2, kernel_group tokens per group
 };
 
 /// How a quantizer lays out what it stores for ONE KV head, as the cache's block store holds
@@ -66,10 +85,15 @@ struct StoredLayout {
   /// dtype of scales and zeros: float16 for the integer formats. (A tensor whose metadata
   /// overflows float16 is stored by quantize() with fp32 metadata; encode() reports
   /// EncodeStatus::overflow instead and the cache stores such a group in fp32.)
-  at::ScalarType meta_dtype = at::kHalf;
+  DType meta_dtype = DType::kFloat16;
   /// One fp32 scale for a whole stream (fp8:*:scaled): fit_tensor_scale() computes it and
   /// encode()/decode() take it. False: the tensor_scale arguments are ignored.
   bool tensor_scale = false;
+  /// The fused kernel that reads these bytes as stored (KernelKind), and for the integer
+  /// kinds their bit width and group size.
+  KernelKind kernel = KernelKind::kNone;
+  int kernel_bits = 0;
+  int64_t kernel_group = 0;
 
   /// Bytes of scales and zeros per group.
   int64_t meta_bytes() const;
@@ -125,28 +149,35 @@ class Quantizer {
   ///         (the message names the first bad index), or its grouped axis is not divisible
   ///         by the group size (the message names both numbers); `had(q)`: a row whose rotation
   ///         leaves float32 (possible only when some |x| > FLT_MAX/√D; naming the row).
-  QuantizedTensor quantize(const at::Tensor& x) const;
-
-  /// Reconstructs a tensor of `q.shape` and `q.dtype`: the float32 reconstruction rounded to
-  /// q.dtype, saturating at its largest finite value (finite input never comes back ±Inf).
-  /// @throws InvalidArgument if `q.format` differs from spec(), or `q.shape` (checked first)
-  ///         is not the shape of a tensor the format makes: a negative size, more elements than
-  ///         int64 counts, a head_dim (e.g. 0) or seq_len that does not fit the group size, or
-  ///         tensors of other shapes than it implies (a hand-built q).
-  at::Tensor dequantize(const QuantizedTensor& q) const;
+  QuantizedTensor quantize(const TensorView& x) const;
 
   /// quantize(x) into a caller-held `out`, for callers that quantize same-shaped tensors
-  /// again and again: every tensor of `out` whose shape and dtype already fit (and that does
-  /// not share storage with `x`) is overwritten in place, so a repeated call allocates
-  /// nothing and touches no fresh pages; the others are allocated as quantize() does. The
-  /// result is bit-identical to quantize(x). Same validation and errors as quantize(); when
-  /// it throws, `out` is left holding unspecified values (its tensors stay valid).
-  void quantize_into(const at::Tensor& x, QuantizedTensor& out) const;
+  /// again and again: every buffer of `out` whose shape and dtype already fit (and that does
+  /// not overlap `x`) is overwritten in place, so a repeated call allocates nothing and
+  /// touches no fresh pages; the others are reallocated. The result is bit-identical to
+  /// quantize(x). Same validation and errors as quantize() (the message names
+  /// "quantize_into(x, out)"); when it throws, `out` holds unspecified values (its buffers
+  /// stay valid).
+  void quantize_into(const TensorView& x, QuantizedTensor& out) const;
 
-  /// dequantize(q) into a caller-held `out`: reused when it is already a contiguous CPU
-  /// tensor of q.shape and q.dtype that does not share storage with q's tensors, else
-  /// replaced by a new one. Bit-identical to dequantize(q); same errors.
-  void dequantize_into(const QuantizedTensor& q, at::Tensor& out) const;
+  /// Reconstructs `q` into the caller's `out`: a view of `q.shape` and dtype float32 or
+  /// `q.dtype` (any strides). float32 receives the reconstruction itself; another dtype the
+  /// float32 reconstruction rounded to it (nearest even), saturating at its largest finite
+  /// value (finite input never comes back ±Inf). Writes nothing else.
+  /// @throws InvalidArgument if `q.format` differs from spec(), `q.shape` (checked first) is not
+  ///         the shape of a tensor the format makes (a negative size, more elements than int64
+  ///         counts, a head_dim (e.g. 0) or seq_len that does not fit the group size: a
+  ///         hand-built q), q's buffers do not have the shapes this format stores, or `out` has
+  ///         another shape or dtype (naming both).
+  void dequantize_into(const QuantizedTensor& q, const MutableTensorView& out) const;
+
+  /// The checks dequantize_into() makes of `q` before anything is read or written: q.format is
+  /// spec(), q.shape has 4 sizes, none negative, with at most int64's count of elements,
+  /// q.codes is defined and q.dtype is float32, float16 or bfloat16. For callers that allocate
+  /// the output from q.shape first (the at::Tensor face, kvcache/torch/quantizer.h).
+  /// @throws InvalidArgument as dequantize_into() does (the message starts
+  ///         "dequantize_into(q, out) [spec]").
+  void check_dequantizable(const QuantizedTensor& q) const;
 
   // ---- raw-memory codec of one KV head (what the cache's block store calls) ----------
 
@@ -168,21 +199,39 @@ class Quantizer {
   void decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float tensor_scale,
               float* out) const;
 
-  /// The per-stream scale encode() should use for values like `x` (any shape, float32):
-  /// amax / max_finite for fp8:*:scaled (as quantize() computes its per-tensor scale), 1
-  /// for every other format.
-  virtual float fit_tensor_scale(const at::Tensor& x) const { (void)x; return 1.0f; }
+  /// The per-stream scale encode() should use for values like `x` (any shape, a float
+  /// dtype, any strides): amax / max_finite for fp8:*:scaled (as quantize() computes its
+  /// per-tensor scale), 1 for every other format.
+  virtual float fit_tensor_scale(const TensorView& x) const { (void)x; return 1.0f; }
 
  protected:
-  virtual QuantizedTensor do_quantize(const at::Tensor& x) const = 0;
-  virtual at::Tensor do_dequantize(const QuantizedTensor& q) const = 0;
-  /// Buffer-reusing forms behind quantize_into()/dequantize_into(). Defaults: `out =
-  /// do_quantize(x)` / `out = do_dequantize(q)` (correct, but allocating); the built-in
-  /// quantizers override them to write into `out`'s tensors where they fit.
-  virtual void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const { out = do_quantize(x); }
-  virtual void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const { out = do_dequantize(q); }
-  /// Extra validation of input beyond shape/dtype/finite (e.g. divisibility). Default: none.
-  virtual void check_input(const at::Tensor& x) const { (void)x; }
+  /// What the quantizers work on, validated: `x` is `[B, H_kv, T, D]` float32 contiguous (the
+  /// caller's values, converted once — exactly — when they were another dtype or strided),
+  /// `dtype` the caller's dtype (QuantizedTensor::dtype), [avoid_begin, avoid_end) the
+  /// caller's memory, which no buffer of the output may overlap (Buffer::ensure).
+  struct Input {
+    TensorView x;
+    DType dtype = DType::kFloat32;
+    const void* avoid_begin = nullptr;
+    const void* avoid_end = nullptr;
+  };
+  /// Writes the quantized form of in.x into `out`, reusing its buffers where they fit.
+  /// Messages start "quantize(x) [spec]" (quantize_into() rewrites that prefix).
+  virtual void do_quantize_into(const Input& in, QuantizedTensor& out) const = 0;
+  /// quantize() itself. Default: do_quantize_into() into a fresh QuantizedTensor (`had` calls
+  /// its inner quantizer's quantize() here and quantize_into() there, so that messages name
+  /// the call made).
+  virtual QuantizedTensor do_quantize(const Input& in) const {
+    QuantizedTensor q;
+    do_quantize_into(in, q);
+    return q;
+  }
+  /// The float32 reconstruction of `q` (format and shape rank checked) into `out`: q.numel()
+  /// floats, row-major over q.shape. Messages start "dequantize_into(q, out) [spec]".
+  virtual void do_dequantize_into(const QuantizedTensor& q, float* out) const = 0;
+  /// Extra validation of input beyond shape/dtype/finite (e.g. divisibility), on the caller's
+  /// view. Default: none.
+  virtual void check_input(const TensorView& x) const { (void)x; }
   /// Layout / codec implementations behind the public methods above (layouts validated by
   /// stored_layout()). Default do_stored_layout: UnsupportedError naming the spec.
   virtual StoredLayout do_stored_layout(int64_t head_dim) const;
@@ -197,8 +246,8 @@ class Quantizer {
   virtual bool checks_finite_itself() const { return false; }
 
  private:
-  void validate_quantize_input(const at::Tensor& x, const std::string& where) const;
-  void validate_dequantize_input(const QuantizedTensor& q) const;
+  void validate_quantize_input(const TensorView& x, const std::string& where) const;
+  Input make_input(const TensorView& x, std::vector<float>& scratch) const;
 };
 
 /// Builds a quantizer from its spec string (e.g. "int4:g32", "fp8:e4m3", "bf16").
@@ -210,16 +259,19 @@ std::unique_ptr<Quantizer> make_quantizer(const std::string& spec);
 /// Parameter tables of every registered quantizer, in registration order (for --list).
 std::vector<ParamTable> registered_quantizers();
 
-/// Reconstruction error of `x_hat` against `x` (both converted to float32).
+/// Reconstruction error of `x_hat` against `x` (both read as float32, sums in float64).
 struct ReconstructionError {
   double rel_fro = 0;  ///< ||x - x_hat||_F / ||x||_F (0 when x == 0 and x_hat == 0; +inf when only x == 0)
   double max_abs = 0;  ///< max |x - x_hat|
 };
 
-/// @throws InvalidArgument if shapes differ.
-ReconstructionError reconstruction_error(const at::Tensor& x, const at::Tensor& x_hat);
+/// Of two float views of the same shape (any strides). (kvcache/torch/quantizer.h has the
+/// at::Tensor form, computed with at:: ops as the study's tables always were.)
+/// @throws InvalidArgument if either is undefined, not a float dtype, or the shapes differ.
+ReconstructionError reconstruction_error(const TensorView& x, const TensorView& x_hat);
 
-/// Quantize-dequantize `x` with `q` and measure the error.
-ReconstructionError reconstruction_error(const Quantizer& q, const at::Tensor& x);
+/// Quantize-dequantize `x` (`[B, H_kv, T, D]`) with `q` (back to x's dtype) and measure the error.
+/// @throws as Quantizer::quantize.
+ReconstructionError reconstruction_error(const Quantizer& q, const TensorView& x);
 
 }  // namespace kvcache

@@ -14,12 +14,18 @@
 /// Query rows of KV head h are its G query heads × T_q tokens, token-major (row = t·G + g),
 /// processed in blocks of up to 64 rows; the attention mass for the policy is formed from
 /// the scores of the selected rows (kept for the pass when they fit 64 MiB, recomputed in a
-/// second pass over the blocks otherwise).
+/// second pass over the blocks otherwise): the mean over the G query heads (summed over rows)
+/// or, for AttentionNeed::Reduce::kMax, the max over both.
+///
+/// A replay step (KVzip) hands extra tokens (`tail_*`): float32 post-RoPE keys and values that
+/// follow every stored token of the head, at later positions; they are attended like stored
+/// ones (causally by position), and the mass covers the stored tokens only.
 
 #include <cstdint>
 
+#include "cache/attend_tiles.h"
 #include "cache/layer_store.h"
-#include "cache/rope_table.h"
+#include "common/rope_table.h"
 #include "kvcache/attention.h"
 
 namespace kvcache::cache {
@@ -30,7 +36,7 @@ struct AttendArgs {
   const int64_t* q_pos = nullptr;  ///< `[T_q]`
   int64_t t_q = 0;
   int64_t num_q_heads = 0;
-  const RopeTable* rope = nullptr;  ///< non-null: keys are stored pre-RoPE, rotate on read
+  const common::RopeTable* rope = nullptr;  ///< non-null: keys are stored pre-RoPE, rotate on read
   AttentionNeed need;               ///< rows whose mass `mass` receives (if any())
   float* out = nullptr;             ///< `[H_q, T_q, D]` float32
   AttentionMass* mass = nullptr;    ///< filled when need.any()
@@ -40,20 +46,22 @@ struct AttendArgs {
   /// Use the fused kernels (attend_fused.h) where the CPU and every block format allow; false
   /// runs the generic path (the reference twin) everywhere.
   bool fused = true;
+  /// Tokens after the stored ones (a replay step): per KV head h, keys at tail_k + h·tail_n·D
+  /// and values at tail_v + h·tail_n·D (`[tail_n, D]` float32, keys post-RoPE), positions
+  /// tail_pos `[tail_n]` (shared by every head, after every stored position).
+  const float* tail_k = nullptr;
+  const float* tail_v = nullptr;
+  const int64_t* tail_pos = nullptr;
+  int64_t tail_n = 0;
 };
 
-/// Runs attention for every KV head (at::parallel_for over heads when the work is large).
+/// Sets up args.mass for args.need (before attend_head runs for any head).
+void begin_attend(const AttendArgs& args);
+/// Attention of KV head h (heads are independent: any number may run at once).
+void attend_head(const AttendArgs& args, int64_t h);
+/// A head's multiply-adds: heads run in parallel once this reaches 64 Ki.
+int64_t head_work(const AttendArgs& args);
+/// begin_attend, then every KV head (in parallel when the work is large).
 void attend_generic(const AttendArgs& args);
-
-/// Lanes of the float32 vectors the generic path's tile kernels (q·k over rows, the online
-/// softmax, p·v) use on this CPU: 16 (AVX-512), 8 (AVX2 + FMA) or 4 (baseline). Each width is
-/// its own build of the same source with that ISA enabled, chosen once for the running CPU.
-int tile_lanes();
-
-/// Makes the tile kernels of `lanes` lanes the ones used (tests and benchmarks: each width is
-/// held to the same reference); 0 picks the widest again. Not thread-safe: call while no
-/// attention runs. Returns false (and changes nothing) if this CPU cannot run that width.
-/// @throws InvalidArgument if lanes is not 0, 4, 8 or 16.
-bool use_tile_lanes(int lanes);
 
 }  // namespace kvcache::cache

@@ -8,16 +8,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #if defined(KVCACHE_FUSED_AVX2)
 #include <cpuid.h>
 #endif
 
+#include "cache/attend.h"
+#include "kvcache/attention.h"
 #include "kvcache/error.h"
-#include "quant/float_quantizer.h"
-#include "quant/fp8_quantizer.h"
-#include "quant/int_quantizer.h"
 
 namespace kvcache::cache::fused {
 
@@ -40,30 +38,35 @@ KernelFormat classify(const BlockFormat& f) {
   KernelFormat k;
   const int64_t d = f.head_dim;
   if (f.quantizer == nullptr || d % 32 != 0 || d > 256) return k;
+  const StoredLayout& l = f.layout;
   k.head_dim = d;
-  k.code_bytes = f.layout.code_bytes;
-  k.meta_count = f.layout.meta_count;
+  k.code_bytes = l.code_bytes;
+  k.meta_count = l.meta_count;
   k.scales_offset = f.scales_offset;
   k.zeros_offset = f.zeros_offset;
-  if (const auto* fc = dynamic_cast<const quant::FloatCastQuantizer*>(f.quantizer)) {  // NOLINT
-    k.kind = fc->storage() == at::kFloat  ? KernelFormat::Kind::kF32
-             : fc->storage() == at::kHalf ? KernelFormat::Kind::kF16
-                                          : KernelFormat::Kind::kBF16;
-  } else if (const auto* f8 = dynamic_cast<const quant::Fp8Quantizer*>(f.quantizer)) {
-    k.kind = f8->format() == quant::Fp8Format::kE4M3 ? KernelFormat::Kind::kE4M3 : KernelFormat::Kind::kE5M2;
-    k.scaled = f8->scaled();
-  } else if (const auto* iq = dynamic_cast<const quant::IntQuantizer*>(f.quantizer)) {
-    k.bits = iq->bits();
-    // The kernels unpack power-of-two widths only; int3's two-plane codes take the generic path.
-    if (k.bits != 8 && k.bits != 4 && k.bits != 2) return KernelFormat{};
-    if (iq->group_axis() == GroupAxis::kPerToken) {
-      k.group = iq->group_for(d);
-      if (!int_chunks_fit(k.bits, k.group)) return KernelFormat{};
-      k.kind = KernelFormat::Kind::kIntToken;
-    } else {
-      k.group = iq->group();
-      k.kind = KernelFormat::Kind::kIntChannel;
-    }
+  switch (l.kernel) {
+    case KernelKind::kNone: return KernelFormat{};
+    case KernelKind::kFloat32: k.kind = KernelFormat::Kind::kF32; break;
+    case KernelKind::kFloat16: k.kind = KernelFormat::Kind::kF16; break;
+    case KernelKind::kBFloat16: k.kind = KernelFormat::Kind::kBF16; break;
+    case KernelKind::kFp8E4M3:
+    case KernelKind::kFp8E5M2:
+      k.kind = l.kernel == KernelKind::kFp8E4M3 ? KernelFormat::Kind::kE4M3 : KernelFormat::Kind::kE5M2;
+      k.scaled = l.tensor_scale;
+      break;
+    case KernelKind::kIntToken:
+    case KernelKind::kIntChannel:
+      k.bits = l.kernel_bits;
+      k.group = l.kernel_group;
+      // The kernels unpack power-of-two widths only; int3's two-plane codes take the generic path.
+      if (k.bits != 8 && k.bits != 4 && k.bits != 2) return KernelFormat{};
+      if (l.kernel == KernelKind::kIntToken) {
+        if (!int_chunks_fit(k.bits, k.group)) return KernelFormat{};
+        k.kind = KernelFormat::Kind::kIntToken;
+      } else {
+        k.kind = KernelFormat::Kind::kIntChannel;
+      }
+      break;
   }
   return k;
 }
@@ -110,29 +113,23 @@ bool cpu_runs(FusedIsa isa) {
 }
 
 std::atomic<FusedIsa>& selected() {
-  static std::atomic<FusedIsa> isa{requested_isa()};
+  static std::atomic<FusedIsa> isa{best_isa()};
   return isa;
 }
 
 }  // namespace
 
-FusedIsa isa_from_env(const char* value) {
-  if (value == nullptr || *value == '\0') return best_isa();
-  const std::string v(value);
+FusedIsa isa_from_name(const std::string& v, const std::string& source) {
+  if (v.empty()) return best_isa();
   FusedIsa isa = FusedIsa::kNone;
   bool known = false;
   for (const FusedIsa i : {FusedIsa::kAvx512, FusedIsa::kAvx2, FusedIsa::kNone}) {
     if (v == isa_name(i)) isa = i, known = true;
   }
-  KV_CHECK_ARG(known, "KVCACHE_FUSED_ISA=", v,
-               ": expected avx512, avx2 or none (or unset: the best this CPU runs, here ", isa_name(best_isa()), ")");
-  KV_CHECK_ARG(cpu_runs(isa), "KVCACHE_FUSED_ISA=", v, ": this CPU (or build) cannot run the ", v,
+  KV_CHECK_ARG(known, source, "=", v, ": expected avx512, avx2 or none (or empty: the best this CPU runs, here ",
+               isa_name(best_isa()), ")");
+  KV_CHECK_ARG(cpu_runs(isa), source, "=", v, ": this CPU (or build) cannot run the ", v,
                " attention kernels; the best it runs is ", isa_name(best_isa()));
-  return isa;
-}
-
-FusedIsa requested_isa() {
-  static const FusedIsa isa = isa_from_env(std::getenv("KVCACHE_FUSED_ISA"));
   return isa;
 }
 
@@ -149,6 +146,12 @@ bool use_fused_isa(FusedIsa isa) {
   if (!cpu_runs(isa)) return false;
   selected().store(isa, std::memory_order_relaxed);
   return true;
+}
+
+void set_isa(FusedIsa isa) {
+  KV_INTERNAL_ASSERT(use_fused_isa(isa), "set_isa: ", isa_name(isa), " does not run here");
+  // The generic path's tile kernels sum as the chosen CPU's would (docs/cache-manager.md).
+  (void)use_tile_lanes(isa == FusedIsa::kAvx2 ? 8 : 0);
 }
 
 const char* isa_name(FusedIsa isa) {
@@ -231,3 +234,13 @@ void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int6
 }
 
 }  // namespace kvcache::cache::fused
+
+namespace kvcache {
+
+std::string attention_kernels() { return cache::fused::isa_name(cache::fused::current_isa()); }
+
+void set_attention_kernels(const std::string& isa, const std::string& source) {
+  cache::fused::set_isa(cache::fused::isa_from_name(isa, source));
+}
+
+}  // namespace kvcache

@@ -35,9 +35,10 @@
 /// codes); integer keys are factored per group, s_g·(q_g·c_g) + z_g·Σ_{d∈g} q_d. So it computes
 /// generic(q) to float32 rounding for every format (not generic(q') of the two-term query).
 /// The ISA is picked once (AVX-512 where the CPU has what the AVX-512 kernels need, else AVX2,
-/// else none); use_fused_isa() overrides it for tests and benchmarks.
+/// else none); kvcache::set_attention_kernels() (set_isa) and use_fused_isa() override it.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cache/block_list.h"
@@ -45,9 +46,11 @@
 
 namespace kvcache::cache::fused {
 
-/// The kernel format of `f` (Kind::kNone if the fused kernels cannot read it — int3, rotated
-/// `had(...)` formats, head dims that are not a multiple of 32 or above 256: then the generic
-/// path runs for the whole layer).
+/// The kernel format of `f`: what its StoredLayout says (StoredLayout::kernel), or Kind::kNone
+/// if the fused kernels cannot read it — KernelKind::kNone formats (int3, rotated `had(...)`,
+/// GEAR, KVQuant), integer groups whose 32-dim chunks do not lie in one packed code stream,
+/// head dims that are not a multiple of 32 or above 256: then the generic path runs for the
+/// whole layer.
 KernelFormat classify(const BlockFormat& f);
 
 /// The fused kernels' instruction sets.
@@ -56,21 +59,17 @@ enum class FusedIsa : uint8_t { kNone, kAvx2, kAvx512 };
 /// The best kernel ISA this CPU runs (checked once; kNone where no kernels are built).
 FusedIsa best_isa();
 
-/// The kernel ISA in use: best_isa(), or what the environment variable KVCACHE_FUSED_ISA
-/// names (read at the first attend(): "avx512", "avx2" or "none", to reproduce another CPU's
-/// attention arithmetic or to rule the kernels out), unless use_fused_isa() chose another.
-/// Throws InvalidArgument (from that first attend()) for another value or an ISA this CPU
-/// cannot run.
+/// The kernel ISA in use: best_isa() unless set_isa() or use_fused_isa() chose another.
 FusedIsa current_isa();
 
-/// What the environment variable KVCACHE_FUSED_ISA asks for (best_isa() where it is unset),
-/// read once: the initial current_isa(), and the tile width of the generic path (attend.cpp).
-/// Throws as isa_from_env().
-FusedIsa requested_isa();
+/// The ISA named `value` ("avx512", "avx2" or "none"; empty: best_isa()), as KVCACHE_FUSED_ISA
+/// spells it. Throws InvalidArgument "<source>=<value>: expected avx512, avx2 or none ..." for
+/// another value, or naming an ISA this CPU (or build) cannot run.
+FusedIsa isa_from_name(const std::string& value, const std::string& source);
 
-/// The ISA KVCACHE_FUSED_ISA=`value` selects (null or empty: best_isa()); throws
-/// InvalidArgument naming the value for anything but avx512/avx2/none or an ISA the CPU lacks.
-FusedIsa isa_from_env(const char* value);
+/// Runs `isa` from now on, the generic path's tile kernels at 8 lanes under kAvx2 (the AVX2-only
+/// CPU's summation order) and at the widest the CPU runs otherwise: kvcache::set_attention_kernels.
+void set_isa(FusedIsa isa);
 
 /// Test and benchmark hook: run the `isa` kernels from now on (kNone: the generic path).
 /// False, and no change, if this CPU cannot run them (or they are not built). Not for use

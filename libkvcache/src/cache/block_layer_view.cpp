@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CacheManager's read-only view for eviction policies (block_layer_view.h) and the
-// plain-tensor view (kvcache/layer_view.h).
+// The CacheManager's read-only view for eviction policies (block_layer_view.h; its twin over
+// plain arrays, TensorLayerView, is in src/evict/eviction_inputs.cpp).
 #include "cache/block_layer_view.h"
 
 #include <algorithm>
@@ -17,7 +17,7 @@ namespace {
 /// Reads one stream's live tokens in order, decoding each block once.
 class StreamReader {
  public:
-  StreamReader(const HeadStream& s, float tensor_scale, const RopeTable* rope, int64_t d, bool decode)
+  StreamReader(const HeadStream& s, float tensor_scale, const common::RopeTable* rope, int64_t d, bool decode)
       : scale_(tensor_scale), rope_(rope), d_(d), decode_(decode), walk_(s) {}
 
   /// Copies the next min(n, left) live tokens: rows to `rows` `[n, D]` (when decoding) and
@@ -54,7 +54,7 @@ class StreamReader {
   }
 
   float scale_;
-  const RopeTable* rope_;
+  const common::RopeTable* rope_;
   int64_t d_;
   bool decode_;
   StreamBlockWalk walk_;
@@ -108,82 +108,4 @@ void BlockLayerView::mean_rotation(int64_t first, int64_t n, float* cos_out, flo
 }
 
 }  // namespace cache
-
-namespace {
-std::string sizes_of(const at::Tensor& t) {
-  if (!t.defined()) return "undefined";
-  std::ostringstream os;
-  os << t.sizes() << " " << at::toString(t.scalar_type());
-  return os.str();
-}
-}  // namespace
-
-TensorLayerView::TensorLayerView(const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                                 int64_t next_position, RopeFn rope)
-    : next_(next_position), rope_(std::move(rope)) {
-  KV_CHECK_ARG(k.defined() && k.dim() == 4 && k.size(0) == 1 && k.scalar_type() == at::kFloat,
-               "TensorLayerView: k must be float32 [1, H_kv, T, D], got ", sizes_of(k));
-  KV_CHECK_ARG(v.defined() && v.sizes() == k.sizes() && v.scalar_type() == at::kFloat,
-               "TensorLayerView: v must be float32 ", k.sizes(), ", got ", sizes_of(v));
-  KV_CHECK_ARG(positions.defined() && positions.dim() == 2 && positions.size(0) == k.size(1) &&
-                   positions.size(1) == k.size(2) && positions.scalar_type() == at::kLong,
-               "TensorLayerView: positions must be int64 [H_kv=", k.size(1), ", T=", k.size(2), "], got ",
-               sizes_of(positions));
-  d_ = k.size(3);
-  for (int64_t h = 0; h < k.size(1); ++h) {
-    k_.push_back(k[0][h].contiguous());
-    v_.push_back(v[0][h].contiguous());
-    pos_.push_back(positions[h].contiguous());
-  }
-}
-
-TensorLayerView::TensorLayerView(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
-                                 std::vector<at::Tensor> positions, int64_t next_position, RopeFn rope)
-    : next_(next_position), rope_(std::move(rope)) {
-  KV_CHECK_ARG(!k.empty() && k.size() == v.size() && k.size() == positions.size(),
-               "TensorLayerView: ", k.size(), " key, ", v.size(), " value and ", positions.size(),
-               " position tensors (expected one of each per KV head, at least one head)");
-  KV_CHECK_ARG(k[0].defined() && k[0].dim() == 2, "TensorLayerView: k[0] must be float32 [T_0, D], got ",
-               sizes_of(k[0]));
-  d_ = k[0].size(1);
-  for (size_t h = 0; h < k.size(); ++h) {
-    KV_CHECK_ARG(k[h].defined() && k[h].dim() == 2 && k[h].size(1) == d_ && k[h].scalar_type() == at::kFloat,
-                 "TensorLayerView: k[", h, "] must be float32 [T_h, D=", d_, "], got ", sizes_of(k[h]));
-    KV_CHECK_ARG(v[h].defined() && v[h].sizes() == k[h].sizes() && v[h].scalar_type() == at::kFloat,
-                 "TensorLayerView: v[", h, "] must be float32 ", k[h].sizes(), ", got ", sizes_of(v[h]));
-    KV_CHECK_ARG(positions[h].defined() && positions[h].dim() == 1 && positions[h].size(0) == k[h].size(0) &&
-                     positions[h].scalar_type() == at::kLong,
-                 "TensorLayerView: positions[", h, "] must be int64 [T_h=", k[h].size(0), "], got ",
-                 sizes_of(positions[h]));
-    k_.push_back(k[h].contiguous());
-    v_.push_back(v[h].contiguous());
-    pos_.push_back(positions[h].contiguous());
-  }
-}
-
-int64_t TensorLayerView::resident(int64_t h) const {
-  KV_CHECK_ARG(h >= 0 && h < num_kv_heads(), "LayerView: KV head ", h, " out of range [0, ", num_kv_heads(), ")");
-  return k_[static_cast<size_t>(h)].size(0);
-}
-
-void TensorLayerView::visit(int64_t h, ViewStreams streams, const std::function<void(const TokenRun&)>& fn) const {
-  const int64_t t = resident(h);
-  if (t == 0) return;
-  TokenRun run;
-  run.first = 0;
-  run.n = t;
-  if ((static_cast<uint8_t>(streams) & 1u) != 0) run.keys = k_[static_cast<size_t>(h)].data_ptr<float>();
-  if ((static_cast<uint8_t>(streams) & 2u) != 0) run.values = v_[static_cast<size_t>(h)].data_ptr<float>();
-  run.positions = pos_[static_cast<size_t>(h)].data_ptr<int64_t>();
-  fn(run);
-}
-
-void TensorLayerView::mean_rotation(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
-  KV_CHECK(static_cast<bool>(rope_), UnsupportedError,
-           "TensorLayerView::mean_rotation: the view was built without a RoPE hook");
-  KV_CHECK_ARG(first >= 0 && n >= 1, "LayerView::mean_rotation: positions [", first, ", ", first, " + ", n,
-               ") (expected first >= 0, n >= 1)");
-  cache::RopeTable(rope_, head_dim(), "TensorLayerView::mean_rotation needs it").mean_cos_sin(first, n, cos_out, sin_out);
-}
-
 }  // namespace kvcache

@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "cache/layer_store.h"
-#include "cache/rope_table.h"
+#include "common/rope_table.h"
 #include "kvcache/layer_view.h"
 
 namespace kvcache::cache {
@@ -25,7 +25,7 @@ class BlockLayerView final : public LayerView {
   /// @param key_rope     non-null: keys are stored pre-RoPE and rotated by this table on read
   /// @param rope         table for mean_rotation(), or null (then it throws UnsupportedError)
   /// @param next_position the layer's next position
-  BlockLayerView(const LayerStore* store, const RopeTable* key_rope, const RopeTable* rope, int64_t next_position)
+  BlockLayerView(const LayerStore* store, const common::RopeTable* key_rope, const common::RopeTable* rope, int64_t next_position)
       : store_(store), key_rope_(key_rope), rope_(rope), next_(next_position) {}
 
   int64_t num_kv_heads() const override { return store_->num_heads(); }
@@ -37,8 +37,8 @@ class BlockLayerView final : public LayerView {
 
  private:
   const LayerStore* store_;
-  const RopeTable* key_rope_;
-  const RopeTable* rope_;
+  const common::RopeTable* key_rope_;
+  const common::RopeTable* rope_;
   int64_t next_;
 };
 

@@ -23,7 +23,7 @@ int64_t popcount_words(const std::vector<uint64_t>& w) {
 int64_t BlockFormat::bytes_for(const Quantizer& q, int64_t head_dim, int64_t capacity) {
   const StoredLayout l = q.stored_layout(head_dim);
   const int64_t groups = capacity / l.group_tokens;
-  const int64_t meta = l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
+  const int64_t meta = l.meta_count * dtype_size(l.meta_dtype);
   int64_t end = align8(groups * l.code_bytes);
   end = align8(end + groups * meta);
   if (l.has_zeros) end = align8(end + groups * meta);
@@ -34,7 +34,7 @@ BlockFormat::BlockFormat(const Quantizer& q, int64_t d, int64_t cap, BlockPool* 
     : quantizer(&q), layout(q.stored_layout(d)), head_dim(d), capacity(cap), pool(p) {
   KV_INTERNAL_ASSERT(cap >= 1 && cap % layout.group_tokens == 0, "format ", q.spec(), " capacity ", cap);
   groups = cap / layout.group_tokens;
-  const int64_t meta = layout.meta_count * static_cast<int64_t>(c10::elementSize(layout.meta_dtype));
+  const int64_t meta = layout.meta_count * dtype_size(layout.meta_dtype);
   scales_offset = align8(groups * layout.code_bytes);
   zeros_offset = align8(scales_offset + groups * meta);
   block_bytes = layout.has_zeros ? align8(zeros_offset + groups * meta) : zeros_offset;
@@ -44,7 +44,7 @@ BlockFormat::BlockFormat(const Quantizer& q, int64_t d, int64_t cap, BlockPool* 
 }
 
 GroupBuffers BlockFormat::at(uint8_t* block, int64_t group) const {
-  const int64_t meta = layout.meta_count * static_cast<int64_t>(c10::elementSize(layout.meta_dtype));
+  const int64_t meta = layout.meta_count * dtype_size(layout.meta_dtype);
   GroupBuffers g;
   g.codes = block + group * layout.code_bytes;
   if (layout.meta_count > 0) g.scales = block + scales_offset + group * meta;
@@ -415,7 +415,7 @@ void BlockList::merge_into(size_t i) {
   Block& a = blocks_[i];
   Block& b = blocks_[i + 1];
   const BlockFormat& F = fmt(a.format);
-  const int64_t meta = F.layout.meta_count * static_cast<int64_t>(c10::elementSize(F.layout.meta_dtype));
+  const int64_t meta = F.layout.meta_count * dtype_size(F.layout.meta_dtype);
   uint8_t* da = F.pool->data(a.id);
   const uint8_t* db = F.pool->data(b.id);
   std::vector<int64_t> pos;

@@ -7,7 +7,7 @@
 #include <map>
 
 #include "cache/kvquant_scheme.h"
-#include "common/registry.h"
+#include "registry/registry.h"
 #include "kvcache/error.h"
 #include "quant/gear_quantizer.h"
 #include "quant/hadamard.h"
@@ -53,7 +53,7 @@ class TrivialScheme final : public CacheScheme {
     // A quantizer that stores float32 rows (fp32, had(fp32)) keeps a float32 residual: a
     // float16 one would be lossier than the format itself.
     const bool f32_rows = l.meta_count == 0 && !l.tensor_scale && l.code_bytes == 4 * g.head_dim * l.group_tokens;
-    s.residual_dtype = f32_rows ? at::kFloat : at::kHalf;
+    s.residual_dtype = f32_rows ? DType::kFloat32 : DType::kFloat16;
     const int64_t gt = l.group_tokens;
     if (gt > 1) {
       // Groups span gt tokens: tokens wait in the residual until whole groups can be quantized.
@@ -119,8 +119,8 @@ class KiviScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, r_, ResidualFlush::kBlock, at::kHalf, {}, 0, nullptr, false};
-    s.value = {value_, r_, ResidualFlush::kSliding, at::kHalf, {}, 0, nullptr, false};
+    s.key = {key_, r_, ResidualFlush::kBlock, DType::kFloat16, {}, 0, nullptr, false};
+    s.value = {value_, r_, ResidualFlush::kSliding, DType::kFloat16, {}, 0, nullptr, false};
     return s;
   }
 
@@ -227,8 +227,8 @@ class GearScheme final : public CacheScheme {
     (void)layout_in(spec_, "keys", *key_, g.head_dim);
     (void)layout_in(spec_, "values", *value_, g.head_dim);
     LayerStreams s;
-    s.key = {key_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0, nullptr, false};
-    s.value = {value_, block_, ResidualFlush::kBlock, at::kHalf, {}, 0, nullptr, false};
+    s.key = {key_, block_, ResidualFlush::kBlock, DType::kFloat16, {}, 0, nullptr, false};
+    s.value = {value_, block_, ResidualFlush::kBlock, DType::kFloat16, {}, 0, nullptr, false};
     s.key.prefill_quantizer = key_prefill_;
     s.value.prefill_quantizer = value_prefill_;
     s.key.recompress = s.value.recompress = whole_;

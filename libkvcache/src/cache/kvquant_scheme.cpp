@@ -130,7 +130,7 @@ class KvquantScheme final : public CacheScheme {
         }
         ss.residual = 0;
         ss.flush = ResidualFlush::kSliding;
-        ss.residual_dtype = at::kHalf;
+        ss.residual_dtype = DType::kFloat16;
         ss.sink_tokens = sinks_;
       }
       layers_.push_back(std::move(s));

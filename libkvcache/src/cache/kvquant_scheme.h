@@ -2,7 +2,7 @@
 #pragma once
 /// @file kvquant_scheme.h (internal)
 /// The `kvquant` cache scheme's registry entry (registered in cache_scheme.cpp's list).
-#include "common/registry.h"
+#include "registry/registry.h"
 
 namespace kvcache::registry {
 

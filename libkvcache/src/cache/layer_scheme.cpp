@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "common/layer_runs.h"
-#include "common/registry.h"
+#include "registry/registry.h"
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 

@@ -2,18 +2,20 @@
 #pragma once
 /// @file multi_sequence_access.h
 /// Read-only introspection of a MultiSequenceCache, for tests and debugging: a sequence's
-/// CacheManager and the memory of every block the prefix index holds. Not part of the public API.
+/// steps (its store, via StepProtocol::store()) and the memory of every block the prefix index
+/// holds. Not part of the public API.
 
 #include <cstdint>
 #include <vector>
 
+#include "cache/step_protocol.h"
 #include "kvcache/multi_sequence_cache.h"
 
 namespace kvcache::cache {
 
 struct MultiSequenceAccess {
-  /// The CacheManager behind `seq` (its blocks via CacheManagerAccess / SequenceSeam::layer).
-  static const CacheManager& manager(const Sequence& seq);
+  /// The steps behind `seq` (its blocks via StepProtocol::store()).
+  static const StepProtocol& steps(const Sequence& seq);
   /// Every block the index holds: its memory and size in bytes (as many entries as holdings).
   struct BlockBytes {
     const uint8_t* data = nullptr;

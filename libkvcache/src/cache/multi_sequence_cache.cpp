@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// MultiSequenceCache (kvcache/multi_sequence_cache.h): sequences are CacheManagers over one
-// shared PoolSet (sequence_seam.h); the prefix index is a RadixTree whose pages hold
-// references to the blocks of a prompt's whole blocks, for every layer, KV head and stream.
+// MultiSequenceCache (kvcache/multi_sequence_cache.h): each sequence is a StepProtocol over a
+// SequenceStore whose blocks come from one shared PoolSet (step_protocol.h, sequence_store.h);
+// the prefix index is a RadixTree whose pages hold references to the blocks of a prompt's whole
+// blocks, for every layer, KV head and stream.
 #include "kvcache/multi_sequence_cache.h"
 
 #include <algorithm>
@@ -16,7 +17,7 @@
 #include "cache/multi_sequence_access.h"
 #include "cache/pool_set.h"
 #include "cache/radix_tree.h"
-#include "cache/sequence_seam.h"
+#include "cache/step_protocol.h"
 #include "common/log.h"
 #include "kvcache/error.h"
 
@@ -28,7 +29,7 @@ using cache::BlockList;
 using cache::BlockPool;
 using cache::LayerStore;
 using cache::RadixTree;
-using cache::SequenceSeam;
+using cache::StepProtocol;
 using cache::StreamFormats;
 
 /// The blocks one page (P prompt tokens) holds in every block list: list i = (layer · H_kv +
@@ -41,25 +42,25 @@ struct CachedPage {
 
 /// Everything that changes the bytes a configuration stores for the same tokens: the index's
 /// namespace. (A CacheConfig field added later that changes stored bytes belongs here.)
-std::string storage_key(const CacheManager& m) {
+std::string storage_key(const StepProtocol& m) {
   auto stream = [](const StreamSpec& s) {
     return s.quantizer->spec() + ",r" + std::to_string(s.residual) +
-           (s.flush == ResidualFlush::kBlock ? ",block," : ",sliding,") + at::toString(s.residual_dtype);
+           (s.flush == ResidualFlush::kBlock ? ",block," : ",sliding,") + to_string(s.residual_dtype);
   };
   const CacheConfig& c = m.config();
   // The scheme's canonical spec, then how it resolved every layer's streams (a scheme may
   // store each layer differently; runs of equal layers are written once).
-  std::string key = "scheme=" + SequenceSeam::scheme(m).spec();
+  std::string key = "scheme=" + m.store().scheme().spec();
   std::string last;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    std::string streams = "K[" + stream(SequenceSeam::key_setup(m, l).spec) + "] V[" +
-                          stream(SequenceSeam::value_setup(m, l).spec) + "]";
+    std::string streams =
+        "K[" + stream(m.store().key_setup(l).spec) + "] V[" + stream(m.store().value_setup(l).spec) + "]";
     if (streams != last) key += " L" + std::to_string(l) + ":" + streams;
     last = std::move(streams);
   }
   return key + " keys=" + (c.key_storage == KeyStorage::kPreRoPE ? "pre-rope" : "post-rope") +
          " positions=" + (c.position_mode == PositionMode::kRerotate ? "rerotate" : "original") +
-         " block=" + std::to_string(SequenceSeam::block_tokens(m));
+         " block=" + std::to_string(m.store().block_tokens());
 }
 
 /// A block a page may hold: full, in the stream's main format, no holes, implicit positions.
@@ -134,7 +135,7 @@ void MultiSequenceConfig::validate() const {
 struct Sequence::State final : cache::StepHooks {
   MultiSequenceCache::Impl* cache = nullptr;
   int64_t id = 0;
-  std::unique_ptr<CacheManager> m;
+  StepProtocol* m = nullptr;  ///< the sequence's steps (owned by its SequenceCache)
   RadixTree::Namespace ns;    ///< key "" = never shared (not_shared says why)
   std::string not_shared;
   int64_t granularity = 0;    ///< reused prefixes are multiples of this (block size, block-flush R)
@@ -184,7 +185,7 @@ struct MultiSequenceCache::Impl {
   /// After a call that may have changed the pool or copied blocks.
   void after(Sequence::State& s) {
     peak = std::max(peak, in_use());
-    const int64_t cow = SequenceSeam::cow_copies(*s.m);
+    const int64_t cow = s.m->cow_copies();
     counters.blocks_copied += cow - s.cow_seen;
     s.cow_seen = cow;
   }
@@ -252,9 +253,9 @@ struct MultiSequenceCache::Impl {
     }
     std::map<std::pair<const BlockPool*, cache::BlockId>, int64_t> dropped;
     for (const Sequence::State* v : victims) {
-      const CacheManager& m = *v->m;
+      const cache::StepProtocol& m = *v->m;
       for (int64_t l = 0; l < m.config().num_layers; ++l) {
-        const LayerStore& store = SequenceSeam::layer(m, l);
+        const LayerStore& store = m.store().store(l);
         for (int64_t h = 0; h < store.num_heads(); ++h) {
           for (const BlockList* list : {&store.k(h).quant, &store.k(h).resid, &store.v(h).quant, &store.v(h).resid}) {
             for (const Block& b : list->blocks()) ++dropped[{list->format(b).pool, b.id}];
@@ -328,13 +329,13 @@ struct MultiSequenceCache::Impl {
   // ---- prefix index -------------------------------------------------------------------
   /// Sets s's namespace, granularity and first-step rule from its configuration.
   void classify(Sequence::State& s) {
-    const CacheManager& m = *s.m;
-    s.granularity = SequenceSeam::block_tokens(m);
+    const StepProtocol& m = *s.m;
+    s.granularity = m.store().block_tokens();
     s.min_step = 0;
     bool tensor_scale = false;
     for (int64_t l = 0; l < m.config().num_layers; ++l) {
-      const auto& ks = SequenceSeam::key_setup(m, l);
-      const auto& vs = SequenceSeam::value_setup(m, l);
+      const auto& ks = m.store().key_setup(l);
+      const auto& vs = m.store().value_setup(l);
       tensor_scale = tensor_scale || ks.formats.tensor_scale() || vs.formats.tensor_scale();
       for (const StreamSpec* sp : {&ks.spec, &vs.spec}) {
         if (sp->residual <= 0) continue;
@@ -342,7 +343,7 @@ struct MultiSequenceCache::Impl {
         if (sp->flush == ResidualFlush::kSliding) s.min_step = std::max(s.min_step, sp->residual);
       }
     }
-    s.ns = RadixTree::Namespace{storage_key(m), SequenceSeam::block_tokens(m)};
+    s.ns = RadixTree::Namespace{storage_key(m), m.store().block_tokens()};
     s.not_shared.clear();
     if (!cfg.prefix_sharing) {
       s.not_shared = "prefix sharing is off (MultiSequenceConfig::prefix_sharing)";
@@ -389,13 +390,13 @@ struct MultiSequenceCache::Impl {
         detail::str_cat("prefixes are reused in multiples of ", s.granularity,
                         " tokens (blocks of ", P, "; residuals flushed in blocks)"));
     if (m > 0) {
-      std::string why = SequenceSeam::replay_blocker(*s.m, m, cfg.allow_inexact_reuse);
+      std::string why = s.m->replay_blocker(m, cfg.allow_inexact_reuse);
       if (!why.empty()) {
         // A budget below the prefix: reuse what fits it, if that replays.
         int64_t b = std::numeric_limits<int64_t>::max();
         for (int64_t l = 0; l < s.m->config().num_layers; ++l) b = std::min(b, s.m->policy().layer_budget(l));
         const int64_t fit = std::min(m, b) / s.granularity * s.granularity;
-        if (fit > 0 && fit < m && SequenceSeam::replay_blocker(*s.m, fit, cfg.allow_inexact_reuse).empty()) {
+        if (fit > 0 && fit < m && s.m->replay_blocker(fit, cfg.allow_inexact_reuse).empty()) {
           cut(fit, why);
         } else {
           cut(0, why);
@@ -425,7 +426,7 @@ struct MultiSequenceCache::Impl {
         }
       }
     }
-    SequenceSeam::adopt(*s.m, a);
+    s.m->adopt(a);
     tree.lock(node);
     s.locked = node;
     s.published = m / P;
@@ -436,7 +437,7 @@ struct MultiSequenceCache::Impl {
   /// Inserts the prompt pages of s that settled since the last call (end_step, before evicting).
   void publish(Sequence::State& s) {
     if (!s.publishing) return;
-    const CacheManager& m = *s.m;
+    const StepProtocol& m = *s.m;
     const CacheStats st = m.stats();
     if (st.tokens_resident < st.tokens_written) {  // it evicted: what is left of its prompt stays private
       s.publishing = false;
@@ -455,7 +456,7 @@ struct MultiSequenceCache::Impl {
     int64_t settled = b1 - b0;
     bool irregular = false;
     for (int64_t l = 0; l < L && settled > 0; ++l) {
-      const LayerStore& store = SequenceSeam::layer(m, l);
+      const LayerStore& store = m.store().store(l);
       for (int64_t h = 0; h < H && settled > 0; ++h) {
         for (int st2 = 0; st2 < 2 && settled > 0; ++st2) {
           const size_t i = static_cast<size_t>((l * H + h) * 2 + st2);
@@ -509,9 +510,9 @@ struct MultiSequenceCache::Impl {
     std::map<std::pair<const BlockPool*, cache::BlockId>, BlockInfo> blocks;
     int64_t logical = 0;
     for (const auto& q : seqs) {
-      const CacheManager& m = *q->s_->m;
+      const StepProtocol& m = *q->s_->m;
       for (int64_t l = 0; l < m.config().num_layers; ++l) {
-        const LayerStore& store = SequenceSeam::layer(m, l);
+        const LayerStore& store = m.store().store(l);
         for (int64_t h = 0; h < store.num_heads(); ++h) {
           for (const BlockList* list : {&store.k(h).quant, &store.k(h).resid, &store.v(h).quant, &store.v(h).resid}) {
             for (const Block& b : list->blocks()) {
@@ -543,12 +544,13 @@ void Sequence::State::before_append(int64_t bytes) { cache->make_room(*this, byt
 void Sequence::State::before_evict(int64_t bytes) { cache->make_room(*this, bytes); }
 
 // ---------------------------------------------------------------- Sequence
-Sequence::Sequence(std::unique_ptr<State> state) : s_(std::move(state)) {}
+Sequence::Sequence(std::unique_ptr<cache::StepProtocol> steps, std::unique_ptr<State> state)
+    : SequenceCache(std::move(steps)), s_(std::move(state)) {
+  s_->m = &this->steps();
+}
 Sequence::~Sequence() = default;
 
 int64_t Sequence::id() const { return s_->id; }
-const CacheConfig& Sequence::config() const { return s_->m->config(); }
-const EvictionPolicy& Sequence::policy() const { return s_->m->policy(); }
 bool Sequence::preempted() const { return s_->preempted; }
 const PrefixMatch& Sequence::prefix() const { return s_->match; }
 
@@ -597,20 +599,16 @@ int64_t Sequence::next_position(int64_t layer) const {
   return s_->m->next_position(layer);
 }
 
-void Sequence::append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+void Sequence::append(int64_t layer, const TensorView& k, const TensorView& v, const TensorView& positions) {
   s_->check_live("Sequence::append");
   s_->m->append(layer, k, v, positions);
   s_->cache->after(*s_);
 }
 
-at::Tensor Sequence::attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) {
+void Sequence::attend(int64_t layer, const TensorView& q, const TensorView& q_positions,
+                      const MutableTensorView& out) {
   s_->check_live("Sequence::attend");
-  return s_->m->attend(layer, q, q_positions);
-}
-
-void Sequence::observe_attention(int64_t layer, const at::Tensor& probs) {
-  s_->check_live("Sequence::observe_attention");
-  s_->m->observe_attention(layer, probs);
+  s_->m->attend(layer, q, q_positions, out);
 }
 
 void Sequence::end_step(StepKind step) {
@@ -620,11 +618,12 @@ void Sequence::end_step(StepKind step) {
   s_->cache->after(*s_);
 }
 
-LayerTokens Sequence::tokens(int64_t layer) const { return s_->m->tokens(layer); }
-CacheStats Sequence::stats() const { return s_->m->stats(); }
-LayerKV Sequence::get(int64_t layer) const { return s_->m->get(layer); }
-int64_t Sequence::blocks_copied() const { return SequenceSeam::cow_copies(*s_->m); }
-void Sequence::check_invariants() const { s_->m->check_invariants(); }
+void Sequence::begin_replay() {
+  throw UnsupportedError(detail::str_cat("Sequence::begin_replay: sequence ", s_->id,
+                                         " of a MultiSequenceCache runs no context replay (a CacheManager does)"));
+}
+
+int64_t Sequence::blocks_copied() const { return s_->m->cow_copies(); }
 
 // ---------------------------------------------------------------- MultiSequenceCache
 MultiSequenceCache::MultiSequenceCache(MultiSequenceConfig config) : impl_(std::make_unique<Impl>()) {
@@ -654,10 +653,11 @@ Sequence& MultiSequenceCache::add_sequence(CacheConfig config) {
   auto st = std::make_unique<Sequence::State>();
   st->cache = impl_.get();
   st->id = impl_->next_id;
-  st->m = std::make_unique<CacheManager>(SequenceSeam::make(std::move(config), impl_->pools, st.get()));
-  impl_->classify(*st);
+  auto steps = std::make_unique<cache::StepProtocol>(std::move(config), impl_->pools, st.get());
+  Sequence::State& state = *st;
+  impl_->seqs.push_back(std::unique_ptr<Sequence>(new Sequence(std::move(steps), std::move(st))));
+  impl_->classify(state);
   ++impl_->next_id;
-  impl_->seqs.push_back(std::unique_ptr<Sequence>(new Sequence(std::move(st))));
   return *impl_->seqs.back();
 }
 
@@ -742,7 +742,7 @@ void MultiSequenceCache::check_invariants() const {
 // ---------------------------------------------------------------- introspection
 namespace kvcache::cache {
 
-const CacheManager& MultiSequenceAccess::manager(const Sequence& seq) { return *seq.s_->m; }
+const cache::StepProtocol& MultiSequenceAccess::steps(const Sequence& seq) { return *seq.s_->m; }
 
 std::vector<MultiSequenceAccess::BlockBytes> MultiSequenceAccess::cached_blocks(const MultiSequenceCache& c) {
   std::vector<BlockBytes> out;

@@ -9,7 +9,7 @@
 #include <numeric>
 #include <sstream>
 
-#include "common/registry.h"
+#include "registry/registry.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 
@@ -79,7 +79,7 @@ void EvictionPolicy::observe_queries(int64_t layer, const QueryRows& rows, const
   do_observe_queries(layer, rows, view);
 }
 
-void EvictionPolicy::observe(int64_t layer, const at::Tensor& probs) {
+void EvictionPolicy::observe(int64_t layer, const TensorView& probs) {
   observe(layer, reduce_attention(probs, shape_.num_kv_heads, attention_need()));
 }
 
@@ -189,7 +189,7 @@ namespace {
 constexpr int kMaxWrapperDepth = 4;
 
 /// The eviction policies' registration list (order = `kv_study list` order): one line per
-/// policy, fed into the one registry of spec heads (common/registry.h). A wrapper (adakv,
+/// policy, fed into the one registry of spec heads (registry/registry.h). A wrapper (adakv,
 /// decode) takes the policy it wraps as the rest of its spec, after its own fields.
 struct Registration {
   const ParamTable& (*table)();

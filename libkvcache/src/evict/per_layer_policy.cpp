@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/layer_runs.h"
-#include "common/registry.h"
+#include "registry/registry.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 

@@ -242,9 +242,10 @@ class SnapKVPolicy : public ScorerPolicy {
   /// At the end of the prompt: the layer's rows are spent; after the last layer, done.
   void on_step_end(const EvictionContext& ctx) override;
 
-  /// Pools `scores` `[H, T]` along T with kernel `kernel` (odd), stride 1, padding kernel/2.
-  /// avg: zero padding counted (avg_pool1d default); max: padding ignored.
-  static at::Tensor pool(const at::Tensor& scores, int64_t kernel, bool use_max);
+  /// Pools `scores` row-major `[H, T]` along T with kernel `kernel` (odd), stride 1, padding
+  /// kernel/2 → `[H, T]`. avg: zero padding counted (PyTorch avg_pool1d's default: a float32 sum
+  /// of the window's valid values from the left, divided by k); max: padding ignored.
+  static std::vector<float> pool(const std::vector<float>& scores, int64_t heads, int64_t kernel, bool use_max);
 
  protected:
   SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel, bool use_max);
@@ -268,7 +269,13 @@ class SnapKVPolicy : public ScorerPolicy {
   bool use_max_;
   bool prefill_done_ = false;
   int64_t layers_done_ = 0;
-  std::vector<at::Tensor> rows_;  ///< per layer `[H_kv, n_rows <= w, T]` last query rows
+  /// The last query rows of one layer: row-major `[H_kv, rows <= w, T]` (none until observed).
+  struct Rows {
+    int64_t heads = 0, rows = 0, keys = 0;
+    std::vector<float> data;
+    bool defined() const { return heads > 0; }
+  };
+  std::vector<Rows> rows_;  ///< per layer
 };
 
 /// `pyramid:w<N>:k<N>:b<beta>:avg|max`: PyramidKV (arXiv 2406.02069; kvpress PyramidKVPress):

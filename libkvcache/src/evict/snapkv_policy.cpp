@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/cascade_sum.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
 
@@ -37,7 +38,7 @@ SnapKVPolicy::SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window
 }
 
 void SnapKVPolicy::on_reset() {
-  rows_.assign(static_cast<size_t>(shape().num_layers), at::Tensor());
+  rows_.assign(static_cast<size_t>(shape().num_layers), Rows{});
   prefill_done_ = false;
   layers_done_ = 0;
 }
@@ -49,34 +50,60 @@ int64_t SnapKVPolicy::layer_budget(int64_t layer) const {
 
 void SnapKVPolicy::do_observe(int64_t layer, const AttentionMass& mass) {
   if (prefill_done_) return;  // SnapKV compresses the prompt only
-  auto red = mass.to_tensor();  // [H_kv, rows ≤ w, T]: the step's last query rows
-  const int64_t t = red.size(2);
+  // mass: [H_kv, rows ≤ w, T], the step's last query rows (heads of equal length).
+  const int64_t heads = mass.num_kv_heads(), nr = mass.rows;
+  KV_CHECK_ARG(heads >= 1 && nr >= 1, "snapkv.observe: empty attention mass");
+  const int64_t t = mass.keys(0);
+  for (int64_t h = 1; h < heads; ++h) {
+    KV_CHECK_ARG(mass.keys(h) == t, "snapkv.observe: head ", h, " holds ", mass.keys(h), " keys but head 0 holds ", t,
+                 " (SnapKV needs heads of equal length)");
+  }
   auto& rows = rows_.at(static_cast<size_t>(layer));
   if (rows.defined()) {
-    KV_CHECK_ARG(rows.size(2) <= t, "snapkv.observe: layer ", layer, " attention covers ", t,
-                 " keys, fewer than the ", rows.size(2), " seen before");
-    // Earlier queries could not attend to later keys: their columns are 0.
-    if (rows.size(2) < t) {
-      rows = at::cat({rows, at::zeros({rows.size(0), rows.size(1), t - rows.size(2)}, rows.options())}, 2);
-    }
-    rows = at::cat({rows, red}, 1);
-    if (rows.size(1) > window_) rows = rows.narrow(1, rows.size(1) - window_, window_);
-    rows = rows.contiguous();
-  } else {
-    rows = red.contiguous();
+    KV_CHECK_ARG(rows.keys <= t, "snapkv.observe: layer ", layer, " attention covers ", t, " keys, fewer than the ",
+                 rows.keys, " seen before");
   }
+  // Earlier queries could not attend to later keys: their columns are 0. Then the new rows;
+  // the last w rows are kept.
+  const int64_t old = rows.defined() ? rows.rows : 0;
+  const int64_t total = old + nr, keep = std::min(total, window_), drop = total - keep;
+  Rows next;
+  next.heads = heads;
+  next.rows = keep;
+  next.keys = t;
+  next.data.assign(static_cast<size_t>(heads * keep * t), 0.0f);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t r = drop; r < total; ++r) {
+      float* dst = next.data.data() + (h * keep + (r - drop)) * t;
+      if (r < old) {
+        const float* src = rows.data.data() + (h * old + r) * rows.keys;
+        std::copy_n(src, rows.keys, dst);
+      } else {
+        const float* src = mass.heads[static_cast<size_t>(h)].data() + (r - old) * t;
+        std::copy_n(src, t, dst);
+      }
+    }
+  }
+  rows = std::move(next);
 }
 
-at::Tensor SnapKVPolicy::pool(const at::Tensor& scores, int64_t kernel, bool use_max) {
-  KV_CHECK_ARG(scores.dim() == 2 && kernel % 2 == 1, "snapkv.pool: expected [H, T] and odd kernel, got ",
-               scores.sizes(), " k=", kernel);
-  if (kernel == 1) return scores.contiguous();
-  const int64_t pad = kernel / 2;
-  auto x = scores.unsqueeze(1);  // [H, 1, T]
-  auto out = use_max ? at::max_pool1d(x, {kernel}, {1}, {pad})
-                     : at::avg_pool1d(x, {kernel}, {1}, {pad}, /*ceil_mode=*/false,
-                                      /*count_include_pad=*/true);
-  return out.squeeze(1).contiguous();
+std::vector<float> SnapKVPolicy::pool(const std::vector<float>& scores, int64_t heads, int64_t kernel, bool use_max) {
+  KV_CHECK_ARG(heads >= 1 && static_cast<int64_t>(scores.size()) % heads == 0 && kernel % 2 == 1,
+               "snapkv.pool: expected [H, T] and an odd kernel, got ", scores.size(), " values over ", heads,
+               " heads, k=", kernel);
+  if (kernel == 1) return scores;
+  const int64_t t = static_cast<int64_t>(scores.size()) / heads, pad = kernel / 2;
+  std::vector<float> out(scores.size());
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = scores.data() + h * t;
+    for (int64_t j = 0; j < t; ++j) {
+      const int64_t lo = std::max<int64_t>(0, j - pad), hi = std::min(t, j + pad + 1);
+      float acc = use_max ? -std::numeric_limits<float>::infinity() : 0.0f;
+      for (int64_t i = lo; i < hi; ++i) acc = use_max ? (x[i] > acc || std::isnan(x[i]) ? x[i] : acc) : acc + x[i];
+      out[static_cast<size_t>(h * t + j)] = use_max ? acc : acc / static_cast<float>(kernel);
+    }
+  }
+  return out;
 }
 
 int64_t SnapKVPolicy::decode_reserve(const EvictionContext& ctx) const {
@@ -99,28 +126,36 @@ std::optional<int64_t> SnapKVPolicy::compression_target(const EvictionContext& c
 
 TokenScores SnapKVPolicy::score(const EvictionContext& ctx) const {
   const int64_t t = uniform_resident(ctx, name());
-  const auto& rows = rows_.at(static_cast<size_t>(ctx.layer));
-  KV_CHECK_ARG(rows.defined() && rows.size(2) == t, name(), ": layer ", ctx.layer, " has ", t,
-               " prompt tokens but attention was observed over ", rows.defined() ? rows.size(2) : 0,
+  const Rows& rows = rows_.at(static_cast<size_t>(ctx.layer));
+  KV_CHECK_ARG(rows.defined() && rows.keys == t, name(), ": layer ", ctx.layer, " has ", t,
+               " prompt tokens but attention was observed over ", rows.defined() ? rows.keys : 0,
                "; call observe_attention(layer, probs) for the prompt chunks");
   const int64_t w = std::min(window_, t);
   const int64_t prefix = t - w;
-  // Mean over the observation queries (kvpress; the sum ranks the same), prefix keys only,
-  // pooled; the window is kept.
-  auto pooled = pool(rows.narrow(2, 0, prefix).mean(1), kernel_, use_max_);  // [H_kv, prefix]
-  const float* p = pooled.data_ptr<float>();
+  // Mean over the observation queries (kvpress; the sum ranks the same: at::mean's sum over the
+  // rows then a division by their count), prefix keys only, pooled; the window is kept.
+  const int64_t heads = rows.heads;
+  std::vector<float> mean(static_cast<size_t>(heads * prefix));
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t j = 0; j < prefix; ++j) {
+      const float* col = rows.data.data() + h * rows.rows * t + j;
+      mean[static_cast<size_t>(h * prefix + j)] =
+          detail::cascade_sum(col, t, rows.rows) / static_cast<float>(rows.rows);
+    }
+  }
+  const std::vector<float> pooled = prefix > 0 ? pool(mean, heads, kernel_, use_max_) : mean;  // [H_kv, prefix]
   TokenScores out(static_cast<size_t>(ctx.num_kv_heads()));
   for (int64_t h = 0; h < ctx.num_kv_heads(); ++h) {
     auto& row = out[static_cast<size_t>(h)];
     row.assign(static_cast<size_t>(t), std::numeric_limits<float>::infinity());
-    std::copy_n(p + h * prefix, prefix, row.begin());
+    std::copy_n(pooled.begin() + h * prefix, prefix, row.begin());
   }
   return out;
 }
 
 void SnapKVPolicy::on_step_end(const EvictionContext& ctx) {
   if (prefill_done_ || !ctx.is_prefill_end()) return;
-  rows_.at(static_cast<size_t>(ctx.layer)) = at::Tensor();
+  rows_.at(static_cast<size_t>(ctx.layer)) = Rows{};
   if (++layers_done_ >= shape().num_layers) prefill_done_ = true;
 }
 

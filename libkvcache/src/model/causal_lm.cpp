@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "kvcache/error.h"
+#include "kvcache/torch/rope.h"
 
 namespace kvcache {
 
@@ -312,9 +313,7 @@ CacheConfig CausalLM::cache_config() const {
   c.head_dim = impl_->config.head_dim;
   // The hook owns a copy of the model handle, so the cache may outlive this object.
   CausalLM self(impl_);
-  c.rope = [self](const at::Tensor& x, const at::Tensor& positions) {
-    return self.rope(x, positions);
-  };
+  c.rope = rope_from([self](const at::Tensor& x, const at::Tensor& positions) { return self.rope(x, positions); });
   return c;
 }
 

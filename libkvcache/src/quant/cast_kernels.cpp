@@ -1,26 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/cast_kernels.h"
 
-#include <ATen/Parallel.h>
-
 #include <atomic>
 
+#include "common/parallel.h"
 #include "quant/simd.h"
 
 namespace kvcache::quant {
 namespace {
-
-/// Round-to-nearest-even truncation of float32 to its upper 16 bits (finite input).
-KV_ALWAYS_INLINE uint16_t bf16_bits(float v) {
-  const uint32_t u = float_bits(v);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/// Bits `h` of a 16-bit float whose exponent field is `exp_mask`: ±Inf becomes ±max_bits
-/// (the largest finite value of that sign); every other value is kept.
-KV_ALWAYS_INLINE uint16_t saturate_bits(uint16_t h, uint16_t exp_mask, uint16_t max_bits) {
-  return (h & exp_mask) == exp_mask ? static_cast<uint16_t>((h & 0x8000u) | max_bits) : h;
-}
 
 // Flags: bit 0 = non-finite input, bit 1 = output is ±Inf (exponent all ones).
 KV_TARGET_CLONES uint32_t fp16_range(const float* __restrict x, int64_t b, int64_t e, uint16_t* __restrict out) {
@@ -76,7 +63,7 @@ KV_TARGET_CLONES void bf16_widen_range(const uint16_t* __restrict x, int64_t b, 
 template <typename Fn, typename Out>
 CastStatus run(Fn fn, const float* x, int64_t n, Out* out) {
   std::atomic<uint32_t> flags{0};
-  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { flags.fetch_or(fn(x, b, e, out)); });
+  detail::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { flags.fetch_or(fn(x, b, e, out)); });
   CastStatus s;
   s.nonfinite = (flags.load() & 1u) != 0;
   s.overflow = (flags.load() & 2u) != 0;
@@ -91,11 +78,11 @@ CastStatus copy_fp32(const float* x, int64_t n, float* out) { return run(copy_ra
 void cast_to_fp16_saturating(const float* x, int64_t n, uint16_t* out) { (void)run(fp16_sat_range, x, n, out); }
 
 void fp16_to_fp32(const uint16_t* x, int64_t n, float* out) {
-  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { fp16_widen_range(x, b, e, out); });
+  detail::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { fp16_widen_range(x, b, e, out); });
 }
 
 void bf16_to_fp32(const uint16_t* x, int64_t n, float* out) {
-  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { bf16_widen_range(x, b, e, out); });
+  detail::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { bf16_widen_range(x, b, e, out); });
 }
 
 }  // namespace kvcache::quant

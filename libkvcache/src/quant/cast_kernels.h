@@ -14,7 +14,7 @@ struct CastStatus {
   bool overflow = false;   ///< some finite input became ±Inf in the target type
 };
 
-/// out[i] = fp16(x[i]) (IEEE binary16 bits). Runs at::parallel_for. |x| ≥ 65520 gives ±Inf
+/// out[i] = fp16(x[i]) (IEEE binary16 bits). Runs detail::parallel_for. |x| ≥ 65520 gives ±Inf
 /// and reports overflow.
 CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out);
 /// out[i] = fp16(x[i]), saturating: what would round to ±Inf becomes ±65504 (finite x).
@@ -25,7 +25,7 @@ void cast_to_fp16_saturating(const float* x, int64_t n, uint16_t* out);
 CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out);
 /// out[i] = x[i] (a copy that also checks finiteness).
 CastStatus copy_fp32(const float* x, int64_t n, float* out);
-/// out[i] = float(x[i]) for IEEE binary16 / bfloat16 bits (exact). Runs at::parallel_for.
+/// out[i] = float(x[i]) for IEEE binary16 / bfloat16 bits (exact). Runs detail::parallel_for.
 void fp16_to_fp32(const uint16_t* x, int64_t n, float* out);
 void bf16_to_fp32(const uint16_t* x, int64_t n, float* out);
 

@@ -9,83 +9,67 @@
 
 namespace kvcache::quant {
 
-const ParamTable& FloatCastQuantizer::table(at::ScalarType storage) {
+const ParamTable& FloatCastQuantizer::table(DType storage) {
   static const ParamTable f32{"fp32", "float32, stored as is (identity; the unquantized baseline)", {}};
   static const ParamTable f16{"fp16", "float16 cast (round-to-nearest-even); rejects |x| > 65504", {}};
   static const ParamTable b16{"bf16", "bfloat16 cast (round-to-nearest-even)", {}};
-  KV_INTERNAL_ASSERT(storage == at::kFloat || storage == at::kHalf || storage == at::kBFloat16, "bad storage dtype");
-  return storage == at::kFloat ? f32 : storage == at::kHalf ? f16 : b16;
+  KV_INTERNAL_ASSERT(storage == DType::kFloat32 || storage == DType::kFloat16 || storage == DType::kBFloat16,
+                     "bad storage dtype");
+  return storage == DType::kFloat32 ? f32 : storage == DType::kFloat16 ? f16 : b16;
 }
 
-FloatCastQuantizer::FloatCastQuantizer(at::ScalarType storage, std::string name)
-    : storage_(storage), name_(std::move(name)) {
-  KV_INTERNAL_ASSERT(name_ == table(storage).head, "FloatCastQuantizer '", name_, "' stores ", storage);
+FloatCastQuantizer::FloatCastQuantizer(DType storage, std::string name) : storage_(storage), name_(std::move(name)) {
+  KV_INTERNAL_ASSERT(name_ == table(storage).head, "FloatCastQuantizer '", name_, "' stores ", to_string(storage));
 }
 
 double FloatCastQuantizer::bits_per_value(int64_t /*head_dim*/) const {
-  return 8.0 * static_cast<double>(c10::elementSize(storage_));
+  return 8.0 * static_cast<double>(dtype_size(storage_));
 }
 
-QuantizedTensor FloatCastQuantizer::do_quantize(const at::Tensor& x) const {
-  QuantizedTensor q;
-  do_quantize_into(x, q);
-  return q;
-}
-
-void FloatCastQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) const {
+void FloatCastQuantizer::do_quantize_into(const Input& in, QuantizedTensor& q) const {
   const std::string where = "quantize(x) [" + name_ + "]";
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::vector<int64_t> shape = in.x.sizes();
   q.format = name_;
-  q.shape = x.sizes().vec();
-  q.dtype = x.scalar_type();
-  q.scales = at::Tensor();
-  q.zeros = at::Tensor();
+  q.shape = shape;
+  q.dtype = in.dtype;
+  q.scales.reset();
+  q.zeros.reset();
   q.side.clear();
-  // Never x's own memory: a cache must not alias the caller's buffer (a fresh tensor, or
+  // Never x's own memory: a cache must not alias the caller's buffer (a fresh buffer, or
   // the caller's earlier output when it fits).
-  reuse_or_empty(q.codes, x.sizes(), storage_, {x, xf});
-  const float* src = xf.data_ptr<float>();
-  const int64_t n = xf.numel();
+  q.codes.ensure(storage_, shape, in.avoid_begin, in.avoid_end);
+  const auto* src = static_cast<const float*>(in.x.data);
+  const int64_t n = in.x.numel();
   CastStatus st;
-  if (storage_ == at::kFloat) {
-    st = copy_fp32(src, n, q.codes.data_ptr<float>());
-  } else if (storage_ == at::kHalf) {
-    st = cast_to_fp16(src, n, reinterpret_cast<uint16_t*>(q.codes.data_ptr<at::Half>()));
+  if (storage_ == DType::kFloat32) {
+    st = copy_fp32(src, n, q.codes.data_as<float>());
+  } else if (storage_ == DType::kFloat16) {
+    st = cast_to_fp16(src, n, q.codes.data_as<uint16_t>());
   } else {
-    st = cast_to_bf16(src, n, reinterpret_cast<uint16_t*>(q.codes.data_ptr<at::BFloat16>()));
+    st = cast_to_bf16(src, n, q.codes.data_as<uint16_t>());
   }
-  if (st.nonfinite) throw_first_nonfinite(x, where);
+  if (st.nonfinite) throw_first_nonfinite(in.x, where);
   // fp16 rejects what would round to ±Inf; bf16 saturates (cast_to_bf16) and never overflows.
-  if (st.overflow) check_no_overflow(x, q.codes, where, "fp16", "±65504");
+  if (st.overflow) check_fp16_overflow(src, q.codes.data_as<uint16_t>(), shape, where);
 }
 
-at::Tensor FloatCastQuantizer::do_dequantize(const QuantizedTensor& q) const {
-  KV_CHECK_ARG(q.codes.scalar_type() == storage_ && q.codes.sizes().vec() == q.shape,
-               "dequantize(q) [", name_, "]: q.codes must be ", c10::toString(storage_), " of shape ",
-               shape_str(q.shape), ", got ", q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
-  if (q.dtype == storage_ || q.dtype == at::kFloat) return q.codes.to(q.dtype, /*non_blocking=*/false, /*copy=*/true);
-  // bf16 values past ±65504 (from fp16 input rounded up to 65536) saturate back to ±65504.
-  return to_input_dtype(q.codes.to(at::kFloat).contiguous(), q.dtype);
-}
-
-void FloatCastQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
-  if (q.dtype != at::kFloat) {
-    out = do_dequantize(q);
-    return;
-  }
-  KV_CHECK_ARG(q.codes.scalar_type() == storage_ && q.codes.sizes().vec() == q.shape && q.codes.is_contiguous(),
-               "dequantize(q) [", name_, "]: q.codes must be contiguous ", c10::toString(storage_), " of shape ",
-               shape_str(q.shape), ", got ", q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
-  reuse_or_empty(out, q.shape, at::kFloat, {q.codes});
-  // The widening conversions are exact: the same values as do_dequantize()'s at:: conversion.
+void FloatCastQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) const {
+  KV_CHECK_ARG(q.codes.dtype() == storage_ && q.codes.shape() == q.shape, "dequantize_into(q, out) [", name_,
+               "]: q.codes must be ", to_string(storage_), " of shape ", shape_str(q.shape), ", got ",
+               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
+  // The widening conversions are exact (fp16/bf16 → float32); dequantize_into() then rounds
+  // back to q.dtype, which gives the stored values again when q.dtype is the storage dtype.
   ConstGroupBuffers in;
-  in.codes = static_cast<const uint8_t*>(q.codes.data_ptr());
-  do_decode(in, out.numel(), 1, 1.0f, out.data_ptr<float>());
+  in.codes = static_cast<const uint8_t*>(q.codes.data());
+  do_decode(in, q.numel(), 1, 1.0f, out);
 }
 
 StoredLayout FloatCastQuantizer::do_stored_layout(int64_t head_dim) const {
   StoredLayout l;
-  l.code_bytes = head_dim * static_cast<int64_t>(c10::elementSize(storage_));
+  l.code_bytes = head_dim * dtype_size(storage_);
+  l.kernel = storage_ == DType::kFloat32   ? KernelKind::kFloat32
+             : storage_ == DType::kFloat16 ? KernelKind::kFloat16
+                                           : KernelKind::kBFloat16;
   return l;
 }
 
@@ -93,9 +77,9 @@ EncodeStatus FloatCastQuantizer::do_encode(const float* x, int64_t groups, int64
                                            GroupBuffers out) const {
   const int64_t n = groups * head_dim;
   CastStatus st;
-  if (storage_ == at::kFloat) {
+  if (storage_ == DType::kFloat32) {
     st = copy_fp32(x, n, reinterpret_cast<float*>(out.codes));
-  } else if (storage_ == at::kHalf) {
+  } else if (storage_ == DType::kFloat16) {
     st = cast_to_fp16(x, n, reinterpret_cast<uint16_t*>(out.codes));
   } else {
     st = cast_to_bf16(x, n, reinterpret_cast<uint16_t*>(out.codes));
@@ -109,9 +93,9 @@ EncodeStatus FloatCastQuantizer::do_encode(const float* x, int64_t groups, int64
 void FloatCastQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float /*tensor_scale*/,
                                    float* out) const {
   const int64_t n = groups * head_dim;
-  if (storage_ == at::kFloat) {
+  if (storage_ == DType::kFloat32) {
     std::memcpy(out, in.codes, static_cast<size_t>(n) * sizeof(float));
-  } else if (storage_ == at::kHalf) {
+  } else if (storage_ == DType::kFloat16) {
     fp16_to_fp32(reinterpret_cast<const uint16_t*>(in.codes), n, out);
   } else {
     bf16_to_fp32(reinterpret_cast<const uint16_t*>(in.codes), n, out);

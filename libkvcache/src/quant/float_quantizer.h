@@ -14,22 +14,20 @@ namespace kvcache::quant {
 class FloatCastQuantizer final : public Quantizer {
  public:
   /// The spec table of `fp32`, `fp16` or `bf16` (no fields), by storage dtype.
-  static const ParamTable& table(at::ScalarType storage);
+  static const ParamTable& table(DType storage);
 
-  /// `storage` ∈ {kFloat, kHalf, kBFloat16}; `name` is the spec head ("fp32", "fp16", "bf16").
-  FloatCastQuantizer(at::ScalarType storage, std::string name);
+  /// `storage` ∈ {kFloat32, kFloat16, kBFloat16}; `name` is the spec head ("fp32", "fp16", "bf16").
+  FloatCastQuantizer(DType storage, std::string name);
 
   std::string spec() const override { return canonical_spec(table(storage_), {}, {}); }
   double bits_per_value(int64_t head_dim) const override;
-  /// The storage dtype (kFloat, kHalf, kBFloat16).
-  at::ScalarType storage() const { return storage_; }
+  /// The storage dtype (kFloat32, kFloat16, kBFloat16).
+  DType storage() const { return storage_; }
 
  protected:
   bool checks_finite_itself() const override { return true; }
-  QuantizedTensor do_quantize(const at::Tensor& x) const override;
-  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
-  void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const override;
-  void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const override;
+  void do_quantize_into(const Input& in, QuantizedTensor& out) const override;
+  void do_dequantize_into(const QuantizedTensor& q, float* out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;
@@ -37,7 +35,7 @@ class FloatCastQuantizer final : public Quantizer {
                  float* out) const override;
 
  private:
-  at::ScalarType storage_;
+  DType storage_;
   std::string name_;
 };
 

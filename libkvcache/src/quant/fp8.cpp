@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/fp8.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -10,6 +8,7 @@
 #include <limits>
 #include <mutex>
 
+#include "common/parallel.h"
 #include "kvcache/error.h"
 #include "quant/int_kernels_avx512.h"
 #include "quant/simd.h"
@@ -330,7 +329,7 @@ bool fp8_avx512_kernels() { return KV_FP8_AVX512 && avx512::available(); }
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out, Fp8Encoder which) {
   std::atomic<bool> bad{false};
   const EncodeFn encode = encoder(f, which);
-  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+  detail::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     const uint32_t r = encode(x, b, e, scale, out);
     if (r != 0) bad.store(true, std::memory_order_relaxed);
   });
@@ -342,7 +341,7 @@ float fp8_amax(const float* x, int64_t n) {
   std::mutex mu;
   float m = 0.0f;
   const AmaxFn range = amax_kernel();
-  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+  detail::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     uint32_t r = 0;
     const float part = range(x, b, e, &r);
     if (r != 0) bad.store(true, std::memory_order_relaxed);
@@ -354,7 +353,7 @@ float fp8_amax(const float* x, int64_t n) {
 
 void fp8_decode_array(const uint8_t* codes, int64_t n, float scale, Fp8Format f, float* out) {
   const auto range = f == Fp8Format::kE4M3 ? decode_e4m3_range : decode_e5m2_range;
-  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) { range(codes, b, e, scale, out); });
+  detail::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) { range(codes, b, e, scale, out); });
 }
 
 }  // namespace kvcache::quant

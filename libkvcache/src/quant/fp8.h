@@ -32,7 +32,7 @@ float fp8_decode(uint8_t code, Fp8Format f);
 enum class Fp8Encoder { kBest, kGeneric };
 
 /// out[i] = fp8_encode(x[i] / scale). Returns true if some x[i] was NaN/±Inf (the output
-/// is then garbage). Vectorized, runs at::parallel_for.
+/// is then garbage). Vectorized, runs detail::parallel_for.
 bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8_t* out,
                       Fp8Encoder which = Fp8Encoder::kBest);
 /// True if the hand-written AVX-512 fp8 kernels run on this CPU: Fp8Encoder::kBest's encoder
@@ -40,7 +40,7 @@ bool fp8_encode_array(const float* x, int64_t n, float scale, Fp8Format f, uint8
 /// AVX-512 kernels, -DKVCACHE_FUSED=OFF).
 bool fp8_avx512_kernels();
 /// max_i |x[i]| (0 for n = 0), or +Inf if some x[i] is NaN/±Inf: one pass, no temporary (the
-/// per-tensor scale of fp8:*:scaled). Vectorized, runs at::parallel_for.
+/// per-tensor scale of fp8:*:scaled). Vectorized, runs detail::parallel_for.
 float fp8_amax(const float* x, int64_t n);
 /// out[i] = fp8_decode(codes[i]) * scale.
 void fp8_decode_array(const uint8_t* codes, int64_t n, float scale, Fp8Format f, float* out);

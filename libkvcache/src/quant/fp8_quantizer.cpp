@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "common/view_ops.h"
 #include "kvcache/error.h"
 #include "quant/checks.h"
 
@@ -53,69 +54,57 @@ std::string Fp8Quantizer::spec() const {
   return canonical_spec(table(), {}, {{"format", fp8_name(format_)}, {"scale", scaled_ ? "scaled" : "unscaled"}});
 }
 
-QuantizedTensor Fp8Quantizer::do_quantize(const at::Tensor& x) const {
-  QuantizedTensor q;
-  do_quantize_into(x, q);
-  return q;
-}
-
-void Fp8Quantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) const {
+void Fp8Quantizer::do_quantize_into(const Input& in, QuantizedTensor& q) const {
   const std::string where = "quantize(x) [" + spec() + "]";
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::vector<int64_t> shape = in.x.sizes();
+  const auto* x = static_cast<const float*>(in.x.data);
+  const int64_t n = in.x.numel();
   q.format = spec();
-  q.shape = x.sizes().vec();
-  q.dtype = x.scalar_type();
+  q.shape = shape;
+  q.dtype = in.dtype;
   q.side.clear();
-  q.zeros = at::Tensor();
-  reuse_or_empty(q.codes, x.sizes(), at::kByte, {x});
+  q.zeros.reset();
+  q.codes.ensure(DType::kUInt8, shape, in.avoid_begin, in.avoid_end);
   float scale = 1.0f;
   if (scaled_) {
-    // One pass, no temporary (abs().max() would allocate a tensor the size of x).
-    const float amax = fp8_amax(xf.data_ptr<float>(), xf.numel());
-    if (!std::isfinite(amax)) throw_first_nonfinite(x, where);
+    // One pass, no temporary.
+    const float amax = fp8_amax(x, n);
+    if (!std::isfinite(amax)) throw_first_nonfinite(in.x, where);
     scale = scale_for_amax(amax, fp8_max(format_));
-    reuse_or_empty(q.scales, {1}, at::kFloat, {x}).fill_(scale);
+    q.scales.ensure(DType::kFloat32, {1}, in.avoid_begin, in.avoid_end);
+    *q.scales.data_as<float>() = scale;
   } else {
-    q.scales = at::Tensor();
+    q.scales.reset();
   }
-  if (fp8_encode_array(xf.data_ptr<float>(), xf.numel(), scale, format_, q.codes.data_ptr<uint8_t>())) {
-    throw_first_nonfinite(x, where);
-  }
+  if (fp8_encode_array(x, n, scale, format_, q.codes.data_as<uint8_t>())) throw_first_nonfinite(in.x, where);
 }
 
-at::Tensor Fp8Quantizer::do_dequantize(const QuantizedTensor& q) const {
-  at::Tensor out;
-  do_dequantize_into(q, out);
-  return out;
-}
-
-void Fp8Quantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& result) const {
-  const std::string where = "dequantize(q) [" + spec() + "]";
-  KV_CHECK_ARG(q.codes.scalar_type() == at::kByte && q.codes.sizes().vec() == q.shape && q.codes.is_contiguous(),
-               where, ": q.codes must be contiguous uint8 of shape ", shape_str(q.shape), ", got ",
-               q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
+void Fp8Quantizer::do_dequantize_into(const QuantizedTensor& q, float* out) const {
+  const std::string where = "dequantize_into(q, out) [" + spec() + "]";
+  KV_CHECK_ARG(q.codes.dtype() == DType::kUInt8 && q.codes.shape() == q.shape, where,
+               ": q.codes must be contiguous uint8 of shape ", shape_str(q.shape), ", got ",
+               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
   float scale = 1.0f;
   if (scaled_) {
-    KV_CHECK_ARG(q.scales.defined() && q.scales.numel() == 1 && q.scales.scalar_type() == at::kFloat, where,
+    KV_CHECK_ARG(q.scales.defined() && q.scales.numel() == 1 && q.scales.dtype() == DType::kFloat32, where,
                  ": q.scales must hold one fp32 per-tensor scale");
-    scale = q.scales.item<float>();
+    scale = *q.scales.data_as<float>();
   }
-  at::Tensor scratch;
-  at::Tensor& out = float32_target(result, scratch, q.shape, q.dtype, {q.codes, q.scales});
-  fp8_decode_array(q.codes.data_ptr<uint8_t>(), out.numel(), scale, format_, out.data_ptr<float>());
-  if (q.dtype != at::kFloat) result = to_input_dtype(out, q.dtype);
+  fp8_decode_array(q.codes.data_as<uint8_t>(), q.numel(), scale, format_, out);
 }
 
-float Fp8Quantizer::fit_tensor_scale(const at::Tensor& x) const {
+float Fp8Quantizer::fit_tensor_scale(const TensorView& x) const {
   if (!scaled_) return 1.0f;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  return scale_for_amax(fp8_amax(xf.data_ptr<float>(), xf.numel()), fp8_max(format_));
+  detail::Float32Rows xf;
+  detail::read_float32(x, xf);
+  return scale_for_amax(fp8_amax(xf.data, xf.numel), fp8_max(format_));
 }
 
 StoredLayout Fp8Quantizer::do_stored_layout(int64_t head_dim) const {
   StoredLayout l;
   l.code_bytes = head_dim;
   l.tensor_scale = scaled_;
+  l.kernel = format_ == Fp8Format::kE4M3 ? KernelKind::kFp8E4M3 : KernelKind::kFp8E5M2;
   return l;
 }
 

@@ -25,15 +25,13 @@ class Fp8Quantizer final : public Quantizer {
 
   Fp8Format format() const { return format_; }
   /// Scaled: amax(|x|) / max_finite (1 when x == 0), as quantize() computes its scale.
-  float fit_tensor_scale(const at::Tensor& x) const override;
+  float fit_tensor_scale(const TensorView& x) const override;
   bool scaled() const { return scaled_; }
 
  protected:
   bool checks_finite_itself() const override { return true; }
-  QuantizedTensor do_quantize(const at::Tensor& x) const override;
-  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
-  void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const override;
-  void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const override;
+  void do_quantize_into(const Input& in, QuantizedTensor& out) const override;
+  void do_dequantize_into(const QuantizedTensor& q, float* out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;

@@ -300,7 +300,7 @@ EncodeStatus GearQuantizer::do_encode(const float* x, int64_t groups, int64_t he
   (void)tensor_scale;
   const StoredLayout l = stored_layout(head_dim);
   const Offsets o = offsets(head_dim);
-  const int64_t meta_bytes = l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
+  const int64_t meta_bytes = l.meta_count * dtype_size(l.meta_dtype);
   EncodeStatus s;
   for (int64_t g = 0; g < groups; ++g) {
     GroupBuffers b;
@@ -319,7 +319,7 @@ void GearQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head
   (void)tensor_scale;
   const StoredLayout l = stored_layout(head_dim);
   const Offsets o = offsets(head_dim);
-  const int64_t meta_bytes = l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
+  const int64_t meta_bytes = l.meta_count * dtype_size(l.meta_dtype);
   for (int64_t g = 0; g < groups; ++g) {
     ConstGroupBuffers b;
     b.codes = in.codes + g * l.code_bytes;
@@ -329,66 +329,66 @@ void GearQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head
   }
 }
 
-void GearQuantizer::check_input(const at::Tensor& x) const {
+void GearQuantizer::check_input(const TensorView& x) const {
   const std::string where = "quantize(x) [" + spec() + "]";
   KV_CHECK_ARG(x.size(2) % p_.block == 0, where, ": T=", x.size(2), " is not a multiple of the block nb=", p_.block,
                " (GEAR compresses whole blocks of nb tokens; the cache keeps the rest in its residual)");
   (void)stored_layout(x.size(3));
 }
 
-QuantizedTensor GearQuantizer::do_quantize(const at::Tensor& x) const {
+void GearQuantizer::do_quantize_into(const Input& in, QuantizedTensor& q) const {
   const std::string where = "quantize(x) [" + spec() + "]";
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const TensorView& xf = in.x;
   const int64_t b = xf.size(0), h = xf.size(1), t = xf.size(2), d = xf.size(3);
   const StoredLayout l = stored_layout(d);
   const int64_t blocks = t / p_.block;
-  QuantizedTensor q;
   q.format = spec();
   q.shape = {b, h, t, d};
-  q.dtype = x.scalar_type();
-  q.codes = at::empty({b, h, blocks, l.code_bytes}, at::kByte);
-  q.scales = at::empty({b, h, blocks, l.meta_count}, l.meta_dtype);
-  if (l.has_zeros) q.zeros = at::empty({b, h, blocks, l.meta_count}, l.meta_dtype);
-  const int64_t meta_bytes = l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
+  q.dtype = in.dtype;
+  q.side.clear();
+  q.codes.ensure(DType::kUInt8, {b, h, blocks, l.code_bytes}, in.avoid_begin, in.avoid_end);
+  q.scales.ensure(l.meta_dtype, {b, h, blocks, l.meta_count}, in.avoid_begin, in.avoid_end);
+  if (l.has_zeros) {
+    q.zeros.ensure(l.meta_dtype, {b, h, blocks, l.meta_count}, in.avoid_begin, in.avoid_end);
+  } else {
+    q.zeros.reset();
+  }
+  const int64_t meta_bytes = l.meta_count * dtype_size(l.meta_dtype);
+  const auto* x = static_cast<const float*>(xf.data);
   for (int64_t i = 0; i < b * h; ++i) {
     GroupBuffers out;
-    out.codes = q.codes.data_ptr<uint8_t>() + i * blocks * l.code_bytes;
-    out.scales = static_cast<uint8_t*>(q.scales.data_ptr()) + i * blocks * meta_bytes;
-    out.zeros = l.has_zeros ? static_cast<uint8_t*>(q.zeros.data_ptr()) + i * blocks * meta_bytes : nullptr;
-    const EncodeStatus s = encode(xf.data_ptr<float>() + i * t * d, blocks, d, 1.0f, out);
+    out.codes = q.codes.data_as<uint8_t>() + i * blocks * l.code_bytes;
+    out.scales = q.scales.data_as<uint8_t>() + i * blocks * meta_bytes;
+    out.zeros = l.has_zeros ? q.zeros.data_as<uint8_t>() + i * blocks * meta_bytes : nullptr;
+    const EncodeStatus s = encode(x + i * t * d, blocks, d, 1.0f, out);
     KV_CHECK_ARG(!s.overflow, where, ": KV head ", i % h, " of batch ", i / h,
                  " has values whose stored fp16 form overflows (|x| or its quantization metadata, outliers or "
                  "low-rank factors >= 65520)");
   }
-  return q;
 }
 
-at::Tensor GearQuantizer::do_dequantize(const QuantizedTensor& q) const {
-  const std::string where = "dequantize(q) [" + spec() + "]";
+void GearQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) const {
+  const std::string where = "dequantize_into(q, out) [" + spec() + "]";
   const int64_t b = q.shape[0], h = q.shape[1], t = q.shape[2], d = q.shape[3];
   const StoredLayout l = stored_layout(d);
   KV_CHECK_ARG(t % p_.block == 0, where, ": T=", t, " is not a multiple of nb=", p_.block);
   const int64_t blocks = t / p_.block;
-  KV_CHECK_ARG(q.codes.numel() == b * h * blocks * l.code_bytes && q.codes.scalar_type() == at::kByte, where,
-               ": q.codes holds ", q.codes.numel(), " values of ", q.codes.scalar_type(), ", expected ",
+  KV_CHECK_ARG(q.codes.numel() == b * h * blocks * l.code_bytes && q.codes.dtype() == DType::kUInt8, where,
+               ": q.codes holds ", q.codes.numel(), " values of ", to_string(q.codes.dtype()), ", expected ",
                b * h * blocks * l.code_bytes, " bytes");
   KV_CHECK_ARG(q.scales.defined() && q.scales.numel() == b * h * blocks * l.meta_count &&
-                   q.scales.scalar_type() == l.meta_dtype && (!l.has_zeros || (q.zeros.defined() &&
-                   q.zeros.numel() == q.scales.numel() && q.zeros.scalar_type() == l.meta_dtype)),
+                   q.scales.dtype() == l.meta_dtype &&
+                   (!l.has_zeros || (q.zeros.defined() && q.zeros.numel() == q.scales.numel() &&
+                                     q.zeros.dtype() == l.meta_dtype)),
                where, ": q.scales/q.zeros do not hold ", b * h * blocks * l.meta_count, " fp16 values each");
-  const at::Tensor codes = q.codes.contiguous();
-  const at::Tensor scales = q.scales.contiguous();
-  const at::Tensor zeros = l.has_zeros ? q.zeros.contiguous() : at::Tensor();
-  at::Tensor out = at::empty({b, h, t, d}, at::kFloat);
-  const int64_t meta_bytes = l.meta_count * static_cast<int64_t>(c10::elementSize(l.meta_dtype));
+  const int64_t meta_bytes = l.meta_count * dtype_size(l.meta_dtype);
   for (int64_t i = 0; i < b * h; ++i) {
     ConstGroupBuffers in;
-    in.codes = codes.data_ptr<uint8_t>() + i * blocks * l.code_bytes;
-    in.scales = static_cast<const uint8_t*>(scales.data_ptr()) + i * blocks * meta_bytes;
-    in.zeros = l.has_zeros ? static_cast<const uint8_t*>(zeros.data_ptr()) + i * blocks * meta_bytes : nullptr;
-    decode(in, blocks, d, 1.0f, out.data_ptr<float>() + i * t * d);
+    in.codes = q.codes.data_as<uint8_t>() + i * blocks * l.code_bytes;
+    in.scales = q.scales.data_as<uint8_t>() + i * blocks * meta_bytes;
+    in.zeros = l.has_zeros ? q.zeros.data_as<uint8_t>() + i * blocks * meta_bytes : nullptr;
+    decode(in, blocks, d, 1.0f, out + i * t * d);
   }
-  return to_input_dtype(out, q.dtype);
 }
 
 }  // namespace kvcache::quant

@@ -3,11 +3,10 @@
 // kernels; the butterflies are independent adds/subtracts the compiler vectorizes.
 #include "quant/hadamard.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 
+#include "common/parallel.h"
 #include "kvcache/error.h"
 #include "quant/simd.h"
 
@@ -61,7 +60,7 @@ void hadamard_rows(float* x, int64_t rows, int64_t d) {
   const float big = std::ldexp(1.0f, 127 - log2d), down = std::ldexp(1.0f, -log2d);
   const float scale_up = std::ldexp(scale, log2d);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / d);
-  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { fwht_rows(x, b, e, d, scale, big, down, scale_up); });
+  detail::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { fwht_rows(x, b, e, d, scale, big, down, scale_up); });
 }
 
 }  // namespace kvcache::quant

@@ -11,7 +11,7 @@
 /// back, and q·k = (H q)·(H k). The fast transform is log2(D) butterfly stages over the row
 /// (x_j, x_{j+h}) → (x_j + x_{j+h}, x_j − x_{j+h}) for h = 1, 2, …, D/2, then one scaling by
 /// 1/√D: O(D log D) per row. Its plain reference twin is the explicit matrix
-/// (ref::hadamard_matrix, reference.h); tests hold them together.
+/// (ref::hadamard_matrix, src/torch/quant_reference.h); tests hold them together.
 
 #include <cstdint>
 
@@ -22,11 +22,10 @@ constexpr bool is_power_of_two(int64_t d) { return d >= 1 && (d & (d - 1)) == 0;
 
 /// x[r·d .. r·d + d) ← H_d · x[r·d .. r·d + d) for every r < rows, in place (float32;
 /// rows contiguous). d must be a power of two (checked by the callers; asserted).
-/// at::parallel_for over rows when there are many. A row whose largest |x| is at least
+/// detail::parallel_for over rows when there are many. A row whose largest |x| is at least
 /// 2^(127 − log2 d) runs its butterflies scaled down by 1/d (a power of two), so their sums
 /// cannot overflow: an entry of the result is ±Inf only if its exact value exceeds float32
 /// (possible only when some |x_j| > FLT_MAX/√d).
-
 void hadamard_rows(float* x, int64_t rows, int64_t d);
 
 }  // namespace kvcache::quant

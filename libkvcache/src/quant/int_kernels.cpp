@@ -4,9 +4,6 @@
 // reference bit for bit) and -fopenmp-simd (for the min/max reductions).
 #include "quant/int_kernels.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -14,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/parallel.h"
 #include "kvcache/error.h"
 #include "quant/int_kernels_avx512.h"
 #include "quant/simd.h"
@@ -22,10 +20,10 @@ namespace kvcache::quant {
 namespace {
 
 /// Metadata → float inside vectorized loops (branch-free software conversion).
-KV_ALWAYS_INLINE float load_meta(c10::Half v) { return fp16_to_float(v.x); }
+KV_ALWAYS_INLINE float load_meta(Half v) { return fp16_to_float(v.x); }
 KV_ALWAYS_INLINE float load_meta(float v) { return v; }
 /// Metadata → float for one value (one F16C instruction in the AVX2/AVX-512 clones).
-KV_ALWAYS_INLINE float load_meta_scalar(c10::Half v) {
+KV_ALWAYS_INLINE float load_meta_scalar(Half v) {
 #if defined(__FLT16_MAX__)
   _Float16 h;
   std::memcpy(&h, &v.x, sizeof h);
@@ -78,7 +76,7 @@ KV_ALWAYS_INLINE void make_meta(int64_t n, const float* mn, const float* __restr
                                 MetaT* __restrict z_out, float* zc, float* __restrict inv, float* __restrict kk,
                                 Flags* f) {
   constexpr float kMax = static_cast<float>((1 << BITS) - 1);
-  if constexpr (std::is_same_v<MetaT, c10::Half>) {
+  if constexpr (std::is_same_v<MetaT, Half>) {
     (void)kk;
     uint32_t meta_bad = 0;
 #pragma omp simd reduction(| : meta_bad)
@@ -321,13 +319,13 @@ KV_ALWAYS_INLINE void quant_tok(const float* __restrict x, int64_t g0, int64_t g
       const float z = mn[i];
       const float iv = inv[i];
       if constexpr (BITS == 3) {
-        if constexpr (std::is_same_v<MetaT, c10::Half>) {
+        if constexpr (std::is_same_v<MetaT, Half>) {
           pack_tok<3>(p, g, o, [z, iv](float v) { return code_of<3>(v, z, iv); });
         } else {
           const float k = kv[i];
           pack_tok<3>(p, g, o, [k, z, iv](float v) { return code_of_k<3>(v, k, z, iv); });
         }
-      } else if constexpr (std::is_same_v<MetaT, c10::Half>) {
+      } else if constexpr (std::is_same_v<MetaT, Half>) {
         // The power-of-two widths keep main's loops as written (the helpers serve int3).
         constexpr int64_t K = 8 / BITS;
 #pragma omp simd
@@ -363,7 +361,7 @@ KV_ALWAYS_INLINE void dequant_tok(const uint8_t* __restrict codes, const MetaT* 
     const float z = load_meta_scalar(ze[k]);
     const uint8_t* __restrict in = codes + k * q;
     float* __restrict o = out + k * g;
-    if constexpr (std::is_same_v<MetaT, c10::Half>) {
+    if constexpr (std::is_same_v<MetaT, Half>) {
       // |code·s + z| ≤ 255·65504 + 65504: finite, no clamp needed.
       if constexpr (BITS == 3) {
         unpack_tok<3>(in, g, o, [s, z](float c) { return c * s + z; });
@@ -415,7 +413,7 @@ KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t 
     }
     make_meta<BITS>(d, mn, mx, sc + b * d, ze + b * d, mn, inv, kv, f);  // mn now holds the codes' zero
     uint8_t* o = codes + b * q * d;
-    if constexpr (std::is_same_v<MetaT, c10::Half> && BITS != 3) {
+    if constexpr (std::is_same_v<MetaT, Half> && BITS != 3) {
       constexpr int64_t K = 8 / BITS;
       for (int64_t j = 0; j < q; ++j) {
         uint8_t* __restrict orow = o + j * d;
@@ -426,7 +424,7 @@ KV_ALWAYS_INLINE void quant_chan(const float* __restrict x, int64_t b0, int64_t 
           orow[c] = static_cast<uint8_t>(byte);
         }
       }
-    } else if constexpr (std::is_same_v<MetaT, c10::Half>) {
+    } else if constexpr (std::is_same_v<MetaT, Half>) {
       pack_chan<BITS>(p, g, d, o, [mn, inv](float v, int64_t c) { return code_of<BITS>(v, mn[c], inv[c]); });
     } else {
       pack_chan<BITS>(p, g, d, o,
@@ -441,7 +439,7 @@ KV_ALWAYS_INLINE void dequant_chan(const uint8_t* __restrict codes, const MetaT*
                                    const MetaT* __restrict ze, int64_t b0, int64_t b1, int64_t g, int64_t d,
                                    float* __restrict out) {
   const int64_t q = g * BITS / 8;
-  constexpr bool kHalf = std::is_same_v<MetaT, c10::Half>;
+  constexpr bool kHalf = std::is_same_v<MetaT, Half>;
   std::vector<float> buf(static_cast<size_t>((kHalf ? 2 : 5) * d));
   float* __restrict sv = buf.data();
   float* __restrict zv = sv + d;
@@ -540,10 +538,10 @@ KV_ALWAYS_INLINE void dequant_tok_any(const uint8_t* codes, const MetaT* sc, con
                            out);                                                                           \
   }
 
-KV_DEFINE_KERNELS(8, c10::Half, 8h)
-KV_DEFINE_KERNELS(4, c10::Half, 4h)
-KV_DEFINE_KERNELS(3, c10::Half, 3h)
-KV_DEFINE_KERNELS(2, c10::Half, 2h)
+KV_DEFINE_KERNELS(8, Half, 8h)
+KV_DEFINE_KERNELS(4, Half, 4h)
+KV_DEFINE_KERNELS(3, Half, 3h)
+KV_DEFINE_KERNELS(2, Half, 2h)
 KV_DEFINE_KERNELS(8, float, 8f)
 KV_DEFINE_KERNELS(4, float, 4f)
 KV_DEFINE_KERNELS(3, float, 3f)
@@ -660,7 +658,7 @@ KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64
   StatusAccumulator acc;
 #if defined(KVCACHE_QUANT_AVX512)
   if (use_avx512(bits, g, meta)) {
-    at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
+    detail::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
       uint32_t bad = 0, meta_bad = 0;
       avx512::quantize_per_token_fp16(bits, x, b, e, g, codes, static_cast<uint16_t*>(scales),
                                       static_cast<uint16_t*>(zeros), &bad, &meta_bad);
@@ -673,7 +671,7 @@ KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64
   }
 #endif
   const QuantTokFn fn = kQuantTok[variant(bits, meta)];
-  at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
+  detail::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
     Flags f;
     fn(x, b, e, g, codes, scales, zeros, &f);
     acc.add(f);
@@ -690,7 +688,7 @@ void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, co
     // nothing will read it back from cache soon, and they save reading each line first.
     constexpr int64_t kStreamBytes = int64_t{64} << 20;
     const bool stream = ngroups * g * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-    at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
+    detail::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) {
       avx512::dequantize_per_token_fp16(bits, codes, static_cast<const uint16_t*>(scales),
                                         static_cast<const uint16_t*>(zeros), b, e, g, out, stream);
     });
@@ -698,7 +696,7 @@ void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, co
   }
 #endif
   const DequantTokFn fn = kDequantTok[variant(bits, meta)];
-  at::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) { fn(codes, scales, zeros, b, e, g, out); });
+  detail::parallel_for(0, ngroups, grain(g), [&](int64_t b, int64_t e) { fn(codes, scales, zeros, b, e, g, out); });
 }
 
 KernelStatus quantize_per_channel(int bits, const float* x, int64_t nblocks, int64_t g, int64_t d,
@@ -706,7 +704,7 @@ KernelStatus quantize_per_channel(int bits, const float* x, int64_t nblocks, int
   check_group(bits, g);
   const QuantChanFn fn = kQuantChan[variant(bits, meta)];
   StatusAccumulator acc;
-  at::parallel_for(0, nblocks, grain(g * d), [&](int64_t b, int64_t e) {
+  detail::parallel_for(0, nblocks, grain(g * d), [&](int64_t b, int64_t e) {
     Flags f;
     fn(x, b, e, g, d, codes, scales, zeros, &f);
     acc.add(f);
@@ -718,7 +716,7 @@ void dequantize_per_channel(int bits, const uint8_t* codes, const void* scales, 
                             MetaType meta, int64_t nblocks, int64_t g, int64_t d, float* out) {
   check_group(bits, g);
   const DequantChanFn fn = kDequantChan[variant(bits, meta)];
-  at::parallel_for(0, nblocks, grain(g * d),
+  detail::parallel_for(0, nblocks, grain(g * d),
                    [&](int64_t b, int64_t e) { fn(codes, scales, zeros, b, e, g, d, out); });
 }
 

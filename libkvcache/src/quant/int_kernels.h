@@ -3,7 +3,7 @@
 /// @file int_kernels.h (internal)
 /// Fast kernels of the asymmetric min–max integer quantizers (int8/int4/int3/int2): plain
 /// C++ loops over contiguous float32 data, written to auto-vectorize (see int_kernels.cpp).
-/// The LibTorch-ops reference in reference.h defines the same results; tests compare both
+/// The LibTorch-ops reference in src/torch/quant_reference.h defines the same results; tests compare both
 /// bit-exactly.
 ///
 /// Per group of g values, L = 2^b − 1: mn = min, mx = max (float32). The stored zero z and
@@ -73,8 +73,8 @@ struct KernelStatus {
 };
 
 /// Per-token: `ngroups` groups of `g` contiguous floats at `x`. Writes ngroups·g·bits/8
-/// bytes to `codes` and `ngroups` scales/zeros of type `meta` (c10::Half or float).
-/// Requires g % codes_per_unit(bits) == 0. Runs at::parallel_for over groups.
+/// bytes to `codes` and `ngroups` scales/zeros of type `meta` (fp16 bits or float).
+/// Requires g % codes_per_unit(bits) == 0. Runs detail::parallel_for (common/parallel.h) over groups.
 KernelStatus quantize_per_token(int bits, const float* x, int64_t ngroups, int64_t g,
                                 uint8_t* codes, void* scales, void* zeros, MetaType meta);
 void dequantize_per_token(int bits, const uint8_t* codes, const void* scales, const void* zeros,

@@ -67,7 +67,7 @@ double IntQuantizer::bits_per_value(int64_t head_dim) const {
   return bits_ + 32.0 / static_cast<double>(group_for(head_dim));
 }
 
-void IntQuantizer::check_input(const at::Tensor& x) const {
+void IntQuantizer::check_input(const TensorView& x) const {
   const std::string where = "quantize(x) [" + spec() + "]";
   const int64_t t = x.size(2);
   const int64_t d = x.size(3);
@@ -83,38 +83,33 @@ void IntQuantizer::check_input(const at::Tensor& x) const {
   }
 }
 
-QuantizedTensor IntQuantizer::do_quantize(const at::Tensor& x) const {
-  QuantizedTensor q;
-  do_quantize_into(x, q);
-  return q;
-}
-
-void IntQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) const {
+void IntQuantizer::do_quantize_into(const Input& in, QuantizedTensor& q) const {
+  const TensorView& x = in.x;
   const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
   const int64_t g = group_for(d);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const auto* xf = static_cast<const float*>(x.data);
   q.format = spec();
   q.side.clear();
-  q.shape = x.sizes().vec();
-  q.dtype = x.scalar_type();
+  q.shape = x.sizes();
+  q.dtype = in.dtype;
   const bool per_token = axis_ == GroupAxis::kPerToken;
   const std::vector<int64_t> code_shape =
       per_token ? std::vector<int64_t>{b, h, t, d * bits_ / 8} : std::vector<int64_t>{b, h, t * bits_ / 8, d};
   const std::vector<int64_t> meta_shape =
       per_token ? std::vector<int64_t>{b, h, t, d / g} : std::vector<int64_t>{b, h, t / g, d};
-  reuse_or_empty(q.codes, code_shape, at::kByte, x);
+  q.codes.ensure(DType::kUInt8, code_shape, in.avoid_begin, in.avoid_end);
 
   auto run = [&](MetaType mt) {
-    const at::ScalarType meta_dtype = mt == MetaType::kHalf ? at::kHalf : at::kFloat;
-    reuse_or_empty(q.scales, meta_shape, meta_dtype, x);
-    reuse_or_empty(q.zeros, meta_shape, meta_dtype, x);
+    const DType meta_dtype = mt == MetaType::kHalf ? DType::kFloat16 : DType::kFloat32;
+    q.scales.ensure(meta_dtype, meta_shape, in.avoid_begin, in.avoid_end);
+    q.zeros.ensure(meta_dtype, meta_shape, in.avoid_begin, in.avoid_end);
     if (x.numel() == 0) return KernelStatus{};
     if (per_token) {
-      return quantize_per_token(bits_, xf.data_ptr<float>(), xf.numel() / g, g, q.codes.data_ptr<uint8_t>(),
-                                q.scales.data_ptr(), q.zeros.data_ptr(), mt);
+      return quantize_per_token(bits_, xf, x.numel() / g, g, q.codes.data_as<uint8_t>(), q.scales.data(),
+                                q.zeros.data(), mt);
     }
-    return quantize_per_channel(bits_, xf.data_ptr<float>(), b * h * (t / g), g, d, q.codes.data_ptr<uint8_t>(),
-                                q.scales.data_ptr(), q.zeros.data_ptr(), mt);
+    return quantize_per_channel(bits_, xf, b * h * (t / g), g, d, q.codes.data_as<uint8_t>(), q.scales.data(),
+                                q.zeros.data(), mt);
   };
   KernelStatus st = run(MetaType::kHalf);
   const std::string where = "quantize(x) [" + spec() + "]";
@@ -122,17 +117,11 @@ void IntQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& q) con
   if (st.meta_overflow) st = run(MetaType::kFloat);  // rare: keep metadata in fp32 (never overflows)
 }
 
-at::Tensor IntQuantizer::do_dequantize(const QuantizedTensor& q) const {
-  at::Tensor out;
-  do_dequantize_into(q, out);
-  return out;
-}
-
-void IntQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& result) const {
+void IntQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) const {
   const int64_t b = q.shape[0], h = q.shape[1], t = q.shape[2], d = q.shape[3];
   const int64_t g = group_for(d);
   const bool per_token = axis_ == GroupAxis::kPerToken;
-  const std::string where = "dequantize(q) [" + spec() + "]";
+  const std::string where = "dequantize_into(q, out) [" + spec() + "]";
   // The shape first: the sizes below divide by the group size (a hand-built q of head_dim 0
   // would divide by zero).
   if (per_token) {
@@ -146,30 +135,22 @@ void IntQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& resu
       per_token ? std::vector<int64_t>{b, h, t, d * bits_ / 8} : std::vector<int64_t>{b, h, t * bits_ / 8, d};
   const std::vector<int64_t> meta_shape =
       per_token ? std::vector<int64_t>{b, h, t, d / g} : std::vector<int64_t>{b, h, t / g, d};
-  KV_CHECK_ARG(q.codes.scalar_type() == at::kByte && q.codes.sizes().vec() == code_shape &&
-                   q.codes.is_contiguous(),
-               where, ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
-               q.codes.scalar_type(), " ", shape_str(q.codes.sizes()));
-  KV_CHECK_ARG(q.scales.defined() && q.zeros.defined() && q.scales.sizes().vec() == meta_shape &&
-                   q.zeros.sizes().vec() == meta_shape && q.scales.scalar_type() == q.zeros.scalar_type() &&
-                   (q.scales.scalar_type() == at::kHalf || q.scales.scalar_type() == at::kFloat) &&
-                   q.scales.is_contiguous() && q.zeros.is_contiguous(),
+  KV_CHECK_ARG(q.codes.dtype() == DType::kUInt8 && q.codes.shape() == code_shape, where,
+               ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
+               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
+  KV_CHECK_ARG(q.scales.defined() && q.zeros.defined() && q.scales.shape() == meta_shape &&
+                   q.zeros.shape() == meta_shape && q.scales.dtype() == q.zeros.dtype() &&
+                   (q.scales.dtype() == DType::kFloat16 || q.scales.dtype() == DType::kFloat32),
                where, ": q.scales and q.zeros must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape));
-  const MetaType mt = q.scales.scalar_type() == at::kHalf ? MetaType::kHalf : MetaType::kFloat;
-  // float32 results are written straight into `result` when it fits; other dtypes go through
-  // a float32 reconstruction (converted, saturating, below).
-  at::Tensor scratch;
-  at::Tensor& out = float32_target(result, scratch, q.shape, q.dtype, {q.codes, q.scales, q.zeros});
-  if (out.numel() > 0) {
-    if (per_token) {
-      dequantize_per_token(bits_, q.codes.data_ptr<uint8_t>(), q.scales.data_ptr(), q.zeros.data_ptr(), mt,
-                           out.numel() / g, g, out.data_ptr<float>());
-    } else {
-      dequantize_per_channel(bits_, q.codes.data_ptr<uint8_t>(), q.scales.data_ptr(), q.zeros.data_ptr(), mt,
-                             b * h * (t / g), g, d, out.data_ptr<float>());
-    }
+  const MetaType mt = q.scales.dtype() == DType::kFloat16 ? MetaType::kHalf : MetaType::kFloat;
+  const int64_t n = q.numel();
+  if (n == 0) return;
+  if (per_token) {
+    dequantize_per_token(bits_, q.codes.data_as<uint8_t>(), q.scales.data(), q.zeros.data(), mt, n / g, g, out);
+  } else {
+    dequantize_per_channel(bits_, q.codes.data_as<uint8_t>(), q.scales.data(), q.zeros.data(), mt, b * h * (t / g), g,
+                           d, out);
   }
-  if (q.dtype != at::kFloat) result = to_input_dtype(out, q.dtype);  // saturating: finite stays finite
 }
 
 StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {
@@ -177,7 +158,7 @@ StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {
   StoredLayout l;
   l.axis = axis_;
   l.has_zeros = true;
-  l.meta_dtype = at::kHalf;
+  l.meta_dtype = DType::kFloat16;
   if (axis_ == GroupAxis::kPerToken) {
     const int64_t g = group_for(head_dim);
     KV_CHECK_ARG(head_dim % g == 0, where, ": head_dim D = ", head_dim, " is not divisible by the group size g = ", g);
@@ -186,11 +167,16 @@ StoredLayout IntQuantizer::do_stored_layout(int64_t head_dim) const {
     l.group_tokens = 1;
     l.code_bytes = head_dim * bits_ / 8;
     l.meta_count = head_dim / g;
+    l.kernel = KernelKind::kIntToken;
+    l.kernel_group = g;
   } else {
     l.group_tokens = group_;
     l.code_bytes = group_ * bits_ / 8 * head_dim;
     l.meta_count = head_dim;
+    l.kernel = KernelKind::kIntChannel;
+    l.kernel_group = group_;
   }
+  l.kernel_bits = bits_;
   return l;
 }
 

@@ -41,12 +41,10 @@ class IntQuantizer final : public Quantizer {
   int64_t group_for(int64_t head_dim) const;
 
  protected:
-  void check_input(const at::Tensor& x) const override;
+  void check_input(const TensorView& x) const override;
   bool checks_finite_itself() const override { return true; }
-  QuantizedTensor do_quantize(const at::Tensor& x) const override;
-  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
-  void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const override;
-  void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const override;
+  void do_quantize_into(const Input& in, QuantizedTensor& out) const override;
+  void do_dequantize_into(const QuantizedTensor& q, float* out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;

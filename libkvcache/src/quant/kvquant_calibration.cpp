@@ -16,6 +16,7 @@
 
 #include "common/file_io.h"
 #include "common/log.h"
+#include "common/view_ops.h"
 #include "kvcache/error.h"
 
 namespace kvcache {
@@ -385,7 +386,7 @@ void KvquantCalibration::check(const std::string& what) const {
 }
 
 // ---------------------------------------------------------------- fit
-KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+KvquantCalibration fit_kvquant_calibration(const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
                                            const KvquantFitOptions& o, const std::string& source,
                                            const KvquantWeights* weights) {
   KV_CHECK_ARG(!keys.empty() && keys.size() == values.size(), "fit_kvquant_calibration: ", keys.size(),
@@ -394,9 +395,9 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
                "max_samples >= 0");
   KvquantCalibration cal;
   cal.num_layers = static_cast<int64_t>(keys.size());
-  cal.num_kv_heads = keys[0].dim() == 3 ? keys[0].size(1) : 0;
-  cal.head_dim = keys[0].dim() == 3 ? keys[0].size(2) : 0;
-  cal.tokens = keys[0].dim() == 3 ? keys[0].size(0) : 0;
+  cal.num_kv_heads = keys[0].rank == 3 ? keys[0].size(1) : 0;
+  cal.head_dim = keys[0].rank == 3 ? keys[0].size(2) : 0;
+  cal.tokens = keys[0].rank == 3 ? keys[0].size(0) : 0;
   cal.source = source;
   cal.bits = o.bits;
   std::sort(cal.bits.begin(), cal.bits.end());
@@ -404,35 +405,37 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
   std::sort(ps.begin(), ps.end());
   for (double p : ps) check_sparsity(p, "fit_kvquant_calibration");
   const int64_t H = cal.num_kv_heads, D = cal.head_dim;
-  std::vector<at::Tensor> K(keys.size()), V(values.size());
+  std::vector<std::vector<float>> K(keys.size()), V(values.size());
   for (size_t l = 0; l < keys.size(); ++l) {
     for (const auto* t : {&keys[l], &values[l]}) {
-      KV_CHECK_ARG(t->defined() && t->dim() == 3 && t->size(0) >= 1 && t->size(1) == H && t->size(2) == D,
-                   "fit_kvquant_calibration: layer ", l, ": expected [N >= 1, H_kv=", H, ", D=", D, "], got ",
-                   t->defined() ? t->sizes() : at::IntArrayRef{});
-      KV_CHECK_ARG(at::isfinite(*t).all().item<bool>(), "fit_kvquant_calibration: layer ", l,
+      KV_CHECK_ARG(t->defined() && t->rank == 3 && t->size(0) >= 1 && t->size(1) == H && t->size(2) == D &&
+                       is_kv_dtype(t->dtype),
+                   "fit_kvquant_calibration: layer ", l, ": expected float [N >= 1, H_kv=", H, ", D=", D, "], got ",
+                   shape_str(*t));
+      KV_CHECK_ARG(detail::first_nonfinite(*t).empty(), "fit_kvquant_calibration: layer ", l,
                    " holds non-finite activations");
     }
-    K[l] = keys[l].to(at::kFloat).contiguous();
-    V[l] = values[l].to(at::kFloat).contiguous();
+    K[l] = detail::to_float32(keys[l]);
+    V[l] = detail::to_float32(values[l]);
   }
-  std::vector<at::Tensor> WK, WV;  // the weights, float32 contiguous (empty: unweighted)
+  std::vector<std::vector<float>> WK, WV;  // the weights, float32 contiguous (empty: unweighted)
   if (weights != nullptr) {
     KV_CHECK_ARG(weights->keys.size() == keys.size() && weights->values.size() == keys.size(),
                  "fit_kvquant_calibration: weights for ", weights->keys.size(), " key and ", weights->values.size(),
                  " value layers, the activations have ", keys.size());
     for (size_t l = 0; l < keys.size(); ++l) {
-      const at::Tensor* ws[2] = {&weights->keys[l], &weights->values[l]};
-      const at::Tensor* xs[2] = {&K[l], &V[l]};
+      const Buffer* ws[2] = {&weights->keys[l], &weights->values[l]};
+      const TensorView* xs[2] = {&keys[l], &values[l]};
       for (int i = 0; i < 2; ++i) {
-        KV_CHECK_ARG(ws[i]->defined() && ws[i]->sizes() == xs[i]->sizes(), "fit_kvquant_calibration: layer ", l,
-                     i == 0 ? " key" : " value", " weights: expected ", xs[i]->sizes(), ", got ",
-                     ws[i]->defined() ? ws[i]->sizes() : at::IntArrayRef{});
-        const at::Tensor wf = ws[i]->to(at::kFloat).contiguous();
-        KV_CHECK_ARG(at::isfinite(wf).all().item<bool>() && (wf >= 0).all().item<bool>(),
-                     "fit_kvquant_calibration: layer ", l, i == 0 ? " key" : " value",
+        KV_CHECK_ARG(ws[i]->defined() && ws[i]->shape() == xs[i]->sizes() && is_kv_dtype(ws[i]->dtype()),
+                     "fit_kvquant_calibration: layer ", l, i == 0 ? " key" : " value", " weights: expected ",
+                     shape_str(xs[i]->sizes()), ", got ", shape_str(ws[i]->view()));
+        std::vector<float> wf = detail::to_float32(ws[i]->view());
+        bool ok = true;
+        for (float w : wf) ok = ok && std::isfinite(w) && w >= 0;
+        KV_CHECK_ARG(ok, "fit_kvquant_calibration: layer ", l, i == 0 ? " key" : " value",
                      " weights must be finite and >= 0");
-        (i == 0 ? WK : WV).push_back(wf);
+        (i == 0 ? WK : WV).push_back(std::move(wf));
       }
     }
   }
@@ -443,12 +446,12 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
     const double t = 1.0 - (1.0 - p) / 2.0;
     for (size_t l = 0; l < keys.size(); ++l) {
       KvquantLayerCalibration lc;
-      const int64_t N = K[l].size(0);
-      const float* kp = K[l].data_ptr<float>();
+      const int64_t N = keys[l].size(0);
+      const float* kp = K[l].data();
       lc.key_lower.resize(static_cast<size_t>(H * D));
       lc.key_upper.resize(static_cast<size_t>(H * D));
       std::vector<float> kpool, kw;
-      const float* kwp = weighted ? WK[l].data_ptr<float>() : nullptr;
+      const float* kwp = weighted ? WK[l].data() : nullptr;
       for (int64_t c = 0; c < H * D; ++c) {
         std::vector<float> col(static_cast<size_t>(N));
         for (int64_t i = 0; i < N; ++i) col[static_cast<size_t>(i)] = kp[i * H * D + c];
@@ -465,10 +468,10 @@ KvquantCalibration fit_kvquant_calibration(const std::vector<at::Tensor>& keys, 
           if (weighted) kw.push_back(kwp[i * H * D + c]);
         }
       }
-      const float* vp = V[l].data_ptr<float>();
+      const float* vp = V[l].data();
       const int64_t kt = kvquant_tail_count(D, p);
       std::vector<float> vpool, vw;
-      const float* vwp = weighted ? WV[l].data_ptr<float>() : nullptr;
+      const float* vwp = weighted ? WV[l].data() : nullptr;
       std::vector<char> out(static_cast<size_t>(D));
       for (int64_t r = 0; r < N * H; ++r) {
         const float* row = vp + r * D;
@@ -572,10 +575,10 @@ KvquantWeights load_kvquant_weights(const std::string& path, int64_t layers, int
   const char* p = data.data() + kHeader;
   for (int64_t l = 0; l < layers; ++l) {
     for (int s = 0; s < 2; ++s) {
-      at::Tensor t = at::empty({tokens, heads, head_dim}, at::kFloat);
-      std::memcpy(t.data_ptr<float>(), p, static_cast<size_t>(per) * 4);
+      Buffer t(DType::kFloat32, {tokens, heads, head_dim});
+      std::memcpy(t.data(), p, static_cast<size_t>(per) * 4);
       p += per * 4;
-      const float* f = t.data_ptr<float>();
+      const float* f = t.data_as<float>();
       bool positive = false;
       for (int64_t i = 0; i < per; ++i) {
         KV_CHECK_ARG(std::isfinite(f[i]) && f[i] >= 0, "KVQuant weights '", path, "': layer ", l,

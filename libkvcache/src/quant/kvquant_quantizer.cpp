@@ -1,14 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/kvquant_quantizer.h"
 
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "kvcache/error.h"
 #include "kvcache/kvquant.h"
+#include "quant/simd.h"
 
 namespace kvcache::quant {
 namespace {
@@ -16,8 +15,8 @@ namespace {
 constexpr uint16_t kUnused = 0xFFFF;
 constexpr float kHalfLimit = 65520.0f;  // |x| >= this rounds to ±Inf in fp16
 
-uint16_t half_bits(float x) { return c10::Half(x).x; }
-float from_half(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+uint16_t half_bits(float x) { return fp16_bits(x); }  // round to nearest even (as c10::Half)
+float from_half(uint16_t b) { return fp16_to_float(b); }
 
 int nearest(const std::vector<float>& c, float y) {
   int lo = 0;
@@ -91,9 +90,10 @@ double KvquantQuantizer::bits_per_value(int64_t head_dim) const {
   return bytes * 8.0 / static_cast<double>(head_dim);
 }
 
-void KvquantQuantizer::check_input(const at::Tensor& x) const {
+void KvquantQuantizer::check_input(const TensorView& x) const {
   KV_CHECK_ARG(x.size(3) == s_->head_dim && (x.size(1) == s_->num_heads || x.size(1) == 1), "'", spec(),
-               "': calibrated for [B, H_kv=", s_->num_heads, " (or 1), T, D=", s_->head_dim, "], got ", x.sizes());
+               "': calibrated for [B, H_kv=", s_->num_heads, " (or 1), T, D=", s_->head_dim, "], got ",
+               shape_str(x.sizes()));
 }
 
 StoredLayout KvquantQuantizer::do_stored_layout(int64_t head_dim) const {
@@ -104,7 +104,7 @@ StoredLayout KvquantQuantizer::do_stored_layout(int64_t head_dim) const {
   l.code_bytes = packed_bytes() + 4 * capacity_;
   l.meta_count = s_->keys ? 0 : 1;
   l.has_zeros = !s_->keys;
-  l.meta_dtype = at::kHalf;
+  l.meta_dtype = DType::kFloat16;
   return l;
 }
 
@@ -222,24 +222,27 @@ void KvquantQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t h
   }
 }
 
-QuantizedTensor KvquantQuantizer::do_quantize(const at::Tensor& x) const {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+void KvquantQuantizer::do_quantize_into(const Input& in, QuantizedTensor& q) const {
+  const TensorView& x = in.x;
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   const int64_t cb = packed_bytes() + 4 * capacity_;
-  QuantizedTensor q;
   q.format = spec();
   q.shape = {B, H, T, D};
-  q.dtype = x.scalar_type();
+  q.dtype = in.dtype;
+  q.side.clear();
   const int64_t n = B * H * T;
-  q.codes = at::zeros({n, cb}, at::kByte);
+  q.codes = Buffer::zeros(DType::kUInt8, {n, cb});
   if (!s_->keys) {
-    q.scales = at::zeros({n, 1}, at::kHalf);
-    q.zeros = at::zeros({n, 1}, at::kHalf);
+    q.scales = Buffer::zeros(DType::kFloat16, {n, 1});
+    q.zeros = Buffer::zeros(DType::kFloat16, {n, 1});
+  } else {
+    q.scales.reset();
+    q.zeros.reset();
   }
-  const float* xp = xf.data_ptr<float>();
-  uint8_t* cp = q.codes.data_ptr<uint8_t>();
-  auto* sp = s_->keys ? nullptr : reinterpret_cast<uint16_t*>(q.scales.data_ptr<at::Half>());
-  auto* zp = s_->keys ? nullptr : reinterpret_cast<uint16_t*>(q.zeros.data_ptr<at::Half>());
+  const auto* xp = static_cast<const float*>(x.data);
+  uint8_t* cp = q.codes.data_as<uint8_t>();
+  auto* sp = s_->keys ? nullptr : q.scales.data_as<uint16_t>();
+  auto* zp = s_->keys ? nullptr : q.zeros.data_as<uint16_t>();
   for (int64_t r = 0; r < n; ++r) {
     const int64_t h = H == 1 ? head_ : (r / T) % H;
     uint16_t s = 0, z = 0;
@@ -250,22 +253,24 @@ QuantizedTensor KvquantQuantizer::do_quantize(const at::Tensor& x) const {
       zp[r] = z;
     }
   }
-  return q;
 }
 
-at::Tensor KvquantQuantizer::do_dequantize(const QuantizedTensor& q) const {
+void KvquantQuantizer::do_dequantize_into(const QuantizedTensor& q, float* op) const {
   const int64_t B = q.shape[0], H = q.shape[1], T = q.shape[2], D = q.shape[3];
   const int64_t cb = packed_bytes() + 4 * capacity_;
-  at::Tensor out = at::empty({B, H, T, D}, at::kFloat);
-  float* op = out.data_ptr<float>();
-  const uint8_t* cp = q.codes.data_ptr<uint8_t>();
-  const auto* sp = s_->keys ? nullptr : reinterpret_cast<const uint16_t*>(q.scales.data_ptr<at::Half>());
-  const auto* zp = s_->keys ? nullptr : reinterpret_cast<const uint16_t*>(q.zeros.data_ptr<at::Half>());
-  for (int64_t r = 0; r < B * H * T; ++r) {
+  const int64_t n = B * H * T;
+  KV_CHECK_ARG(D == s_->head_dim && q.codes.numel() == n * cb && q.codes.dtype() == DType::kUInt8 &&
+                   (s_->keys || (q.scales.numel() == n && q.zeros.numel() == n &&
+                                 q.scales.dtype() == DType::kFloat16 && q.zeros.dtype() == DType::kFloat16)),
+               "dequantize_into(q, out) [", spec(), "]: q's buffers do not hold ", n, " rows of ", cb,
+               " code bytes (and fp16 scales/zeros) for shape ", shape_str(q.shape));
+  const uint8_t* cp = q.codes.data_as<uint8_t>();
+  const auto* sp = s_->keys ? nullptr : q.scales.data_as<uint16_t>();
+  const auto* zp = s_->keys ? nullptr : q.zeros.data_as<uint16_t>();
+  for (int64_t r = 0; r < n; ++r) {
     const int64_t h = H == 1 ? head_ : (r / T) % H;
     decode_row(cp + r * cb, h, sp ? sp + r : nullptr, zp ? zp + r : nullptr, op + r * D);
   }
-  return out.to(q.dtype);
 }
 
 }  // namespace kvcache::quant

@@ -68,9 +68,9 @@ class KvquantQuantizer final : public Quantizer {
  protected:
   /// x must have D = the calibrated head_dim and H_kv = the calibrated heads (head i then
   /// uses head i's thresholds) or 1 (this quantizer's head).
-  void check_input(const at::Tensor& x) const override;
-  QuantizedTensor do_quantize(const at::Tensor& x) const override;
-  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
+  void check_input(const TensorView& x) const override;
+  void do_quantize_into(const Input& in, QuantizedTensor& out) const override;
+  void do_dequantize_into(const QuantizedTensor& q, float* out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;

@@ -6,25 +6,16 @@
 #include <cmath>
 #include <limits>
 
+#include "common/view_ops.h"
 #include "kvcache/error.h"
+#include "quant/as_call.h"
 #include "quant/checks.h"
 
 namespace kvcache {
-namespace {
-
-int64_t tensor_bytes(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
-
-bool is_float_input(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-
-}  // namespace
 
 int64_t QuantizedTensor::nbytes() const {
-  int64_t n = tensor_bytes(codes) + tensor_bytes(scales) + tensor_bytes(zeros);
-  for (const auto& kv : side) n += tensor_bytes(kv.second);
+  int64_t n = codes.nbytes() + scales.nbytes() + zeros.nbytes();
+  for (const auto& kv : side) n += kv.second.nbytes();
   return n;
 }
 
@@ -34,88 +25,103 @@ int64_t QuantizedTensor::numel() const {
   return n;
 }
 
-QuantizedTensor Quantizer::quantize(const at::Tensor& x) const {
+Quantizer::Input Quantizer::make_input(const TensorView& x, std::vector<float>& scratch) const {
+  Input in;
+  in.dtype = x.dtype;
+  const auto range = quant::byte_range(x);
+  in.avoid_begin = range.first;
+  in.avoid_end = range.second;
+  if (x.dtype == DType::kFloat32 && x.is_contiguous()) {
+    in.x = x;
+  } else {
+    scratch = detail::to_float32(x);
+    in.x = TensorView(scratch.data(), DType::kFloat32, x.sizes());
+  }
+  return in;
+}
+
+QuantizedTensor Quantizer::quantize(const TensorView& x) const {
   const std::string where = "quantize(x) [" + spec() + "]";
   validate_quantize_input(x, where);
-  QuantizedTensor q = do_quantize(x);
+  std::vector<float> scratch;
+  QuantizedTensor q = do_quantize(make_input(x, scratch));
   KV_INTERNAL_ASSERT(q.format == spec(), "quantizer ", spec(), " produced format ", q.format);
   return q;
 }
 
-namespace {
-/// Runs fn; an InvalidArgument whose message starts with `from` (the allocating call's name,
-/// which the quantizers' own checks and kernels write: "quantize(x) [spec]") is rethrown
-/// starting with `to` instead, so that a caller of the *_into form reads the call it made.
-template <class Fn>
-void as_call(const std::string& from, const std::string& to, Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(from, 0) != 0) throw;
-    throw InvalidArgument(to + msg.substr(from.size()));
-  }
-}
-}  // namespace
-
-void Quantizer::quantize_into(const at::Tensor& x, QuantizedTensor& out) const {
+void Quantizer::quantize_into(const TensorView& x, QuantizedTensor& out) const {
   const std::string where = "quantize_into(x, out) [" + spec() + "]";
-  as_call("quantize(x) [" + spec() + "]", where, [&] {
+  quant::as_call("quantize(x) [" + spec() + "]", where, [&] {
     validate_quantize_input(x, where);
-    do_quantize_into(x, out);
+    std::vector<float> scratch;
+    do_quantize_into(make_input(x, scratch), out);
   });
   KV_INTERNAL_ASSERT(out.format == spec(), "quantizer ", spec(), " produced format ", out.format);
 }
 
-void Quantizer::validate_quantize_input(const at::Tensor& x, const std::string& where) const {
+void Quantizer::validate_quantize_input(const TensorView& x, const std::string& where) const {
   KV_CHECK_ARG(x.defined(), where, ": x is an undefined tensor (expected [B, H_kv, T, D])");
-  KV_CHECK_ARG(x.dim() == 4, where, ": x must be 4-D [B, H_kv, T, D], got ", x.dim(), "-D shape ",
-               quant::shape_str(x.sizes()));
-  KV_CHECK_ARG(is_float_input(x.scalar_type()), where, ": x has dtype ", x.scalar_type(),
+  KV_CHECK_ARG(x.rank == 4, where, ": x must be 4-D [B, H_kv, T, D], got ", x.rank, "-D shape ",
+               shape_str(x.sizes()));
+  KV_CHECK_ARG(is_kv_dtype(x.dtype), where, ": x has dtype ", to_string(x.dtype),
                ", expected float32, float16 or bfloat16");
-  KV_CHECK_ARG(x.device().is_cpu(), where, ": x is on ", x.device(), ", expected a CPU tensor");
   check_input(x);
   if (!checks_finite_itself()) quant::check_finite(x, where);
 }
 
-void Quantizer::validate_dequantize_input(const QuantizedTensor& q) const {
+void Quantizer::check_dequantizable(const QuantizedTensor& q) const {
   const std::string me = spec();
-  KV_CHECK_ARG(q.format == me, "dequantize(q) [", me, "]: q.format is '", q.format,
-               "', expected '", me, "' (decode a tensor with the quantizer that produced it)");
-  KV_CHECK_ARG(q.shape.size() == 4, "dequantize(q) [", me, "]: q.shape must have 4 entries, got ",
+  KV_CHECK_ARG(q.format == me, "dequantize_into(q, out) [", me, "]: q.format is '", q.format, "', expected '", me,
+               "' (decode a tensor with the quantizer that produced it)");
+  KV_CHECK_ARG(q.shape.size() == 4, "dequantize_into(q, out) [", me, "]: q.shape must have 4 entries, got ",
                q.shape.size());
   // Sizes a tensor can have: none negative, their product within int64 (what quantize() makes).
   int64_t numel = 1;
   for (int64_t s : q.shape) {
-    KV_CHECK_ARG(s >= 0 && (s == 0 || numel <= std::numeric_limits<int64_t>::max() / s), "dequantize(q) [", me,
-                 "]: q.shape ", quant::shape_str(q.shape), " is not the shape of a tensor [B, H_kv, T, D] (",
+    KV_CHECK_ARG(s >= 0 && (s == 0 || numel <= std::numeric_limits<int64_t>::max() / s), "dequantize_into(q, out) [",
+                 me, "]: q.shape ", shape_str(q.shape), " is not the shape of a tensor [B, H_kv, T, D] (",
                  s < 0 ? "a negative size" : "more elements than int64 counts", ")");
     numel = s == 0 ? 0 : numel * s;
   }
-  KV_CHECK_ARG(q.codes.defined(), "dequantize(q) [", me, "]: q.codes is undefined");
+  KV_CHECK_ARG(q.codes.defined(), "dequantize_into(q, out) [", me, "]: q.codes is undefined");
+  KV_CHECK_ARG(is_kv_dtype(q.dtype), "dequantize_into(q, out) [", me, "]: q.dtype is ", to_string(q.dtype),
+               ", expected float32, float16 or bfloat16");
 }
 
-at::Tensor Quantizer::dequantize(const QuantizedTensor& q) const {
-  validate_dequantize_input(q);
-  return do_dequantize(q);
+void Quantizer::dequantize_into(const QuantizedTensor& q, const MutableTensorView& out) const {
+  check_dequantizable(q);
+  const std::string where = "dequantize_into(q, out) [" + spec() + "]";
+  KV_CHECK_ARG(out.defined() && out.sizes() == q.shape && (out.dtype == DType::kFloat32 || out.dtype == q.dtype), where,
+               ": out must be ", shape_str(q.shape), " of dtype Float",
+               q.dtype == DType::kFloat32 ? std::string() : std::string(" or ") + to_string(q.dtype) + " (q.dtype)",
+               ", got ", shape_str(TensorView(out)));
+  // Written straight into `out` when it is contiguous float32 memory of its own; else through
+  // a float32 reconstruction (also when `out` overlaps q's buffers, which it must not clobber
+  // while they are read).
+  const auto range = quant::byte_range(out);
+  auto overlaps = [&](const Buffer& b) {
+    const auto* lo = static_cast<const char*>(b.data());
+    return b.defined() && range.first != nullptr && static_cast<const char*>(range.first) < lo + b.nbytes() &&
+           lo < static_cast<const char*>(range.second);
+  };
+  bool aliased = overlaps(q.codes) || overlaps(q.scales) || overlaps(q.zeros);
+  for (const auto& kv : q.side) aliased = aliased || overlaps(kv.second);
+  if (out.dtype == DType::kFloat32 && out.is_contiguous() && !aliased) {
+    do_dequantize_into(q, static_cast<float*>(out.data));
+    return;
+  }
+  std::vector<float> tmp(static_cast<size_t>(q.numel()));
+  do_dequantize_into(q, tmp.data());
+  detail::write_float32(tmp.data(), out);
 }
 
-void Quantizer::dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
-  as_call("dequantize(q) [" + spec() + "]", "dequantize_into(q, out) [" + spec() + "]", [&] {
-    validate_dequantize_input(q);
-    do_dequantize_into(q, out);
-  });
-}
-
-int64_t StoredLayout::meta_bytes() const {
-  return meta_count * (has_zeros ? 2 : 1) * static_cast<int64_t>(c10::elementSize(meta_dtype));
-}
+int64_t StoredLayout::meta_bytes() const { return meta_count * (has_zeros ? 2 : 1) * dtype_size(meta_dtype); }
 
 StoredLayout Quantizer::stored_layout(int64_t head_dim) const {
   KV_CHECK_ARG(head_dim > 0, "stored_layout(head_dim) [", spec(), "]: head_dim must be > 0, got ", head_dim);
   StoredLayout l = do_stored_layout(head_dim);
   KV_INTERNAL_ASSERT(l.group_tokens >= 1 && l.code_bytes >= 1 && l.meta_count >= 0 &&
-                         (l.meta_dtype == at::kHalf || l.meta_dtype == at::kFloat),
+                         (l.meta_dtype == DType::kFloat16 || l.meta_dtype == DType::kFloat32),
                      "quantizer ", spec(), " declared a bad layout");
   return l;
 }
@@ -148,27 +154,39 @@ void Quantizer::do_decode(ConstGroupBuffers, int64_t, int64_t, float, float*) co
   throw UnsupportedError("quantizer '" + spec() + "' has no raw decoder");
 }
 
-ReconstructionError reconstruction_error(const at::Tensor& x, const at::Tensor& x_hat) {
+ReconstructionError reconstruction_error(const TensorView& x, const TensorView& x_hat) {
   KV_CHECK_ARG(x.defined() && x_hat.defined(), "reconstruction_error(x, x_hat): undefined tensor");
-  KV_CHECK_ARG(x.sizes() == x_hat.sizes(), "reconstruction_error(x, x_hat): shapes differ: x ",
-               quant::shape_str(x.sizes()), " vs x_hat ", quant::shape_str(x_hat.sizes()));
+  KV_CHECK_ARG(is_kv_dtype(x.dtype) && is_kv_dtype(x_hat.dtype), "reconstruction_error(x, x_hat): x is ",
+               shape_str(x), " and x_hat ", shape_str(x_hat), " (expected float32, float16 or bfloat16)");
+  KV_CHECK_ARG(x.sizes() == x_hat.sizes(), "reconstruction_error(x, x_hat): shapes differ: x ", shape_str(x.sizes()),
+               " vs x_hat ", shape_str(x_hat.sizes()));
   ReconstructionError e;
   if (x.numel() == 0) return e;
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor diff = xf - x_hat.to(at::kFloat);
-  const double num = at::linalg_vector_norm(diff, 2, c10::nullopt, false, at::kDouble).item<double>();
-  const double den = at::linalg_vector_norm(xf, 2, c10::nullopt, false, at::kDouble).item<double>();
-  e.max_abs = diff.abs().max().to(at::kDouble).item<double>();
+  detail::Float32Rows a, b;
+  detail::read_float32(x, a);
+  detail::read_float32(x_hat, b);
+  double num = 0, den = 0, mx = 0;
+  for (int64_t i = 0; i < a.numel; ++i) {
+    const double xi = a.data[i];
+    const double diff = static_cast<double>(a.data[i] - b.data[i]);  // in float32, as x − x̂ of float tensors
+    num += diff * diff;
+    den += xi * xi;
+    mx = std::max(mx, std::abs(diff));
+  }
+  e.max_abs = mx;
   if (den > 0) {
-    e.rel_fro = num / den;
+    e.rel_fro = std::sqrt(num) / std::sqrt(den);
   } else {
     e.rel_fro = num == 0 ? 0.0 : std::numeric_limits<double>::infinity();
   }
   return e;
 }
 
-ReconstructionError reconstruction_error(const Quantizer& q, const at::Tensor& x) {
-  return reconstruction_error(x, q.dequantize(q.quantize(x)));
+ReconstructionError reconstruction_error(const Quantizer& q, const TensorView& x) {
+  const QuantizedTensor qt = q.quantize(x);
+  Buffer y(qt.dtype, qt.shape);  // x's dtype, as the reconstruction a reader gets
+  q.dequantize_into(qt, y.mutable_view());
+  return reconstruction_error(x, y.view());
 }
 
 }  // namespace kvcache

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The quantizers' registration list (order = `kv_study list` order) and the quantizer
-// factory over the one registry (common/registry.h).
-#include "common/registry.h"
+// factory over the one registry (registry/registry.h).
+#include "registry/registry.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "quant/float_quantizer.h"
@@ -21,7 +21,7 @@ Entry quantizer(const ParamTable& table, QuantizerFactory make) {
   return e;
 }
 
-Entry float_entry(at::ScalarType storage) {
+Entry float_entry(DType storage) {
   const ParamTable& t = quant::FloatCastQuantizer::table(storage);
   return quantizer(t, [storage, head = t.head](const ParsedSpec&, const std::string&) -> std::unique_ptr<Quantizer> {
     return std::make_unique<quant::FloatCastQuantizer>(storage, head);
@@ -39,9 +39,9 @@ Entry int_entry(int bits) {
 
 std::vector<Entry> quantizer_entries() {
   std::vector<Entry> v;
-  v.push_back(float_entry(at::kFloat));
-  v.push_back(float_entry(at::kHalf));
-  v.push_back(float_entry(at::kBFloat16));
+  v.push_back(float_entry(DType::kFloat32));
+  v.push_back(float_entry(DType::kFloat16));
+  v.push_back(float_entry(DType::kBFloat16));
   v.push_back(quantizer(quant::Fp8Quantizer::table(), [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<Quantizer> {
     const auto format = p.choice("format") == "e5m2" ? quant::Fp8Format::kE5M2 : quant::Fp8Format::kE4M3;
     return std::make_unique<quant::Fp8Quantizer>(format, p.choice("scale") == "scaled");

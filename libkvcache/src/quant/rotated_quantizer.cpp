@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/view_ops.h"
 #include "kvcache/error.h"
 #include "quant/checks.h"
 #include "quant/hadamard.h"
@@ -48,106 +49,94 @@ void saturate(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::min(std::max(x[i], -kMax), kMax);
 }
 
-/// Throws unless every row of the rotated `y` [B, H, T, D] is finite, naming the first row of
-/// `x` whose rotation leaves float32 and the range that always rotates finitely.
-void check_rotation_finite(const at::Tensor& x, const at::Tensor& y, const std::string& where) {
-  if (at::isfinite(y).all().item<bool>()) return;
-  const at::Tensor bad = at::logical_not(at::isfinite(y)).any(-1).nonzero()[0];
-  const int64_t d = x.size(3);
-  const at::Tensor row = x.index({bad[0], bad[1], bad[2]}).to(at::kFloat);
+/// Throws unless every value of the rotated `y` (the rows of `x` `[B, H, T, D]` float32
+/// contiguous, rotated) is finite, naming the first row of `x` whose rotation leaves float32 and
+/// the range that always rotates finitely.
+void check_rotation_finite(const TensorView& x, const std::vector<float>& y, const std::string& where) {
+  size_t bad = 0;
+  while (bad < y.size() && std::isfinite(y[bad])) ++bad;
+  if (bad == y.size()) return;
+  const int64_t d = x.size(3), t = x.size(2), heads = x.size(1);
+  const int64_t row = static_cast<int64_t>(bad) / d;
+  const float* xr = static_cast<const float*>(x.data) + row * d;
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(xr[i]));
   throw InvalidArgument(detail::str_cat(
-      where, ": row [b, h, t] = [", bad[0].item<int64_t>(), ", ", bad[1].item<int64_t>(), ", ", bad[2].item<int64_t>(),
-      "] (max |x| = ", row.abs().max().item<float>(), ") rotates beyond float32: an entry of H_D·x exceeds ",
-      std::numeric_limits<float>::max(), " (rows with every |x| <= FLT_MAX/sqrt(D) = ",
-      std::numeric_limits<float>::max() / std::sqrt(static_cast<float>(d)),
+      where, ": row [b, h, t] = [", row / (t * heads), ", ", (row / t) % heads, ", ", row % t, "] (max |x| = ", amax,
+      ") rotates beyond float32: an entry of H_D·x exceeds ", std::numeric_limits<float>::max(),
+      " (rows with every |x| <= FLT_MAX/sqrt(D) = ", std::numeric_limits<float>::max() / std::sqrt(static_cast<float>(d)),
       " always rotate finitely; docs/quantizers.md, \"Hadamard rotation\"); store such input unrotated"));
 }
 
 }  // namespace
 
-at::Tensor RotatedQuantizer::rotate(const at::Tensor& x) const {
-  at::Tensor y = x.to(at::kFloat).contiguous().clone();
-  const int64_t d = y.size(-1);
-  hadamard_rows(y.data_ptr<float>(), y.numel() / d, d);
+std::vector<float> RotatedQuantizer::rotate(const TensorView& x, const std::string& where) const {
+  const auto* xp = static_cast<const float*>(x.data);
+  std::vector<float> y(xp, xp + x.numel());
+  const int64_t d = x.size(x.rank - 1);
+  if (!y.empty()) hadamard_rows(y.data(), static_cast<int64_t>(y.size()) / d, d);
+  check_rotation_finite(x, y, where);
   return y;
 }
 
-float RotatedQuantizer::fit_tensor_scale(const at::Tensor& x) const {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  if (xf.numel() == 0 || !is_power_of_two(xf.size(-1))) return inner_->fit_tensor_scale(xf);
-  return inner_->fit_tensor_scale(rotate(xf));
+float RotatedQuantizer::fit_tensor_scale(const TensorView& x) const {
+  if (x.numel() == 0 || x.rank < 1 || !is_power_of_two(x.size(x.rank - 1))) return inner_->fit_tensor_scale(x);
+  std::vector<float> y = detail::to_float32(x);
+  const int64_t d = x.size(x.rank - 1);
+  hadamard_rows(y.data(), static_cast<int64_t>(y.size()) / d, d);
+  return inner_->fit_tensor_scale(TensorView(y.data(), DType::kFloat32, {static_cast<int64_t>(y.size())}));
 }
 
-void RotatedQuantizer::check_input(const at::Tensor& x) const {
+void RotatedQuantizer::check_input(const TensorView& x) const {
   check_head_dim(x.size(3), "quantize(x) [" + spec() + "]");
 }
 
-QuantizedTensor RotatedQuantizer::do_quantize(const at::Tensor& x) const {
+QuantizedTensor RotatedQuantizer::do_quantize(const Input& in) const {
   const std::string where = "quantize(x) [" + spec() + "]";
-  const at::Tensor y = rotate(x);
-  check_rotation_finite(x, y, where);
+  const std::vector<float> y = rotate(in.x, where);
   QuantizedTensor q;
   try {
-    q = inner_->quantize(y);
+    q = inner_->quantize(TensorView(y.data(), DType::kFloat32, in.x.sizes()));
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(where + ": " + e.what());
   }
   q.format = spec();
-  q.dtype = x.scalar_type();
+  q.dtype = in.dtype;
   return q;
 }
 
-at::Tensor RotatedQuantizer::do_dequantize(const QuantizedTensor& q) const {
-  QuantizedTensor inner_q = q;
-  inner_q.format = inner_->spec();
-  inner_q.dtype = at::kFloat;
-  at::Tensor y;
-  try {
-    y = inner_->dequantize(inner_q).contiguous();
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument("dequantize(q) [" + spec() + "]: " + e.what());
-  }
-  check_head_dim(y.size(3), "dequantize(q) [" + spec() + "]");
-  hadamard_rows(y.data_ptr<float>(), y.numel() / y.size(3), y.size(3));
-  saturate(y.data_ptr<float>(), y.numel());
-  return to_input_dtype(y, q.dtype);  // saturating, as the other quantizers
-}
-
-void RotatedQuantizer::do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const {
+void RotatedQuantizer::do_quantize_into(const Input& in, QuantizedTensor& out) const {
   const std::string where = "quantize_into(x, out) [" + spec() + "]";
-  const at::Tensor y = rotate(x);
-  check_rotation_finite(x, y, where);
+  const std::vector<float> y = rotate(in.x, where);
   try {
-    inner_->quantize_into(y, out);
+    inner_->quantize_into(TensorView(y.data(), DType::kFloat32, in.x.sizes()), out);
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(where + ": " + e.what());
   }
   out.format = spec();
-  out.dtype = x.scalar_type();
+  out.dtype = in.dtype;
 }
 
-void RotatedQuantizer::do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const {
-  if (q.dtype != at::kFloat) {
-    out = do_dequantize(q);  // rounded to q.dtype from a float32 reconstruction
-    return;
-  }
+void RotatedQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) const {
+  const std::string where = "dequantize_into(q, out) [" + spec() + "]";
   QuantizedTensor inner_q = q;
   inner_q.format = inner_->spec();
-  inner_q.dtype = at::kFloat;
+  inner_q.dtype = DType::kFloat32;
   try {
-    inner_->dequantize_into(inner_q, out);
+    inner_->dequantize_into(inner_q, MutableTensorView(out, DType::kFloat32, q.shape));
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument("dequantize_into(q, out) [" + spec() + "]: " + e.what());
+    throw InvalidArgument(where + ": " + e.what());
   }
-  if (!out.is_contiguous()) out = out.contiguous();
-  check_head_dim(out.size(3), "dequantize_into(q, out) [" + spec() + "]");
-  hadamard_rows(out.data_ptr<float>(), out.numel() / out.size(3), out.size(3));
-  saturate(out.data_ptr<float>(), out.numel());
+  check_head_dim(q.shape[3], where);
+  if (q.numel() > 0) hadamard_rows(out, q.numel() / q.shape[3], q.shape[3]);
+  saturate(out, q.numel());
 }
 
 StoredLayout RotatedQuantizer::do_stored_layout(int64_t head_dim) const {
   check_head_dim(head_dim, "stored_layout(head_dim) [" + spec() + "]");
-  return inner_->stored_layout(head_dim);
+  StoredLayout l = inner_->stored_layout(head_dim);
+  l.kernel = KernelKind::kNone;  // rotated values: decoded (and rotated back) by the generic path
+  return l;
 }
 
 EncodeStatus RotatedQuantizer::do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,

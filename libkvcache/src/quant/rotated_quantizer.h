@@ -15,6 +15,8 @@
 /// values back, so q·k and p·v need nothing else; the fused kernels do not read it.
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "kvcache/quantizer.h"
 
@@ -32,18 +34,18 @@ class RotatedQuantizer final : public Quantizer {
   double bits_per_value(int64_t head_dim) const override { return inner_->bits_per_value(head_dim); }
   GroupAxis group_axis() const override { return inner_->group_axis(); }
   /// The inner quantizer's scale for the rotated values (fp8:*:scaled).
-  float fit_tensor_scale(const at::Tensor& x) const override;
+  float fit_tensor_scale(const TensorView& x) const override;
 
   const Quantizer& inner() const { return *inner_; }
 
  protected:
-  void check_input(const at::Tensor& x) const override;
-  QuantizedTensor do_quantize(const at::Tensor& x) const override;
-  at::Tensor do_dequantize(const QuantizedTensor& q) const override;
-  /// The inner quantizer's buffer-reusing forms around the rotation (the rotated copy of x is
-  /// a temporary; float32 output is rotated back in place).
-  void do_quantize_into(const at::Tensor& x, QuantizedTensor& out) const override;
-  void do_dequantize_into(const QuantizedTensor& q, at::Tensor& out) const override;
+  void check_input(const TensorView& x) const override;
+  /// The inner quantizer's quantize() of the rotated x (a temporary copy).
+  QuantizedTensor do_quantize(const Input& in) const override;
+  /// The inner quantizer's buffer-reusing quantize_into() of the rotated x.
+  void do_quantize_into(const Input& in, QuantizedTensor& out) const override;
+  /// The inner reconstruction, rotated back in place.
+  void do_dequantize_into(const QuantizedTensor& q, float* out) const override;
   StoredLayout do_stored_layout(int64_t head_dim) const override;
   EncodeStatus do_encode(const float* x, int64_t groups, int64_t head_dim, float tensor_scale,
                          GroupBuffers out) const override;
@@ -51,8 +53,9 @@ class RotatedQuantizer final : public Quantizer {
                  float* out) const override;
 
  private:
-  /// x [..., D] float32 → H_D x, contiguous.
-  at::Tensor rotate(const at::Tensor& x) const;
+  /// H_D x of validated input (float32 contiguous [..., D]); throws naming `where` when the
+  /// rotation exceeds float32.
+  std::vector<float> rotate(const TensorView& x, const std::string& where) const;
   std::shared_ptr<const Quantizer> inner_;
 };
 

@@ -132,6 +132,32 @@ KV_ALWAYS_INLINE uint32_t fp16_bits_up(float f) {
 constexpr uint16_t kFp16MaxBits = 0x7bffu;  // 65504
 constexpr uint16_t kBf16MaxBits = 0x7f7fu;  // 3.3895314e38
 
+/// Round-to-nearest-even truncation of float32 to its upper 16 bits (finite input).
+KV_ALWAYS_INLINE uint16_t bf16_bits(float v) {
+  const uint32_t u = float_bits(v);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/// Bits `h` of a 16-bit float whose exponent field is `exp_mask`: ±Inf becomes ±max_bits
+/// (the largest finite value of that sign); every other value is kept.
+KV_ALWAYS_INLINE uint16_t saturate_bits(uint16_t h, uint16_t exp_mask, uint16_t max_bits) {
+  return (h & exp_mask) == exp_mask ? static_cast<uint16_t>((h & 0x8000u) | max_bits) : h;
+}
+
+/// fp16 bits of finite `v`, saturating at ±65504 (cast_to_fp16_saturating, one value).
+KV_ALWAYS_INLINE uint16_t fp16_bits_saturating(float v) { return saturate_bits(fp16_bits(v), 0x7c00u, kFp16MaxBits); }
+/// bf16 bits of finite `v`, saturating at ±3.3895e38 (cast_to_bf16, one value).
+KV_ALWAYS_INLINE uint16_t bf16_bits_saturating(float v) { return saturate_bits(bf16_bits(v), 0x7f80u, kBf16MaxBits); }
+/// bf16 bits → float32 (exact).
+KV_ALWAYS_INLINE float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+/// An fp16 value as stored: its IEEE binary16 bits (the metadata element type of the integer
+/// kernels; layout-compatible with c10::Half and uint16_t).
+struct Half {
+  uint16_t x;
+};
+static_assert(sizeof(Half) == 2, "Half is two bytes");
+
 /// Integer code of y ∈ [0, 2^22) rounded half-to-even: adding 1.5·2^23 leaves rint(y) in
 /// the low mantissa bits under the default rounding mode. Plain SSE2 arithmetic, unlike
 /// rintf (which needs SSE4.1 to vectorize). The caller masks the result to its bit width.

@@ -5,7 +5,8 @@
 #include <vector>
 
 #include "common/file_io.h"
-#include "kvcache/attention.h"
+#include "kvcache/torch/attention.h"
+#include "kvcache/torch/kvquant.h"
 #include "kvcache/error.h"
 #include "kvcache/model/causal_lm.h"
 #include "kvcache/model/tokenizer.h"

@@ -16,6 +16,7 @@
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
+#include "kvcache/torch/tensor_view.h"
 
 namespace kvcache::study {
 namespace {
@@ -109,7 +110,7 @@ StreamBits measure_stream(const Quantizer* q, int64_t head_dim) {
   const QuantizedTensor qt = q->quantize(x);
   const double values = static_cast<double>(qt.numel());
   StreamBits b;
-  b.raw = static_cast<double>(qt.codes.numel() * static_cast<int64_t>(qt.codes.element_size())) * 8.0 / values;
+  b.raw = static_cast<double>(qt.codes.nbytes()) * 8.0 / values;
   b.effective = q->bits_per_value(head_dim);
   const double extra = static_cast<double>(qt.nbytes()) - b.effective * values / 8.0;
   b.per_tensor_bytes = extra > 0.5 ? static_cast<int64_t>(std::llround(extra)) : 0;
@@ -142,10 +143,10 @@ KvFormat kv_format(const std::string& spec, int64_t head_dim, int64_t num_layers
     if (l == 0) {
       f.key_residual_tokens = streams.key.residual;
       f.value_residual_tokens = streams.value.residual;
-      f.residual_bits = 8.0 * static_cast<double>(c10::elementSize(streams.key.residual_dtype));
+      f.residual_bits = 8.0 * static_cast<double>(dtype_size(streams.key.residual_dtype));
     }
     KV_CHECK_ARG(streams.key.residual == f.key_residual_tokens && streams.value.residual == f.value_residual_tokens &&
-                     8.0 * static_cast<double>(c10::elementSize(streams.key.residual_dtype)) == f.residual_bits,
+                     8.0 * static_cast<double>(dtype_size(streams.key.residual_dtype)) == f.residual_bits,
                  "kv_format('", spec, "'): layer ", l, " keeps a residual of ", streams.key.residual, "/",
                  streams.value.residual, " K/V tokens, layer 0 ", f.key_residual_tokens, "/", f.value_residual_tokens,
                  " (the memory table assumes one residual for every layer)");

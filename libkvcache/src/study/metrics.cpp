@@ -5,17 +5,12 @@
 
 #include <cmath>
 
-#include "kvcache/attention.h"
 #include "kvcache/error.h"
+#include "kvcache/torch/attention.h"
+#include "kvcache/view.h"
 
 namespace kvcache::study {
 namespace {
-
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]";
-}
 
 double rel_fro(const at::Tensor& ref, const at::Tensor& approx) {
   const double num = (ref - approx).norm().item<double>();
@@ -100,13 +95,13 @@ double strided_perplexity(int64_t n_tokens, int64_t max_length, int64_t stride,
 
 DistributionComparison compare_logits(const at::Tensor& ref, const at::Tensor& test) {
   KV_CHECK_ARG(ref.defined() && test.defined(), "compare_logits: undefined logits");
-  KV_CHECK_ARG(ref.sizes() == test.sizes(), "compare_logits: shapes differ: reference ", shape_str(ref),
-               " vs test ", shape_str(test));
+  KV_CHECK_ARG(ref.sizes() == test.sizes(), "compare_logits: shapes differ: reference ", shape_str(ref.sizes().vec()),
+               " vs test ", shape_str(test.sizes().vec()));
   KV_CHECK_ARG(ref.dim() == 1 || ref.dim() == 2, "compare_logits: expected [N, V] or [V], got ",
-               shape_str(ref));
+               shape_str(ref.sizes().vec()));
   auto r = ref.to(at::kDouble).reshape({-1, ref.size(-1)});
   auto t = test.to(at::kDouble).reshape({-1, test.size(-1)});
-  KV_CHECK_ARG(r.size(0) > 0 && r.size(1) > 0, "compare_logits: no positions (shape ", shape_str(ref), ")");
+  KV_CHECK_ARG(r.size(0) > 0 && r.size(1) > 0, "compare_logits: no positions (shape ", shape_str(ref.sizes().vec()), ")");
   auto lr = at::log_softmax(r, -1);
   auto lt = at::log_softmax(t, -1);
   auto kl = (lr.exp() * (lr - lt)).sum(-1).clamp_min(0.0);  // >= 0 up to rounding
@@ -122,7 +117,7 @@ DistributionComparison compare_logits(const at::Tensor& ref, const at::Tensor& t
 
 at::Tensor fake_quantize_minmax(const at::Tensor& x, int bits, int64_t group, GroupAxis axis) {
   KV_CHECK_ARG(x.defined() && x.dim() == 4, "fake_quantize_minmax: expected [B, H, T, D], got ",
-               x.defined() ? shape_str(x) : "undefined");
+               x.defined() ? shape_str(x.sizes().vec()) : "undefined");
   KV_CHECK_ARG(at::isFloatingType(x.scalar_type()), "fake_quantize_minmax: expected a floating tensor, got ",
                x.scalar_type());
   KV_CHECK_ARG(bits >= 1 && bits <= 16, "fake_quantize_minmax: bits must be in [1, 16], got ", bits);
@@ -191,13 +186,13 @@ KvGranularity parse_granularity(const std::string& k) {
 AttentionError attention_error(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& k_hat, const at::Tensor& v_hat, bool causal) {
   KV_CHECK_ARG(q.defined() && q.dim() == 4, "attention_error: q must be [B, H_q, T_q, D], got ",
-               q.defined() ? shape_str(q) : "undefined");
+               q.defined() ? shape_str(q.sizes().vec()) : "undefined");
   KV_CHECK_ARG(k.defined() && k.dim() == 4 && k.size(0) == q.size(0) && k.size(3) == q.size(3),
                "attention_error: k must be [B=", q.size(0), ", H_kv, T, D=", q.size(3), "], got ",
-               k.defined() ? shape_str(k) : "undefined");
+               k.defined() ? shape_str(k.sizes().vec()) : "undefined");
   for (const at::Tensor* t : {&v, &k_hat, &v_hat}) {
     KV_CHECK_ARG(t->defined() && t->sizes() == k.sizes(), "attention_error: v, k_hat, v_hat must match k ",
-                 shape_str(k), ", got ", t->defined() ? shape_str(*t) : "undefined");
+                 shape_str(k.sizes().vec()), ", got ", t->defined() ? shape_str(t->sizes().vec()) : "undefined");
   }
   const int64_t hq = q.size(1);
   const int64_t hkv = k.size(1);

@@ -10,7 +10,8 @@
 #include <map>
 
 #include "common/log.h"
-#include "kvcache/attention.h"
+#include "kvcache/torch/attention.h"
+#include "kvcache/torch/cache.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
@@ -100,7 +101,7 @@ class ModelArmEvaluator : public ArmEvaluator {
     a.policy = make_eviction_policy(arm.policy)->spec();
     // Runnable on this model? (UnsupportedError: the arm's rows record why.)
     try {
-      CacheManager probe(config_for(a));
+      CacheManager probe(config_for(a));  // the core checks the configuration
       (void)probe;
     } catch (const InvalidArgument& e) {
       throw UnsupportedError(e.what());
@@ -116,7 +117,7 @@ class ModelArmEvaluator : public ArmEvaluator {
     const int64_t question_start = mode == QueryMode::kAgnostic ? context_tokens(task, msgs, rendered, ids) : 0;
     PeakRssProbe rss;
     rss.start();
-    CacheManager cache(config_for(arm));
+    TorchCache cache(config_for(arm));
     GenerationOptions go;
     go.max_new_tokens = task.max_new_tokens;
     go.prefill_chunk = opt_.prefill_chunk;
@@ -144,10 +145,10 @@ class ModelArmEvaluator : public ArmEvaluator {
     TextEval te;
     const int64_t n = static_cast<int64_t>(text_ids_.size());
     {
-      CacheManager single(config_for(arm));
+      TorchCache single(config_for(arm));
       te.single_logprobs = runner_.score(text_ids_, single, /*chunk_size=*/0).logprobs;
     }
-    CacheManager stream(config_for(arm));
+    TorchCache stream(config_for(arm));
     stream.reset(n);
     std::vector<at::Tensor> rows;
     rows.reserve(static_cast<size_t>(n - 1));
@@ -241,7 +242,7 @@ class ModelArmEvaluator : public ArmEvaluator {
 
   /// Fraction of the task span's token positions resident in every layer / KV head now.
   double span_resident(const Task& task, const std::vector<ChatMessage>& msgs, const std::string& rendered,
-                       const CacheManager& cache) const {
+                       const TorchCache& cache) const {
     if (task.span.message < 0 || task.span.message >= static_cast<int64_t>(msgs.size())) return -1;
     const size_t content_at = content_offset(msgs, rendered, task.span.message);
     if (content_at == std::string::npos) return -1;

@@ -20,6 +20,7 @@
 #include "kvcache/model/runner.h"
 #include "kvcache/model/tokenizer.h"
 #include "kvcache/study/task_suite.h"
+#include "kvcache/torch/cache.h"
 
 namespace kvcache::study {
 namespace {
@@ -261,12 +262,15 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
     go.max_new_tokens = max_new;
     go.prefill_chunk = impl_->opt.prefill_chunk;
     go.eos_token_ids = impl_->eos;
+    std::vector<TorchCache> faces;  // the runner drives each sequence through its at::Tensor face
+    faces.reserve(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) faces.emplace_back(pool.add_sequence());
     std::vector<KVCache*> seqs;
-    for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(&pool.add_sequence());
+    for (auto& f : faces) seqs.push_back(&f);
     gens = impl_->runner.generate_batch(prompts, go, seqs);
     res.sharing_ratio = pool.stats().sharing_ratio;
   } else {
-    Sequence& seq = pool.add_sequence();
+    TorchCache seq(pool.add_sequence());
     for (size_t i = 0; i < prompts.size(); ++i) {
       GenerationOptions go;
       go.max_new_tokens = workload.requests[i].task.max_new_tokens;

@@ -8,6 +8,7 @@
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
+#include "kvcache/torch/quantizer.h"
 
 namespace kvcache::study {
 namespace {
@@ -81,8 +82,8 @@ ReconstructionResult measure_reconstruction(const std::string& quant, const std:
     const int64_t t = std::min(whole_groups(*st.key.quantizer, k_in).size(2), whole_groups(*st.value.quantizer, s.v).size(2));
     const at::Tensor kt = k_in.narrow(2, 0, t).contiguous();
     const at::Tensor vt = s.v.narrow(2, 0, t).contiguous();
-    at::Tensor k_hat = st.key.quantizer->dequantize(st.key.quantizer->quantize(kt));
-    const at::Tensor v_hat = st.value.quantizer->dequantize(st.value.quantizer->quantize(vt));
+    at::Tensor k_hat = dequantize(*st.key.quantizer, st.key.quantizer->quantize(kt));
+    const at::Tensor v_hat = dequantize(*st.value.quantizer, st.value.quantizer->quantize(vt));
     if (pre_rope) k_hat = rope(k_hat).to(at::kFloat);
     const auto e = attention_error(s.q.narrow(2, 0, t), s.k.narrow(2, 0, t), vt, k_hat, v_hat, /*causal=*/true);
     attn_sum.out_rel_fro += e.out_rel_fro;

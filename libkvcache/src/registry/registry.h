@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file registry.h (internal)
-/// The one registry behind kvcache/registry.h: one Entry per head, collected once from the
+/// The one registry behind kvcache/registry.h, assembled above the modules it lists (src/quant,
+/// src/cache, src/evict each keep their own registration list and include nothing of this
+/// directory but this header): one Entry per head, collected once from the
 /// registration lists of the quantizers (src/quant/registry.cpp), the cache schemes
 /// (src/cache/cache_scheme.cpp) and the eviction policies (src/evict/eviction_policy.cpp),
 /// with heads unique across all of them. The factories (make_quantizer, make_cache_scheme,

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The one registry of spec heads (common/registry.h, kvcache/registry.h).
-#include "common/registry.h"
+// The one registry of spec heads (registry/registry.h, kvcache/registry.h).
+#include "registry/registry.h"
 
 #include <map>
 #include <sstream>

@@ -1,14 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // Compiled without FMA contraction (the project default, -std=c++17): the rotation is the
 // export's x·cos + rot·sin, two products and a sum, bit for bit.
-#include "cache/rope_table.h"
+#include "common/rope_table.h"
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kvcache/error.h"
 
-namespace kvcache::cache {
+namespace kvcache::common {
 
 RopeTable::RopeTable(RopeFn rope, int64_t head_dim, const std::string& needed_by)
     : rope_(std::move(rope)), head_dim_(head_dim) {
@@ -16,20 +17,30 @@ RopeTable::RopeTable(RopeFn rope, int64_t head_dim, const std::string& needed_by
   // Check the form on a few positions: rope(e_first_half) = [cos | sin], rope(e_second_half)
   // = [−sin | cos], and rope of a random row equals the table's rotation of it.
   const int64_t half = head_dim / 2;
-  const std::vector<int64_t> probe_pos = {0, 1, 7, 1000};
-  auto pos = at::tensor(probe_pos, at::kLong);
-  const int64_t n = static_cast<int64_t>(probe_pos.size());
-  auto e1 = at::zeros({1, 1, n, head_dim}, at::kFloat);
-  e1.narrow(3, 0, half).fill_(1.0f);
-  auto e2 = at::zeros({1, 1, n, head_dim}, at::kFloat);
-  e2.narrow(3, half, half).fill_(1.0f);
-  auto x = at::sin(at::arange(n * head_dim, at::kFloat).view({1, 1, n, head_dim}) * 0.731f) * 2.0f;
-  const auto r1 = rope_(e1, pos).to(at::kFloat).contiguous();
-  const auto r2 = rope_(e2, pos).to(at::kFloat).contiguous();
-  const auto rx = rope_(x, pos).to(at::kFloat).contiguous();
-  const float* a = r1.data_ptr<float>();
-  const float* b = r2.data_ptr<float>();
+  const std::vector<int64_t> pos = {0, 1, 7, 1000};
+  const int64_t n = static_cast<int64_t>(pos.size());
+  const auto size = static_cast<size_t>(n * head_dim);
+  std::vector<float> r1(size, 0.0f), r2(size, 0.0f), x(size), rx(size);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      r1[static_cast<size_t>(t * head_dim + i)] = 1.0f;
+      r2[static_cast<size_t>(t * head_dim + half + i)] = 1.0f;
+    }
+  }
+  for (size_t i = 0; i < size; ++i) x[i] = std::sin(static_cast<float>(i) * 0.731f) * 2.0f;
+  rx = x;
+  rope_(r1.data(), 1, n, head_dim, pos.data());
+  rope_(r2.data(), 1, n, head_dim, pos.data());
+  rope_(rx.data(), 1, n, head_dim, pos.data());
+  const float* a = r1.data();
+  const float* b = r2.data();
   bool ok = true;
+  identity_ = true;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      identity_ = identity_ && a[t * head_dim + i] == 1.0f && a[t * head_dim + half + i] == 0.0f;
+    }
+  }
   for (int64_t t = 0; t < n && ok; ++t) {
     for (int64_t i = 0; i < half; ++i) {
       const float c = a[t * head_dim + i], s = a[t * head_dim + half + i];
@@ -39,7 +50,7 @@ RopeTable::RopeTable(RopeFn rope, int64_t head_dim, const std::string& needed_by
   if (ok) {
     std::vector<float> row(static_cast<size_t>(head_dim));
     for (int64_t t = 0; t < n && ok; ++t) {
-      std::copy_n(x.data_ptr<float>() + t * head_dim, head_dim, row.begin());
+      std::copy_n(x.data() + t * head_dim, head_dim, row.begin());
       const float* c = a + t * head_dim;
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = row[static_cast<size_t>(i)], x2 = row[static_cast<size_t>(i + half)];
@@ -47,7 +58,7 @@ RopeTable::RopeTable(RopeFn rope, int64_t head_dim, const std::string& needed_by
         row[static_cast<size_t>(i + half)] = x2 * c[i] + x1 * c[half + i];
       }
       for (int64_t i = 0; i < head_dim; ++i) {
-        ok = ok && std::abs(row[static_cast<size_t>(i)] - rx.data_ptr<float>()[t * head_dim + i]) <= 1e-5f;
+        ok = ok && std::abs(row[static_cast<size_t>(i)] - rx[static_cast<size_t>(t * head_dim + i)]) <= 1e-5f;
       }
     }
   }
@@ -57,10 +68,14 @@ RopeTable::RopeTable(RopeFn rope, int64_t head_dim, const std::string& needed_by
 
 void RopeTable::probe(int64_t first, int64_t n, float* cos_out, float* sin_out) const {
   const int64_t half = head_dim_ / 2;
-  auto e = at::zeros({1, 1, n, head_dim_}, at::kFloat);
-  e.narrow(3, 0, half).fill_(1.0f);
-  const auto r = rope_(e, at::arange(first, first + n, at::kLong)).to(at::kFloat).contiguous();
-  const float* p = r.data_ptr<float>();
+  std::vector<float> e(static_cast<size_t>(n * head_dim_), 0.0f);
+  std::vector<int64_t> pos(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) {
+    pos[static_cast<size_t>(t)] = first + t;
+    std::fill_n(e.begin() + t * head_dim_, half, 1.0f);
+  }
+  rope_(e.data(), 1, n, head_dim_, pos.data());
+  const float* p = e.data();
   for (int64_t t = 0; t < n; ++t) {
     std::copy_n(p + t * head_dim_, half, cos_out + t * head_dim_);
     std::copy_n(p + t * head_dim_ + half, half, sin_out + t * head_dim_);
@@ -118,4 +133,4 @@ void RopeTable::mean_cos_sin(int64_t first, int64_t n, float* cos_out, float* si
   }
 }
 
-}  // namespace kvcache::cache
+}  // namespace kvcache::common

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-/// @file reference.h (internal)
+/// @file quant_reference.h (internal, kvcache::torch)
 /// Plain LibTorch-ops reference of the integer quantizers (the `*_ref` of ggml): the
 /// definition the fast kernels (int_kernels.h) are tested against bit for bit, and the
-/// baseline bench_quant measures them against. Not used on any production path.
+/// baseline bench_quant measures them against. Not used on any production path (and so not
+/// part of kvcache::core, which has no LibTorch).
 
 #include <ATen/ATen.h>
 

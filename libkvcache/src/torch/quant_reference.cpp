@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // LibTorch-ops reference of the integer quantizers (see reference.h). Written for
 // clarity: each step is one tensor op, in the order int_kernels.h specifies.
-#include "quant/reference.h"
+#include "torch/quant_reference.h"
 
 #include <cmath>
 

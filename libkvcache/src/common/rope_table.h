@@ -2,14 +2,12 @@
 #pragma once
 /// @file rope_table.h (internal)
 /// Native rotation of pre-RoPE keys read from the cache (KeyStorage::kPreRoPE). The model's
-/// RoPE is a function on tensors (CacheConfig::rope); attend() must not call it per block, so
+/// RoPE is a hook over rows (CacheConfig::rope); attend() must not call it per block, so
 /// the table records its cos/sin per position by probing it with unit vectors, once per new
 /// position, and rotates rows with the same float32 operations the export uses:
 ///   y[i]       = x[i]·cos_i + (−x[i + D/2])·sin_i
 ///   y[i + D/2] = x[i + D/2]·cos_i + x[i]·sin_i          (HF rotate_half, i < D/2)
 /// The probe also verifies that the hook has this form (and equal cos/sin in both halves).
-
-#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <string>
@@ -17,7 +15,7 @@
 
 #include "kvcache/cache_config.h"
 
-namespace kvcache::cache {
+namespace kvcache::common {
 
 class RopeTable {
  public:
@@ -37,6 +35,9 @@ class RopeTable {
   /// probing the hook once (nothing is recorded). first ≥ 0, n ≥ 1.
   void mean_cos_sin(int64_t first, int64_t n, float* cos_out, float* sin_out) const;
   bool enabled() const { return head_dim_ > 0; }
+  /// True if the hook rotated nothing at the probed positions (cos 1, sin 0 everywhere): the
+  /// identity, as keys_already_rotated() is — a table that cannot rotate or un-rotate anything.
+  bool identity() const { return identity_; }
 
  private:
   /// cos/sin rows for positions [first, first + n) from one call of the hook.
@@ -45,6 +46,7 @@ class RopeTable {
   int64_t head_dim_ = 0;
   std::vector<float> cs_;  ///< per position: D/2 cos then D/2 sin
   int64_t size_ = 0;       ///< positions [0, size_) recorded
+  bool identity_ = false;
 };
 
-}  // namespace kvcache::cache
+}  // namespace kvcache::common

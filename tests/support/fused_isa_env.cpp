@@ -1,0 +1,15 @@
+// SPDX-License-Identifier: Apache-2.0
+// Linked into every test executable: the library reads no environment variable, so the tests
+// pass KVCACHE_FUSED_ISA on themselves (as kv_study and the benchmarks do), before main.
+#include <cstdlib>
+
+#include "kvcache/attention.h"
+
+namespace {
+
+const bool kFusedIsaFromEnvironment = [] {
+  if (const char* isa = std::getenv("KVCACHE_FUSED_ISA")) kvcache::set_attention_kernels(isa, "KVCACHE_FUSED_ISA");
+  return true;
+}();
+
+}  // namespace
