@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 KV_STUDY="$BUILD_DIR/apps/kv_study/kv_study"
-[[ -x "$KV_STUDY" ]] || { echo "main_job.sh: $KV_STUDY not built; run tools/setup.sh first" >&2; exit 1; }
+[[ -x "$KV_STUDY" ]] || { echo "main_job.sh: $KV_STUDY not built; run tools/setup.sh kv_study first" >&2; exit 1; }
 
 if [[ -f models/kvstudy-default.pt ]]; then
   model=models/kvstudy-default.pt

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs libkvcache's build/run dependencies from Debian packages and builds the project.
-# Idempotent and non-interactive. Usage: tools/setup.sh [--no-install] [--debug] [--sanitize]
+# Idempotent and non-interactive. Usage: tools/setup.sh [--no-install] [--debug] [--sanitize] [TARGET...]
+#   TARGET      build only these targets (e.g. `tools/setup.sh kv_study`, what tools/main_job.sh
+#               runs); without any, everything (what ctest runs)
 #   --sanitize  also install clang-14 + libclang-rt-14-dev and build the sanitizer + fuzz tree
 #               instead (ASan + UBSan, libFuzzer targets; default BUILD_DIR build-asan; docs/ci.md)
 #   BUILD_DIR   build directory (default: build)
@@ -12,13 +14,16 @@ cd "$(dirname "$0")/.."
 install=1
 build_type=Release
 sanitize=0
+targets=()
+names=()
 for arg in "$@"; do
   case "$arg" in
     --no-install) install=0 ;;
     --debug) build_type=Debug ;;
     --sanitize) sanitize=1 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (expected --no-install, --debug, --sanitize)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -*) echo "setup.sh: unknown option '$arg' (expected --no-install, --debug, --sanitize or target names)" >&2; exit 2 ;;
+    *) targets+=(--target "$arg"); names+=("$arg") ;;
   esac
 done
 
@@ -51,12 +56,12 @@ if [[ $sanitize -eq 1 ]]; then
   BUILD_DIR=${BUILD_DIR:-build-asan}
   # -O1: the usual optimisation for sanitizers (faster to build than -O3, still fast to run).
   # No benchmarks; OpenMP off (docs/ci.md).
-  extra=(-DCMAKE_CXX_COMPILER=clang++-14 -DKVCACHE_SANITIZE=ON -DKVCACHE_FUZZ=ON -DKVCACHE_OPENMP=OFF
+  extra=(-DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_C_COMPILER=clang-14 -DKVCACHE_SANITIZE=ON -DKVCACHE_FUZZ=ON -DKVCACHE_OPENMP=OFF
          -DKVCACHE_BUILD_BENCH=OFF "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG")
 fi
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE="$build_type" -DKVCACHE_PYTHON=/usr/bin/python3 \
       "${extra[@]}" ${KVCACHE_CMAKE_ARGS:-} >/dev/null
-cmake --build "$BUILD_DIR" -j "$JOBS"
-echo "setup.sh: built in $BUILD_DIR ($build_type$([[ $sanitize -eq 1 ]] && echo ", ASan+UBSan, fuzz targets"))" >&2
+cmake --build "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
+echo "setup.sh: built ${names[*]:-everything} in $BUILD_DIR ($build_type$([[ $sanitize -eq 1 ]] && echo ", ASan+UBSan, fuzz targets"))" >&2
