@@ -28,6 +28,7 @@
 
 #include "cache/fused_abi.h"
 #include "cache/fused_codes.h"
+#include "cache/fused_loops.h"
 
 namespace kvcache::cache::fused::avx2 {
 namespace {
@@ -244,184 +245,58 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   }
 }
 
-/// Float keys: 8 keys × 8 dims converted in registers, transposed, multiplied in float32.
-template <int NR, Kind K>
-void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
-  const int64_t d = q.d;
-  const int64_t row_bytes = k.kf.code_bytes;
-  const float ts = k.kf.scaled ? k.tensor_scale : 1.0f;
-  const float* qf = q.qf + r0 * d;
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const int m = static_cast<int>(min64(8, n - j0));
-    const int32_t* slots = k.slots + j0;
-    const uint8_t* rows[8];
-    for (int j = 0; j < 8; ++j) rows[j] = k.block + static_cast<int64_t>(slots[j < m ? j : 0]) * row_bytes;
-    __m256 out[NR];
-    for (int r = 0; r < NR; ++r) out[r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8) {
-      __m256 kt[8];
-      for (int j = 0; j < 8; ++j) kt[j] = j < m ? load8<K>(rows[j] + c * value_bytes<K>()) : _mm256_setzero_ps();
-      transpose8(kt);
-#pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {
-        for (int r = 0; r < NR; ++r) out[r] = _mm256_fmadd_ps(kt[e], _mm256_broadcast_ss(qf + r * d + c + e), out[r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      store_row(s + r * ld + j0, K == Kind::kE4M3 || K == Kind::kE5M2 ? _mm256_mul_ps(out[r], _mm256_set1_ps(ts)) : out[r], m);
-    }
+// ---------------------------------------------------------------- the shared loops' traits
+
+/// What fused_loops.h's loops (qk_float, p·v) need of this unit: 8 lanes, kRows query rows.
+struct Lanes256 {
+  using F = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kRows = fused::avx2::kRows;
+  /// load8<kE4M3> returns the e4m3 value itself (its ×256 is in the conversion).
+  static constexpr float kE4m3Weight = 1.0f;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_store_ps(p, v); }
+  static void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F load_first(const float* p, int m) { return _mm256_maskload_ps(p, lane_mask(m)); }
+  static void store_row(float* p, F v, int m) { fused::avx2::store_row(p, v, m); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static float hsum(F v) { return fused::avx2::hsum(v); }
+  static void transpose(F (&r)[8]) { transpose8(r); }
+  static F meta(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
+    return meta8(base, slots, m, mc, gi);
   }
-}
+  template <Kind K>
+  static F load_values(const uint8_t* p) { return load8<K>(p); }
+  template <Kind K>
+  static void fp8_values(const uint8_t* p, F& x0, F& x1) {
+    x0 = load8<K>(p);
+    x1 = load8<K>(p + 8);
+  }
+  static void channel_codes(const RawTokens& v, const ChanPos& pos, int64_t span, F& x0, F& x1) {
+    codes16_to_ps(channel_codes16(v, pos, span), x0, x1);
+  }
+  /// Dims [at, at + 16): one half of the 32-dim chunk's codes.
+  static void token_codes(const uint8_t* row, const TokenChunk& tc, int bits, int64_t at, F& x0, F& x1) {
+    const __m256i codes = chunk_codes32(row, tc, bits);
+    codes16_to_ps(at % 32 == 0 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1), x0, x1);
+  }
+};
 
 template <int NR>
 void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   switch (k.kf.kind) {
-    case Kind::kF32: return qk_float<NR, Kind::kF32>(q, r0, k, n, s, ld);
-    case Kind::kF16: return qk_float<NR, Kind::kF16>(q, r0, k, n, s, ld);
-    case Kind::kBF16: return qk_float<NR, Kind::kBF16>(q, r0, k, n, s, ld);
-    case Kind::kE4M3: return qk_float<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
-    case Kind::kE5M2: return qk_float<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
+    case Kind::kF32: return qk_float<Lanes256, NR, Kind::kF32>(q, r0, k, n, s, ld);
+    case Kind::kF16: return qk_float<Lanes256, NR, Kind::kF16>(q, r0, k, n, s, ld);
+    case Kind::kBF16: return qk_float<Lanes256, NR, Kind::kBF16>(q, r0, k, n, s, ld);
+    case Kind::kE4M3: return qk_float<Lanes256, NR, Kind::kE4M3>(q, r0, k, n, s, ld);
+    case Kind::kE5M2: return qk_float<Lanes256, NR, Kind::kE5M2>(q, r0, k, n, s, ld);
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
-    case Kind::kNone: break;
-  }
-}
-
-// ---------------------------------------------------------------- p·v
-
-/// Dims [16h, 16h + 16) of value slot `slot`, dequantized: x0 (first 8), x1.
-template <Kind K>
-inline void value16(const RawTokens& v, int32_t slot, int64_t h, const float* cs, const float* cz, __m256& x0,
-                    __m256& x1) {
-  static_assert(K != Kind::kIntToken);  // (per-token integer values take pv_int_token)
-  if constexpr (K == Kind::kIntChannel) {
-    codes16_to_ps(channel_codes16(v, chan_pos(v, slot), h), x0, x1);
-    x0 = _mm256_fmadd_ps(x0, _mm256_load_ps(cs + 16 * h), _mm256_load_ps(cz + 16 * h));
-    x1 = _mm256_fmadd_ps(x1, _mm256_load_ps(cs + 16 * h + 8), _mm256_load_ps(cz + 16 * h + 8));
-  } else {
-    const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 16 * h * value_bytes<K>();
-    x0 = load8<K>(row);
-    x1 = load8<K>(row + 8 * value_bytes<K>());  // (fp8:*:scaled: the scale is in the weights, pv_rows)
-  }
-}
-
-/// acc[r] += Σ_j p[r][j] · v_j, 16 dims at a time with the rows' accumulators in registers.
-/// (Float formats and per-channel integers; per-token integers: pv_int_token.)
-template <int NR, Kind K>
-void pv_rows_impl(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  alignas(32) float cs[256], cz[256];
-  if constexpr (K == Kind::kIntChannel) {
-    for (int64_t i = 0; i < d; ++i) {
-      cs[i] = half_at(v.block + v.kf.scales_offset, i);
-      cz[i] = half_at(v.block + v.kf.zeros_offset, i);
-    }
-  }
-  for (int64_t h = 0; h < d / 16; ++h) {
-    __m256 a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = _mm256_loadu_ps(acc + r * d + 16 * h);
-      a[r][1] = _mm256_loadu_ps(acc + r * d + 16 * h + 8);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m256 x0, x1;
-      value16<K>(v, v.slots[j], h, cs, cz, x0, x1);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 pj = _mm256_broadcast_ss(p + r * ld + j);
-        a[r][0] = _mm256_fmadd_ps(pj, x0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(pj, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm256_storeu_ps(acc + r * d + 16 * h, a[r][0]);
-      _mm256_storeu_ps(acc + r * d + 16 * h + 8, a[r][1]);
-    }
-  }
-}
-
-/// fp8:*:scaled: the stream's scale multiplies the weights, once per weight rather than once
-/// per value (p·scale rounded where the generic path rounds v·scale: within kFloatTol, and
-/// exact for a weight of 1).
-template <int NR, Kind K>
-void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  if (!v.kf.scaled) return pv_rows_impl<NR, K>(p, ld, v, n, d, acc);
-  alignas(32) float pw[NR][64];  // n ≤ 64 (accumulate)
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t j = 0; j < n; ++j) pw[r][j] = v.tensor_scale * p[r * ld + j];
-  }
-  pv_rows_impl<NR, K>(&pw[0][0], 64, v, n, d, acc);
-}
-
-/// Per-token integer values: v_jd = s_jG c_jd + z_jG (G the group of dim d), so
-/// Σ_j p_j v_jd = Σ_j (p_j s_jG) c_jd + Σ_j p_j z_jG: the weights p·s and the zero sums are
-/// formed 8 keys at a time, and the inner loop only converts codes and multiplies.
-template <int NR>
-void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  const int64_t mc = v.kf.meta_count;  // groups per token
-  const uint8_t* sc = v.block + v.kf.scales_offset;
-  const uint8_t* ze = v.block + v.kf.zeros_offset;
-  alignas(32) float w[NR][8][64];  // [row][group][key]: p · s (n ≤ 64 per call, groups ≤ 8)
-  __m256 zacc[NR][8];              // [row][group]: Σ p·z, 8 lanes
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t gi = 0; gi < mc; ++gi) zacc[r][gi] = _mm256_setzero_ps();
-  }
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const int m = static_cast<int>(min64(8, n - j0));
-    const __m256i lanes = lane_mask(m);
-    for (int64_t gi = 0; gi < mc; ++gi) {
-      const __m256 sv = meta8(sc, v.slots + j0, m, mc, gi);
-      const __m256 zv = meta8(ze, v.slots + j0, m, mc, gi);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 pr = _mm256_maskload_ps(p + r * ld + j0, lanes);
-        _mm256_store_ps(&w[r][gi][j0], _mm256_mul_ps(pr, sv));
-        zacc[r][gi] = _mm256_fmadd_ps(pr, zv, zacc[r][gi]);
-      }
-    }
-  }
-  float zsum[NR][8];
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t gi = 0; gi < mc; ++gi) zsum[r][gi] = hsum(zacc[r][gi]);
-  }
-  const int bits = v.kf.bits;
-  const int64_t row_bytes = v.kf.code_bytes;
-  for (int64_t h = 0; h < d / 32; ++h) {
-    const int64_t gi = 32 * h / v.kf.group;
-    const TokenChunk tc = token_chunk(v.kf, h);
-    for (int half = 0; half < 2; ++half) {
-      const int64_t at = 32 * h + 16 * half;
-      __m256 a[NR][2];
-      for (int r = 0; r < NR; ++r) {
-        const __m256 z = _mm256_set1_ps(zsum[r][gi]);
-        a[r][0] = _mm256_add_ps(_mm256_loadu_ps(acc + r * d + at), z);
-        a[r][1] = _mm256_add_ps(_mm256_loadu_ps(acc + r * d + at + 8), z);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256i codes = chunk_codes32(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits);
-        __m256 x0, x1;
-        codes16_to_ps(half == 0 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1), x0, x1);
-        for (int r = 0; r < NR; ++r) {
-          const __m256 wj = _mm256_broadcast_ss(&w[r][gi][j]);
-          a[r][0] = _mm256_fmadd_ps(wj, x0, a[r][0]);
-          a[r][1] = _mm256_fmadd_ps(wj, x1, a[r][1]);
-        }
-      }
-      for (int r = 0; r < NR; ++r) {
-        _mm256_storeu_ps(acc + r * d + at, a[r][0]);
-        _mm256_storeu_ps(acc + r * d + at + 8, a[r][1]);
-      }
-    }
-  }
-}
-
-template <int NR>
-void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  switch (v.kf.kind) {
-    case Kind::kF32: return pv_rows<NR, Kind::kF32>(p, ld, v, n, d, acc);
-    case Kind::kF16: return pv_rows<NR, Kind::kF16>(p, ld, v, n, d, acc);
-    case Kind::kBF16: return pv_rows<NR, Kind::kBF16>(p, ld, v, n, d, acc);
-    case Kind::kE4M3: return pv_rows<NR, Kind::kE4M3>(p, ld, v, n, d, acc);
-    case Kind::kE5M2: return pv_rows<NR, Kind::kE5M2>(p, ld, v, n, d, acc);
-    case Kind::kIntToken: return pv_int_token<NR>(p, ld, v, n, d, acc);
-    case Kind::kIntChannel: return pv_rows<NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
     case Kind::kNone: break;
   }
 }
@@ -433,15 +308,7 @@ void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int6
 }
 
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  if (n > 64) {  // pv_int_token's weights are sized for 64 keys: larger blocks go 64 at a time
-    for (int64_t j = 0; j < n; j += 64) {
-      RawTokens part = v;
-      part.slots = v.slots + j;
-      accumulate(p + j, ld, nr, part, min64(64, n - j), d, acc);
-    }
-    return;
-  }
-  for_row_groups<kRows>(nr, [&](auto rows, int64_t g) { pv<decltype(rows)::value>(p + g * ld, ld, v, n, d, acc + g * d); });
+  accumulate_rows<Lanes256>(p, ld, nr, v, n, d, acc);
 }
 
 }  // namespace kvcache::cache::fused::avx2

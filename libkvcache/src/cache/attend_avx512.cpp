@@ -17,6 +17,7 @@
 
 #include "cache/fused_abi.h"
 #include "cache/fused_codes.h"
+#include "cache/fused_loops.h"
 
 namespace kvcache::cache::fused::avx512 {
 namespace {
@@ -26,7 +27,7 @@ using Kind = KernelFormat::Kind;
 // ---------------------------------------------------------------- conversions
 
 /// 16 stored values of a 16- or 32-bit float format at `p` → 16 floats (fp8 codes are widened
-/// 32 or more at a time: qk_fp8, value32).
+/// 32 or more at a time: qk_fp8, Lanes512::fp8_values).
 template <Kind K>
 inline __m512 load16(const uint8_t* p) {
   if constexpr (K == Kind::kF32) {
@@ -312,27 +313,6 @@ inline void qk_walk(const QueryView& q, const RawTokens& k, int64_t n, float* s,
   }
 }
 
-/// Float keys: 16 keys × 16 dims converted in registers, transposed, multiplied in float32.
-template <int NR, Kind K>
-void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
-  const int64_t d = q.d;
-  const int64_t row_bytes = k.kf.code_bytes;
-  const float ts = k.kf.scaled ? k.tensor_scale : 1.0f;
-  qk_walk<NR, 16>(q, k, n, s, ld, ts, [&](int64_t c, const int32_t* slots, int m, __m512(&out)[NR]) __attribute__((always_inline)) {
-    __m512 kt[16];
-    for (int j = 0; j < 16; ++j) {
-      kt[j] = j < m ? load16<K>(k.block + static_cast<int64_t>(slots[j]) * row_bytes + c * value_bytes<K>())
-                    : _mm512_setzero_ps();
-    }
-    transpose_16x16(kt);
-    for (int e = 0; e < 16; ++e) {
-      for (int r = 0; r < NR; ++r) {
-        out[r] = _mm512_fmadd_ps(kt[e], _mm512_set1_ps(q.qf[(r0 + r) * d + c + e]), out[r]);
-      }
-    }
-  });
-}
-
 /// qk_fp8's byte permutes: result word w (of 32) takes transposed-row byte 4·(w mod 16) + w/16 +
 /// 2·half into its upper byte (lane j of a transposed row holds key j's codes of four consecutive
 /// dims): words 0-15 are dim 2·half of the four for keys 0-15, words 16-31 dim 2·half + 1. The
@@ -423,11 +403,59 @@ void qk_bf16(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, floa
   });
 }
 
+// ---------------------------------------------------------------- the shared loops' traits
+
+/// What fused_loops.h's loops (qk_float, p·v) need of this unit: 16 lanes, 8 query rows.
+struct Lanes512 {
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kRows = 8;
+  /// fp8_values() reads e4m3 codes as the value times 2^-8 (fp8_upper_to_half).
+  static constexpr float kE4m3Weight = 256.0f;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_store_ps(p, v); }
+  static void storeu(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F load_first(const float* p, int m) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1u), p); }
+  static void store_row(float* p, F v, int m) { fused::avx512::store_row(p, v, m); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  static void transpose(F (&r)[16]) { transpose_16x16(r); }
+  static F meta(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
+    return meta16(base, slots, m, mc, gi);
+  }
+  template <Kind K>
+  static F load_values(const uint8_t* p) { return load16<K>(p); }
+  /// 32 codes widened once into the upper bytes of fp16 words, then fp8_upper_to_half.
+  template <Kind K>
+  static void fp8_values(const uint8_t* p, F& x0, F& x1) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i w = fp8_upper_to_half<K>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8));
+    x0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+    x1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+  }
+  static void codes32(__m256i codes, F& x0, F& x1) {
+    x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+    x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
+  }
+  static void channel_codes(const RawTokens& v, const ChanPos& pos, int64_t span, F& x0, F& x1) {
+    codes32(channel_codes32(v, pos, span), x0, x1);
+  }
+  static void token_codes(const uint8_t* row, const TokenChunk& tc, int bits, int64_t /*at: a chunk's start*/, F& x0,
+                          F& x1) {
+    codes32(chunk_codes32(row, tc, bits), x0, x1);
+  }
+};
+
 template <int NR>
 void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   switch (k.kf.kind) {
-    case Kind::kF32: return qk_float<NR, Kind::kF32>(q, r0, k, n, s, ld);
-    case Kind::kF16: return qk_float<NR, Kind::kF16>(q, r0, k, n, s, ld);
+    case Kind::kF32: return qk_float<Lanes512, NR, Kind::kF32>(q, r0, k, n, s, ld);
+    case Kind::kF16: return qk_float<Lanes512, NR, Kind::kF16>(q, r0, k, n, s, ld);
     case Kind::kBF16: return qk_bf16<NR>(q, r0, k, n, s, ld);
     case Kind::kE4M3: return qk_fp8<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
     case Kind::kE5M2: return qk_fp8<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
@@ -437,172 +465,14 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
   }
 }
 
-// ---------------------------------------------------------------- p·v
-
-/// Dims [32h, 32h + 32) of value slot `slot`, dequantized: x0 (first 16), x1.
-template <Kind K>
-inline void value32(const RawTokens& v, int32_t slot, int64_t h, const float* cs, const float* cz, __m512& x0,
-                    __m512& x1) {
-  // (Per-token integer values take pv_int_token.)
-  static_assert(K != Kind::kIntToken);
-  if constexpr (K == Kind::kIntChannel) {
-    const __m256i codes = channel_codes32(v, chan_pos(v, slot), h);
-    x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
-    x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
-    x0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(cs + 32 * h), _mm512_loadu_ps(cz + 32 * h));
-    x1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(cs + 32 * h + 16), _mm512_loadu_ps(cz + 32 * h + 16));
-  } else if constexpr (K == Kind::kE4M3 || K == Kind::kE5M2) {
-    // 32 codes widened once into the upper bytes of fp16 words, then fp8_upper_to_half (e4m3:
-    // the value times 2^-8; pv_rows folds the 2^8 into the weights).
-    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h));
-    // (fp8:*:scaled: the stream's scale is in the weights too, pv_rows.)
-    const __m512i w = fp8_upper_to_half<K>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8));
-    x0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
-    x1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
-  } else {
-    const uint8_t* row = v.block + static_cast<int64_t>(slot) * v.kf.code_bytes + 32 * h * value_bytes<K>();
-    x0 = load16<K>(row);
-    x1 = load16<K>(row + 16 * value_bytes<K>());
-  }
-}
-
-/// acc[r] += Σ_j p[r][j] · v_j, 32 dims at a time with the rows' accumulators in registers.
-/// (Float formats and per-channel integers; per-token integers: pv_int_token.)
-template <int NR, Kind K>
-void pv_rows_impl(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  alignas(64) float cs[256], cz[256];
-  if constexpr (K == Kind::kIntChannel) {
-    for (int64_t i = 0; i < d; ++i) {
-      cs[i] = half_at(v.block + v.kf.scales_offset, i);
-      cz[i] = half_at(v.block + v.kf.zeros_offset, i);
-    }
-  }
-  for (int64_t h = 0; h < d / 32; ++h) {
-    __m512 a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = _mm512_loadu_ps(acc + r * d + 32 * h);
-      a[r][1] = _mm512_loadu_ps(acc + r * d + 32 * h + 16);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 x0, x1;
-      value32<K>(v, v.slots[j], h, cs, cz, x0, x1);
-      for (int r = 0; r < NR; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r * ld + j]);
-        a[r][0] = _mm512_fmadd_ps(pj, x0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(pj, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm512_storeu_ps(acc + r * d + 32 * h, a[r][0]);
-      _mm512_storeu_ps(acc + r * d + 32 * h + 16, a[r][1]);
-    }
-  }
-}
-
-template <int NR, Kind K>
-void pv_rows(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  // value32 reads fp8 codes as their plain values, e4m3's times 2^-8; the weights carry the
-  // rest: 2^8 for e4m3 (exact: a power of two keeps every product what it was with the plain
-  // values) and the stream's scale for fp8:*:scaled, one multiply per weight instead of one
-  // per value (p·scale rounded where the generic path rounds v·scale: within kFloatTol, and
-  // exact for a weight of 1).
-  const float f = (K == Kind::kE4M3 ? 256.0f : 1.0f) * (v.kf.scaled ? v.tensor_scale : 1.0f);
-  if (f == 1.0f) return pv_rows_impl<NR, K>(p, ld, v, n, d, acc);
-  alignas(64) float pw[NR][64];  // n ≤ 64 (accumulate)
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t j = 0; j < n; ++j) pw[r][j] = f * p[r * ld + j];
-  }
-  pv_rows_impl<NR, K>(&pw[0][0], 64, v, n, d, acc);
-}
-
-/// Per-token integer values: v_jd = s_jG c_jd + z_jG (G the group of dim d), so
-/// Σ_j p_j v_jd = Σ_j (p_j s_jG) c_jd + Σ_j p_j z_jG: the weights p·s and the zero sums are
-/// formed 16 keys at a time, and the inner loop only converts codes and multiplies.
-template <int NR>
-void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  const int64_t mc = v.kf.meta_count;  // groups per token
-  const uint8_t* sc = v.block + v.kf.scales_offset;
-  const uint8_t* ze = v.block + v.kf.zeros_offset;
-  alignas(64) float w[NR][8][64];  // [row][group][key]: p · s (n ≤ 64 per call, groups ≤ 8)
-  alignas(64) float zacc[NR][8][16];  // [row][group]: Σ p·z, 16 lanes
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t gi = 0; gi < mc; ++gi) _mm512_store_ps(zacc[r][gi], _mm512_setzero_ps());
-  }
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int m = static_cast<int>(min64(16, n - j0));
-    const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1u);
-    for (int64_t gi = 0; gi < mc; ++gi) {
-      const __m512 sv = meta16(sc, v.slots + j0, m, mc, gi);
-      const __m512 zv = meta16(ze, v.slots + j0, m, mc, gi);
-      for (int r = 0; r < NR; ++r) {
-        const __m512 pr = _mm512_maskz_loadu_ps(lanes, p + r * ld + j0);
-        _mm512_store_ps(&w[r][gi][j0], _mm512_mul_ps(pr, sv));
-        _mm512_store_ps(zacc[r][gi], _mm512_fmadd_ps(pr, zv, _mm512_load_ps(zacc[r][gi])));
-      }
-    }
-  }
-  float zsum[NR][8];
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t gi = 0; gi < mc; ++gi) zsum[r][gi] = _mm512_reduce_add_ps(_mm512_load_ps(zacc[r][gi]));
-  }
-  const int bits = v.kf.bits;
-  const int64_t row_bytes = v.kf.code_bytes;
-  for (int64_t h = 0; h < d / 32; ++h) {
-    const int64_t gi = 32 * h / v.kf.group;
-    const TokenChunk tc = token_chunk(v.kf, h);
-    __m512 a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      const __m512 z = _mm512_set1_ps(zsum[r][gi]);
-      a[r][0] = _mm512_add_ps(_mm512_loadu_ps(acc + r * d + 32 * h), z);
-      a[r][1] = _mm512_add_ps(_mm512_loadu_ps(acc + r * d + 32 * h + 16), z);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256i codes = chunk_codes32(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits);
-      const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
-      const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
-      for (int r = 0; r < NR; ++r) {
-        const __m512 wj = _mm512_set1_ps(w[r][gi][j]);
-        a[r][0] = _mm512_fmadd_ps(wj, x0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(wj, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm512_storeu_ps(acc + r * d + 32 * h, a[r][0]);
-      _mm512_storeu_ps(acc + r * d + 32 * h + 16, a[r][1]);
-    }
-  }
-}
-
-template <int NR>
-void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  switch (v.kf.kind) {
-    case Kind::kF32: return pv_rows<NR, Kind::kF32>(p, ld, v, n, d, acc);
-    case Kind::kF16: return pv_rows<NR, Kind::kF16>(p, ld, v, n, d, acc);
-    case Kind::kBF16: return pv_rows<NR, Kind::kBF16>(p, ld, v, n, d, acc);
-    case Kind::kE4M3: return pv_rows<NR, Kind::kE4M3>(p, ld, v, n, d, acc);
-    case Kind::kE5M2: return pv_rows<NR, Kind::kE5M2>(p, ld, v, n, d, acc);
-    case Kind::kIntToken: return pv_int_token<NR>(p, ld, v, n, d, acc);
-    case Kind::kIntChannel: return pv_rows<NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
-    case Kind::kNone: break;
-  }
-}
-
 }  // namespace
 
 void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
-  for_row_groups<8>(nr, [&](auto rows, int64_t g) { qk<decltype(rows)::value>(q, r0 + g, k, n, s + g * ld, ld); });
+  for_row_groups<Lanes512::kRows>(nr, [&](auto rows, int64_t g) { qk<decltype(rows)::value>(q, r0 + g, k, n, s + g * ld, ld); });
 }
 
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
-  if (n > 64) {  // pv_int_token's weights are sized for 64 keys: larger blocks go 64 at a time
-    for (int64_t j = 0; j < n; j += 64) {
-      RawTokens part = v;
-      part.slots = v.slots + j;
-      accumulate(p + j, ld, nr, part, min64(64, n - j), d, acc);
-    }
-    return;
-  }
-  for_row_groups<8>(nr, [&](auto rows, int64_t g) { pv<decltype(rows)::value>(p + g * ld, ld, v, n, d, acc + g * d); });
+  accumulate_rows<Lanes512>(p, ld, nr, v, n, d, acc);
 }
 
 }  // namespace kvcache::cache::fused::avx512
