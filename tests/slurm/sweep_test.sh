@@ -259,7 +259,7 @@ for a, b in zip(merged, ref):
             fail(f"row {key(a)}: {field} {a.get(field)!r} (merged) vs {b.get(field)!r} (unsharded)")
 
 # The summaries: equal except what measures time or the process.
-TIMING = {"prefill_tps", "decode_tps", "total_seconds", "rss_growth_kib_mean"}
+TIMING = {"prefill_tps", "decode_tps", "decode_ms_per_token", "total_seconds", "rss_growth_kib_mean"}
 
 def strip(x):
     if isinstance(x, dict):
