@@ -8,6 +8,8 @@
 #   BUILD_DIR   build directory (default: build)
 #   JOBS        parallel build jobs (default: nproc)
 #   KVCACHE_CMAKE_ARGS  extra cmake arguments
+#   KVCACHE_CCACHE=0    compile without ccache (default: through ccache, whose cache in
+#                       ~/.cache/ccache makes a clean clone's rebuild of unchanged sources cheap)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,14 +23,14 @@ for arg in "$@"; do
     --no-install) install=0 ;;
     --debug) build_type=Debug ;;
     --sanitize) sanitize=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     -*) echo "setup.sh: unknown option '$arg' (expected --no-install, --debug, --sanitize or target names)" >&2; exit 2 ;;
     *) targets+=(--target "$arg"); names+=("$arg") ;;
   esac
 done
 
 PACKAGES=(
-  build-essential cmake pkg-config git
+  build-essential cmake pkg-config git ccache
   libtorch-dev libopenblas0-openmp   # LibTorch 1.13; OpenBLAS (else the reference BLAS: ~7x slower GEMM)
   libeigen3-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev
@@ -58,6 +60,13 @@ if [[ $sanitize -eq 1 ]]; then
   # No benchmarks; OpenMP off (docs/ci.md).
   extra=(-DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_C_COMPILER=clang-14 -DKVCACHE_SANITIZE=ON -DKVCACHE_FUZZ=ON -DKVCACHE_OPENMP=OFF
          -DKVCACHE_BUILD_BENCH=OFF "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG")
+fi
+# ccache: the precompiled header (<ATen/ATen.h>) needs pch_defines,time_macros to be cacheable;
+# base_dir makes the cache hit from another clone's path.
+if [[ ${KVCACHE_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
+  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+  export CCACHE_BASEDIR=$PWD
+  extra+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
 fi
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
