@@ -3,6 +3,7 @@
 // guard(), which turns each exception into a status and the thread's last error message.
 #include "kvcache/c_api.h"
 
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -26,13 +27,26 @@ namespace {
 
 thread_local std::string g_last_error;
 
-DType dtype_of(kvc_dtype t, const char* fn) {
-  switch (t) {
+// The int a C caller passed for an enum parameter. A C enum is an int, and C lets a caller pass
+// any int (the tests pass 9 and -1); in C++ an enum without a fixed underlying type holds only
+// the values of its enumerators' bits, and loading another is undefined (UBSan's -fsanitize=enum
+// reports it). So the checks read the parameter's bytes, never its value as the enum.
+template <class E>
+int raw_enum(const E& e) {
+  static_assert(sizeof(E) == sizeof(int), "a C enum has the size of an int on every ABI this library supports");
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
+DType dtype_of(const kvc_dtype& t, const char* fn) {
+  switch (raw_enum(t)) {
     case KVC_FLOAT32: return DType::kFloat32;
     case KVC_FLOAT16: return DType::kFloat16;
     case KVC_BFLOAT16: return DType::kBFloat16;
+    default: break;
   }
-  throw InvalidArgument(detail::str_cat(fn, ": dtype ", static_cast<int>(t),
+  throw InvalidArgument(detail::str_cat(fn, ": dtype ", raw_enum(t),
                                         " is none of KVC_FLOAT32 (0), KVC_FLOAT16 (1), KVC_BFLOAT16 (2)"));
 }
 
@@ -203,12 +217,12 @@ kvc_status kvc_end_step(kvc_cache* cache, kvc_step step) {
     using namespace kvcache;
     const char* fn = "kvc_end_step";
     CacheManager& m = capi::not_null(cache, fn, "cache")->manager;
-    KV_CHECK_ARG(step == KVC_STEP_PREFILL || step == KVC_STEP_PREFILL_END || step == KVC_STEP_DECODE, fn, ": step ",
-                 static_cast<int>(step),
+    const int raw = capi::raw_enum(step);
+    KV_CHECK_ARG(raw == KVC_STEP_PREFILL || raw == KVC_STEP_PREFILL_END || raw == KVC_STEP_DECODE, fn, ": step ", raw,
                  " is none of KVC_STEP_PREFILL (0), KVC_STEP_PREFILL_END (1), KVC_STEP_DECODE (2)");
-    m.end_step(step == KVC_STEP_PREFILL ? StepKind::kPrefill
-               : step == KVC_STEP_PREFILL_END ? StepKind::kPrefillEnd
-                                              : StepKind::kDecode);
+    m.end_step(raw == KVC_STEP_PREFILL ? StepKind::kPrefill
+               : raw == KVC_STEP_PREFILL_END ? StepKind::kPrefillEnd
+                                             : StepKind::kDecode);
   });
 }
 
