@@ -18,21 +18,24 @@ How a model that trains on sequences of at most a few thousand tokens answers at
     generator writes: a code's digit, a variable, a rule word, every colour mention). The loss
     counts the other keys' attention mass F times over (F = --sup-context / keys visible), as a
     context of --sup-context tokens would: the margin learned at T tokens then holds at 32k.
- 3. A length curriculum: the skills at a few hundred tokens, then longer real sequences.
+ 3. A copying initialisation: the supervised heads start as copy circuits (value = an orthonormal
+    projection of the input, o_proj its transpose), a gather head in the layer below addresses
+    each copied value by its key, and the output embedding is untied.
+ 4. A length curriculum: the skills at 48-128 tokens, then longer real sequences with skips.
 
 Pipeline (deterministic for a fixed --seed and torch 1.13 CPU on 2 threads):
  1. Data: `kv_study suite --suite long --count N --seed S --min-context A --max-context B` per
     phase (seeds 5000 + 100*seed + phase: disjoint from the suite seed), cached in OUT/data/.
  2. Tokenizer: a byte-level BPE trained on that corpus (train_default_model's trainer, Qwen2 split
     regex), HF tokenizer.json; ChatML with <|im_end|> as EOS.
- 3. Model: Qwen2 (RMSNorm, SwiGLU, q/k/v biases, tied embeddings), AdamW; loss on replies (weight
+ 3. Model: Qwen2 (RMSNorm, SwiGLU, q/k/v biases, untied output embedding), AdamW; loss on replies (weight
     1), prompts (--lm-weight; none on random digits), the evidence tokens again (--key-weight),
     plus the supervision above.
  4. Output: an HF dir OUT/hf exported to --export (model ABI v1), then the long suite's control
     arm through kv_study (`run --suite long --configs fp32+full`) at --final-lengths.
 
 Progress goes to stderr; OUT/ckpt.pt every --ckpt-minutes; --resume continues it to the same
-result. --smoke: a tiny model and corpus (seconds), for the tests.
+result (--stop-after N stops at a known step). --smoke: a tiny model and corpus (seconds), for the tests.
 """
 import argparse
 import json
@@ -58,7 +61,7 @@ REPO = tdm.REPO
 LONG_FAMILIES = ("needle", "multikey", "multivalue", "vartrack", "aggregation", "instruction", "multiturn")
 # steps : min context : max context (approximate tokens of the prompt) : largest virtual length
 # (PoSE positions; 0 = no skips) [: families]
-DEFAULT_PHASES = "1500:96:512:0,1500:128:768:40960,600:512:1536:40960,300:1536:3072:40960"
+DEFAULT_PHASES = "800:48:128:0,500:128:512:40960,500:256:1024:40960,250:1024:3072:40960,70:3072:6144:40960"
 DEFAULT_SUP_LAYER = 2
 # first token of each copied span / later tokens (induction) / rules and styles / aggregation:
 # the first two in different KV groups (each copy with a value projection of its own, as the
@@ -618,7 +621,7 @@ def main(argv=None) -> int:
                     help="curriculum 'steps:min_ctx:max_ctx:virtual_len[:family+family],...' (contexts in approx "
                          "tokens; virtual_len: positional skips up to that length, 0 = none)")
     ap.add_argument("--tokens-per-batch", type=int, default=8192)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--lm-weight", type=float, default=0.1)
@@ -644,6 +647,9 @@ def main(argv=None) -> int:
     ap.add_argument("--final-lengths", default="4k,8k,16k,32k")
     ap.add_argument("--final-reps", type=int, default=5)
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
+    ap.add_argument("--stop-after", type=int, default=0,
+                    help="stop after this many steps in all, writing OUT/ckpt.pt (as an interruption would, "
+                         "but at a known step); --resume continues, with these --phases or others")
     ap.add_argument("--log-every", type=int, default=50)
     args = ap.parse_args(argv)
     try:
@@ -679,6 +685,8 @@ def run(args, t0: float) -> int:
     if args.gather > 0 and not (0 <= args.gather_layer < args.sup_layer and 0 <= args.gather_head < args.heads):
         raise ToolError(f"--gather-layer {args.gather_layer} / --gather-head {args.gather_head}: expected a head of a "
                         f"layer below --sup-layer {args.sup_layer}")
+    if args.stop_after < 0:
+        raise ToolError(f"--stop-after {args.stop_after}: expected a number of steps >= 0 (0: train to the end)")
     if any(p[3] > args.max_positions for p in phases):
         raise ToolError(f"a phase's virtual length exceeds --max-positions {args.max_positions}")
     os.makedirs(os.path.join(args.out, "data"), exist_ok=True)
@@ -774,7 +782,8 @@ def run(args, t0: float) -> int:
     acc = {"loss": 0.0, "n": 0, "reply": 0.0, "reply_n": 0.0, "sup": np.zeros(SUP_SLOTS), "sup_n": np.zeros(SUP_SLOTS),
            "fam_key": {}, "tokens": 0, "first": 0.0, "first_n": 0.0, "gather": 0.0, "gather_n": 0}
     model.train()
-    while step < total and not args.export_only:
+    end = min(total, args.stop_after) if args.stop_after > 0 else total
+    while step < end and not args.export_only:
         pi = int(np.searchsorted(bounds, step, side="right") - 1)
         seqs = data[pi]
         virt = phases[pi][3]
@@ -784,7 +793,7 @@ def run(args, t0: float) -> int:
             local -= len(batches)
             epoch += 1
             batches = make_batches(seqs, args.tokens_per_batch, np.random.default_rng([args.seed, pi, epoch]))
-        while local < len(batches) and step < int(bounds[pi + 1]):
+        while local < len(batches) and step < min(int(bounds[pi + 1]), end):
             ts = time.time()
             rng = np.random.default_rng([args.seed, 7, step])
             # the dilution of the supervision simulates a long context where positions do (PoSE phases)
@@ -868,6 +877,9 @@ def run(args, t0: float) -> int:
                 model.train()
     if not args.export_only:
         save_ckpt()
+    if step < total and not args.export_only:
+        log(f"stopped after step {step} of {total} (--stop-after); {ckpt_path} holds it, --resume continues")
+        return 0
     model.eval()
     log(f"training done: {step} steps, {train_time / 60:.1f} min of training")
     s = evaluate(model, tok, eval_tasks)
