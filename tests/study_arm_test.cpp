@@ -125,7 +125,7 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   // token budgets of 2048 and one percentage.
   EXPECT_EQ(sets[3].name, "long");
   const auto lng = parse_arm_list("long");
-  ASSERT_EQ(lng.size(), 17u);
+  ASSERT_EQ(lng.size(), 15u);
   EXPECT_EQ(lng[0], control_arm());
   int fixed = 0;
   for (const auto& a : lng) {
@@ -133,7 +133,7 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
     EXPECT_EQ(make_eviction_policy(a.policy)->spec(), a.policy) << a.spec();
     fixed += a.policy.find("@2048") != std::string::npos;
   }
-  EXPECT_EQ(fixed, 7);
+  EXPECT_EQ(fixed, 6);
   // "deepdive": the quantization schemes with full, each canonical and buildable, the control first.
   EXPECT_EQ(sets[2].name, "deepdive");
   const auto deep = parse_arm_list("deepdive");

@@ -118,13 +118,12 @@ std::vector<ArmSet> arm_sets() {
            {"kvquant:b2:o1:c4:qnorm:cal=auto", "full"},
        }},
       {"long",
-       "the long suite's default arms (kv_study run --suite long): the control; fp16, fp8, int8, int4, int2, KIVI-2/4 "
+       "the long suite's default arms (kv_study run --suite long), 15: the control; fp8, int8, int4, int2, KIVI-2/4 "
        "and had(int2) with full; a fixed budget of 2048 tokens (what engines configure; 50% of a 4k prompt, 12.5% of 16k) "
-       "for window, StreamingLLM sinks, H2O, SnapKV, KeyDiff and AdaKV over SnapKV; SnapKV at 25%; int4 with SnapKV at "
-       "2048 (composition) (docs/study.md, \"The long suite\")",
+       "for window, StreamingLLM sinks, H2O, SnapKV and KeyDiff; SnapKV at 25%; int4 with SnapKV at 2048 (composition) "
+       "(docs/study.md, \"The long suite\")",
        {
            {"fp32", "full"},
-           {"fp16", "full"},
            {"fp8:e4m3", "full"},
            {"int8", "full"},
            {"int4", "full"},
@@ -137,7 +136,6 @@ std::vector<ArmSet> arm_sets() {
            {"fp32", "h2o@2048"},
            {"fp32", "snapkv@2048"},
            {"fp32", "keydiff@2048"},
-           {"fp32", "adakv:snapkv@2048"},
            {"fp32", "snapkv@25%"},
            {"int4", "snapkv@2048"},
        }},
