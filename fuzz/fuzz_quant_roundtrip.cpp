@@ -93,6 +93,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   GroupBuffers out{codes.data(), meta ? scales.data() : nullptr, lay.has_zeros && meta ? zeros.data() : nullptr};
   (void)q->encode(head.data_ptr<float>(), groups, d, tensor_scale, out);
   std::vector<float> decoded(static_cast<size_t>(t * d));
-  q->decode(ConstGroupBuffers{as_tensor(out.codes), as_tensor(out.scales), as_tensor(out.zeros)}, groups, d, tensor_scale, decoded.data());
+  q->decode(ConstGroupBuffers{out.codes, out.scales, out.zeros}, groups, d, tensor_scale, decoded.data());
   return 0;
 }

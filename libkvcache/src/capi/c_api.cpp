@@ -39,14 +39,14 @@ int raw_enum(const E& e) {
   return v;
 }
 
-DType dtype_of(const kvc_dtype& t, const char* fn) {
-  switch (raw_enum(t)) {
+DType dtype_of(int t, const char* fn) {
+  switch (t) {
     case KVC_FLOAT32: return DType::kFloat32;
     case KVC_FLOAT16: return DType::kFloat16;
     case KVC_BFLOAT16: return DType::kBFloat16;
     default: break;
   }
-  throw InvalidArgument(detail::str_cat(fn, ": dtype ", raw_enum(t),
+  throw InvalidArgument(detail::str_cat(fn, ": dtype ", t,
                                         " is none of KVC_FLOAT32 (0), KVC_FLOAT16 (1), KVC_BFLOAT16 (2)"));
 }
 
@@ -146,7 +146,7 @@ kvc_status kvc_append(kvc_cache* cache, int64_t layer, const void* k, const void
     using namespace kvcache;
     const char* fn = "kvc_append";
     CacheManager& m = capi::not_null(cache, fn, "cache")->manager;
-    const DType t = capi::dtype_of(dtype, fn);
+    const DType t = capi::dtype_of(capi::raw_enum(dtype), fn);
     KV_CHECK_ARG(tokens >= 0, fn, ": tokens = ", tokens, " must be >= 0");
     if (tokens > 0) {
       capi::not_null(k, fn, "k");
@@ -161,14 +161,13 @@ kvc_status kvc_append(kvc_cache* cache, int64_t layer, const void* k, const void
   });
 }
 
-kvc_status kvc_attend(kvc_cache* cache, int64_t layer, const void* q, kvc_dtype dtype, int64_t tokens,
-                      const int64_t* positions, float* out) {
-  return kvc_attend_batch(layer, &cache, 1, &q, dtype, &tokens, &positions, &out);
-}
+}  // extern "C"
 
-kvc_status kvc_attend_batch(int64_t layer, kvc_cache* const* caches, size_t count, const void* const* q,
-                            kvc_dtype dtype, const int64_t* tokens, const int64_t* const* positions,
-                            float* const* out) {
+namespace {
+
+// kvc_attend and kvc_attend_batch: the dtype as the int the caller passed (raw_enum).
+kvc_status attend_requests(int64_t layer, kvc_cache* const* caches, size_t count, const void* const* q, int dtype,
+                        const int64_t* tokens, const int64_t* const* positions, float* const* out) {
   return guard([&] {
     using namespace kvcache;
     const char* fn = count == 1 ? "kvc_attend" : "kvc_attend_batch";
@@ -210,6 +209,21 @@ kvc_status kvc_attend_batch(int64_t layer, kvc_cache* const* caches, size_t coun
       throw InvalidArgument(detail::str_cat(fn, ": ", e.what()));
     }
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+kvc_status kvc_attend(kvc_cache* cache, int64_t layer, const void* q, kvc_dtype dtype, int64_t tokens,
+                      const int64_t* positions, float* out) {
+  return attend_requests(layer, &cache, 1, &q, kvcache::capi::raw_enum(dtype), &tokens, &positions, &out);
+}
+
+kvc_status kvc_attend_batch(int64_t layer, kvc_cache* const* caches, size_t count, const void* const* q,
+                            kvc_dtype dtype, const int64_t* tokens, const int64_t* const* positions,
+                            float* const* out) {
+  return attend_requests(layer, caches, count, q, kvcache::capi::raw_enum(dtype), tokens, positions, out);
 }
 
 kvc_status kvc_end_step(kvc_cache* cache, kvc_step step) {
