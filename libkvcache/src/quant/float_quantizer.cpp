@@ -93,6 +93,7 @@ EncodeStatus FloatCastQuantizer::do_encode(const float* x, int64_t groups, int64
 void FloatCastQuantizer::do_decode(ConstGroupBuffers in, int64_t groups, int64_t head_dim, float /*tensor_scale*/,
                                    float* out) const {
   const int64_t n = groups * head_dim;
+  if (n == 0) return;  // an empty tensor: no buffer to read (memcpy from NULL is undefined even for 0 bytes)
   if (storage_ == DType::kFloat32) {
     std::memcpy(out, in.codes, static_cast<size_t>(n) * sizeof(float));
   } else if (storage_ == DType::kFloat16) {
