@@ -3,6 +3,7 @@
 // insert/split/match, pages, namespaces, locks and LRU eviction with an injected clock.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -66,6 +67,33 @@ TEST(RadixTree, SglangDemoVectorInsertSplitMatch) {
   EXPECT_EQ(tree.match({"", 1}, none.data(), 2).tokens, 0);
   const Ids all{1, 2, 4, 5, 6, 7, 8};
   EXPECT_EQ(tree.match({"", 1}, all.data(), 7).pages, (Ids{100, 101, 302, 303, 404, 405}));
+}
+
+// cached_tokens counts what match() would match, without splitting a node or ticking the
+// clock (end_step uses it to plan what it publishes before the step may be refused).
+TEST(RadixTree, CachedTokensPeeksWithoutChangingTheTree) {
+  int64_t now = 0, ticks = 0;
+  RadixTree tree([&] {
+    ++ticks;
+    return ++now;
+  });
+  Inserter ins(tree, {"a", 2});
+  ins({1, 2, 3, 4, 5, 6});
+  ins({1, 2, 7, 8});
+  const std::string before = tree.dump("a");
+  EXPECT_EQ(before, "[1,2]{[3,4,5,6],[7,8]}");
+  const int64_t ticks_before = ticks;
+  const Ids q{1, 2, 3, 4, 9, 9, 5};
+  EXPECT_EQ(tree.cached_tokens({"a", 2}, q.data(), 7), 4);  // [1,2] and [3,4]: inside the edge [3,4,5,6]
+  EXPECT_EQ(tree.cached_tokens({"a", 2}, q.data(), 3), 2);  // n truncated to whole pages
+  EXPECT_EQ(tree.cached_tokens({"a", 2}, q.data(), 1), 0);
+  const Ids r{1, 2, 7, 8, 1, 1};
+  EXPECT_EQ(tree.cached_tokens({"a", 2}, r.data(), 6), 4);
+  EXPECT_EQ(tree.cached_tokens({"b", 2}, r.data(), 6), 0);  // a namespace never used
+  EXPECT_EQ(tree.dump("a"), before) << "no split";
+  EXPECT_EQ(ticks, ticks_before) << "no recency tick";
+  EXPECT_EQ(tree.match({"a", 2}, q.data(), 7).tokens, 4);  // match agrees, and splits
+  EXPECT_EQ(tree.dump("a"), "[1,2]{[3,4]{[5,6]},[7,8]}");
 }
 
 TEST(RadixTree, PagesMatchWholeAndNamespacesNeverAlias) {

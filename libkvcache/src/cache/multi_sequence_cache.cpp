@@ -434,25 +434,42 @@ struct MultiSequenceCache::Impl {
     counters.prompt_tokens_hit += m;
   }
 
-  /// Inserts the prompt pages of s that settled since the last call (end_step, before evicting).
-  void publish(Sequence::State& s) {
-    if (!s.publishing) return;
+  /// The prompt pages of a sequence that settled since its last publication, with a reference
+  /// taken on each of their blocks (so that the step's eviction copies them on write, as it
+  /// must once the index holds them), not yet in the index: end_step commits them after the
+  /// sequence's own end_step succeeded, or aborts them (references returned) when it is refused,
+  /// so that a refused end_step leaves the index as it was (error.h).
+  struct PendingPublish {
+    bool active = false;         ///< s.publishing was set when planned
+    bool stop = false;           ///< publishing ends with this step (evicted, irregular, done)
+    int64_t b0 = 0, settled = 0;  ///< pages [b0, b0 + settled) of the prompt
+    int64_t first_retained = 0;  ///< pages before it were in the index already when planned
+    std::vector<std::vector<std::vector<Block>>> blocks;  ///< [list][page − b0]
+    std::vector<const BlockList*> lists;
+    std::vector<bool> retained;  ///< [page − b0]: references are held for this page's blocks
+  };
+
+  /// Plans the publication of s's settled prompt pages (end_step, before evicting).
+  PendingPublish plan_publish(Sequence::State& s) {
+    PendingPublish pp;
+    if (!s.publishing) return pp;
+    pp.active = true;
     const StepProtocol& m = *s.m;
     const CacheStats st = m.stats();
     if (st.tokens_resident < st.tokens_written) {  // it evicted: what is left of its prompt stays private
-      s.publishing = false;
-      return;
+      pp.stop = true;
+      return pp;
     }
     const int64_t P = s.ns.page_tokens;
     const int64_t b0 = s.published, b1 = static_cast<int64_t>(s.prompt.size()) / P;
+    pp.b0 = b0;
     if (b0 >= b1) {
-      s.publishing = false;
-      return;
+      pp.stop = true;
+      return pp;
     }
     const int64_t L = m.config().num_layers, H = m.config().num_kv_heads;
-    // blocks[list][page − b0]
-    std::vector<std::vector<std::vector<Block>>> blocks(static_cast<size_t>(L * H * 2));
-    std::vector<const BlockList*> lists(blocks.size());
+    pp.blocks.resize(static_cast<size_t>(L * H * 2));
+    pp.lists.resize(pp.blocks.size());
     int64_t settled = b1 - b0;
     bool irregular = false;
     for (int64_t l = 0; l < L && settled > 0; ++l) {
@@ -460,24 +477,60 @@ struct MultiSequenceCache::Impl {
       for (int64_t h = 0; h < H && settled > 0; ++h) {
         for (int st2 = 0; st2 < 2 && settled > 0; ++st2) {
           const size_t i = static_cast<size_t>((l * H + h) * 2 + st2);
-          lists[i] = st2 == 0 ? &store.k(h).quant : &store.v(h).quant;
-          blocks[i].resize(static_cast<size_t>(b1 - b0));
-          settled = std::min(settled, settled_pages(*lists[i], P, b0, b0 + settled, blocks[i], &irregular));
+          pp.lists[i] = st2 == 0 ? &store.k(h).quant : &store.v(h).quant;
+          pp.blocks[i].resize(static_cast<size_t>(b1 - b0));
+          settled = std::min(settled, settled_pages(*pp.lists[i], P, b0, b0 + settled, pp.blocks[i], &irregular));
         }
       }
     }
+    pp.settled = settled;
+    pp.stop = irregular || b0 + settled >= b1;
+    // Pages the index holds already (another request published the same tokens) are not taken
+    // from this one: insert() asks only for the others. Counted without touching the tree.
+    pp.first_retained = std::max(b0, std::min(b0 + settled, tree.cached_tokens(s.ns, s.prompt.data(), (b0 + settled) * P) / P));
+    pp.retained.assign(static_cast<size_t>(settled), false);
+    for (int64_t page = pp.first_retained; page < b0 + settled; ++page) retain_page(pp, page);
+    return pp;
+  }
+
+  void retain_page(PendingPublish& pp, int64_t page) {
+    for (size_t i = 0; i < pp.blocks.size(); ++i) {
+      for (const Block& b : pp.blocks[i][static_cast<size_t>(page - pp.b0)]) pp.lists[i]->format(b).pool->retain(b.id);
+    }
+    pp.retained[static_cast<size_t>(page - pp.b0)] = true;
+  }
+
+  void release_page(PendingPublish& pp, int64_t page) {
+    for (size_t i = 0; i < pp.blocks.size(); ++i) {
+      for (const Block& b : pp.blocks[i][static_cast<size_t>(page - pp.b0)]) pp.lists[i]->format(b).pool->release(b.id);
+    }
+    pp.retained[static_cast<size_t>(page - pp.b0)] = false;
+  }
+
+  /// A refused end_step: the references taken by plan_publish go back; nothing else was touched.
+  void abort_publish(PendingPublish& pp) {
+    for (int64_t page = pp.b0; page < pp.b0 + pp.settled; ++page) {
+      if (pp.retained[static_cast<size_t>(page - pp.b0)]) release_page(pp, page);
+    }
+  }
+
+  /// Inserts the planned pages into the index (after the sequence's end_step succeeded).
+  void commit_publish(Sequence::State& s, PendingPublish& pp) {
+    if (!pp.active) return;
+    const int64_t b0 = pp.b0, settled = pp.settled;
     if (settled > 0) {
-      RadixTree::Node* node = tree.insert(s.ns, s.prompt.data(), (b0 + settled) * P, [&](int64_t page) {
+      RadixTree::Node* node = tree.insert(s.ns, s.prompt.data(), (b0 + settled) * s.ns.page_tokens, [&](int64_t page) {
         KV_INTERNAL_ASSERT(page >= b0 && page < b0 + settled, "publish: page ", page, " outside [", b0, ", ",
                            b0 + settled, ")");
+        // A page the index lost while the step ran (reclaimed to make room) is taken now.
+        if (!pp.retained[static_cast<size_t>(page - b0)]) retain_page(pp, page);
+        pp.retained[static_cast<size_t>(page - b0)] = false;  // the page holds the references now
         CachedPage p;
         p.start.push_back(0);
-        for (size_t i = 0; i < blocks.size(); ++i) {
-          for (const Block& b : blocks[i][static_cast<size_t>(page - b0)]) {
-            BlockPool* pool = lists[i]->format(b).pool;
-            pool->retain(b.id);
+        for (size_t i = 0; i < pp.blocks.size(); ++i) {
+          for (const Block& b : pp.blocks[i][static_cast<size_t>(page - b0)]) {
             p.blocks.push_back(b);
-            p.pools.push_back(pool);
+            p.pools.push_back(pp.lists[i]->format(b).pool);
           }
           p.start.push_back(static_cast<uint32_t>(p.blocks.size()));
         }
@@ -486,12 +539,13 @@ struct MultiSequenceCache::Impl {
         pages.emplace(id, std::move(p));
         return id;
       });
+      abort_publish(pp);  // references of pages the index already held when inserted
       tree.lock(node);
       unlock(s);
       s.locked = node;
       s.published = b0 + settled;
     }
-    if (irregular || s.published >= b1) s.publishing = false;
+    if (pp.stop) s.publishing = false;
   }
 
   Sequence::State& state_of(Sequence& seq, const char* fn) {
@@ -613,9 +667,18 @@ void Sequence::attend(int64_t layer, const TensorView& q, const TensorView& q_po
 
 void Sequence::end_step(StepKind step) {
   s_->check_live("Sequence::end_step");
-  s_->cache->publish(*s_);
-  s_->m->end_step(step);
-  s_->cache->after(*s_);
+  auto& c = *s_->cache;
+  // The settled prompt pages are taken (referenced) before the step evicts, so that its
+  // eviction copies them on write, and enter the index only once the step succeeded.
+  MultiSequenceCache::Impl::PendingPublish pp = c.plan_publish(*s_);
+  try {
+    s_->m->end_step(step);
+  } catch (...) {
+    c.abort_publish(pp);
+    throw;
+  }
+  c.commit_publish(*s_, pp);
+  c.after(*s_);
 }
 
 void Sequence::begin_replay() {

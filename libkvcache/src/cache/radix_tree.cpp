@@ -102,6 +102,32 @@ RadixTree::Match RadixTree::match(const Namespace& ns, const int64_t* tokens, in
   return m;
 }
 
+int64_t RadixTree::cached_tokens(const Namespace& ns, const int64_t* tokens, int64_t n) const {
+  const auto r = roots_.find(ns.key);
+  if (r == roots_.end()) return 0;
+  const Node* node = r->second.get();
+  const int64_t page = node->page;
+  KV_INTERNAL_ASSERT(page == ns.page_tokens, "RadixTree namespace '", ns.key, "' has pages of ", page, " tokens, not ",
+                     ns.page_tokens);
+  n -= n % page;
+  int64_t i = 0;
+  while (i < n) {
+    const auto it = node->children.find(Node::Key(tokens + i, tokens + i + page));
+    if (it == node->children.end()) break;
+    const Node* c = it->second.get();
+    const auto edge = static_cast<int64_t>(c->pages.size());
+    int64_t k = 1;
+    while (k < edge && i + (k + 1) * page <= n &&
+           std::equal(tokens + i + k * page, tokens + i + (k + 1) * page, c->key.begin() + k * page)) {
+      ++k;
+    }
+    i += k * page;
+    if (k < edge) break;
+    node = c;
+  }
+  return i;
+}
+
 RadixTree::Node* RadixTree::insert(const Namespace& ns, const int64_t* tokens, int64_t n,
                                    const std::function<PageId(int64_t page)>& make_page) {
   const int64_t page = root(ns)->page;

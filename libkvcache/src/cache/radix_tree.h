@@ -59,6 +59,9 @@ class RadixTree {
   /// The longest cached prefix of tokens[0 .. n) in `ns` (n truncated to whole pages).
   /// @throws InternalError if `ns` was first used with another page size.
   Match match(const Namespace& ns, const int64_t* tokens, int64_t n);
+  /// Tokens of the longest cached prefix of tokens[0 .. n) in `ns` (whole pages), as match()
+  /// finds it but changing nothing: no split, no recency tick. 0 for a namespace never used.
+  int64_t cached_tokens(const Namespace& ns, const int64_t* tokens, int64_t n) const;
   /// Inserts tokens[0 .. n) (whole pages) in `ns`. `make_page(i)` gives the PageId of page i
   /// (tokens [i·P, (i+1)·P)) for each page the tree does not hold yet, in increasing i.
   /// @return the node ending at the last page (the root when n < page_tokens).
