@@ -231,8 +231,8 @@ class KvStudyCliTest(unittest.TestCase):
             self.assertEqual(r.stdout, "", args)
 
     def test_files_that_are_not_regular_are_refused_before_reading(self):
-        """`calibrate --text` and the results readers (`merge`, `report`) refuse a directory, a
-        device and a FIFO before reading (issue 39, fault 5: --text DIR failed with 'unexpected
+        """`calibrate --text`, the results readers (`merge`, `report`) and `memory --model`'s
+        config.json refuse a directory, a device and a FIFO before reading (issue 39, fault 5: --text DIR failed with 'unexpected
         error: basic_filebuf::underflow'; /dev/zero was read until memory ran out; a FIFO blocked),
         and bound what they read: the file size and the line length, each limit named."""
         with tempfile.TemporaryDirectory() as d:
@@ -248,7 +248,11 @@ class KvStudyCliTest(unittest.TestCase):
                                     f"not a regular file"),
                     (("merge", "/dev/zero") + out, "cannot read results file '/dev/zero': it is a character device"),
                     (("merge", fifo) + out, f"cannot read results file '{fifo}': it is a FIFO (named pipe)"),
-                    (("report", "/dev/zero"), "cannot read results file '/dev/zero': it is a character device")]:
+                    (("report", "/dev/zero"), "cannot read results file '/dev/zero': it is a character device"),
+                    (("memory", "--model", "/dev/zero"), "cannot read model config '/dev/zero': it is a character "
+                                                         "device, not a regular file"),
+                    (("memory", "--model", fifo), f"cannot read model config '{fifo}': it is a FIFO (named pipe), "
+                                                  f"not a regular file")]:
                 r = run_bounded(*args)
                 self.assertIsNotNone(r, f"{args}: still running after 60 s (blocked on a FIFO?)")
                 self.assertEqual(r.returncode, 1, (args, r.stderr))

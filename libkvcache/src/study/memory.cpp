@@ -17,6 +17,7 @@
 #include "kvcache/quantizer.h"
 #include "kvcache/spec.h"
 #include "kvcache/torch/tensor_view.h"
+#include "common/file_io.h"
 
 namespace kvcache::study {
 namespace {
@@ -25,6 +26,9 @@ bool is_dir(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
+
+/// The largest model config read (a Hugging Face config.json is a few KiB).
+constexpr int64_t kMaxConfigBytes = int64_t{1} << 20;
 
 /// A config.json field in [1, kMaxShapeField] (no model comes near; products of three such
 /// fields stay far inside int64).
@@ -54,11 +58,12 @@ ModelShape model_shape_preset(const std::string& name) {
 }
 
 ModelShape model_shape_from_config(const std::string& path) {
-  std::ifstream in(path);
-  KV_CHECK_ARG(in.good(), "cannot open model config '", path, "'");
+  // A Hugging Face config.json is a few KiB: a FIFO, a device or a huge file is refused before
+  // anything is read.
+  const std::string text = io::read_regular_file(path, "model config", kMaxConfigBytes);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(detail::str_cat("model config '", path, "' is not valid JSON: ", e.what()));
   }
@@ -87,8 +92,8 @@ ModelShape resolve_model_shape(const std::string& name_or_path) {
     if (p == name_or_path) return model_shape_preset(p);
   }
   if (is_dir(name_or_path)) return model_shape_from_config(name_or_path + "/config.json");
-  std::ifstream probe(name_or_path);
-  if (probe.good()) return model_shape_from_config(name_or_path);
+  struct stat st {};
+  if (::stat(name_or_path.c_str(), &st) == 0) return model_shape_from_config(name_or_path);  // any file: checked there
   return model_shape_preset(name_or_path);  // throws, listing the presets
 }
 
