@@ -8,7 +8,9 @@
 #include <memory>
 
 #include "commands.h"
+#include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
+#include "kvcache/eviction_policy.h"
 #include "kvcache/study/arm.h"
 #include "kvcache/study/prefix_workload.h"
 
@@ -75,6 +77,12 @@ void add_prefix_command(CLI::App& app) {
                                      "' is not in this checkout (docs/default-model.md); pass --model M.pt");
     }
     const std::vector<Arm> arms = parse_arm_list(*configs);
+    // The arms' specs (budgets included) are checked before the model loads; what depends on
+    // the model (block sizes, head shapes) is checked by canonicalize() below.
+    for (const Arm& a : arms) {
+      (void)kvcache::make_cache_scheme(a.scheme);
+      (void)kvcache::make_eviction_policy(a.policy);
+    }
     PrefixRunOptions po;
     po.model_path = *model;
     po.threads = *threads;

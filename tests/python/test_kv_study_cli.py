@@ -402,6 +402,21 @@ class DefaultModelTest(unittest.TestCase):
                 self.assertIn(needle, r.stderr, args)
                 self.assertFalse(os.path.exists(out), args)
 
+    def test_prefix_checks_arm_specs_before_loading_the_model(self):
+        """`kv_study prefix` refuses a bad arm spec (a zero budget, an unknown scheme) before it
+        loads the model: a missing model does not hide it, and no output directory is made."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "p")
+            for configs, needle in [("int4+window@0", "token budget must be an integer in [1, 1000000000], got 0"),
+                                    ("int5+full", "unknown cache scheme 'int5'")]:
+                r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--configs", configs, "--model",
+                                    os.path.join(d, "no-such-model.pt"), "--out", out],
+                                   capture_output=True, text=True, timeout=120, cwd=REPO)
+                self.assertEqual(r.returncode, 1, configs)
+                self.assertIn(needle, r.stderr, configs)
+                self.assertNotIn("no-such-model.pt", r.stderr, configs)
+                self.assertFalse(os.path.exists(out), configs)
+
     def test_generate_errors_and_warnings(self):
         def generate(*args):
             new = () if "--max-new-tokens" in args else ("--max-new-tokens", "2")
