@@ -482,20 +482,10 @@ std::vector<Task> generate_long_suite(uint64_t seed, const LongSuiteOptions& opt
 }
 
 std::vector<Task> generate_long_training_tasks(uint64_t seed, int64_t count, const LongTrainingOptions& options) {
-  KV_CHECK_ARG(count >= 0 && count <= kMaxTrainingTasks, "training task count ", count, " is out of range [0, ",
-               kMaxTrainingTasks, "]");
-  KV_CHECK_ARG(options.min_context >= 48 && options.min_context <= kMaxTrainingContext, "min_context ",
-               options.min_context, " is out of range [48, ", kMaxTrainingContext, "] approximate tokens");
-  KV_CHECK_ARG(options.max_context >= options.min_context && options.max_context <= kMaxTrainingContext,
-               "max_context ", options.max_context, " is out of range [min_context = ", options.min_context, ", ",
-               kMaxTrainingContext, "] approximate tokens");
-  const std::vector<TaskFamily> longs = long_families();
-  for (TaskFamily f : options.families) {
-    KV_CHECK_ARG(std::find(longs.begin(), longs.end(), f) != longs.end(), "training family '", to_string(f),
-                 "' is not a long-suite family (expected needle, multikey, multivalue, vartrack, aggregation, "
-                 "instruction or multiturn)");
-  }
-  const std::vector<TaskFamily> families = options.families.empty() ? longs : options.families;
+  const std::vector<TaskFamily> families = grammar::check_training_request(
+      count, options.min_context, options.max_context, options.families, long_families(),
+      "is not a long-suite family (expected needle, multikey, multivalue, vartrack, aggregation, instruction or "
+      "multiturn)");
   std::vector<Task> out;
   out.reserve(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "kvcache/error.h"
+#include "kvcache/study/task_suite.h"
 
 namespace kvcache::study::grammar {
 
@@ -323,6 +324,22 @@ Task make_summary(Rng& r, int detail, int64_t target, const PromptTokenCounter& 
   const std::string key = detail == 0 ? name : detail == 1 ? colour : count;
   t.rule = {RuleKind::kWord, key};
   return t;
+}
+
+std::vector<TaskFamily> check_training_request(int64_t count, int64_t min_context, int64_t max_context,
+                                               const std::vector<TaskFamily>& requested,
+                                               const std::vector<TaskFamily>& allowed, const std::string& not_allowed) {
+  KV_CHECK_ARG(count >= 0 && count <= kMaxTrainingTasks, "training task count ", count, " is out of range [0, ",
+               kMaxTrainingTasks, "]");
+  KV_CHECK_ARG(min_context >= 48 && min_context <= kMaxTrainingContext, "min_context ", min_context,
+               " is out of range [48, ", kMaxTrainingContext, "] approximate tokens");
+  KV_CHECK_ARG(max_context >= min_context && max_context <= kMaxTrainingContext, "max_context ", max_context,
+               " is out of range [min_context = ", min_context, ", ", kMaxTrainingContext, "] approximate tokens");
+  for (TaskFamily f : requested) {
+    KV_CHECK_ARG(std::find(allowed.begin(), allowed.end(), f) != allowed.end(), "training family '", to_string(f),
+                 "' ", not_allowed);
+  }
+  return requested.empty() ? allowed : requested;
 }
 
 }  // namespace kvcache::study::grammar

@@ -72,6 +72,15 @@ Body fill_to(const std::function<Body(size_t)>& build, size_t max_k, int64_t tar
 /// reply passes its rule; the span and question lie inside the messages).
 Task finish(Task t);
 
+/// The arguments both training generators share (generate_training_tasks,
+/// generate_long_training_tasks), checked: count in [0, kMaxTrainingTasks], min_context in
+/// [48, kMaxTrainingContext], max_context in [min_context, kMaxTrainingContext] (approximate
+/// tokens), and every requested family one of `allowed` (else InvalidArgument "training family
+/// '<f>' <not_allowed>"). @return the families to draw from: `requested`, or `allowed` if empty.
+std::vector<TaskFamily> check_training_request(int64_t count, int64_t min_context, int64_t max_context,
+                                               const std::vector<TaskFamily>& requested,
+                                               const std::vector<TaskFamily>& allowed, const std::string& not_allowed);
+
 Task make_needle(Rng& r, int depth_pct, int64_t target, int code_digits, const PromptTokenCounter& counter);
 Task make_multiturn(Rng& r, Style style, int turns, int64_t target, const PromptTokenCounter& counter);
 Task make_instruction(Rng& r, Style style, int64_t target, const PromptTokenCounter& counter);

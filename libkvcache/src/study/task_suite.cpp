@@ -142,20 +142,10 @@ std::vector<Task> generate_suite(const std::string& name, uint64_t seed) {
 }
 
 std::vector<Task> generate_training_tasks(uint64_t seed, int64_t count, const TrainingOptions& options) {
-  KV_CHECK_ARG(count >= 0 && count <= kMaxTrainingTasks, "training task count ", count, " is out of range [0, ",
-               kMaxTrainingTasks, "]");
-  KV_CHECK_ARG(options.min_context >= 48 && options.min_context <= kMaxTrainingContext, "min_context ",
-               options.min_context, " is out of range [48, ", kMaxTrainingContext, "] approximate tokens");
-  KV_CHECK_ARG(options.max_context >= options.min_context && options.max_context <= kMaxTrainingContext,
-               "max_context ", options.max_context, " is out of range [min_context = ", options.min_context, ", ",
-               kMaxTrainingContext, "] approximate tokens");
-  const std::vector<TaskFamily> defaults = default_families();
-  for (TaskFamily f : options.families) {
-    KV_CHECK_ARG(std::find(defaults.begin(), defaults.end(), f) != defaults.end(), "training family '", to_string(f),
-                 "' is a long-suite family: the default training mode takes needle, multiturn, instruction and summary "
-                 "(use --suite long for the long families)");
-  }
-  std::vector<TaskFamily> families = options.families.empty() ? defaults : options.families;
+  const std::vector<TaskFamily> families = grammar::check_training_request(
+      count, options.min_context, options.max_context, options.families, default_families(),
+      "is a long-suite family: the default training mode takes needle, multiturn, instruction and summary (use "
+      "--suite long for the long families)");
   std::vector<Task> out;
   out.reserve(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
