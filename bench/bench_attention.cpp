@@ -282,44 +282,28 @@ double measure_copy_gbps() {
 #define KV_MAC_12(A, B, R)                                                                                   \
   KV_MAC_PAIR(A, B, R, 0, 1) KV_MAC_PAIR(A, B, R, 2, 3) KV_MAC_PAIR(A, B, R, 4, 5) KV_MAC_PAIR(A, B, R, 6, 7) \
   KV_MAC_PAIR(A, B, R, 8, 9) KV_MAC_PAIR(A, B, R, 10, 11)
-#define KV_ZERO_PAIR(R, E, O) "vpxor %%" R #E ", %%" R #E ", %%" R #E "\n\t" "vpxor %%" R #O ", %%" R #O ", %%" R #O "\n\t"
-#define KV_ZERO_12(R) \
-  KV_ZERO_PAIR(R, 0, 1) KV_ZERO_PAIR(R, 2, 3) KV_ZERO_PAIR(R, 4, 5) KV_ZERO_PAIR(R, 6, 7) KV_ZERO_PAIR(R, 8, 9) KV_ZERO_PAIR(R, 10, 11)
+#define KV_ZERO_PAIR(Z, R, E, O) Z " %%" R #E ", %%" R #E ", %%" R #E "\n\t" Z " %%" R #O ", %%" R #O ", %%" R #O "\n\t"
+#define KV_ZERO_12(Z, R)                                                                                           \
+  KV_ZERO_PAIR(Z, R, 0, 1) KV_ZERO_PAIR(Z, R, 2, 3) KV_ZERO_PAIR(Z, R, 4, 5) KV_ZERO_PAIR(Z, R, 6, 7) \
+  KV_ZERO_PAIR(Z, R, 8, 9) KV_ZERO_PAIR(Z, R, 10, 11)
+// The whole loop: multiplicands R14, R15 = 1.0f, chains zeroed with Z (vpxord, the EVEX form,
+// reaches a whole zmm register), then `n` rounds of KV_MAC_12.
+#define KV_MAC_LOOP(A, B, R, Z)                                                                          \
+  "vbroadcastss %[one], %%" R "14\n\tvbroadcastss %[one], %%" R "15\n\t" KV_ZERO_12(Z, R) "1:\n\t" \
+      KV_MAC_12(A, B, R) "dec %[n]\n\tjnz 1b\n\tvzeroupper"
 #define KV_MAC_CLOBBERS \
   "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm14", "xmm15", "cc"
 constexpr float kMacOne = 1.0f;
 __attribute__((target("avx512f,avx512vnni"))) void mac_loop_512(int64_t iters) {
   if (iters <= 0) return;
-  asm volatile("vbroadcastss %[one], %%zmm14\n\t"
-               "vbroadcastss %[one], %%zmm15\n\t"
-               // vpxord: the EVEX form reaches the whole zmm register
-               "vpxord %%zmm0, %%zmm0, %%zmm0\n\t" "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
-               "vpxord %%zmm2, %%zmm2, %%zmm2\n\t" "vpxord %%zmm3, %%zmm3, %%zmm3\n\t"
-               "vpxord %%zmm4, %%zmm4, %%zmm4\n\t" "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"
-               "vpxord %%zmm6, %%zmm6, %%zmm6\n\t" "vpxord %%zmm7, %%zmm7, %%zmm7\n\t"
-               "vpxord %%zmm8, %%zmm8, %%zmm8\n\t" "vpxord %%zmm9, %%zmm9, %%zmm9\n\t"
-               "vpxord %%zmm10, %%zmm10, %%zmm10\n\t" "vpxord %%zmm11, %%zmm11, %%zmm11\n\t"
-               "1:\n\t" KV_MAC_12("vfmadd231ps", "vpdpbusd", "zmm")
-               "dec %[n]\n\t"
-               "jnz 1b\n\t"
-               "vzeroupper"
-               : [n] "+r"(iters)
-               : [one] "m"(kMacOne)
-               : KV_MAC_CLOBBERS);
+  asm volatile(KV_MAC_LOOP("vfmadd231ps", "vpdpbusd", "zmm", "vpxord") : [n] "+r"(iters) : [one] "m"(kMacOne) : KV_MAC_CLOBBERS);
 }
 __attribute__((target("avx2,fma"))) void mac_loop_256(int64_t iters) {
   if (iters <= 0) return;
-  asm volatile("vbroadcastss %[one], %%ymm14\n\t"
-               "vbroadcastss %[one], %%ymm15\n\t" KV_ZERO_12("ymm")
-               "1:\n\t" KV_MAC_12("vfmadd231ps", "vfmadd231ps", "ymm")
-               "dec %[n]\n\t"
-               "jnz 1b\n\t"
-               "vzeroupper"
-               : [n] "+r"(iters)
-               : [one] "m"(kMacOne)
-               : KV_MAC_CLOBBERS);
+  asm volatile(KV_MAC_LOOP("vfmadd231ps", "vfmadd231ps", "ymm", "vpxor") : [n] "+r"(iters) : [one] "m"(kMacOne) : KV_MAC_CLOBBERS);
 }
 #undef KV_MAC_CLOBBERS
+#undef KV_MAC_LOOP
 #undef KV_ZERO_12
 #undef KV_ZERO_PAIR
 #undef KV_MAC_12
