@@ -109,6 +109,18 @@ DistributionComparison compare_logits(const at::Tensor& ref, const at::Tensor& t
   c.positions = r.size(0);
   c.kld_mean = kl.mean().item<double>();
   c.kld_max = kl.max().item<double>();
+  const at::Tensor sorted = std::get<0>(kl.sort());
+  const double* x = sorted.data_ptr<double>();
+  const int64_t n = sorted.numel();
+  auto quantile = [&](double q) {
+    const double at = static_cast<double>(n - 1) * q;
+    const auto i = static_cast<int64_t>(std::floor(at));
+    if (i + 1 >= n) return x[n - 1];
+    return x[i] + (at - static_cast<double>(i)) * (x[i + 1] - x[i]);
+  };
+  c.kld_median = quantile(0.5);
+  c.kld_p99 = quantile(0.99);
+  c.kld_p999 = quantile(0.999);
   c.top1_agreement = (r.argmax(-1) == t.argmax(-1)).to(at::kDouble).mean().item<double>();
   return c;
 }

@@ -78,6 +78,10 @@ double strided_perplexity(int64_t n_tokens, int64_t max_length, int64_t stride,
 /// Next-token distribution comparison of a test arm against a reference (control) arm.
 struct DistributionComparison {
   double kld_mean = 0;        ///< mean over positions of KL(P_ref || P_test), nats
+  /// Quantiles over positions of the same KL divergences (llama.cpp's perplexity tool reports
+  /// these): linear interpolation between order statistics, numpy's default ("linear"):
+  /// quantile(q) = x[i] + f·(x[i+1] − x[i]) for sorted x and (N − 1)·q = i + f.
+  double kld_median = 0, kld_p99 = 0, kld_p999 = 0;
   double kld_max = 0;         ///< max over positions
   double top1_agreement = 0;  ///< fraction of positions whose argmax agrees (ties: lowest index)
   int64_t positions = 0;

@@ -75,6 +75,7 @@ struct ArmSummary {
   std::map<int, double> depth_accuracy;           ///< needle tasks by depth_pct
   std::map<int, int64_t> depth_tasks;
   double ppl_single = 0, ppl_stream = 0, kld_mean = 0, kld_max = 0, top1 = 0;  ///< NaN if no "text" row
+  double kld_median = 0, kld_p99 = 0, kld_p999 = 0;  ///< NaN if no "text" row (or one written before them)
   double prefill_tps = 0, decode_tps = 0;
   double total_seconds = 0;  ///< Σ prefill_s + decode_s over the arm's tasks
   /// Columns of report_columns.h that have no field above, by column key (NaN if not measured).
