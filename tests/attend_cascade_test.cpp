@@ -150,7 +150,7 @@ class Batch {
   /// One decode step of every sequence: per layer, append, then attend_batch with and without
   /// the cascade (and each sequence's attend() alone for layer 0: the reference twin is bit
   /// for bit attend()). Returns the largest |cascade − alone| over layers, sequences, rows.
-  double decode_step(uint64_t seed, AttendBatchStats* stats, AttendBatchStats* stats_off = nullptr) {
+  double decode_step(uint64_t seed, AttendBatchStats* stats, AttendBatchStats* stats_off = nullptr, int64_t tq = 1) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     double worst = 0;
     const int64_t n = static_cast<int64_t>(seqs_.size());
@@ -161,12 +161,12 @@ class Batch {
         Sequence& seq = *seqs_[static_cast<size_t>(i)];
         const int64_t p = seq.next_position(l);
         const Ids& ids = ids_[static_cast<size_t>(i)];
-        seq.append(l, synth(ids, p, 1, l, 0, shape_.hkv, shape_.d), synth(ids, p, 1, l, 1, shape_.hkv, shape_.d),
-                   at::arange(p, p + 1, at::kLong));
-        qs.push_back(testing::randn({1, shape_.hq, 1, shape_.d}, gen));
-        pos.push_back(at::arange(p, p + 1, at::kLong));
-        with.push_back(at::full({1, shape_.hq, 1, shape_.d}, 7.0f));
-        without.push_back(at::full({1, shape_.hq, 1, shape_.d}, -7.0f));
+        seq.append(l, synth(ids, p, tq, l, 0, shape_.hkv, shape_.d), synth(ids, p, tq, l, 1, shape_.hkv, shape_.d),
+                   at::arange(p, p + tq, at::kLong));
+        qs.push_back(testing::randn({1, shape_.hq, tq, shape_.d}, gen));
+        pos.push_back(at::arange(p, p + tq, at::kLong));
+        with.push_back(at::full({1, shape_.hq, tq, shape_.d}, 7.0f));
+        without.push_back(at::full({1, shape_.hq, tq, shape_.d}, -7.0f));
       }
       for (int64_t i = 0; i < n; ++i) {
         reqs[static_cast<size_t>(i)] = {seqs_[static_cast<size_t>(i)], qs[static_cast<size_t>(i)],
@@ -331,6 +331,22 @@ TEST(AttendCascade, LongPrefixManySequences) {
     EXPECT_EQ(st.shared_passes, 1) << q;  // the 700-token prompt's 43 whole blocks
     EXPECT_EQ(st.shared_tokens, 688) << q;
     EXPECT_EQ(st.cascaded_requests, 12) << q;
+  }
+}
+
+// Several query tokens per sequence (a chunk of 4: speculative decoding, chunked prefill): the
+// shared pass stacks 4 × 7 rows per sequence, the causal mask holds inside each own part.
+TEST(AttendCascade, QueryChunks) {
+  for (const std::string q : {"fp16", "int4", "kivi:k2:v2:g8:r8"}) {
+    Shape s{q, 8};
+    Batch b(s, true);
+    const Ids prefix = tokens(5, 37);
+    b.add(cat(prefix, tokens(11, 3)), 2, 1);
+    b.add(cat(prefix, tokens(17, 9)), 5, 2);
+    b.add(cat(prefix, tokens(29, 6)), 0, 4);
+    AttendBatchStats st;
+    EXPECT_LE(b.decode_step(31, &st, nullptr, 4), kTol) << q;
+    EXPECT_GT(st.shared_passes, 0) << q;
   }
 }
 

@@ -207,7 +207,21 @@ void attend_items(const std::vector<BatchItem>& items, bool cascade, AttendBatch
     for (const auto& [key, members] : classes) {
       if (members.size() < 2) continue;
       const int64_t hkv = items[static_cast<size_t>(members[0])].args->layer->num_heads();
-      for (int64_t h = 0; h < hkv; ++h) HeadPlanner(items, h, members, passes).plan(members, 0, 0, 0);
+      for (int64_t h = 0; h < hkv; ++h) {
+        // Only requests whose K streams start with the same block can share anything: the
+        // planner (and its per-block lists) runs on those alone, so a batch that shares
+        // nothing (CacheManagers: pools of their own) costs a lookup per request here.
+        std::map<std::pair<const BlockPool*, BlockId>, std::vector<int>> by_first;
+        for (const int r : members) {
+          StreamBlockWalk w(items[static_cast<size_t>(r)].args->layer->k(h));
+          const BlockList* l = nullptr;
+          const Block* b = nullptr;
+          if (w.next(&l, &b)) by_first[{l->format(*b).pool, b->id}].push_back(r);
+        }
+        for (const auto& [first, group] : by_first) {
+          if (group.size() > 1) HeadPlanner(items, h, group, passes).plan(group, 0, 0, 0);
+        }
+      }
     }
   }
   // A (request, head) alone in its only pass, from token 0, is attended as attend() does.
