@@ -30,6 +30,15 @@
 //                                   kernels), timed on one thread; `mac_floor_ms` = the
 //                                   multiply-add instructions a step's kernels must issue / that
 //                                   rate: the arithmetic floor, next to the bandwidth floor
+//   BM_Cascade/<spec>/<how>/<threads>  16 sequences of one MultiSequenceCache sharing a 16,384-
+//                                   token prompt prefix (reused from the prefix index), 512
+//                                   tokens of their own each: one decode query per sequence
+//                                   attends one layer per iteration, <how> = cascade
+//                                   (attend_batch, shared-prefix passes), batch (attend_batch
+//                                   without the cascade) or one_by_one (each sequence's
+//                                   attend() in turn). MB_per_step: the blocks the call reads
+//                                   (AttendBatchStats::bytes_read; one_by_one reads what batch
+//                                   reads), so floor_ms is the bandwidth floor of each way
 //   BM_Memory/<spec>                24 layers × T = 32,768 tokens appended to a fresh cache: the
 //                                   process's resident-set growth against bytes_reserved and
 //                                   bytes_resident (MB)
@@ -42,6 +51,7 @@
 //                                   when the flag is absent; default: the CPU's best; refused
 //                                   if the CPU cannot run them)
 //   build/bench/bench_attention --ring_bytes=268435456 ...   # another ring size (bytes; 1: one layer)
+//   build/bench/bench_attention --benchmark_filter=BM_Cascade/int4 --benchmark_counters_tabular=true
 //
 //   build/bench/bench_attention --mmap_threshold=131072 ...   # pin glibc's mmap threshold from the start
 //
@@ -69,6 +79,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/attend_fused.h"
@@ -78,6 +89,7 @@
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/multi_sequence_cache.h"
 #include "kvcache/torch/attention.h"
 #include "kvcache/torch/cache.h"
 #include "kvcache/torch.h"
@@ -429,6 +441,115 @@ void BM_AttendBaseline(benchmark::State& state) {
   state.counters["ring_layers"] = static_cast<double>(layers);
 }
 
+// ---------------------------------------------------------------- shared prefix (cascade)
+constexpr int64_t kCascadeSeqs = 16, kCascadePrefix = 16384, kCascadeOwn = 512;
+
+/// How BM_Cascade attends the 16 sequences.
+enum class Cascade { kCascade, kBatch, kOneByOne };
+
+/// kCascadeSeqs sequences over one MultiSequenceCache of `layers` layers: the first computes the
+/// shared prefix and its own tokens; each other one reuses the prefix from the index and
+/// computes its own. Random K/V (the same in every layer: only the bytes read matter).
+struct CascadeSet {
+  std::unique_ptr<kvcache::MultiSequenceCache> cache;
+  std::vector<kvcache::Sequence*> seqs;
+
+  CascadeSet(const std::string& spec, int64_t layers) {
+    kvcache::MultiSequenceConfig c;
+    c.model = config(spec, layers);
+    c.capacity_bytes = int64_t{1} << 40;
+    cache = std::make_unique<kvcache::MultiSequenceCache>(std::move(c));
+    at::manual_seed(0);
+    std::vector<int64_t> prefix(static_cast<size_t>(kCascadePrefix));
+    for (int64_t i = 0; i < kCascadePrefix; ++i) prefix[static_cast<size_t>(i)] = i % 1000;
+    for (int64_t s = 0; s < kCascadeSeqs; ++s) {
+      std::vector<int64_t> prompt = prefix;
+      for (int64_t i = 0; i < kCascadeOwn; ++i) prompt.push_back(100000 + s * 1000 + i);
+      kvcache::Sequence& seq = cache->add_sequence();
+      kvcache::TorchCache tc(seq);
+      const int64_t n = static_cast<int64_t>(prompt.size());
+      const int64_t cached = seq.begin_request(prompt, n + 16).cached_tokens;
+      const int64_t chunk = 4096;
+      for (int64_t p = cached; p < n; p += chunk) {
+        const int64_t m = std::min(chunk, n - p);
+        const auto k = at::randn({1, kHkv, m, kD}), v = at::randn({1, kHkv, m, kD});
+        const auto pos = at::arange(p, p + m, at::kLong);
+        for (int64_t l = 0; l < layers; ++l) tc.append(l, k, v, pos);
+        tc.end_step(p + m >= n ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
+      }
+      seqs.push_back(&seq);
+    }
+  }
+};
+
+/// The set for `spec`, built on first use and kept until another is asked for; its layers are
+/// a ring as BM_Attend's (one layer built first to learn what a layer holds).
+CascadeSet& cascade_set(const std::string& spec) {
+  static std::unique_ptr<CascadeSet> set;
+  static std::string key;
+  if (set && key == spec) return *set;
+  set.reset();
+  double layer_bytes = 0;
+  {
+    CascadeSet probe(spec, 1);
+    layer_bytes = static_cast<double>(probe.cache->stats().bytes_in_use);
+  }
+  set = std::make_unique<CascadeSet>(spec, ring_layers(layer_bytes));
+  key = spec;
+  return *set;
+}
+
+void BM_Cascade(benchmark::State& state, const std::string& spec, Cascade how) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  CascadeSet& set = cascade_set(spec);
+  const int64_t layers = set.cache->config().model.num_layers;
+  const auto n = static_cast<size_t>(kCascadeSeqs);
+  // Every sequence's decode query (random), its position, its output: the caller's buffers.
+  std::vector<std::vector<float>> q(n), out(n, std::vector<float>(static_cast<size_t>(kHq * kD)));
+  std::vector<int64_t> pos(n);
+  std::vector<kvcache::AttendRequest> reqs(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto qt = at::randn({1, kHq, 1, kD});
+    q[i].assign(qt.data_ptr<float>(), qt.data_ptr<float>() + kHq * kD);
+    pos[i] = set.seqs[i]->next_position(0);
+    reqs[i] = {set.seqs[i], kvcache::TensorView(q[i].data(), {1, kHq, 1, kD}), kvcache::TensorView(&pos[i], {1}),
+               kvcache::MutableTensorView(out[i].data(), {1, kHq, 1, kD})};
+  }
+  kvcache::AttendBatchOptions opt;
+  opt.cascade = how == Cascade::kCascade;
+  kvcache::AttendBatchStats stats;
+  {
+    kvcache::AttendBatchOptions probe = opt;
+    probe.stats = &stats;
+    kvcache::attend_batch(0, reqs, probe);
+  }
+  int64_t l = 0;
+  for (auto _ : state) {
+    if (how == Cascade::kOneByOne) {
+      for (size_t i = 0; i < n; ++i) set.seqs[i]->attend(l, reqs[i].q, reqs[i].q_positions, reqs[i].out);
+    } else {
+      kvcache::attend_batch(l, reqs, opt);
+    }
+    benchmark::DoNotOptimize(out[0].data());
+    l = (l + 1) % layers;
+  }
+  floor_counters(state, static_cast<double>(stats.bytes_read));
+  state.counters["ring_layers"] = static_cast<double>(layers);
+  state.counters["shared_passes"] = static_cast<double>(stats.shared_passes);
+  // The arithmetic floor is the same for every way: each sequence's 7 query rows per KV head
+  // still multiply every key they see, shared or not (the cascade saves reads, not products).
+  using Kind = kvcache::cache::fused::KernelFormat::Kind;
+  const auto& key_main = kvcache::cache::CacheManagerAccess::layer(*set.seqs[0], 0)
+                             .key_setup()
+                             .formats.f[kvcache::cache::StreamFormats::kMain];
+  const Kind kind = kvcache::cache::fused::classify(key_main).kind;
+  if (const double f = mac_floor_ms(kind == Kind::kIntToken || kind == Kind::kIntChannel,
+                                    kCascadePrefix + kCascadeOwn, state.range(0), true);
+      f > 0) {
+    state.counters["mac_floor_ms"] = f * static_cast<double>(kCascadeSeqs);
+  }
+}
+
 void BM_Memory(benchmark::State& state, const std::string& spec) {
   mallopt(M_MMAP_THRESHOLD, 128 * 1024);  // see the file comment
   const int64_t t = 32768;
@@ -492,6 +613,20 @@ void register_all() {
         benchmark::RegisterBenchmark(("BM_AttendGeneric/" + s).c_str(),
                                      [s](benchmark::State& st) { BM_Attend(st, s, Path::kGeneric); })
             ->Args({t, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
+    }
+  }
+  // Shared prefix: the three ways side by side per spec and thread count (one set per spec).
+  for (const std::string s : {"int4", "fp16"}) {
+    for (int64_t threads : {1, 2}) {
+      for (const auto& [name, how] : {std::pair<const char*, Cascade>{"cascade", Cascade::kCascade},
+                                      {"one_by_one", Cascade::kOneByOne},
+                                      {"batch", Cascade::kBatch}}) {
+        benchmark::RegisterBenchmark(("BM_Cascade/" + s + "/" + name).c_str(),
+                                     [s, how = how](benchmark::State& st) { BM_Cascade(st, s, how); })
+            ->Args({threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
       }

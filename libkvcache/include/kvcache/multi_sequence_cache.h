@@ -26,6 +26,9 @@
 /// position mode and block size — everything that changes the stored bytes, so the same tokens
 /// under int4 and fp16 never alias. Positions are the depth in the tree (a prompt starts at 0).
 ///
+/// Sequences that hold the same prefix blocks attend them once together through attend_batch()
+/// (kvcache/sequence_cache.h: shared-prefix, "cascade", attention).
+///
 /// Shared blocks are read-only. A sequence's eviction only marks holes in its own view of a
 /// shared block; the one write into an existing block (a merge of survivors) copies a shared
 /// block first (copy-on-write), as does converting a shared per-channel group's survivors.

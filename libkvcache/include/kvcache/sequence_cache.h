@@ -158,15 +158,64 @@ struct AttendRequest {
   MutableTensorView out;   ///< `[1, H_q, T_q, D]` float32
 };
 
+/// What an attend_batch() call did (AttendBatchOptions::stats).
+struct AttendBatchStats {
+  /// Shared-prefix passes: one (KV head, group of ≥ 2 sequences, run of shared tokens) read
+  /// once for the stacked query rows of every sequence in the group.
+  int64_t shared_passes = 0;
+  /// Σ over the shared passes of their tokens (per KV head: 16 sequences sharing 16k tokens
+  /// over 2 KV heads count 32k).
+  int64_t shared_tokens = 0;
+  /// Requests that took part in at least one shared pass.
+  int64_t cascaded_requests = 0;
+  /// Bytes of stored K and V blocks the call's walks read: every block a walk touches, counted
+  /// whole, once per walk (a walk serves up to 64 query rows of one sequence's KV head, or up
+  /// to 256 stacked rows of a pass). A model of the reads, not a hardware counter: it does not
+  /// tell cache hits from memory, and leaves out the second walk of a policy's mass.
+  int64_t bytes_read = 0;
+};
+
+/// How attend_batch() runs.
+struct AttendBatchOptions {
+  /// Shared-prefix (cascade) attention where requests share prefix blocks (see attend_batch).
+  /// false: every request is attended alone, bit for bit as its attend() call.
+  bool cascade = true;
+  /// Filled when not null (reset first).
+  AttendBatchStats* stats = nullptr;
+};
+
 /// Attention of several sequences' queries in one call (an engine's batched decode step: one
 /// call per layer): each request is what `request.cache->attend(layer, q, q_positions, out)`
-/// computes and hands its policy — bit for bit the same outputs, masses and query rows — with
-/// the (sequence, KV head) work spread over the threads together instead of one sequence at a
+/// computes and hands its policy — the same outputs, masses and query rows — with the
+/// (sequence, KV head) work spread over the threads together instead of one sequence at a
 /// time. Sequences may hold different numbers of tokens (ragged) and differ in scheme and
 /// policy; their geometry may differ too. All-or-nothing: every request is checked before any
 /// is attended or any policy fed.
+///
+/// Shared-prefix (cascade) attention, for the sequences of one MultiSequenceCache that reuse a
+/// cached prefix (the idea of FlashInfer's cascade attention, "Cascade Inference: Memory
+/// Bandwidth Efficient Shared Prefix Batch Decoding", flashinfer.ai, 2024, and of Hydragen:
+/// Juravsky et al., arXiv 2402.05099): per KV head, requests whose streams begin
+/// with the same blocks (the same pool block, live slots and positions in the K and in the V
+/// stream) are grouped by the longest such run (a tree: a group's common run is read once,
+/// then it splits by what its members share beyond it, level by level); each run is attended
+/// once with the stacked query rows of every request in its group (B sequences × G query
+/// heads × T_q rows against the shared keys), each request's own tokens alone, and the
+/// partial states (running max, sum, unnormalised accumulator per row) are merged by
+/// log-sum-exp. Every stored format: the fused kernels where a sequence's own attend() uses
+/// them, the generic decode otherwise; holes, pre-RoPE keys, ragged lengths as attend().
+/// When it applies: options.cascade, and a request whose policy takes no attention mass from
+/// this call (AttentionNeed none: full, window, sink, ... — h2o, tova, snapkv in their
+/// observation windows are not) and that is no replay step, sharing at least one block with
+/// another such request at a KV head. Any query length works (decode, T_q = 1, is the
+/// target); everything else — and every head that shares nothing — is attended alone, bit for
+/// bit as attend().
+/// Tolerance: a cascaded request's output differs from its attend() output only by float32
+/// rounding (the keys are summed in another order and the merge rescales by exp(m − m')):
+/// |Δ| ≤ 1e-5 · max|v| per element in the tests (tests/attend_cascade_test.cpp), for every
+/// format, since both read the same stored bytes with the same kernels.
 /// @throws InvalidArgument naming the request index: a null cache, a cache given twice, or
 ///         anything attend() rejects.
-void attend_batch(int64_t layer, const std::vector<AttendRequest>& requests);
+void attend_batch(int64_t layer, const std::vector<AttendRequest>& requests, const AttendBatchOptions& options = {});
 
 }  // namespace kvcache

@@ -22,6 +22,11 @@ namespace kvcache::cache {
 namespace {
 
 constexpr int64_t kRowBlock = 64;
+/// Query rows attend_range() takes through one walk over the blocks: a cascade's shared pass
+/// stacks every sharing sequence's rows (16 decode sequences × 7 query heads: 112), and each
+/// walk reads the shared blocks again, so the block is larger than kRowBlock; the scores
+/// of a tile (256 rows × 64 keys, 64 KiB) and the accumulators still stay in L2.
+constexpr int64_t kRangeRowBlock = 256;
 /// Blocks a stream's cursor prefetches ahead of the one it reads (Cursor::prefetch_next).
 /// bench_attention at 32k, one thread (CPU time, 2 runs): one block ahead took int8 from 2.05
 /// to 1.50 ms, int4 1.64 -> 1.32, fp16 3.3 -> 2.56, KIVI-2 1.81 -> 1.53; two or four ahead
@@ -35,8 +40,21 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 /// out stay valid until the second begin_tile() after them: a tile may span several blocks.
 class Cursor {
  public:
-  Cursor(const HeadStream& s, float tensor_scale, const common::RopeTable* rope, int64_t d, bool raw)
+  /// Starts after the stream's first `skip` live tokens: whole blocks before them are passed
+  /// over unread, the block holding the first token read is entered part-way.
+  Cursor(const HeadStream& s, float tensor_scale, const common::RopeTable* rope, int64_t d, bool raw,
+         int64_t skip = 0)
       : scale_(tensor_scale), rope_(rope), d_(d), raw_(raw), walk_(s), ahead_(s) {
+    while (skip > 0) {
+      StreamBlockWalk w = walk_;
+      const BlockList* list = nullptr;
+      const Block* block = nullptr;
+      if (!w.next(&list, &block) || block->live > skip) break;
+      skip -= block->live;
+      walk_ = w;
+    }
+    skip_ = skip;
+    ahead_ = walk_;
     for (int i = 0; i < kPrefetchBlocks; ++i) prefetch_next();
   }
 
@@ -145,7 +163,8 @@ class Cursor {
         rope_->rotate(b.scratch.data() + static_cast<int64_t>(sl) * d_, b.block->position(sl));
       }
     }
-    next_ = 0;
+    next_ = static_cast<size_t>(skip_);  // skip_ < the block's live tokens (constructor)
+    skip_ = 0;
     return true;
   }
 
@@ -159,6 +178,7 @@ class Cursor {
   size_t cur_ = 0, free_ = 0;
   bool have_ = false;
   size_t next_ = 0;
+  int64_t skip_ = 0;  ///< live tokens of the first block loaded to pass over
   fused::KernelFormat kf_cache_[StreamFormats::kCount];  ///< per format index, classified once
 };
 
@@ -203,19 +223,27 @@ struct Tail {
   int64_t n = 0;
 };
 
-/// Iterates the tiles of one head's keys — its stored tokens, then `tail`'s: fn(const Tile&).
-/// Stops after the first tile that reaches keys lying after `max_qpos`; fills Tile::kpos only
-/// for tiles reaching past `min_qpos` (the only ones a mask touches).
+/// A run of a head's stored tokens: live tokens [first, first + count) of both streams.
+struct TokenRange {
+  int64_t first = 0;
+  int64_t count = std::numeric_limits<int64_t>::max();
+};
+
+/// Iterates the tiles of one head's keys — its stored tokens in `range`, then `tail`'s:
+/// fn(const Tile&). Stops after the first tile that reaches keys lying after `max_qpos`; fills
+/// Tile::kpos only for tiles reaching past `min_qpos` (the only ones a mask touches).
 template <class Fn>
 void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope, bool raw, const Tail& tail,
-                   int64_t min_qpos, int64_t max_qpos, int64_t tile_tokens, Fn&& fn) {
+                   int64_t min_qpos, int64_t max_qpos, int64_t tile_tokens, const TokenRange& range, Fn&& fn) {
   const int64_t d = L.head_dim();
-  Cursor kc(L.k(h), L.k_scale(), rope, d, raw);
-  Cursor vc(L.v(h), L.v_scale(), nullptr, d, raw);
+  Cursor kc(L.k(h), L.k_scale(), rope, d, raw, range.first);
+  Cursor vc(L.v(h), L.v_scale(), nullptr, d, raw, range.first);
+  int64_t stored_left = range.count;  // stored keys the range still holds
   std::vector<const float*> kr(static_cast<size_t>(tile_tokens)), vr(static_cast<size_t>(tile_tokens));
   std::vector<int64_t> kpos(static_cast<size_t>(tile_tokens));
   std::vector<Segment> ks, vs;
   Tile t;
+  t.j0 = range.first;
   t.krows = kr.data();
   t.vrows = vr.data();
   t.kpos = kpos.data();
@@ -229,7 +257,7 @@ void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope
     int64_t n = 0;
     bool need_pos = false;
     while (n < tile_tokens) {
-      const int64_t nk = kc.remaining();
+      const int64_t nk = stored_left > 0 ? std::min(kc.remaining(), stored_left) : 0;
       const bool from_tail = nk == 0;
       if (from_tail && tk == tail.n) {
         done = true;
@@ -267,6 +295,7 @@ void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope
         tk += sg.n;
       } else {
         kc.advance(sg.n);
+        stored_left -= sg.n;
       }
       n += sg.n;
     }
@@ -372,7 +401,7 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     const int64_t* rp = rpos.data() + r0;
     const int64_t min_q = *std::min_element(rp, rp + nr), max_q = *std::max_element(rp, rp + nr);
-    for_each_tile(L, h, a.rope, raw, tail, min_q, max_q, cap, [&](const Tile& t) {
+    for_each_tile(L, h, a.rope, raw, tail, min_q, max_q, cap, TokenRange{}, [&](const Tile& t) {
       tile_keys(t, fq, qh.data(), r0, nr, d, scale, s.data(), cap);
       if (t.last_pos > min_q) tile_mask(s.data(), cap, nr, t.n, t.kpos, rp);
       const int64_t ns = stored_in(t);
@@ -438,7 +467,7 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
   for (int64_t r0 = 0; r0 < nsel; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, nsel - r0);
     std::vector<float*> rows_at(static_cast<size_t>(nr));
-    for_each_tile(L, h, a.rope, raw, tail, min_q, max_q, cap, [&](const Tile& t) {
+    for_each_tile(L, h, a.rope, raw, tail, min_q, max_q, cap, TokenRange{}, [&](const Tile& t) {
       const int64_t ns = stored_in(t);
       if (ns == 0) return;
       tile_keys(t, fq, qh.data(), sel_first + r0, nr, d, scale, s.data(), cap);
@@ -450,6 +479,75 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
 }
 
 }  // namespace
+
+void PartialState::reset(int64_t rows_, int64_t d_) {
+  rows = rows_;
+  d = d_;
+  m.assign(static_cast<size_t>(rows), kNegInf);
+  l.assign(static_cast<size_t>(rows), 0.0f);
+  acc.assign(static_cast<size_t>(rows * d), 0.0f);
+}
+
+void attend_range(const RangeArgs& a, PartialState& st) {
+  const LayerStore& L = *a.layer;
+  const int64_t d = L.head_dim(), R = a.rows;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t cap = std::max({kMinTileTokens, max_capacity(L.key_setup()), max_capacity(L.value_setup())});
+  st.reset(R, d);
+  if (R == 0 || a.count <= 0) return;
+  const bool raw = a.fused && fusable(L, a.rope);
+  fused::Queries fq;
+  if (raw) fused::prepare(a.q, R, d, scale, fq);
+  const int64_t rb = std::min(R, kRangeRowBlock);
+  std::vector<float> s(static_cast<size_t>(rb * cap));
+  for (int64_t r0 = 0; r0 < R; r0 += rb) {
+    const int64_t nr = std::min(rb, R - r0);
+    float* m = st.m.data() + r0;
+    float* l = st.l.data() + r0;
+    float* acc = st.acc.data() + r0 * d;
+    const int64_t* rp = a.q_pos + r0;
+    const int64_t min_q = *std::min_element(rp, rp + nr), max_q = *std::max_element(rp, rp + nr);
+    for_each_tile(L, a.head, a.rope, raw, Tail{}, min_q, max_q, cap, TokenRange{a.first, a.count},
+                  [&](const Tile& t) {
+                    tile_keys(t, fq, a.q, r0, nr, d, scale, s.data(), cap);
+                    if (t.last_pos > min_q) tile_mask(s.data(), cap, nr, t.n, t.kpos, rp);
+                    tile_softmax(s.data(), cap, nr, t.n, d, m, l, acc);
+                    for (size_t i = 0; i < t.nv_seg; ++i) {
+                      const Segment& sg = t.vseg[i];
+                      if (sg.rows) {
+                        tile_pv(s.data() + sg.at, cap, nr, sg.n, t.vrows + sg.at, d, acc);
+                      } else {
+                        fused::accumulate(s.data() + sg.at, cap, nr, sg.raw, sg.n, d, acc);
+                      }
+                    }
+                  });
+  }
+}
+
+void merge_partial(float* m, float* l, float* acc, float m2, float l2, const float* acc2, int64_t d) {
+  if (m2 == kNegInf) return;  // b saw no key
+  if (*m == kNegInf) {
+    *m = m2;
+    *l = l2;
+    std::copy_n(acc2, d, acc);
+    return;
+  }
+  const float mn = std::max(*m, m2);
+  const float ca = std::exp(*m - mn), cb = std::exp(m2 - mn);
+  *m = mn;
+  *l = *l * ca + l2 * cb;
+  for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * ca + acc2[i] * cb;
+}
+
+void normalize_partial(float l, const float* acc, int64_t d, float* out) {
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  for (int64_t i = 0; i < d; ++i) out[i] = acc[i] * inv;
+}
+
+int64_t range_walks(int64_t rows) { return (rows + kRangeRowBlock - 1) / kRangeRowBlock; }
+int64_t head_walks(const AttendArgs& a) {
+  return (a.t_q * (a.num_q_heads / a.layer->num_heads()) + kRowBlock - 1) / kRowBlock;
+}
 
 void begin_attend(const AttendArgs& a) {
   if (a.need.any()) {

@@ -22,6 +22,7 @@
 /// ones (causally by position), and the mass covers the stored tokens only.
 
 #include <cstdint>
+#include <vector>
 
 #include "cache/attend_tiles.h"
 #include "cache/layer_store.h"
@@ -54,6 +55,45 @@ struct AttendArgs {
   const int64_t* tail_pos = nullptr;
   int64_t tail_n = 0;
 };
+
+/// The online softmax's state of query rows before normalisation (a partial attention state of
+/// FlashInfer's cascade attention): per row the running max m of the scores (−inf: no key
+/// seen), the sum l of exp(s − m) and the unnormalised accumulator Σ exp(s − m)·v.
+struct PartialState {
+  int64_t rows = 0, d = 0;
+  std::vector<float> m, l;  ///< `[rows]`
+  std::vector<float> acc;   ///< `[rows, D]`
+  /// `rows` empty rows (m −inf, l 0, acc 0).
+  void reset(int64_t rows, int64_t d);
+};
+
+/// Attention of stacked query rows over a run of one KV head's stored tokens (the live tokens
+/// [first, first + count) of both streams, oldest first), with no mass, no tail: a pass of the
+/// cascade (attend_cascade.h). The same walk, tiles and kernels as attend_head — the fused
+/// kernels where `fused` and the layer's formats allow, the generic decode otherwise — with
+/// rows taken 256 at a time (one walk over the blocks for 256 rows).
+struct RangeArgs {
+  const LayerStore* layer = nullptr;
+  int64_t head = 0;
+  const common::RopeTable* rope = nullptr;  ///< non-null: keys stored pre-RoPE
+  bool fused = true;
+  const float* q = nullptr;        ///< `[rows, D]` float32 contiguous, any rows of any sequences
+  const int64_t* q_pos = nullptr;  ///< `[rows]`: each row's query position (causal mask)
+  int64_t rows = 0;
+  int64_t first = 0, count = 0;    ///< the live tokens read
+};
+/// `out` = the rows' partial states over the range (reset first).
+void attend_range(const RangeArgs& args, PartialState& out);
+/// Merges state (m2, l2, acc2 `[D]`) into (m, l, acc `[D]`) of one row: the log-sum-exp merge
+/// of two partial attention states over disjoint key sets — m = max(m, m2), l and acc each
+/// rescaled by exp(m_old − m) and summed. Either may be empty (m −inf).
+void merge_partial(float* m, float* l, float* acc, float m2, float l2, const float* acc2, int64_t d);
+/// out[:D] = acc / l (0 where l is 0: a row that saw no key), as attend_head writes a row.
+void normalize_partial(float l, const float* acc, int64_t d, float* out);
+/// Walks over the blocks attend_range makes for `rows` rows, and attend_head for a head of
+/// `args` (byte accounting of a batch: AttendBatchStats).
+int64_t range_walks(int64_t rows);
+int64_t head_walks(const AttendArgs& args);
 
 /// Sets up args.mass for args.need (before attend_head runs for any head).
 void begin_attend(const AttendArgs& args);

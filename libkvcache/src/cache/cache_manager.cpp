@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <set>
 
+#include "cache/attend_cascade.h"
 #include "cache/cache_manager_access.h"
 #include "cache/step_protocol.h"
 #include "common/parallel.h"
@@ -69,7 +70,7 @@ struct AttendBatch {
   static cache::StepProtocol& steps(SequenceCache& c) { return *c.steps_; }
 };
 
-void attend_batch(int64_t layer, const std::vector<AttendRequest>& requests) {
+void attend_batch(int64_t layer, const std::vector<AttendRequest>& requests, const AttendBatchOptions& options) {
   // Every request checked (and its heads prepared) before any is attended or any policy fed.
   std::vector<cache::StepProtocol::Pending> pending(requests.size());
   std::set<const SequenceCache*> seen;
@@ -84,23 +85,13 @@ void attend_batch(int64_t layer, const std::vector<AttendRequest>& requests) {
       throw InvalidArgument(detail::str_cat("attend_batch: request ", i, ": ", e.what()));
     }
   }
-  // One pass over every (request, KV head), in parallel once a head's work is worth a thread.
-  struct Item {
-    const cache::AttendArgs* args;
-    int64_t head;
-  };
-  std::vector<Item> items;
-  int64_t work = 0;
+  // One pass over every (request, KV head) — and over every shared prefix once (cascade).
+  std::vector<cache::BatchItem> items;
   for (auto& p : pending) {
     if (p.t_q == 0) continue;
-    cache::begin_attend(p.args);
-    work = std::max(work, cache::head_work(p.args));
-    for (int64_t h = 0; h < p.args.layer->num_heads(); ++h) items.push_back({&p.args, h});
+    items.push_back({&p.args, !p.need.any() && !p.replay && p.args.tail_n == 0});
   }
-  const auto n = static_cast<int64_t>(items.size());
-  detail::parallel_for(0, n, work >= (int64_t{1} << 16) ? 1 : n, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) cache::attend_head(*items[static_cast<size_t>(i)].args, items[static_cast<size_t>(i)].head);
-  });
+  cache::attend_items(items, options.cascade, options.stats);
   for (size_t i = 0; i < requests.size(); ++i) AttendBatch::steps(*requests[i].cache).finish_attend(pending[i]);
 }
 

@@ -1,0 +1,496 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared-prefix (cascade) attention in attend_batch (kvcache/sequence_cache.h,
+// src/cache/attend_cascade.h) against its reference twin, every request attended alone
+// (AttendBatchOptions::cascade = false, itself bit for bit each sequence's attend()): the
+// sequences of a MultiSequenceCache that reuse cached prompt prefixes, for every registered
+// quantizer and cache scheme head, odd head counts, one-token blocks, prefixes that are not a
+// multiple of the block, pre-RoPE keys, holes in a sequence's own part, ragged own lengths,
+// groups sharing different prefixes and nested ones (a tree). And the merge of partial states
+// (attend_range over two runs of keys, merged) against one pass.
+//
+// Tolerance: a cascade reads the same stored bytes with the same kernels (fused or generic) as
+// the sequence alone; only the order of float32 sums changes — the shared keys' partial state
+// is merged with the own keys' by log-sum-exp (two rescalings by exp(m − m'), exact to a few
+// ulp) instead of continued by the online softmax, and tiles start at the shared run's end.
+// With unit-scale values the outputs (convex combinations of values ≤ 1.6 in size) move by a
+// few float32 ulp of 1: |Δ| ≤ kTol = 1e-5 · max|v| (measured: 3.0e-7 to 4.9e-7 over every
+// format here). A skipped, doubled or wrongly masked key moves them by O(0.01–0.1) (an own pass
+// starting one token late: 0.11–0.15).
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cache/attend.h"
+#include "cache/cache_manager_access.h"
+#include "cache_test_util.h"
+#include "kvcache/cache_manager.h"
+#include "kvcache/kvquant.h"
+#include "kvcache/multi_sequence_cache.h"
+#include "kvcache/registry.h"
+#include "kvcache/torch.h"
+
+namespace kvcache {
+namespace {
+
+using Ids = std::vector<int64_t>;
+using testing::make_config;
+
+constexpr int64_t kLayers = 2;
+constexpr double kTol = 1e-5;
+
+/// K or V rows of tokens ids[from, from + n) at positions from.. (which 0: K, 1: V):
+/// [1, heads, n, D] float32, a fixed function of (id, position, layer, head, channel), so a
+/// prefix means the same keys to every sequence; |x| ≤ 1.5.
+at::Tensor synth(const Ids& ids, int64_t from, int64_t n, int64_t layer, int which, int64_t heads, int64_t d) {
+  const auto dbl = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor id =
+      at::tensor(at::ArrayRef<int64_t>(ids.data() + from, static_cast<size_t>(n))).to(at::kDouble).view({1, 1, n, 1});
+  const at::Tensor pos = at::arange(from, from + n, dbl).view({1, 1, n, 1});
+  const at::Tensor h = at::arange(heads, dbl).view({1, heads, 1, 1});
+  const at::Tensor c = at::arange(d, dbl).view({1, 1, 1, d});
+  const at::Tensor x = at::sin(0.37 * id + 0.11 * pos + 1.3 * static_cast<double>(layer) + 0.7 * h + 0.29 * c +
+                               2.1 * which) *
+                       (1.0 + 0.5 * at::cos(0.05 * id * (c + 1.0)));
+  return x.to(at::kFloat);
+}
+
+Ids tokens(int64_t first, int64_t n) {
+  Ids t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = first + (i * 7) % 50;
+  return t;
+}
+
+Ids cat(Ids a, const Ids& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+/// A hand-made KVQuant calibration (every channel's thresholds [-2, 2], uniform centroids).
+std::string kvquant_calibration(int64_t L, int64_t H, int64_t D) {
+  KvquantCalibration c;
+  c.num_layers = L;
+  c.num_kv_heads = H;
+  c.head_dim = D;
+  c.tokens = 1;
+  c.source = "hand-made";
+  c.bits = {2, 3, 4};
+  for (double p : {0.99, 1.0}) {
+    KvquantLevel lv;
+    lv.sparsity = p;
+    for (int64_t l = 0; l < L; ++l) {
+      KvquantLayerCalibration lc;
+      lc.key_lower.assign(static_cast<size_t>(H * D), -2.0f);
+      lc.key_upper.assign(static_cast<size_t>(H * D), 2.0f);
+      for (int b : c.bits) {
+        KvquantCodebook cb;
+        cb.bits = b;
+        const int k = 1 << b;
+        for (int j = 0; j < k; ++j) {
+          cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
+        }
+        cb.qnorm_scale = 2.0f;
+        cb.qnorm_shift = 0.5f;
+        lc.key_codebooks.push_back(cb);
+        lc.value_codebooks.push_back(cb);
+      }
+      lv.layers.push_back(lc);
+    }
+    c.levels.push_back(lv);
+  }
+  const std::string path = ::testing::TempDir() + "attend_cascade_test_" + std::to_string(::getpid()) + "_" +
+                           std::to_string(H) + "_" + std::to_string(D) + ".kvq";
+  save_kvquant_calibration(c, path);
+  return path;
+}
+
+struct Shape {
+  std::string scheme;
+  int64_t block_tokens = 0;  ///< 0: the default
+  int64_t hq = 21, hkv = 3, d = 32;
+  std::string policy = "full";
+  int64_t context = 0;
+  bool pre_rope = false;
+};
+
+/// Sequences of one MultiSequenceCache, each started with its prompt (reusing what the index
+/// holds), prefilled and decoded `decode[i]` tokens; then decode steps in which every layer
+/// attends once through attend_batch with the cascade and once without.
+class Batch {
+ public:
+  Batch(const Shape& s, bool sharing) : shape_(s), cache_(config(s, sharing)) {}
+
+  /// Adds a sequence, runs its prompt (one prefill step for what the index does not hold) and
+  /// `decode` decode steps (one layer at a time, attend() alone).
+  void add(const Ids& prompt, int64_t decode, uint64_t seed) {
+    Sequence& seq = cache_.add_sequence();
+    const int64_t ctx = static_cast<int64_t>(prompt.size()) + decode + 64;
+    const PrefixReuse r = seq.begin_request(prompt, ctx);
+    Ids ids = prompt;
+    for (int64_t i = 0; i < decode + 16; ++i) {
+      ids.push_back(3 + static_cast<int64_t>((seed * 13 + static_cast<uint64_t>(i) * 11) % 50));
+    }
+    const int64_t n_prompt = static_cast<int64_t>(prompt.size());
+    ASSERT_LT(r.cached_tokens, n_prompt);
+    step(seq, ids, r.cached_tokens, n_prompt - r.cached_tokens, StepKind::kPrefillEnd, seed);
+    for (int64_t i = 0; i < decode; ++i) {
+      step(seq, ids, n_prompt + i, 1, StepKind::kDecode, seed + 100 + static_cast<uint64_t>(i));
+    }
+    seqs_.push_back(&seq);
+    ids_.push_back(std::move(ids));
+    prompt_.push_back(n_prompt);
+    cached_.push_back(r.cached_tokens);
+  }
+
+  /// One decode step of every sequence: per layer, append, then attend_batch with and without
+  /// the cascade (and each sequence's attend() alone for layer 0: the reference twin is bit
+  /// for bit attend()). Returns the largest |cascade − alone| over layers, sequences, rows.
+  double decode_step(uint64_t seed, AttendBatchStats* stats, AttendBatchStats* stats_off = nullptr, int64_t tq = 1) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    double worst = 0;
+    const int64_t n = static_cast<int64_t>(seqs_.size());
+    for (int64_t l = 0; l < kLayers; ++l) {
+      std::vector<at::Tensor> qs, pos, with, without;
+      std::vector<AttendRequest> reqs(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        Sequence& seq = *seqs_[static_cast<size_t>(i)];
+        const int64_t p = seq.next_position(l);
+        const Ids& ids = ids_[static_cast<size_t>(i)];
+        seq.append(l, synth(ids, p, tq, l, 0, shape_.hkv, shape_.d), synth(ids, p, tq, l, 1, shape_.hkv, shape_.d),
+                   at::arange(p, p + tq, at::kLong));
+        qs.push_back(testing::randn({1, shape_.hq, tq, shape_.d}, gen));
+        pos.push_back(at::arange(p, p + tq, at::kLong));
+        with.push_back(at::full({1, shape_.hq, tq, shape_.d}, 7.0f));
+        without.push_back(at::full({1, shape_.hq, tq, shape_.d}, -7.0f));
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        reqs[static_cast<size_t>(i)] = {seqs_[static_cast<size_t>(i)], qs[static_cast<size_t>(i)],
+                                        pos[static_cast<size_t>(i)], mutable_view_of(with[static_cast<size_t>(i)])};
+      }
+      AttendBatchOptions on;
+      on.stats = l == 0 ? stats : nullptr;
+      attend_batch(l, reqs, on);
+      for (int64_t i = 0; i < n; ++i) {
+        reqs[static_cast<size_t>(i)].out = mutable_view_of(without[static_cast<size_t>(i)]);
+      }
+      AttendBatchOptions off;
+      off.cascade = false;
+      off.stats = l == 0 ? stats_off : nullptr;
+      attend_batch(l, reqs, off);
+      for (int64_t i = 0; i < n; ++i) {
+        const at::Tensor& a = with[static_cast<size_t>(i)];
+        const at::Tensor& b = without[static_cast<size_t>(i)];
+        worst = std::max(worst, (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>());
+        if (l == 0) {
+          TorchCache alone(*seqs_[static_cast<size_t>(i)]);
+          EXPECT_TRUE(at::equal(alone.attend(l, qs[static_cast<size_t>(i)], pos[static_cast<size_t>(i)]), b))
+              << "sequence " << i << ": attend_batch without the cascade is not attend()";
+        }
+      }
+    }
+    for (Sequence* s : seqs_) s->end_step(StepKind::kDecode);
+    cache_.check_invariants();
+    return worst;
+  }
+
+  const std::vector<int64_t>& cached() const { return cached_; }
+  /// Dead slots (holes) over every sequence's layer-0 key streams.
+  int64_t holes() const {
+    int64_t n = 0;
+    for (const Sequence* s : seqs_) {
+      for (const int64_t d : cache::CacheManagerAccess::stream(*s, 0, true).dead_slots) n += d;
+    }
+    return n;
+  }
+  MultiSequenceCache& cache() { return cache_; }
+
+ private:
+  static MultiSequenceConfig config(const Shape& s, bool sharing) {
+    MultiSequenceConfig c;
+    c.model = make_config(kLayers, s.hq, s.hkv, s.d, s.scheme, s.policy, s.context);
+    c.model.block_tokens = s.block_tokens;
+    if (s.pre_rope) c.model.key_storage = KeyStorage::kPreRoPE;
+    c.capacity_bytes = int64_t{1} << 30;
+    c.prefix_sharing = sharing;
+    return c;
+  }
+
+  void step(Sequence& seq, const Ids& ids, int64_t from, int64_t n, StepKind kind, uint64_t seed) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    for (int64_t l = 0; l < kLayers; ++l) {
+      const at::Tensor p = at::arange(from, from + n, at::kLong);
+      seq.append(l, synth(ids, from, n, l, 0, shape_.hkv, shape_.d), synth(ids, from, n, l, 1, shape_.hkv, shape_.d),
+                 p);
+      at::Tensor out = at::empty({1, shape_.hq, n, shape_.d});
+      const at::Tensor q = testing::randn({1, shape_.hq, n, shape_.d}, gen);
+      seq.attend(l, q, p, mutable_view_of(out));
+    }
+    seq.end_step(kind);
+  }
+
+  Shape shape_;
+  MultiSequenceCache cache_;
+  std::vector<Sequence*> seqs_;
+  std::vector<Ids> ids_;
+  std::vector<int64_t> prompt_, cached_;
+};
+
+/// Four sequences: three share a 37-token prompt prefix (then own prompt tails of 3..9 tokens
+/// and 1..5 decoded tokens: ragged), one has a prompt of its own.
+void run_shared_prefix(const Shape& s, double* worst, int64_t* passes) {
+  Batch b(s, true);
+  const Ids prefix = tokens(5, 37);
+  b.add(cat(prefix, tokens(11, 3)), 2, 1);
+  b.add(cat(prefix, tokens(17, 9)), 5, 2);
+  b.add(tokens(23, 30), 3, 3);
+  b.add(cat(prefix, tokens(29, 6)), 1, 4);
+  for (uint64_t k = 0; k < 3; ++k) {
+    AttendBatchStats st;
+    *worst = std::max(*worst, b.decode_step(50 + k, &st));
+    *passes += st.shared_passes;
+  }
+}
+
+// Every registered quantizer and cache scheme head, several block sizes: the cascade equals
+// every sequence attended alone within kTol, and shared passes ran (the prefix was reused).
+TEST(AttendCascade, MatchesAttendingAloneForEveryFormat) {
+  const std::string cal = ":cal=" + kvquant_calibration(kLayers, 3, 32);
+  const std::vector<Shape> shapes = {
+      {"fp32", 8},  {"fp32", 1},  {"fp16", 16},  {"bf16", 3},      {"fp8:e4m3", 8},   {"fp8:e5m2", 1},
+      {"int8", 8},  {"int4", 32},  {"int4", 1},  {"int3", 8},      {"int2:g8", 4},    {"int4:g8:chan", 8},
+      {"kivi:k2:v2:g8:r8", 8},    {"kivi:k4:v4:g4:r8", 4},        {"had(int4)", 8},  {"had:k(int4:g8:chan)", 8},
+      {"gear:b4:g4:s0:r0:loop1:nb4", 8},                          {"layers(int4;fp16)", 8}};
+  std::set<std::string> heads;
+  for (const Shape& s : shapes) {
+    double worst = 0;
+    int64_t passes = 0;
+    run_shared_prefix(s, &worst, &passes);
+    const std::string where = s.scheme + " block " + std::to_string(s.block_tokens);
+    EXPECT_LE(worst, kTol) << where;
+    EXPECT_GT(passes, 0) << where << ": no shared pass ran";
+    heads.insert(spec_head(s.scheme));
+  }
+  {
+    Shape s{"kvquant:b4" + cal, 8};
+    s.pre_rope = true;
+    double worst = 0;
+    int64_t passes = 0;
+    run_shared_prefix(s, &worst, &passes);
+    EXPECT_LE(worst, kTol) << "kvquant";
+    EXPECT_GT(passes, 0) << "kvquant: no shared pass ran";
+    heads.insert("kvquant");
+  }
+  for (const RegisteredSpec& r : registered_specs()) {
+    if (r.kind != SpecKind::kPolicy) {
+      EXPECT_TRUE(heads.count(r.table.head)) << r.table.head << " not covered";
+    }
+  }
+}
+
+// Shapes: one KV head with 7 query heads, an odd number of KV heads (5) and one query head each,
+// head_dim 8 (generic path: the fused kernels need multiples of 32) and 64, pre-RoPE keys.
+TEST(AttendCascade, MatchesAttendingAloneForShapes) {
+  std::vector<Shape> shapes;
+  for (const std::string q : {"fp16", "int4", "kivi:k2:v2:g8:r8"}) {
+    Shape a{q, 8, 7, 1, 32};
+    Shape b{q, q.rfind("kivi", 0) == 0 ? 8 : 1, 5, 5, 64};
+    Shape c{q, 8, 21, 3, 8};
+    Shape d{q, 3, 21, 3, 32};
+    d.pre_rope = true;
+    if (q.rfind("kivi", 0) == 0) d.block_tokens = 8;
+    shapes.insert(shapes.end(), {a, b, c, d});
+  }
+  for (const Shape& s : shapes) {
+    double worst = 0;
+    int64_t passes = 0;
+    run_shared_prefix(s, &worst, &passes);
+    const std::string where = s.scheme + " block " + std::to_string(s.block_tokens) + " H_q " +
+                              std::to_string(s.hq) + " H_kv " + std::to_string(s.hkv) + " D " + std::to_string(s.d) +
+                              (s.pre_rope ? " pre-RoPE" : "");
+    EXPECT_LE(worst, kTol) << where;
+    EXPECT_GT(passes, 0) << where;
+  }
+}
+
+// A prefix long enough that the passes run on the threads together (a task of ≥ 64 Ki
+// multiply-adds), and more stacked query rows than one walk of a shared pass takes (12
+// sequences × 24 query heads of the one KV head = 288 rows > 256: two walks).
+TEST(AttendCascade, LongPrefixManySequences) {
+  for (const std::string q : {"fp16", "int4"}) {
+    Shape s{q, 16, 24, 1, 32};
+    Batch b(s, true);
+    const Ids prefix = tokens(5, 700);
+    for (int64_t i = 0; i < 12; ++i) b.add(cat(prefix, tokens(11 + i, 5 + 3 * i)), i % 4, static_cast<uint64_t>(i + 1));
+    AttendBatchStats st;
+    EXPECT_LE(b.decode_step(80, &st), kTol) << q;
+    EXPECT_EQ(st.shared_passes, 1) << q;  // the 700-token prompt's 43 whole blocks
+    EXPECT_EQ(st.shared_tokens, 688) << q;
+    EXPECT_EQ(st.cascaded_requests, 12) << q;
+  }
+}
+
+// Several query tokens per sequence (a chunk of 4: speculative decoding, chunked prefill): the
+// shared pass stacks 4 × 7 rows per sequence, the causal mask holds inside each own part.
+TEST(AttendCascade, QueryChunks) {
+  for (const std::string q : {"fp16", "int4", "kivi:k2:v2:g8:r8"}) {
+    Shape s{q, 8};
+    Batch b(s, true);
+    const Ids prefix = tokens(5, 37);
+    b.add(cat(prefix, tokens(11, 3)), 2, 1);
+    b.add(cat(prefix, tokens(17, 9)), 5, 2);
+    b.add(cat(prefix, tokens(29, 6)), 0, 4);
+    AttendBatchStats st;
+    EXPECT_LE(b.decode_step(31, &st, nullptr, 4), kTol) << q;
+    EXPECT_GT(st.shared_passes, 0) << q;
+  }
+}
+
+// Holes: a sink policy keeps the first 40 tokens (the shared prefix and more) and the newest,
+// evicting from the middle of each sequence's own part — holes in its own blocks, none in the
+// shared ones, so the prefix stays shared while the own parts have holes.
+TEST(AttendCascade, HolesInTheOwnPart) {
+  for (const std::string q : {"fp32", "int4", "int8", "kivi:k2:v2:g8:r8"}) {
+    Shape s{q, 8, 21, 3, 32, "sink:s40@64"};
+    Batch b(s, true);
+    const Ids prefix = tokens(5, 32);
+    b.add(cat(prefix, tokens(11, 30)), 20, 1);
+    b.add(cat(prefix, tokens(17, 44)), 9, 2);
+    b.add(cat(prefix, tokens(29, 13)), 30, 4);
+    double worst = 0;
+    int64_t passes = 0;
+    for (uint64_t k = 0; k < 4; ++k) {
+      AttendBatchStats st;
+      worst = std::max(worst, b.decode_step(70 + k, &st));
+      passes += st.shared_passes;
+    }
+    EXPECT_GT(b.holes(), 0) << q << ": no holes";
+    EXPECT_LE(worst, kTol) << q;
+    EXPECT_GT(passes, 0) << q;
+  }
+}
+
+// Sequences that share nothing (prefix sharing off: every sequence computes its own blocks)
+// fall back to attending alone: the same bits, no shared pass, and the same bytes read.
+TEST(AttendCascade, NothingSharedFallsBackBitForBit) {
+  for (const std::string q : {"fp16", "int4"}) {
+    Shape s{q, 8};
+    Batch b(s, false);
+    const Ids prefix = tokens(5, 37);
+    b.add(cat(prefix, tokens(11, 3)), 2, 1);
+    b.add(cat(prefix, tokens(17, 9)), 5, 2);
+    for (const int64_t c : b.cached()) EXPECT_EQ(c, 0);
+    AttendBatchStats st;
+    EXPECT_EQ(b.decode_step(9, &st), 0.0) << q;
+    EXPECT_EQ(st.shared_passes, 0);
+    EXPECT_EQ(st.cascaded_requests, 0);
+    EXPECT_GT(st.bytes_read, 0);
+  }
+}
+
+// Exact small case of the plan and its counters. fp32, blocks of 8, 3 KV heads. A and B share
+// a 32-token prompt prefix P·Q (4 blocks); C shares P (16 tokens, 2 blocks) with them; D shares
+// a different 16-token prefix R with E; F shares nothing. Per KV head: a pass over P for
+// {A, B, C}, over Q for {A, B}, over R for {D, E}: 3 shared passes, 16 + 16 + 16 tokens.
+TEST(AttendCascade, SequencesSharingDifferentAndNestedPrefixes) {
+  Shape s{"fp32", 8};
+  Batch b(s, true);
+  const Ids P = tokens(5, 16), Q = tokens(9, 16), R = tokens(13, 16);
+  b.add(cat(cat(P, Q), tokens(21, 5)), 1, 1);  // A
+  b.add(cat(cat(P, Q), tokens(22, 7)), 2, 2);  // B
+  b.add(cat(P, tokens(23, 20)), 3, 3);         // C
+  b.add(cat(R, tokens(24, 9)), 1, 4);          // D
+  b.add(cat(R, tokens(25, 2)), 4, 5);          // E
+  b.add(tokens(26, 12), 2, 6);                 // F
+  EXPECT_EQ(b.cached(), (std::vector<int64_t>{0, 32, 16, 0, 16, 0}));
+  AttendBatchStats st, off;
+  EXPECT_LE(b.decode_step(3, &st, &off), kTol);
+  EXPECT_EQ(st.shared_passes, 3 * 3);
+  EXPECT_EQ(st.shared_tokens, 3 * (16 + 16 + 16));
+  EXPECT_EQ(st.cascaded_requests, 5);
+  EXPECT_EQ(off.shared_passes, 0);
+  // Bytes: fp32 blocks of 8 tokens × 32 dims (1 KiB). Alone, every sequence reads all its
+  // blocks; the cascade reads P's 2 blocks once instead of 3 times, Q's and R's once instead of
+  // twice — 8 blocks fewer per stream and KV head — and nothing else changes (every shared run
+  // ends on a block boundary, where the own passes start).
+  EXPECT_EQ(off.bytes_read - st.bytes_read, 8 * 2 * 3 * 1024);
+}
+
+// The merge: attend_range over keys [0, P) and [P, T), merged by merge_partial, equals one pass
+// over [0, T) and attend() within kTol, for split points inside blocks and at their ends, with
+// an empty side (P = 0, P = T).
+TEST(AttendCascade, MergeOfTwoRunsEqualsOnePass) {
+  for (const std::string q : {"fp32", "int4", "kivi:k2:v2:g8:r8"}) {
+    auto c = make_config(1, 14, 2, 32, q, "full");
+    c.block_tokens = 8;
+    TorchCache m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+    const int64_t T = 45;
+    m.append(0, testing::randn({1, 2, T, 32}, gen), testing::randn({1, 2, T, 32}, gen), testing::positions_range(0, T));
+    const at::Tensor qt = testing::randn({1, 14, 1, 32}, gen);
+    const at::Tensor ref = m.attend(0, qt, testing::positions_range(T - 1, 1));
+    const cache::LayerStore& L = cache::CacheManagerAccess::layer(m.core(), 0);
+    for (int64_t h = 0; h < 2; ++h) {
+      std::vector<float> rows(static_cast<size_t>(7 * 32));
+      for (int64_t g = 0; g < 7; ++g) {
+        const at::Tensor src = qt[0][h * 7 + g][0].contiguous();
+        std::copy_n(src.data_ptr<float>(), 32, rows.data() + g * 32);
+      }
+      std::vector<int64_t> pos(7, T - 1);
+      cache::RangeArgs ra;
+      ra.layer = &L;
+      ra.head = h;
+      ra.fused = true;
+      ra.q = rows.data();
+      ra.q_pos = pos.data();
+      ra.rows = 7;
+      for (const int64_t p : {int64_t{0}, int64_t{5}, int64_t{8}, int64_t{32}, int64_t{44}, T}) {
+        cache::PartialState a, b;
+        ra.first = 0;
+        ra.count = p;
+        cache::attend_range(ra, a);
+        ra.first = p;
+        ra.count = T - p;
+        cache::attend_range(ra, b);
+        for (int64_t g = 0; g < 7; ++g) {
+          const auto r = static_cast<size_t>(g);
+          cache::merge_partial(&a.m[r], &a.l[r], a.acc.data() + g * 32, b.m[r], b.l[r], b.acc.data() + g * 32, 32);
+          std::vector<float> out(32);
+          cache::normalize_partial(a.l[r], a.acc.data() + g * 32, 32, out.data());
+          const at::Tensor want = ref[0][h * 7 + g][0];
+          for (int64_t i = 0; i < 32; ++i) {
+            EXPECT_NEAR(out[static_cast<size_t>(i)], want[i].item<float>(), kTol) << q << " split " << p;
+          }
+        }
+      }
+    }
+  }
+}
+
+// merge_partial against exact arithmetic on a hand-checked case: scores {0, ln 3} over values
+// {1, 2} split one key per side: m = ln 3, l = 1/3 + 1, acc = 1/3 + 2, out = 7/4.
+TEST(AttendCascade, MergeExactSmallCase) {
+  float m = 0.0f, l = 1.0f, acc = 1.0f;                 // key 0: s = 0, v = 1
+  const float m2 = std::log(3.0f), l2 = 1.0f, acc2 = 2.0f;  // key 1: s = ln 3, v = 2
+  cache::merge_partial(&m, &l, &acc, m2, l2, &acc2, 1);
+  EXPECT_FLOAT_EQ(m, std::log(3.0f));
+  EXPECT_NEAR(l, 4.0f / 3.0f, 1e-6);
+  float out = 0;
+  cache::normalize_partial(l, &acc, 1, &out);
+  EXPECT_NEAR(out, 1.75f, 1e-6);
+  // An empty side changes nothing; two empty sides stay empty (output 0).
+  const float before = acc;
+  cache::merge_partial(&m, &l, &acc, -INFINITY, 0.0f, &acc2, 1);
+  EXPECT_EQ(acc, before);
+  float em = -INFINITY, el = 0.0f, ea = 0.0f;
+  cache::merge_partial(&em, &el, &ea, -INFINITY, 0.0f, &acc2, 1);
+  cache::normalize_partial(el, &ea, 1, &out);
+  EXPECT_EQ(out, 0.0f);
+}
+
+}  // namespace
+}  // namespace kvcache
