@@ -104,20 +104,22 @@ double g_mac256_per_ns = 0;    ///< 256-bit FMA instructions per ns, one thread 
 int64_t g_block_tokens = 0;    ///< --block_tokens=N (0: the default)
 int64_t g_ring_bytes = 0;      ///< --ring_bytes=N (0: ring_bytes()'s default)
 
-/// The last-level cache's size in bytes (sysconf, else sysfs; 0 if neither says).
+/// The last-level cache's size in bytes (sysfs, else sysconf; 0 if neither says). sysfs first:
+/// glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) said 320 MiB on a Zen 4 EPYC whose L3 is 32 MiB
+/// (sysfs and lscpu), which sized the ring and the copy buffers ten times too large.
 int64_t llc_bytes() {
-  for (int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
-    const long v = sysconf(name);
-    if (v > 0) return v;
-  }
   for (const char* index : {"index4", "index3", "index2"}) {
     std::ifstream f(std::string("/sys/devices/system/cpu/cpu0/cache/") + index + "/size");
     int64_t v = 0;
     std::string unit;
-    if (f >> v) {
+    if (f >> v && v > 0) {
       f >> unit;
       return v * (unit == "K" ? 1024 : unit == "M" ? 1024 * 1024 : 1);
     }
+  }
+  for (int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long v = sysconf(name);
+    if (v > 0) return v;
   }
   return 0;
 }
