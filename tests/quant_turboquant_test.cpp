@@ -279,6 +279,29 @@ TEST(TurboQuantSpec, CanonicalFormsAndErrors) {
   EXPECT_EQ(make_cache_scheme("tq:b3:nc")->spec(), "tq:b3:nc");
 }
 
+TEST(TurboQuantScheme, KeysProdValuesMseSeededPerLayer) {
+  EXPECT_EQ(make_cache_scheme("turboquant")->spec(), "turboquant:k3:v3");
+  EXPECT_EQ(make_cache_scheme("turboquant:v2.5:k3.5:nc:kmse")->spec(), "turboquant:k3.5:v2.5:kmse:nc");
+  EXPECT_EQ(make_cache_scheme("turboquant:k4:v4:seed42")->spec(), "turboquant:k4:v4");
+  EXPECT_THROW(make_cache_scheme("turboquant:k1:v2"), InvalidArgument);  // prod keys need k >= 2
+  EXPECT_EQ(make_cache_scheme("turboquant:k1:v2:kmse")->spec(), "turboquant:k1:v2:kmse");
+  auto s = make_cache_scheme("turboquant:k3:v2:nc");
+  const CacheGeometry g{3, 2, 64};
+  // vLLM's seeds: 42 + 1337·layer.
+  EXPECT_EQ(s->streams(g, 0, 0).key.quantizer->spec(), "tq:b3:prod:nc");
+  EXPECT_EQ(s->streams(g, 0, 0).value.quantizer->spec(), "tq:b2:nc");
+  EXPECT_EQ(s->streams(g, 1, 0).key.quantizer->spec(), "tq:b3:prod:nc:seed1379");
+  EXPECT_EQ(s->streams(g, 2, 16).value.quantizer->spec(), "tq:b2:nc:seed2716");
+  EXPECT_EQ(s->streams(g, 2, 16).value.residual, 16);
+  EXPECT_EQ(s->streams(g, 2, 16).key.flush, ResidualFlush::kSliding);
+  try {
+    s->streams(CacheGeometry{1, 1, 48}, 0, 0);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("power of two, got head_dim=48"));
+  }
+}
+
 // ------------------------------------------------------------------ seeds and the raw codec
 TEST(TurboQuantSeeds, SameSeedSameBytesOtherSeedOtherBytes) {
   at::Tensor x = testing::randn_kv({1, 2, 8, 64}, 21);

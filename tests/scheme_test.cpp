@@ -49,19 +49,20 @@ TEST(SpecRegistry, OneListOfUniqueHeadsInKindOrder) {
     kinds.push_back(s.kind);
   }
   EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "tq",
-                                             "kivi", "kvquant", "had", "gear", "layers", "full", "window", "sink", "h2o",
+                                             "kivi", "kvquant", "had", "gear", "turboquant", "layers", "full", "window", "sink", "h2o",
                                              "random", "snapkv", "tova", "pyramid", "knorm", "keydiff", "expected", "duo",
                                              "kvzip", "adakv", "decode", "perlayer"}));
   EXPECT_TRUE(std::is_sorted(kinds.begin(), kinds.end()));  // quantizers, then schemes, then policies
   // The per-kind lists are slices of the one list.
   EXPECT_EQ(registered_quantizers().size(), 9u);
-  EXPECT_EQ(registered_cache_schemes().size(), 5u);
+  EXPECT_EQ(registered_cache_schemes().size(), 6u);
   EXPECT_EQ(registered_policies().size(), 16u);
   EXPECT_FALSE(registered_specs()[9].wrapper);   // kivi
   EXPECT_FALSE(registered_specs()[10].wrapper);  // kvquant
   EXPECT_TRUE(registered_specs()[11].wrapper);   // had
   EXPECT_FALSE(registered_specs()[12].wrapper);  // gear
-  EXPECT_TRUE(registered_specs()[13].wrapper);   // layers
+  EXPECT_FALSE(registered_specs()[13].wrapper);  // turboquant
+  EXPECT_TRUE(registered_specs()[14].wrapper);   // layers
 }
 
 TEST(SpecRegistry, SpecKindReadsTheHeadOfAnySpec) {
