@@ -334,6 +334,7 @@ std::vector<Entry> scheme_entries() {
   };
   v.push_back(std::move(gear));
   v.push_back(turboquant_entry());
+  v.push_back(qjl_entry());
   v.push_back(layer_scheme_entry());
   return v;
 }

@@ -11,28 +11,13 @@
 #include "quant/checks.h"
 #include "quant/hadamard.h"
 #include "quant/lloyd_max.h"
+#include "quant/seeded_random.h"
 
 namespace kvcache::quant {
 namespace {
 
 constexpr float kFltMax = std::numeric_limits<float>::max();
 constexpr double kPi = 3.14159265358979323846;
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-/// splitmix64 of stream `stream` of seed `seed`, element k (a counter-based generator: any
-/// element is computed alone, so the tables do not depend on the order they are filled in).
-uint64_t draw(int64_t seed, uint64_t stream, uint64_t k) {
-  return splitmix64(splitmix64(static_cast<uint64_t>(seed) ^ stream) + k);
-}
-
-/// Uniform in (0, 1) from the top 53 bits (never 0: log() below stays finite).
-double unit_open(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
 
 float round_to_fp16(float v) {
   uint16_t h = 0;
@@ -131,18 +116,13 @@ std::shared_ptr<const TurboQuantizer::Tables> TurboQuantizer::tables(int64_t d) 
   auto t = std::make_shared<Tables>();
   t->signs.resize(static_cast<size_t>(d));
   for (int64_t i = 0; i < d; ++i) {
-    const uint64_t word = draw(seed_, 0x5157, static_cast<uint64_t>(i / 64));
+    const uint64_t word = seeded::draw(seed_, 0x5157, static_cast<uint64_t>(i / 64));
     t->signs[static_cast<size_t>(i)] = ((word >> (i % 64)) & 1u) ? -1.0f : 1.0f;
   }
   if (mode_ == TurboMode::kProd) {
     t->sketch.resize(static_cast<size_t>(d * d));
-    for (int64_t k = 0; k < d * d; k += 2) {
-      // Box–Muller: two normals from two uniforms.
-      const double u1 = unit_open(draw(seed_, 0x51e7, static_cast<uint64_t>(k)));
-      const double u2 = unit_open(draw(seed_, 0x51e7, static_cast<uint64_t>(k + 1)));
-      const double rad = std::sqrt(-2.0 * std::log(u1));
-      t->sketch[static_cast<size_t>(k)] = static_cast<float>(rad * std::cos(2.0 * kPi * u2));
-      if (k + 1 < d * d) t->sketch[static_cast<size_t>(k + 1)] = static_cast<float>(rad * std::sin(2.0 * kPi * u2));
+    for (int64_t k = 0; k < d * d; ++k) {
+      t->sketch[static_cast<size_t>(k)] = static_cast<float>(seeded::normal(seed_, 0x51e7, static_cast<uint64_t>(k)));
     }
   }
   tables_.emplace(d, t);
