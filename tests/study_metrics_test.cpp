@@ -75,6 +75,12 @@ TEST(StudyDistributions, KlAndTop1HandChecked) {
   EXPECT_EQ(c.positions, 3);
   EXPECT_NEAR(c.kld_mean, (kl0 + 0 + kl2) / 3, 1e-12);
   EXPECT_NEAR(c.kld_max, kl2, 1e-12);
+  // Sorted KLs [0, kl0, kl2] (kl0 < kl2): median the middle one, p99 at rank 1.98 and p99.9 at
+  // rank 1.998 interpolated between kl0 and kl2.
+  ASSERT_LT(kl0, kl2);
+  EXPECT_NEAR(c.kld_median, kl0, 1e-12);
+  EXPECT_NEAR(c.kld_p99, kl0 + 0.98 * (kl2 - kl0), 1e-12);
+  EXPECT_NEAR(c.kld_p999, kl0 + 0.998 * (kl2 - kl0), 1e-12);
   EXPECT_NEAR(c.top1_agreement, 2.0 / 3, 1e-12);
   auto same = compare_logits(ref, ref);
   EXPECT_EQ(same.kld_mean, 0);

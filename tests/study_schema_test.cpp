@@ -68,7 +68,7 @@ TEST(StudySchema, EachRowMetricOnceWithAUnit) {
     cache_fields += m.cache_field != nullptr;
     EXPECT_EQ(find_row_metric(m.key), &m);
   }
-  EXPECT_EQ(keys.size(), 35u);
+  EXPECT_EQ(keys.size(), 38u);
   EXPECT_EQ(cache_fields, 7);  // every CacheStats counter
   EXPECT_EQ(find_row_metric("no_such_metric"), nullptr);
   EXPECT_STREQ(find_row_metric("peak_bytes")->unit, "bytes");
@@ -182,6 +182,9 @@ TEST(StudySchema, WritersAgreeCellForCell) {
   t.set("ppl_stream", 8.5);
   t.set("kld_mean", 0);
   t.set("kld_max", 0);
+  t.set("kld_median", 0);
+  t.set("kld_p99", 0);
+  t.set("kld_p999", 0);
   t.set("top1", 1);
   rows.push_back(t);
   for (int i = 0; i < 4; ++i) {
@@ -248,12 +251,12 @@ TEST(StudySchema, WritersAgreeCellForCell) {
       }
     }
   }
-  EXPECT_EQ(files_columns, 26u);
-  EXPECT_EQ(header.size(), 26u + 2 + 2);  // + acc_needle, acc_summary, needle_d10, needle_d20
+  EXPECT_EQ(files_columns, 29u);
+  EXPECT_EQ(header.size(), 29u + 2 + 2);  // + acc_needle, acc_summary, needle_d10, needle_d20
   // Markdown prints the same numbers in its own format.
   EXPECT_NE(md.find("| fp32+full | 3/4 | 75.0% | control | 2.5 | 1.00 | 11.5 | 7.0 | 0 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| int2+h2o@50% | 0/4 | 0.0% | -75.0 pp (-3) | – | – | – | – | 4 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| fp32+full | 2.5 | 4.0 | 3.0 | 1.60 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| fp32+full | 240.0 | 6.0 | 0.000 | 2.5 |"), std::string::npos) << md;
-  EXPECT_NE(md.find("| fp32+full | 75.0% | 7.250 | 8.500 | 0.00000 | 0.0000 | 100.0% |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| fp32+full | 75.0% | 7.250 | 8.500 | 0.00000 | 0.00000 | 0.0000 | 0.0000 | 0.0000 | 100.0% |"), std::string::npos) << md;
 }

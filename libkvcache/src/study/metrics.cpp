@@ -3,6 +3,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kvcache/error.h"
@@ -109,6 +110,20 @@ DistributionComparison compare_logits(const at::Tensor& ref, const at::Tensor& t
   c.positions = r.size(0);
   c.kld_mean = kl.mean().item<double>();
   c.kld_max = kl.max().item<double>();
+  {
+    const at::Tensor sorted = std::get<0>(kl.contiguous().sort());
+    const double* v = sorted.data_ptr<double>();
+    const int64_t n = sorted.numel();
+    auto quantile = [&](double p) {
+      const double rank = p * static_cast<double>(n - 1);
+      const auto lo = static_cast<int64_t>(std::floor(rank));
+      const int64_t hi = std::min(lo + 1, n - 1);
+      return v[lo] + (rank - static_cast<double>(lo)) * (v[hi] - v[lo]);
+    };
+    c.kld_median = quantile(0.5);
+    c.kld_p99 = quantile(0.99);
+    c.kld_p999 = quantile(0.999);
+  }
   c.top1_agreement = (r.argmax(-1) == t.argmax(-1)).to(at::kDouble).mean().item<double>();
   return c;
 }

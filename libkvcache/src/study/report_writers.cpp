@@ -111,7 +111,8 @@ const std::vector<MdTable>& md_tables_head() {
 const MdTable& md_table_text() {
   static const MdTable t = {"Perplexity and next-token agreement vs control", "",
                             {{"arm", nullptr}, {"accuracy", nullptr}, {"ppl_single", nullptr}, {"ppl_stream", nullptr},
-                             {"kld_mean", nullptr}, {"kld_max", nullptr}, {"top1", nullptr}}};
+                             {"kld_mean", nullptr}, {"kld_median", nullptr}, {"kld_p99", nullptr},
+                             {"kld_p999", nullptr}, {"kld_max", nullptr}, {"top1", nullptr}}};
   return t;
 }
 const MdTable& md_table_speed() {

@@ -100,6 +100,9 @@ void execute(ArmEvaluator& ev, const WorkItem& item, const SweepOptions& opt, co
       const auto cmp = compare_logits(shared.control_text->stream_logits, te.stream_logits);
       row.set("kld_mean", cmp.kld_mean);
       row.set("kld_max", cmp.kld_max);
+      row.set("kld_median", cmp.kld_median);
+      row.set("kld_p99", cmp.kld_p99);
+      row.set("kld_p999", cmp.kld_p999);
       row.set("top1", cmp.top1_agreement);
       break;
     }

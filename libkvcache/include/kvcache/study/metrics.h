@@ -79,6 +79,9 @@ double strided_perplexity(int64_t n_tokens, int64_t max_length, int64_t stride,
 struct DistributionComparison {
   double kld_mean = 0;        ///< mean over positions of KL(P_ref || P_test), nats
   double kld_max = 0;         ///< max over positions
+  /// Percentiles over positions (llama.cpp's perplexity tool reports these): linear
+  /// interpolation between order statistics, the p-quantile at rank p·(N − 1) (numpy's default).
+  double kld_median = 0, kld_p99 = 0, kld_p999 = 0;
   double top1_agreement = 0;  ///< fraction of positions whose argmax agrees (ties: lowest index)
   int64_t positions = 0;
 };
