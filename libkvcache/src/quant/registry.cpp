@@ -8,6 +8,7 @@
 #include "quant/fp8_quantizer.h"
 #include "quant/int_kernels.h"
 #include "quant/int_quantizer.h"
+#include "quant/polar_quantizer.h"
 #include "quant/turboquant_quantizer.h"
 
 namespace kvcache {
@@ -53,6 +54,9 @@ std::vector<Entry> quantizer_entries() {
                                                    p.choice("mode") == "prod" ? quant::TurboMode::kProd
                                                                               : quant::TurboMode::kMse,
                                                    p.choice("norm") == "nc", p.integer("seed"));
+  }));
+  v.push_back(quantizer(quant::PolarQuantizer::table(), [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<Quantizer> {
+    return std::make_unique<quant::PolarQuantizer>(p.integer("seed"));
   }));
   return v;
 }
