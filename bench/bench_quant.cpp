@@ -212,7 +212,8 @@ void register_all() {
                                           "fp8:e5m2", "fp8:e4m3:scaled", "int8",        "int4",
                                           "int2",     "int4:g32",      "int2:g32",      "int8:g32:chan",
                                           "int4:g32:chan", "int2:g32:chan", "int3",          "int3:g32",
-                                          "int3:g32:chan", "had(int4)",    "had(int3:g32)"};
+                                          "int3:g32:chan", "had(int4)",    "had(int3:g32)", "tq:b4",
+                                          "tq:b3:prod", "polar"};
   const std::vector<RefCase> refs = {{8, 0, GroupAxis::kPerToken},
                                      {4, 0, GroupAxis::kPerToken},
                                      {3, 0, GroupAxis::kPerToken},

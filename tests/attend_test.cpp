@@ -67,7 +67,8 @@ TEST(Attend, MatchesReferenceForEveryFormatAndBlockSize) {
       {"kivi:k4:v4:g4:r8", 12}, {"int3", 3},        {"int3:g8:chan", 8}, {"kivi:k3:v3:g8:r8", 8},
       {"had(fp32)", 1},         {"had(int4)", 3},   {"had(int3:g8:chan)", 0}, {"had:k(kivi:k2:v2:g4:r8)", 4},
       {"gear:b2:g4:s0.25:r2:loop2:nb8", 8},     {"gear:b4:g4:s0:r0:loop1:nb4", 0},
-      {"had:k(gear:b2:g4:s0.25:r1:loop1:nb8)", 16}};
+      {"had:k(gear:b2:g4:s0.25:r1:loop1:nb8)", 16}, {"tq:b4", 3}, {"tq:b3:prod", 0}, {"tq:b2.5:nc", 1},
+      {"turboquant:k3:v2.5", 3}, {"qjl:m16:o2:g4:v2:r8:mo8:vg8", 4}, {"qjl:m64:o0:g4:v4:r4:mo0:vg4", 0}};
   uint64_t seed = 40;
   for (const auto& fc : cases) {
     auto c = make_config(2, 21, 3, 8, fc.quant, "full");

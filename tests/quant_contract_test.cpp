@@ -32,6 +32,15 @@ double error_bound(const std::string& spec) {
   if (spec.rfind("int4", 0) == 0) return 0.17;        // range/15/√12 ≈ 0.1
   if (spec.rfind("int3", 0) == 0) return 0.35;        // range/7/√12 ≈ 0.21
   if (spec.rfind("int2", 0) == 0) return 0.70;        // range/3/√12 ≈ 0.45
+  // TurboQuant: √(Lloyd–Max MSE per unit variance) of the rotated unit vector: b4 0.097, b3
+  // 0.186, b1 0.603; prod at b3: √((π/2)·0.1175) ≈ 0.43 (the sketch's variance;
+  // tests/quant_turboquant_test.cpp).
+  if (spec == "tq:b4") return 0.12;
+  if (spec == "tq:b3:nc") return 0.22;
+  if (spec == "tq:b1") return 0.66;
+  if (spec == "tq:b3:prod") return 0.48;
+  if (spec == "tq:b2.5") return 0.3;  // √((0.1175 + 0.0345)/2) ≈ 0.28
+  if (spec == "polar") return 0.25;   // measured ≈ 0.18 at D = 64
   ADD_FAILURE() << "no bound for " << spec;
   return 0.0;
 }
@@ -228,7 +237,7 @@ TEST(QuantizerRegistry, RegistrationOrderAndHelp) {
     heads.push_back(t.head);
     EXPECT_FALSE(t.help.empty()) << t.head;
   }
-  EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2"}));
+  EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "tq", "polar"}));
 }
 
 TEST(QuantizerRegistry, UnknownHeadListsRegistered) {
@@ -237,7 +246,7 @@ TEST(QuantizerRegistry, UnknownHeadListsRegistered) {
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("unknown quantizer 'int5'"));
-    EXPECT_THAT(e.what(), HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2"));
+    EXPECT_THAT(e.what(), HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, tq, polar"));
   }
 }
 

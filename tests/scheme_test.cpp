@@ -48,20 +48,22 @@ TEST(SpecRegistry, OneListOfUniqueHeadsInKindOrder) {
     heads.push_back(s.table.head);
     kinds.push_back(s.kind);
   }
-  EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "kivi",
-                                             "kvquant", "had", "gear", "layers", "full", "window", "sink", "h2o",
+  EXPECT_EQ(heads, (std::vector<std::string>{"fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "tq",
+                                             "polar", "kivi", "kvquant", "had", "gear", "turboquant", "qjl", "layers", "full", "window", "sink", "h2o",
                                              "random", "snapkv", "tova", "pyramid", "knorm", "keydiff", "expected", "duo",
                                              "kvzip", "adakv", "decode", "perlayer"}));
   EXPECT_TRUE(std::is_sorted(kinds.begin(), kinds.end()));  // quantizers, then schemes, then policies
   // The per-kind lists are slices of the one list.
-  EXPECT_EQ(registered_quantizers().size(), 8u);
-  EXPECT_EQ(registered_cache_schemes().size(), 5u);
+  EXPECT_EQ(registered_quantizers().size(), 10u);
+  EXPECT_EQ(registered_cache_schemes().size(), 7u);
   EXPECT_EQ(registered_policies().size(), 16u);
-  EXPECT_FALSE(registered_specs()[8].wrapper);   // kivi
-  EXPECT_FALSE(registered_specs()[9].wrapper);   // kvquant
-  EXPECT_TRUE(registered_specs()[10].wrapper);   // had
-  EXPECT_FALSE(registered_specs()[11].wrapper);  // gear
-  EXPECT_TRUE(registered_specs()[12].wrapper);   // layers
+  EXPECT_FALSE(registered_specs()[10].wrapper);  // kivi
+  EXPECT_FALSE(registered_specs()[11].wrapper);  // kvquant
+  EXPECT_TRUE(registered_specs()[12].wrapper);   // had
+  EXPECT_FALSE(registered_specs()[13].wrapper);  // gear
+  EXPECT_FALSE(registered_specs()[14].wrapper);  // turboquant
+  EXPECT_FALSE(registered_specs()[15].wrapper);  // qjl
+  EXPECT_TRUE(registered_specs()[16].wrapper);   // layers
 }
 
 TEST(SpecRegistry, SpecKindReadsTheHeadOfAnySpec) {
@@ -82,7 +84,7 @@ TEST(SpecRegistry, ASpecOfTheWrongKindIsNamed) {
   EXPECT_THAT(error_of([] { make_eviction_policy("int4@50%"); }), HasSubstr("'int4' is a quantizer"));
   const std::string unknown = error_of([] { make_cache_scheme("int5:g32"); });
   EXPECT_THAT(unknown, HasSubstr("unknown cache scheme 'int5' in spec 'int5:g32'"));
-  EXPECT_THAT(unknown, HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, kivi, kvquant, had"));
+  EXPECT_THAT(unknown, HasSubstr("fp32, fp16, bf16, fp8, int8, int4, int3, int2, tq, polar, kivi, kvquant, had"));
 }
 
 // The study once spelled PyramidKV `pyramidkv` (and read `pyramid:b2` as a quantizer): both
@@ -374,7 +376,8 @@ TEST(Hadamard, Fp32RotationReproducesFp32Attention) {
 
 // int3 and rotated schemes run end to end through the cache with eviction.
 TEST(CacheScheme, NewSchemesRunThroughTheCacheWithEviction) {
-  for (const char* scheme : {"int3", "int3:g8:chan", "kivi:k3:v3:g8:r8", "had(int4)", "had:k(kivi:k2:v2:g8:r8)"}) {
+  for (const char* scheme : {"int3", "int3:g8:chan", "kivi:k3:v3:g8:r8", "had(int4)", "had:k(kivi:k2:v2:g8:r8)",
+                             "tq:b3", "tq:b2.5:prod", "turboquant:k3:v3", "qjl:m32:o2:g8:v2:r8:mo8:vg16", "polar"}) {
     auto c = make_config(2, 4, 2, 16, scheme, "h2o@24");
     TorchCache m(c);
     testing::run_prefill_then_decode(m, scheme);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <set>
 
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
@@ -73,7 +74,7 @@ TEST(StudyArm, ConfigsCommaListAndFile) {
     parse_arm_list("evict2025");
     FAIL() << "accepted";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026, deepdive, long), a file, nor"),
+    EXPECT_NE(std::string(e.what()).find("--configs 'evict2025' is not an arm set (default, evict2026, deepdive, long, rotation2025), a file, nor"),
               std::string::npos)
         << e.what();
   }
@@ -105,7 +106,7 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   // Named sets: "default" is the default list; "evict2026" is documented, starts with the
   // control, and every arm is a canonical, buildable spec at its own budget and at another.
   const auto sets = arm_sets();
-  ASSERT_EQ(sets.size(), 4u);
+  ASSERT_EQ(sets.size(), 5u);
   EXPECT_EQ(sets[0].name, "default");
   EXPECT_EQ(parse_arm_list("default").size(), default_arms().size());
   EXPECT_EQ(sets[1].name, "evict2026");
@@ -162,5 +163,21 @@ TEST(StudyArm, ArmSetsAndEveryRegisteredPolicyHead) {
   for (const std::string s : {"int8", "fp8:e4m3", "kivi:k2:v2:g32:r128", "kivi:k4:v4:g32:r128",
                               "gear:b2:g32:s0.02:r2:loop3:nb64", "had(int4)", "had(int2)", "int3"}) {
     EXPECT_NE(std::find(schemes.begin(), schemes.end(), s), schemes.end()) << s << " is not in deepdive";
+  }
+  // "rotation2025": the issue-38 ablation, the control first, every arm with full, canonical and
+  // buildable (KVQuant's cal=auto aside), every method head present.
+  EXPECT_EQ(sets[4].name, "rotation2025");
+  const auto rot = parse_arm_list("rotation2025");
+  ASSERT_EQ(rot.size(), 28u);
+  EXPECT_EQ(rot[0], control_arm());
+  std::set<std::string> heads;
+  for (const auto& a : rot) {
+    EXPECT_EQ(a.policy, "full") << a.spec();
+    heads.insert(spec_head(a.scheme));
+    if (a.scheme.find(":cal=auto") != std::string::npos) continue;
+    EXPECT_EQ(make_cache_scheme(a.scheme)->spec(), a.scheme) << a.spec();
+  }
+  for (const std::string h : {"tq", "turboquant", "polar", "qjl", "kivi", "kvquant", "had", "int4", "int3", "int2"}) {
+    EXPECT_TRUE(heads.count(h)) << h << " is not in rotation2025";
   }
 }

@@ -232,7 +232,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--seed", *seed, "suite seed")->capture_default_str()->check(IntRange(0, INT64_MAX));
   cmd->add_option("--tasks", *tasks_file, "read tasks from this JSONL file instead of --suite/--seed");
   cmd->add_option("--configs", *configs,
-                  "arms: comma list, a file with one per line, or an arm set's name (default, evict2026, deepdive, long), "
+                  "arms: comma list, a file with one per line, or an arm set's name (default, evict2026, deepdive, long, rotation2025), "
                   "'scheme+policy' (e.g. int4+h2o@50%); default: the default arm set (kv_study list)");
   cmd->add_option("--budget", *budget, "override the budget of every evicting arm: tokens (256) or percent (25%)");
   cmd->add_option("--budgets", *budgets,

@@ -46,6 +46,16 @@
 ///     reference scripts' re-compression of the whole, already lossy cache every n_b steps,
 ///     per block instead of one whole-sequence low rank; StreamSpec::recompress).
 ///     N a multiple of G, head_dim divisible by G, max(r, rp) <= min(N, head_dim).
+///   - `turboquant:k<b>:v<b>[:kmse][:nc][:seed<s>]` (TurboQuant, arXiv 2504.19874; defaults k3 v3,
+///     keys Prod, seed 42): keys `tq:b<k>:prod` (`kmse`: `tq:b<k>`), values `tq:b<v>` (b in 1..4
+///     by halves; docs/quantizers.md, "TurboQuant"), layer l seeded with s + 1337·l; residual as
+///     the trivial scheme's (CacheConfig::residual_length, sliding, fp16). head_dim a power of two.
+///   - `qjl:m<m>:o<o>:g<g>:v<b>:r<r>[:mo<m_o>][:vg<G>][:seed<s>]` (QJL, arXiv 2406.03482; defaults
+///     m256 o8 g32 v2 r128 mo64 vg32 seed42): keys as 1-bit sketches sign(S k) (m bits, S
+///     orthogonalised in blocks, rows of norm √D) + fp16 norms, the o largest channels of each
+///     group of g tokens sketched apart (m_o bits); values int<v>:g<G>; an r-token fp16 window
+///     (keys flushed in blocks of r, values sliding); layer l seeded s + 1337·l. head_dim ≤ 256,
+///     divisible by G; CacheConfig::residual_length 0 or r.
 ///   - `layers(<scheme>*<n>;<scheme>*<n>;...)` (per-layer mixed precision, KVTuner, arXiv
 ///     2502.04420): consecutive runs of layers, the first n layers stored by the first scheme,
 ///     the next by the next (`*1` may be left out), e.g. K8V4 in the first 4 layers and K4V2

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 
+#include "cache/codebook_schemes.h"
 #include "cache/kvquant_scheme.h"
 #include "registry/registry.h"
 #include "kvcache/error.h"
@@ -332,6 +333,8 @@ std::vector<Entry> scheme_entries() {
     return std::make_unique<GearScheme>(p);
   };
   v.push_back(std::move(gear));
+  v.push_back(turboquant_entry());
+  v.push_back(qjl_entry());
   v.push_back(layer_scheme_entry());
   return v;
 }

@@ -8,6 +8,8 @@
 #include "quant/fp8_quantizer.h"
 #include "quant/int_kernels.h"
 #include "quant/int_quantizer.h"
+#include "quant/polar_quantizer.h"
+#include "quant/turboquant_quantizer.h"
 
 namespace kvcache {
 namespace registry {
@@ -47,6 +49,15 @@ std::vector<Entry> quantizer_entries() {
     return std::make_unique<quant::Fp8Quantizer>(format, p.choice("scale") == "scaled");
   }));
   for (int bits : quant::kIntBits) v.push_back(int_entry(bits));
+  v.push_back(quantizer(quant::TurboQuantizer::table(), [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<Quantizer> {
+    return std::make_unique<quant::TurboQuantizer>(p.num("b"),
+                                                   p.choice("mode") == "prod" ? quant::TurboMode::kProd
+                                                                              : quant::TurboMode::kMse,
+                                                   p.choice("norm") == "nc", p.integer("seed"));
+  }));
+  v.push_back(quantizer(quant::PolarQuantizer::table(), [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<Quantizer> {
+    return std::make_unique<quant::PolarQuantizer>(p.integer("seed"));
+  }));
   return v;
 }
 

@@ -139,6 +139,41 @@ std::vector<ArmSet> arm_sets() {
            {"fp32", "snapkv@25%"},
            {"int4", "snapkv@2048"},
        }},
+      {"rotation2025",
+       "the 2025 rotation-and-codebook quantizers beside KIVI, KVQuant (cal=auto), per-channel int and had(int), all "
+       "with full, by nominal bits 4 / 3.5 / 3 / 2.5: TurboQuant-MSE (tq, with and without vLLM's nc), TurboQuant "
+       "with Prod keys (turboquant), PolarQuant (3.875), QJL (keys m64 / m32 bits at head_dim 32, outliers o2, "
+       "values int2, window r32) (docs/study.md, \"The 2025 rotation-and-codebook quantizers\")",
+       {
+           {"fp32", "full"},
+           {"tq:b4", "full"},
+           {"tq:b4:nc", "full"},
+           {"turboquant:k4:v4", "full"},
+           {"kivi:k4:v4:g32:r128", "full"},
+           {"int4:g32:chan", "full"},
+           {"had(int4)", "full"},
+           {"kvquant:b4:cal=auto", "full"},
+           {"tq:b3.5", "full"},
+           {"tq:b3.5:nc", "full"},
+           {"turboquant:k3.5:v3.5", "full"},
+           {"polar", "full"},
+           {"tq:b3", "full"},
+           {"tq:b3:nc", "full"},
+           {"turboquant:k3:v3", "full"},
+           {"kivi:k3:v3:g32:r128", "full"},
+           {"int3:g32:chan", "full"},
+           {"had(int3)", "full"},
+           {"kvquant:b3:cal=auto", "full"},
+           {"qjl:m64:o2:g32:v2:r32:mo8", "full"},
+           {"tq:b2.5", "full"},
+           {"tq:b2.5:nc", "full"},
+           {"turboquant:k2.5:v2.5", "full"},
+           {"qjl:m32:o2:g32:v2:r32:mo8", "full"},
+           {"kivi:k2:v2:g32:r128", "full"},
+           {"int2:g32:chan", "full"},
+           {"had(int2)", "full"},
+           {"kvquant:b2:qnorm:cal=auto", "full"},
+       }},
   };
 }
 
