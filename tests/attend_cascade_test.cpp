@@ -264,7 +264,9 @@ TEST(AttendCascade, MatchesAttendingAloneForEveryFormat) {
       {"fp32", 8},  {"fp32", 1},  {"fp16", 16},  {"bf16", 3},      {"fp8:e4m3", 8},   {"fp8:e5m2", 1},
       {"int8", 8},  {"int4", 32},  {"int4", 1},  {"int3", 8},      {"int2:g8", 4},    {"int4:g8:chan", 8},
       {"kivi:k2:v2:g8:r8", 8},    {"kivi:k4:v4:g4:r8", 4},        {"had(int4)", 8},  {"had:k(int4:g8:chan)", 8},
-      {"gear:b4:g4:s0:r0:loop1:nb4", 8},                          {"layers(int4;fp16)", 8}};
+      {"gear:b4:g4:s0:r0:loop1:nb4", 8},                          {"layers(int4;fp16)", 8},
+      {"tq:b4", 8},                {"tq:b3:prod", 4},             {"polar", 8},      {"turboquant:k3:v3", 8},
+      {"qjl:m16:o2:g4:v2:r8:mo8:vg8", 8}};
   std::set<std::string> heads;
   for (const Shape& s : shapes) {
     double worst = 0;
