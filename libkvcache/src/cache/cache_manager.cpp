@@ -4,10 +4,14 @@
 #include "kvcache/cache_manager.h"
 
 #include <algorithm>
+#include <iterator>
+#include <istream>
+#include <ostream>
 #include <set>
 
 #include "cache/cache_manager_access.h"
 #include "cache/step_protocol.h"
+#include "common/file_io.h"
 #include "common/parallel.h"
 #include "common/view_ops.h"
 #include "kvcache/cache_debug.h"
@@ -15,6 +19,10 @@
 #include "kvcache/external_attention.h"
 
 namespace kvcache {
+namespace {
+/// The largest snapshot load() reads (64 GiB: far above any cache this library holds).
+constexpr int64_t kMaxSnapshotBytes = int64_t{64} << 30;
+}  // namespace
 
 int64_t LayerTokens::max_resident() const {
   int64_t m = 0;
@@ -47,9 +55,49 @@ CacheStats SequenceCache::stats() const { return steps_->stats(); }
 // ---------------------------------------------------------------- CacheManager
 CacheManager::CacheManager(CacheConfig config)
     : SequenceCache(std::make_unique<cache::StepProtocol>(std::move(config), nullptr, nullptr)) {}
+CacheManager::CacheManager(std::unique_ptr<cache::StepProtocol> steps) : SequenceCache(std::move(steps)) {}
 CacheManager::~CacheManager() = default;
 CacheManager::CacheManager(CacheManager&&) noexcept = default;
 CacheManager& CacheManager::operator=(CacheManager&&) noexcept = default;
+
+void CacheManager::save(const std::string& path, const std::string& model_fingerprint) const {
+  const std::string bytes = steps().snapshot(model_fingerprint);
+  try {
+    io::write_file_atomic(path, bytes);
+  } catch (const InvalidArgument& e) {
+    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::save: ", e.what(),
+                                                                   "; the file at that path is unchanged (io)"));
+  }
+}
+
+void CacheManager::save(std::ostream& out, const std::string& model_fingerprint) const {
+  const std::string bytes = steps().snapshot(model_fingerprint);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.flush();
+  if (!out.good()) {
+    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::save: the stream failed writing ",
+                                                                   bytes.size(), " snapshot bytes (io)"));
+  }
+}
+
+void CacheManager::load(const std::string& path, const std::string& model_fingerprint) {
+  std::string bytes;
+  try {
+    bytes = io::read_regular_file(path, "snapshot", kMaxSnapshotBytes);
+  } catch (const InvalidArgument& e) {
+    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::load: ", e.what(), " (io)"));
+  }
+  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, path));
+}
+
+void CacheManager::load(std::istream& in, const std::string& model_fingerprint) {
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) {
+    throw SnapshotError(SnapshotError::Reason::kIo,
+                        detail::str_cat("CacheManager::load: the stream failed after ", bytes.size(), " bytes (io)"));
+  }
+  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, "<stream>"));
+}
 
 // ---------------------------------------------------------------- adapters
 void ExternalAttention::observe_attention(int64_t layer, const TensorView& probs) {

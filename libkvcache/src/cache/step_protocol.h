@@ -24,6 +24,9 @@
 
 namespace kvcache::cache {
 
+/// Largest position the RoPE table records cos/sin for (a table of D floats per position).
+inline constexpr int64_t kMaxPreRopePosition = int64_t{1} << 22;
+
 /// Called before a step allocates (MultiSequenceCache's pool capacity). Either may throw
 /// CapacityError; the step has then changed nothing.
 class StepHooks {
@@ -96,6 +99,18 @@ class StepProtocol {
   int64_t cow_copies() const { return store_->cow_copies(); }
   /// The LayerView the policy gets for `layer` (in range).
   BlockLayerView view(int64_t layer) const;
+
+  // ---- snapshots (snapshot.cpp, docs/snapshot-format.md)
+  /// The snapshot of this sequence: its blocks as stored, counters and policy state, under a
+  /// header naming `model_fingerprint`. Between steps only.
+  /// @throws InvalidArgument inside a step or a replay.
+  std::string snapshot(const std::string& model_fingerprint) const;
+  /// A new protocol of `config` (its context_length replaced by the snapshot's) holding what
+  /// `bytes` holds. Every check runs before anything is returned; the caller's cache is not
+  /// touched. `source` names the file in messages.
+  /// @throws SnapshotError naming the failed check (kvcache/snapshot.h).
+  static std::unique_ptr<StepProtocol> from_snapshot(const CacheConfig& config, const std::string& bytes,
+                                                     const std::string& model_fingerprint, const std::string& source);
 
  private:
   struct LayerStep {
