@@ -45,6 +45,7 @@
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvcache/cache_config.h"
 #include "kvcache/sequence_cache.h"
@@ -75,10 +76,13 @@ class CacheManager final : public SequenceCache {
   /// @throws InvalidArgument inside a step; SnapshotError (kIo) naming the path and the OS
   ///         error when the file cannot be written (read-only directory, full disk, no such
   ///         directory).
-  void save(const std::string& path, const std::string& model_fingerprint) const;
+  /// `tokens`: the token ids the sequence holds, when the caller wants them back from load() (a
+  /// runner checks that a new prompt starts with them); stored as given (int64), not checked.
+  void save(const std::string& path, const std::string& model_fingerprint,
+            const std::vector<int64_t>& tokens = {}) const;
   /// The same bytes written to `out` (no atomicity: the stream's own).
   /// @throws as save(path); SnapshotError (kIo) when the stream fails.
-  void save(std::ostream& out, const std::string& model_fingerprint) const;
+  void save(std::ostream& out, const std::string& model_fingerprint, const std::vector<int64_t>& tokens = {}) const;
   /// Replaces the sequence by the snapshot at `path`, written by a cache of this configuration
   /// (canonical scheme and policy, block_tokens, shape, residual_length, key storage, position
   /// mode) for the model `model_fingerprint` names; context_length becomes the saved request's.
@@ -88,9 +92,10 @@ class CacheManager final : public SequenceCache {
   /// @throws SnapshotError whose reason() says which check failed: kNotSnapshot, kTruncated,
   ///         kChecksum (a flipped byte), kFutureVersion, kOtherModel, kOtherConfig (naming the
   ///         field, the file's value and the cache's), kInconsistent, kIo (cannot read `path`).
-  void load(const std::string& path, const std::string& model_fingerprint);
+  /// @return the token ids given to save() (empty if none).
+  std::vector<int64_t> load(const std::string& path, const std::string& model_fingerprint);
   /// The same, reading `in` to its end. @throws as load(path).
-  void load(std::istream& in, const std::string& model_fingerprint);
+  std::vector<int64_t> load(std::istream& in, const std::string& model_fingerprint);
 
  private:
   explicit CacheManager(std::unique_ptr<cache::StepProtocol> steps);

@@ -60,8 +60,9 @@ CacheManager::~CacheManager() = default;
 CacheManager::CacheManager(CacheManager&&) noexcept = default;
 CacheManager& CacheManager::operator=(CacheManager&&) noexcept = default;
 
-void CacheManager::save(const std::string& path, const std::string& model_fingerprint) const {
-  const std::string bytes = steps().snapshot(model_fingerprint);
+void CacheManager::save(const std::string& path, const std::string& model_fingerprint,
+                        const std::vector<int64_t>& tokens) const {
+  const std::string bytes = steps().snapshot(model_fingerprint, tokens);
   try {
     io::write_file_atomic(path, bytes);
   } catch (const InvalidArgument& e) {
@@ -70,8 +71,9 @@ void CacheManager::save(const std::string& path, const std::string& model_finger
   }
 }
 
-void CacheManager::save(std::ostream& out, const std::string& model_fingerprint) const {
-  const std::string bytes = steps().snapshot(model_fingerprint);
+void CacheManager::save(std::ostream& out, const std::string& model_fingerprint,
+                        const std::vector<int64_t>& tokens) const {
+  const std::string bytes = steps().snapshot(model_fingerprint, tokens);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   out.flush();
   if (!out.good()) {
@@ -80,23 +82,27 @@ void CacheManager::save(std::ostream& out, const std::string& model_fingerprint)
   }
 }
 
-void CacheManager::load(const std::string& path, const std::string& model_fingerprint) {
+std::vector<int64_t> CacheManager::load(const std::string& path, const std::string& model_fingerprint) {
   std::string bytes;
   try {
     bytes = io::read_regular_file(path, "snapshot", kMaxSnapshotBytes);
   } catch (const InvalidArgument& e) {
     throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::load: ", e.what(), " (io)"));
   }
-  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, path));
+  std::vector<int64_t> tokens;
+  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, path, &tokens));
+  return tokens;
 }
 
-void CacheManager::load(std::istream& in, const std::string& model_fingerprint) {
+std::vector<int64_t> CacheManager::load(std::istream& in, const std::string& model_fingerprint) {
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) {
     throw SnapshotError(SnapshotError::Reason::kIo,
                         detail::str_cat("CacheManager::load: the stream failed after ", bytes.size(), " bytes (io)"));
   }
-  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, "<stream>"));
+  std::vector<int64_t> tokens;
+  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, "<stream>", &tokens));
+  return tokens;
 }
 
 // ---------------------------------------------------------------- adapters

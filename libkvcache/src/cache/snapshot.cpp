@@ -277,6 +277,7 @@ struct Header {
   int64_t block_tokens = 0, layers = 0, q_heads = 0, kv_heads = 0, head_dim = 0, residual = 0;
   uint8_t key_storage = 0, position_mode = 0;
   int64_t context_length = 0;
+  std::vector<int64_t> tokens;  ///< the caller's token ids of what the sequence holds (may be empty)
 };
 
 void put_header(Out& o, const Header& h) {
@@ -288,6 +289,8 @@ void put_header(Out& o, const Header& h) {
   o.put<uint8_t>(h.key_storage);
   o.put<uint8_t>(h.position_mode);
   o.put<int64_t>(h.context_length);
+  o.put<uint64_t>(h.tokens.size());
+  o.bytes(h.tokens.data(), h.tokens.size() * sizeof(int64_t));
 }
 
 Header get_header(In& in) {
@@ -302,6 +305,11 @@ Header get_header(In& in) {
   h.key_storage = in.get<uint8_t>();
   h.position_mode = in.get<uint8_t>();
   h.context_length = in.get<int64_t>();
+  const auto n = in.get<uint64_t>();
+  in.need(n);
+  h.tokens.resize(static_cast<size_t>(n));
+  in.need(n * sizeof(int64_t));
+  std::memcpy(h.tokens.data(), in.take(static_cast<size_t>(n) * sizeof(int64_t)), static_cast<size_t>(n) * sizeof(int64_t));
   in.done();
   return h;
 }
@@ -406,7 +414,7 @@ void compare(const std::string& field, const std::string& file, const std::strin
 
 }  // namespace
 
-std::string StepProtocol::snapshot(const std::string& model_fingerprint) const {
+std::string StepProtocol::snapshot(const std::string& model_fingerprint, const std::vector<int64_t>& tokens) const {
   KV_CHECK_ARG(!replaying_, "CacheManager::save: a replay step is open (call end_step first)");
   for (size_t l = 0; l < steps_.size(); ++l) {
     const LayerStep& s = steps_[l];
@@ -427,7 +435,9 @@ std::string StepProtocol::snapshot(const std::string& model_fingerprint) const {
   std::string payload;
   {
     Out o(payload);
-    put_header(o, header_of(cfg_, st.scheme().spec(), policy_->spec(), st.block_tokens(), model_fingerprint));
+    Header h = header_of(cfg_, st.scheme().spec(), policy_->spec(), st.block_tokens(), model_fingerprint);
+    h.tokens = tokens;
+    put_header(o, h);
     put_section(file, "HEAD", index++, payload);
   }
   for (int64_t l = 0; l < L; ++l) {
@@ -476,7 +486,7 @@ std::string StepProtocol::snapshot(const std::string& model_fingerprint) const {
 
 std::unique_ptr<StepProtocol> StepProtocol::from_snapshot(const CacheConfig& config, const std::string& bytes,
                                                           const std::string& model_fingerprint,
-                                                          const std::string& source) {
+                                                          const std::string& source, std::vector<int64_t>* tokens) {
   const std::vector<Section> sections = frame(bytes, source);
   auto expect_tag = [&](size_t i, const char (&tag)[5]) {
     if (i >= sections.size()) {
@@ -600,6 +610,7 @@ std::unique_ptr<StepProtocol> StepProtocol::from_snapshot(const CacheConfig& con
   } catch (const InternalError& e) {
     fail(Reason::kInconsistent, source, e.what());
   }
+  if (tokens != nullptr) *tokens = file.tokens;
   // Positions are non-negative (check() bounds them by each layer's last position above).
   for (int64_t l = 0; l < file.layers; ++l) {
     for (int64_t h = 0; h < file.kv_heads; ++h) {

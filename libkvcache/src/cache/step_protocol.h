@@ -102,15 +102,16 @@ class StepProtocol {
 
   // ---- snapshots (snapshot.cpp, docs/snapshot-format.md)
   /// The snapshot of this sequence: its blocks as stored, counters and policy state, under a
-  /// header naming `model_fingerprint`. Between steps only.
+  /// header naming `model_fingerprint` and the caller's `tokens`. Between steps only.
   /// @throws InvalidArgument inside a step or a replay.
-  std::string snapshot(const std::string& model_fingerprint) const;
+  std::string snapshot(const std::string& model_fingerprint, const std::vector<int64_t>& tokens) const;
   /// A new protocol of `config` (its context_length replaced by the snapshot's) holding what
   /// `bytes` holds. Every check runs before anything is returned; the caller's cache is not
-  /// touched. `source` names the file in messages.
+  /// touched. `source` names the file in messages; the saved token ids go to `*tokens`.
   /// @throws SnapshotError naming the failed check (kvcache/snapshot.h).
   static std::unique_ptr<StepProtocol> from_snapshot(const CacheConfig& config, const std::string& bytes,
-                                                     const std::string& model_fingerprint, const std::string& source);
+                                                     const std::string& model_fingerprint, const std::string& source,
+                                                     std::vector<int64_t>* tokens);
 
  private:
   struct LayerStep {
