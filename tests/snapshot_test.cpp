@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -22,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../fuzz/snapshot_configs.h"
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
 #include "cache_test_util.h"
@@ -301,6 +303,18 @@ TEST(Snapshot, RoundTripContinuesBitForBit) {
       if (::testing::Test::HasFailure()) return;  // one case's failures, not hundreds
     }
   }
+}
+
+TEST(Snapshot, TokenIdsComeBackFromLoad) {
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  CacheManager a(cfg), b(cfg);
+  const std::vector<int64_t> ids = {1, 17, -3, int64_t{1} << 40};
+  std::ostringstream os;
+  a.save(os, kModel, ids);
+  std::istringstream is(os.str());
+  EXPECT_EQ(b.load(is, kModel), ids);
+  std::istringstream again(bytes_of(a));
+  EXPECT_EQ(b.load(again, kModel), std::vector<int64_t>{});
 }
 
 TEST(Snapshot, EmptyCacheRoundTrips) {
@@ -682,6 +696,39 @@ TEST(SnapshotFile, KillNineInTheMiddleOfASaveLeavesALoadableSnapshot) {
   EXPECT_TRUE(killed_mid_save) << "never caught the child inside a save";
   for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
   ::rmdir(dir.c_str());
+}
+
+// ------------------------------------------------------------ the fuzz target's seeds
+
+/// fuzz/corpus/snapshot/: one seed per fuzz/snapshot_configs.h case — [case][flags 1][a snapshot
+/// of that cache after a 3-chunk prompt and 3 decode steps]. Each committed seed must load into
+/// its case's cache (a format change that makes them stale fails here). With
+/// KVCACHE_WRITE_FUZZ_SEEDS=1 the test (re)writes them instead.
+TEST(SnapshotFuzzSeeds, CommittedSeedsLoad) {
+  const std::string dir = std::string(KVCACHE_SOURCE_DIR) + "/fuzz/corpus/snapshot";
+  const char* env = std::getenv("KVCACHE_WRITE_FUZZ_SEEDS");
+  const bool write = env != nullptr && std::string(env) == "1";
+  for (size_t i = 0; i < fuzz::kSnapshotCaseCount; ++i) {
+    const std::string path = dir + "/seed" + std::to_string(i);
+    CacheManager m(fuzz::snapshot_case_config(i));
+    if (write) {
+      TorchCache t(m);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(40 + i));
+      run_steps({&t}, gen, 0, 6, "seed " + std::to_string(i));
+      std::string seed;
+      seed.push_back(static_cast<char>(i));
+      seed.push_back(1);
+      seed += bytes_of(m, fuzz::kSnapshotFingerprint);
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << seed;
+      continue;
+    }
+    const std::string seed = read_bytes(path);
+    ASSERT_GT(seed.size(), 2u) << path << " is missing: KVCACHE_WRITE_FUZZ_SEEDS=1 build/tests/snapshot_test "
+                                          "--gtest_filter=SnapshotFuzzSeeds.* writes it";
+    EXPECT_EQ(static_cast<size_t>(static_cast<uint8_t>(seed[0])), i);
+    load_bytes(m, seed.substr(2), fuzz::kSnapshotFingerprint);
+    EXPECT_GT(m.stats().tokens_written, 0) << path;
+  }
 }
 
 }  // namespace
