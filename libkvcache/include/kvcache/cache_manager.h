@@ -67,9 +67,9 @@ class CacheManager final : public SequenceCache {
   /// holes), the counters, and the eviction policy's state, under a header naming the format
   /// version, the library version, the canonical scheme and policy specs, block_tokens, the
   /// shape [layers, H_q, H_kv, D] and `model_fingerprint` (any bytes the caller chooses to name
-  /// the model: the runner's is config + weights hash, kvcache/model/causal_lm.h). About
-  /// bytes_reserved() bytes (only the filled slots of each block are written) plus ~24 bytes of
-  /// metadata per block and the header. Atomic: a temporary file in the same directory,
+  /// the model: CausalLM::fingerprint() hashes config and weights, kvcache/model/causal_lm.h).
+  /// Size: stats().bytes_reserved less the unfilled tails of blocks (only filled slots are
+  /// written), plus 4 bytes per block (more with holes or explicit positions) and the header. Atomic: a temporary file in the same directory,
   /// fsync, rename over `path`, fsync of the directory; a save that fails (or a process killed
   /// during one) leaves the file that was at `path` as it was and no temporary file behind.
   /// Between steps only (after end_step).

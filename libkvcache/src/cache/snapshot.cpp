@@ -290,7 +290,7 @@ void put_header(Out& o, const Header& h) {
   o.put<uint8_t>(h.position_mode);
   o.put<int64_t>(h.context_length);
   o.put<uint64_t>(h.tokens.size());
-  o.bytes(h.tokens.data(), h.tokens.size() * sizeof(int64_t));
+  if (!h.tokens.empty()) o.bytes(h.tokens.data(), h.tokens.size() * sizeof(int64_t));
 }
 
 Header get_header(In& in) {
@@ -306,10 +306,10 @@ Header get_header(In& in) {
   h.position_mode = in.get<uint8_t>();
   h.context_length = in.get<int64_t>();
   const auto n = in.get<uint64_t>();
-  in.need(n);
+  in.need(n);  // n <= bytes left: n * 8 cannot overflow
+  const uint8_t* ids = in.take(static_cast<size_t>(n) * sizeof(int64_t));
   h.tokens.resize(static_cast<size_t>(n));
-  in.need(n * sizeof(int64_t));
-  std::memcpy(h.tokens.data(), in.take(static_cast<size_t>(n) * sizeof(int64_t)), static_cast<size_t>(n) * sizeof(int64_t));
+  if (n > 0) std::memcpy(h.tokens.data(), ids, static_cast<size_t>(n) * sizeof(int64_t));
   in.done();
   return h;
 }
