@@ -28,6 +28,7 @@
 #include "cache/layer_store.h"
 #include "cache_test_util.h"
 #include "kvcache/kvquant.h"
+#include "kvcache/multi_sequence_cache.h"
 #include "kvcache/registry.h"
 #include "kvcache/snapshot.h"
 
@@ -323,6 +324,47 @@ TEST(Snapshot, EmptyCacheRoundTrips) {
   load_bytes(b, bytes_of(a));
   EXPECT_EQ(b.stats().tokens_written, 0);
   EXPECT_EQ(bytes_of(b), bytes_of(a));
+}
+
+TEST(Snapshot, SequenceOfAMultiSequenceCacheLoadsIntoACacheManager) {
+  // Sequence 1 reuses sequence 0's prompt prefix from the index (shared blocks), goes on, and is
+  // saved; a CacheManager of the same configuration loads it and both continue alike.
+  for (const std::string scheme : {"int4:g4", "kivi:k2:v4:g4:r8", "fp16"}) {
+    auto model = make_config(2, 4, 2, 8, scheme, "full", 0);
+    model.block_tokens = 8;
+    MultiSequenceConfig mc;
+    mc.model = model;
+    mc.capacity_bytes = int64_t{1} << 28;
+    MultiSequenceCache pool(mc);
+    std::vector<int64_t> prompt(32);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int64_t>(3 + i % 11);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(23);
+    Sequence& first = pool.add_sequence();
+    ASSERT_EQ(first.begin_request(prompt, 48).cached_tokens, 0);
+    TorchCache t0(first);
+    step_all({&t0}, gen, 16, StepKind::kPrefill, false, scheme);
+    step_all({&t0}, gen, 16, StepKind::kPrefillEnd, false, scheme);
+    first.finish();
+    std::vector<int64_t> longer = prompt;
+    for (int64_t i = 0; i < 8; ++i) longer.push_back(100 + i);
+    Sequence& second = pool.add_sequence();
+    const PrefixReuse reuse = second.begin_request(longer, 48);
+    ASSERT_GT(reuse.cached_tokens, 0) << scheme;
+    TorchCache t1(second);
+    step_all({&t1}, gen, 40 - reuse.cached_tokens, StepKind::kPrefillEnd, false, scheme);
+    step_all({&t1}, gen, 1, StepKind::kDecode, false, scheme);
+    std::ostringstream os;
+    second.save(os, kModel);
+    auto cfg = model;
+    CacheManager m(cfg);
+    std::istringstream is(os.str());
+    (void)m.load(is, kModel);
+    expect_same_blocks(second, m, scheme);
+    EXPECT_EQ(bytes_of(m), os.str()) << scheme;
+    TorchCache tm(m);
+    for (int i = 0; i < 4; ++i) step_all({&t1, &tm}, gen, 1, StepKind::kDecode, false, scheme + " continued");
+    testing::Snapshot(t1).expect_same(testing::Snapshot(tm), scheme);
+  }
 }
 
 // ------------------------------------------------------------ refusals

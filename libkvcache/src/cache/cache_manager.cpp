@@ -62,24 +62,12 @@ CacheManager& CacheManager::operator=(CacheManager&&) noexcept = default;
 
 void CacheManager::save(const std::string& path, const std::string& model_fingerprint,
                         const std::vector<int64_t>& tokens) const {
-  const std::string bytes = steps().snapshot(model_fingerprint, tokens);
-  try {
-    io::write_file_atomic(path, bytes);
-  } catch (const InvalidArgument& e) {
-    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::save: ", e.what(),
-                                                                   "; the file at that path is unchanged (io)"));
-  }
+  cache::write_snapshot(path, steps().snapshot(model_fingerprint, tokens), "CacheManager::save");
 }
 
 void CacheManager::save(std::ostream& out, const std::string& model_fingerprint,
                         const std::vector<int64_t>& tokens) const {
-  const std::string bytes = steps().snapshot(model_fingerprint, tokens);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  out.flush();
-  if (!out.good()) {
-    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::save: the stream failed writing ",
-                                                                   bytes.size(), " snapshot bytes (io)"));
-  }
+  cache::write_snapshot(out, steps().snapshot(model_fingerprint, tokens), "CacheManager::save");
 }
 
 std::vector<int64_t> CacheManager::load(const std::string& path, const std::string& model_fingerprint) {

@@ -11,8 +11,10 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <ostream>
 
 #include "cache/step_protocol.h"
+#include "common/file_io.h"
 #include "kvcache/error.h"
 #include "kvcache/snapshot.h"
 
@@ -413,6 +415,24 @@ void compare(const std::string& field, const std::string& file, const std::strin
 }
 
 }  // namespace
+
+void write_snapshot(const std::string& path, const std::string& bytes, const char* fn) {
+  try {
+    io::write_file_atomic(path, bytes);
+  } catch (const InvalidArgument& e) {
+    throw SnapshotError(Reason::kIo,
+                        detail::str_cat(fn, ": ", e.what(), "; the file at that path is unchanged (io)"));
+  }
+}
+
+void write_snapshot(std::ostream& out, const std::string& bytes, const char* fn) {
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.flush();
+  if (!out.good()) {
+    throw SnapshotError(Reason::kIo, detail::str_cat(fn, ": the stream failed writing ", bytes.size(),
+                                                     " snapshot bytes (io)"));
+  }
+}
 
 std::string StepProtocol::snapshot(const std::string& model_fingerprint, const std::vector<int64_t>& tokens) const {
   KV_CHECK_ARG(!replaying_, "CacheManager::save: a replay step is open (call end_step first)");

@@ -10,6 +10,7 @@
 /// sequence of a MultiSequenceCache passes its shared pools and its StepHooks.
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -151,6 +152,11 @@ class StepProtocol {
   bool replay_plans_ = false;  ///< the policy asked for the replay (else its end plans nothing)
   std::vector<ReplayLayer> replay_;
 };
+
+/// Writes snapshot `bytes` to `path` atomically (io::write_file_atomic) or to `out`; `fn` names
+/// the caller in messages. @throws SnapshotError (kIo) naming the path and the OS error.
+void write_snapshot(const std::string& path, const std::string& bytes, const char* fn);
+void write_snapshot(std::ostream& out, const std::string& bytes, const char* fn);
 
 /// Why a config needs the RoPE table beyond pre-RoPE keys ("" if it does not): a policy that
 /// takes pre-RoPE queries (Expected Attention un-rotates them and averages future rotations).
