@@ -9,6 +9,8 @@ find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev
 find_package(Eigen3 3.3 REQUIRED NO_MODULE)  # libeigen3-dev (header-only): small dense math inside the kernels (GEAR power iteration and QR, KVQuant k-means)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)  # libpcre2-dev
+# libxxhash-dev: the per-section checksums of cache snapshots (XXH3-64, docs/snapshot-format.md).
+pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 if(KVCACHE_BUILD_APPS)
   find_package(CLI11 REQUIRED)          # libcli11-dev
 endif()

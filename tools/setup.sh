@@ -33,6 +33,7 @@ PACKAGES=(
   build-essential cmake pkg-config git ccache
   libtorch-dev libopenblas0-openmp   # LibTorch 1.13; OpenBLAS (else the reference BLAS: ~7x slower GEMM)
   libeigen3-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev
+  libxxhash-dev                      # snapshot checksums (XXH3-64)
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy python3-matplotlib
 )

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 
 #include "commands.h"
@@ -27,6 +29,15 @@ using namespace kvcache::study;
 /// The evaluator for `path`, with a pointer to what to do when the default model is asked for
 /// and this checkout has none (it is trained by tools/train_default_model.py, issue 6).
 std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int threads, int64_t text_tokens) {
+  ModelEvaluatorOptions mopt;
+  mopt.model_path = path;
+  mopt.threads = threads;
+  if (text_tokens > 0) mopt.text_tokens = text_tokens;
+  return load_evaluator(mopt);
+}
+
+std::unique_ptr<ArmEvaluator> load_evaluator(const ModelEvaluatorOptions& mopt) {
+  const std::string& path = mopt.model_path;
   struct stat st {};
   if (path == kDefaultModel && ::stat(path.c_str(), &st) != 0) {
     throw kvcache::InvalidArgument(
@@ -39,10 +50,6 @@ std::unique_ptr<ArmEvaluator> load_evaluator(const std::string& path, int thread
                                    "' is not in this checkout (docs/long-model.md: tools/train_long_model.py trains "
                                    "it); pass --model M.pt");
   }
-  ModelEvaluatorOptions mopt;
-  mopt.model_path = path;
-  mopt.threads = threads;
-  if (text_tokens > 0) mopt.text_tokens = text_tokens;
   return make_model_evaluator(mopt);
 }
 
@@ -401,7 +408,45 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
       ->capture_default_str()
       ->check(IntRange(1, kMaxThreads));
+  auto save_cache = std::make_shared<std::string>();
+  auto load_cache = std::make_shared<std::string>();
+  cmd->add_option("--save-cache", *save_cache,
+                  "write the cache to FILE as a snapshot (docs/snapshot-format.md): the prompt but its last token is "
+                  "prefilled in one step and saved there, in the arm's stored form, with the model's fingerprint; "
+                  "then the reply is generated as usual. The write is atomic (a temporary in FILE's directory, "
+                  "renamed over FILE)")
+      ->type_name("FILE");
+  cmd->add_option("--load-cache", *load_cache,
+                  "restore the snapshot FILE (written by --save-cache for this model and --arm) instead of "
+                  "prefilling the prompt tokens it holds: the prompt must start with them; the rest is prefilled "
+                  "and the reply generated. The same prompt and arm generate exactly the reply the saving run did")
+      ->type_name("FILE");
   cmd->callback([=] {
+    if (!save_cache->empty() && !load_cache->empty()) {
+      throw kvcache::InvalidArgument("--save-cache '" + *save_cache + "' and --load-cache '" + *load_cache +
+                                     "': give one of them (a run either saves its prompt's cache or restores one)");
+    }
+    if (!save_cache->empty()) {
+      // Before the model runs: a directory that cannot take the file is an error now, not after the prefill.
+      const auto slash = save_cache->rfind('/');
+      const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : save_cache->substr(0, slash);
+      if (is_dir(*save_cache)) {
+        throw kvcache::InvalidArgument("--save-cache '" + *save_cache + "' is a directory; expected a file path");
+      }
+      if (!is_dir(dir)) {
+        throw kvcache::InvalidArgument("--save-cache '" + *save_cache + "': directory '" + dir +
+                                       "' does not exist; expected a file path in an existing directory");
+      }
+      if (::access(dir.c_str(), W_OK) != 0) {
+        throw kvcache::InvalidArgument("--save-cache '" + *save_cache + "': directory '" + dir +
+                                       "' is not writable (" + std::strerror(errno) + ")");
+      }
+    }
+    if (!load_cache->empty() && !is_file(*load_cache)) {
+      throw kvcache::InvalidArgument("--load-cache '" + *load_cache + "': " +
+                                     (is_dir(*load_cache) ? "is a directory" : "no such file") +
+                                     "; expected a snapshot written by --save-cache");
+    }
     std::vector<QueryMode> modes;
     try {
       modes = parse_query_modes(*query_mode);
@@ -416,7 +461,12 @@ void add_generate_command(CLI::App& app) {
       throw kvcache::InvalidArgument(
           "--query-mode agnostic needs --question: the text asked after the context (--prompt) is compressed");
     }
-    auto ev = load_evaluator(*model, *threads);
+    ModelEvaluatorOptions mopt;
+    mopt.model_path = *model;
+    mopt.threads = *threads;
+    mopt.save_cache = *save_cache;
+    mopt.load_cache = *load_cache;
+    auto ev = load_evaluator(mopt);
     const Arm a = ev->canonicalize(parse_arm(*arm));
     kvcache::study::Task t;
     t.id = "generate";
@@ -439,6 +489,11 @@ void add_generate_command(CLI::App& app) {
               << " | prefill " << g.prefill_seconds << " s, decode " << g.decode_seconds << " s";
     if (modes[0] == QueryMode::kAgnostic) {
       std::cerr << " | query-agnostic: " << g.question_tokens << " question tokens fed after the compression";
+    }
+    if (!save_cache->empty()) std::cerr << " | cache of " << g.prompt_tokens - 1 << " prompt tokens saved to " << *save_cache;
+    if (!load_cache->empty()) {
+      std::cerr << " | restored " << g.restored_tokens << " prompt tokens from " << *load_cache << " in "
+                << g.restore_seconds << " s, prefilled " << g.prompt_tokens - g.restored_tokens;
     }
     std::cerr << "\n";
   });

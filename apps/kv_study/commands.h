@@ -32,6 +32,8 @@ void add_layers_command(CLI::App& app);
 /// `text_tokens` > 0: the perplexity/KLD passage's length (ModelEvaluatorOptions::text_tokens).
 std::unique_ptr<kvcache::study::ArmEvaluator> load_evaluator(const std::string& path, int threads,
                                                              int64_t text_tokens = 0);
+/// The same for options set in full (ModelEvaluatorOptions: model_path, threads, snapshots).
+std::unique_ptr<kvcache::study::ArmEvaluator> load_evaluator(const kvcache::study::ModelEvaluatorOptions& options);
 
 /// Creates `dir` and its missing parents. @throws InvalidArgument naming the one it cannot create.
 void make_dirs(const std::string& dir);

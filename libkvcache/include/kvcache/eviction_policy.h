@@ -38,6 +38,8 @@
 
 namespace kvcache {
 
+class PolicyStateIO;  // kvcache/snapshot.h
+
 /// The cache geometry a policy plans for (set by reset()).
 struct CacheShape {
   int64_t num_layers = 1;
@@ -144,6 +146,13 @@ class EvictionPolicy {
   ///         protected tokens (message names the numbers); InvalidArgument on a bad shape.
   void reset(int64_t context_length, const CacheShape& shape);
 
+  /// Writes (io.reading() false) or reads the state the policy has advanced since reset() —
+  /// accumulated scores, per-layer step counters, classifications — so that a snapshot
+  /// (kvcache/snapshot.h) continues exactly. Reading follows reset() with the saved
+  /// context_length and shape (which restore what reset() derives) and replaces that state.
+  /// @throws SnapshotError (kInconsistent) when reading bytes that do not fit the shape.
+  void persist(PolicyStateIO& io) { do_persist(io); }
+
   /// The parsed budget (kind kNone when the spec had no '@').
   const Budget& budget() const { return budget_; }
   int64_t context_length() const { return context_length_; }
@@ -167,6 +176,9 @@ class EvictionPolicy {
     (void)rows;
     (void)view;
   }
+  /// The state persist() carries; default: none (positional policies derive all theirs in
+  /// on_reset()). A policy that keeps state across steps overrides it.
+  virtual void do_persist(PolicyStateIO& io) { (void)io; }
   /// Resolved budget per KV head; for a spec without '@': the context length (0 if unknown).
   /// @throws InvalidArgument if the budget is fractional and the context length is unknown.
   int64_t resolved_budget() const;

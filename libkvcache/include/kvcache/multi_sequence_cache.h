@@ -56,6 +56,7 @@
 /// each computing what it computes alone (cache_manager.h, "Threads").
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -190,6 +191,19 @@ class Sequence final : public SequenceCache {
   const PrefixMatch& prefix() const;
   /// Blocks this sequence copied on write (cumulative).
   int64_t blocks_copied() const;
+
+  /// Writes this sequence as a snapshot, as CacheManager::save does (kvcache/cache_manager.h,
+  /// docs/snapshot-format.md): its blocks as stored — the prefix blocks it shares with the index
+  /// written out as its own — counters and policy state, atomically. The file loads into a
+  /// CacheManager of this sequence's configuration, which then continues bit for bit as the
+  /// sequence would (Snapshot.SequenceOfAMultiSequenceCacheLoadsIntoACacheManager); the index
+  /// and the pool are not written. Between steps only.
+  /// @throws InvalidArgument inside a step or for a preempted sequence (its blocks are gone);
+  ///         SnapshotError (kIo) when the file cannot be written.
+  void save(const std::string& path, const std::string& model_fingerprint,
+            const std::vector<int64_t>& tokens = {}) const;
+  /// The same bytes written to `out`. @throws as save(path); SnapshotError (kIo) when the stream fails.
+  void save(std::ostream& out, const std::string& model_fingerprint, const std::vector<int64_t>& tokens = {}) const;
 
   /// As SequenceCache (the same checks and guarantees), plus: PoolFullError (a CapacityError)
   /// when the pool has no room (PoolFullRule; preempted() false, the call changed nothing) or

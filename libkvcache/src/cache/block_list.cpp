@@ -136,6 +136,18 @@ void BlockList::adopt(const Block& b) {
   reserved_ += F.block_bytes;
 }
 
+void BlockList::restore(Block b, const std::function<void(uint8_t* mem)>& fill) {
+  const BlockFormat& F = fmt(b.format);
+  b.id = F.pool->allocate();
+  uint8_t* mem = F.pool->data(b.id);
+  std::memset(mem, 0, static_cast<size_t>(F.block_bytes));
+  fill(mem);
+  live_ += b.live;
+  reserved_ += F.block_bytes;
+  blocks_.push_back(std::move(b));
+  bytes_ += block_bytes_resident(blocks_.back());
+}
+
 int64_t BlockList::append_bound(uint8_t f, int64_t n) const {
   const BlockFormat& F = fmt(f);
   if (n <= 0) return 0;

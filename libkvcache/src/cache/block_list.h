@@ -30,6 +30,7 @@
 /// would do with private blocks, and no other holder ever sees a byte change.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,11 @@ class BlockList {
   /// format, id, `filled` slots at positions pos0 + slot, no holes. Its positions must follow
   /// every live position of the list.
   void adopt(const Block& b);
+  /// Appends a block read from a snapshot (snapshot.cpp): `b`'s format (one of the list's,
+  /// checked by the caller), slots, holes and positions as given (b.id is ignored), in a new
+  /// block whose memory is zeroed and then handed to `fill` to write the stored bytes. The
+  /// counters follow; the caller runs check() once every block is in.
+  void restore(Block b, const std::function<void(uint8_t* mem)>& fill);
   /// Blocks copied because a write would have touched a shared block (cumulative).
   int64_t cow_copies() const { return cow_; }
   /// Upper bound of the bytes of new blocks append(fmt, x, pos, n) allocates when no value

@@ -4,11 +4,15 @@
 #include "kvcache/cache_manager.h"
 
 #include <algorithm>
+#include <iterator>
+#include <istream>
+#include <ostream>
 #include <set>
 
 #include "cache/attend_cascade.h"
 #include "cache/cache_manager_access.h"
 #include "cache/step_protocol.h"
+#include "common/file_io.h"
 #include "common/parallel.h"
 #include "common/view_ops.h"
 #include "kvcache/cache_debug.h"
@@ -16,6 +20,10 @@
 #include "kvcache/external_attention.h"
 
 namespace kvcache {
+namespace {
+/// The largest snapshot load() reads (64 GiB: far above any cache this library holds).
+constexpr int64_t kMaxSnapshotBytes = int64_t{64} << 30;
+}  // namespace
 
 int64_t LayerTokens::max_resident() const {
   int64_t m = 0;
@@ -48,9 +56,43 @@ CacheStats SequenceCache::stats() const { return steps_->stats(); }
 // ---------------------------------------------------------------- CacheManager
 CacheManager::CacheManager(CacheConfig config)
     : SequenceCache(std::make_unique<cache::StepProtocol>(std::move(config), nullptr, nullptr)) {}
+CacheManager::CacheManager(std::unique_ptr<cache::StepProtocol> steps) : SequenceCache(std::move(steps)) {}
 CacheManager::~CacheManager() = default;
 CacheManager::CacheManager(CacheManager&&) noexcept = default;
 CacheManager& CacheManager::operator=(CacheManager&&) noexcept = default;
+
+void CacheManager::save(const std::string& path, const std::string& model_fingerprint,
+                        const std::vector<int64_t>& tokens) const {
+  cache::write_snapshot(path, steps().snapshot(model_fingerprint, tokens), "CacheManager::save");
+}
+
+void CacheManager::save(std::ostream& out, const std::string& model_fingerprint,
+                        const std::vector<int64_t>& tokens) const {
+  cache::write_snapshot(out, steps().snapshot(model_fingerprint, tokens), "CacheManager::save");
+}
+
+std::vector<int64_t> CacheManager::load(const std::string& path, const std::string& model_fingerprint) {
+  std::string bytes;
+  try {
+    bytes = io::read_regular_file(path, "snapshot", kMaxSnapshotBytes);
+  } catch (const InvalidArgument& e) {
+    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat("CacheManager::load: ", e.what(), " (io)"));
+  }
+  std::vector<int64_t> tokens;
+  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, path, &tokens));
+  return tokens;
+}
+
+std::vector<int64_t> CacheManager::load(std::istream& in, const std::string& model_fingerprint) {
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) {
+    throw SnapshotError(SnapshotError::Reason::kIo,
+                        detail::str_cat("CacheManager::load: the stream failed after ", bytes.size(), " bytes (io)"));
+  }
+  std::vector<int64_t> tokens;
+  *this = CacheManager(cache::StepProtocol::from_snapshot(config(), bytes, model_fingerprint, "<stream>", &tokens));
+  return tokens;
+}
 
 // ---------------------------------------------------------------- adapters
 void ExternalAttention::observe_attention(int64_t layer, const TensorView& probs) {

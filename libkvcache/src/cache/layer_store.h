@@ -112,6 +112,14 @@ class LayerStore {
   int64_t bytes_reserved() const;
 
   void clear();
+  /// A snapshot being read (snapshot.cpp): head h's K (`key`) or V stream to fill, and the
+  /// stream scales as saved. The caller checks the whole store afterwards.
+  HeadStream& restore_stream(int64_t h, bool key) { return key ? k_[static_cast<size_t>(h)] : v_[static_cast<size_t>(h)]; }
+  void restore_scales(float k, float v, bool set) {
+    k_scale_ = k;
+    v_scale_ = v;
+    scales_set_ = set;
+  }
   /// @throws InternalError naming layer `layer` on a broken invariant.
   void check(int64_t layer) const;
 

@@ -606,6 +606,20 @@ Sequence::~Sequence() = default;
 
 int64_t Sequence::id() const { return s_->id; }
 bool Sequence::preempted() const { return s_->preempted; }
+
+void Sequence::save(const std::string& path, const std::string& model_fingerprint,
+                    const std::vector<int64_t>& tokens) const {
+  KV_CHECK_ARG(!s_->preempted, "Sequence::save: sequence ", id(),
+               " was preempted (its blocks went back to the pool): nothing to save");
+  cache::write_snapshot(path, steps().snapshot(model_fingerprint, tokens), "Sequence::save");
+}
+
+void Sequence::save(std::ostream& out, const std::string& model_fingerprint,
+                    const std::vector<int64_t>& tokens) const {
+  KV_CHECK_ARG(!s_->preempted, "Sequence::save: sequence ", id(),
+               " was preempted (its blocks went back to the pool): nothing to save");
+  cache::write_snapshot(out, steps().snapshot(model_fingerprint, tokens), "Sequence::save");
+}
 const PrefixMatch& Sequence::prefix() const { return s_->match; }
 
 PrefixReuse Sequence::begin_request(const std::vector<int64_t>& prompt, int64_t context_length) {

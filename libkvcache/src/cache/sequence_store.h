@@ -78,6 +78,9 @@ class SequenceStore {
   /// Takes over `prefix` in an empty store: its blocks become every layer's oldest tokens and
   /// the counters are what writing them in one step gives.
   void adopt(const AdoptedPrefix& prefix);
+  /// A snapshot being read (snapshot.cpp): the totals as saved (check() compares them with the
+  /// layers').
+  void restore_totals(const CacheStats& totals) { total_ = totals; }
   /// Empties every layer and counter (peaks too); gives the pools' memory back unless shared.
   void clear();
 

@@ -16,8 +16,6 @@
 namespace kvcache::cache {
 namespace {
 
-/// Largest position kPreRoPE storage records cos/sin for (a table of D floats per position).
-constexpr int64_t kMaxPreRopePosition = int64_t{1} << 22;
 /// Largest magnitude every stored format holds finitely (fp16's): below it, no group of any
 /// format falls back to fp32, so BlockList::append_bound is exact.
 constexpr float kFp16Max = 65504.0f;

@@ -10,6 +10,7 @@
 /// sequence of a MultiSequenceCache passes its shared pools and its StepHooks.
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,9 @@
 #include "kvcache/sequence_cache.h"
 
 namespace kvcache::cache {
+
+/// Largest position the RoPE table records cos/sin for (a table of D floats per position).
+inline constexpr int64_t kMaxPreRopePosition = int64_t{1} << 22;
 
 /// Called before a step allocates (MultiSequenceCache's pool capacity). Either may throw
 /// CapacityError; the step has then changed nothing.
@@ -97,6 +101,19 @@ class StepProtocol {
   /// The LayerView the policy gets for `layer` (in range).
   BlockLayerView view(int64_t layer) const;
 
+  // ---- snapshots (snapshot.cpp, docs/snapshot-format.md)
+  /// The snapshot of this sequence: its blocks as stored, counters and policy state, under a
+  /// header naming `model_fingerprint` and the caller's `tokens`. Between steps only.
+  /// @throws InvalidArgument inside a step or a replay.
+  std::string snapshot(const std::string& model_fingerprint, const std::vector<int64_t>& tokens) const;
+  /// A new protocol of `config` (its context_length replaced by the snapshot's) holding what
+  /// `bytes` holds. Every check runs before anything is returned; the caller's cache is not
+  /// touched. `source` names the file in messages; the saved token ids go to `*tokens`.
+  /// @throws SnapshotError naming the failed check (kvcache/snapshot.h).
+  static std::unique_ptr<StepProtocol> from_snapshot(const CacheConfig& config, const std::string& bytes,
+                                                     const std::string& model_fingerprint, const std::string& source,
+                                                     std::vector<int64_t>* tokens);
+
  private:
   struct LayerStep {
     int64_t step_new = 0;
@@ -135,6 +152,11 @@ class StepProtocol {
   bool replay_plans_ = false;  ///< the policy asked for the replay (else its end plans nothing)
   std::vector<ReplayLayer> replay_;
 };
+
+/// Writes snapshot `bytes` to `path` atomically (io::write_file_atomic) or to `out`; `fn` names
+/// the caller in messages. @throws SnapshotError (kIo) naming the path and the OS error.
+void write_snapshot(const std::string& path, const std::string& bytes, const char* fn);
+void write_snapshot(std::ostream& out, const std::string& bytes, const char* fn);
 
 /// Why a config needs the RoPE table beyond pre-RoPE keys ("" if it does not): a policy that
 /// takes pre-RoPE queries (Expected Attention un-rotates them and averages future rotations).

@@ -104,6 +104,10 @@ class PerLayerPolicy final : public EvictionPolicy {
     }
   }
 
+  void do_persist(PolicyStateIO& io) override {
+    for (auto& r : runs_) r.policy->persist(io);  // each run's state, in layer order
+  }
+
   void do_observe(int64_t layer, const AttentionMass& mass) override {
     Run& r = run(layer);
     // The step's need is the runs' common one; a run that needs none (full) ignores it.

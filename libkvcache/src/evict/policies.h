@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvcache/eviction_policy.h"
+#include "kvcache/snapshot.h"
 #include "kvcache/spec.h"
 
 namespace kvcache::evict {
@@ -82,6 +83,7 @@ class ScheduledScorer : public ScorerPolicy {
  protected:
   ScheduledScorer(const ParsedSpec& spec, Budget budget, bool stream, const std::string& name);
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   /// Tokens always kept at the start of the cache (Expected Attention's sinks).
   virtual int64_t protected_prefix() const { return 0; }
   const std::string& name() const { return name_; }
@@ -169,6 +171,7 @@ class H2OPolicy final : public ScorerPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe(int64_t layer, const AttentionMass& mass) override;
 
  private:
@@ -190,6 +193,7 @@ class RandomPolicy final : public EvictionPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
 
  private:
   uint64_t seed_;
@@ -213,6 +217,7 @@ class TovaPolicy final : public ScorerPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe(int64_t layer, const AttentionMass& mass) override;
 
  private:
@@ -250,6 +255,7 @@ class SnapKVPolicy : public ScorerPolicy {
  protected:
   SnapKVPolicy(const ParsedSpec& spec, Budget budget, int64_t window, int64_t kernel, bool use_max);
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe(int64_t layer, const AttentionMass& mass) override;
   /// Tokens reserved for the request's remaining (decode) tokens at the end of the prompt.
   int64_t decode_reserve(const EvictionContext& ctx) const;
@@ -299,6 +305,7 @@ class PyramidKVPolicy final : public SnapKVPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   int64_t prompt_keep(int64_t layer, int64_t prompt, int64_t uniform_keep) const override;
 
  private:
@@ -347,6 +354,7 @@ class ExpectedAttentionPolicy final : public ScheduledScorer {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) override;
   int64_t protected_prefix() const override { return sinks_; }
 
@@ -395,6 +403,7 @@ class KVzipPolicy final : public ScorerPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe(int64_t layer, const AttentionMass& mass) override;
 
  private:
@@ -433,6 +442,7 @@ class AdaKVPolicy final : public ScorerPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe(int64_t layer, const AttentionMass& mass) override { inner_->observe(layer, mass); }
   void do_observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) override {
     inner_->observe_queries(layer, rows, view);
@@ -473,6 +483,7 @@ class DecodeCompressionPolicy final : public ScorerPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe(int64_t layer, const AttentionMass& mass) override { inner_->observe(layer, mass); }
   void do_observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) override {
     inner_->observe_queries(layer, rows, view);
@@ -514,6 +525,7 @@ class DuoAttentionPolicy final : public EvictionPolicy {
 
  protected:
   void on_reset() override;
+  void do_persist(PolicyStateIO& io) override;
   void do_observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) override;
 
  private:

@@ -3,9 +3,12 @@
 
 #include <ATen/Parallel.h>
 #include <torch/script.h>
+#include <xxhash.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -161,6 +164,8 @@ struct CausalLM::Impl {
   torch::jit::Module module;
   // Methods are looked up once; calling a Method mutates only the interpreter stack.
   mutable std::optional<torch::jit::Method> m_embed, m_qkv, m_rope, m_finish, m_head, m_forward;
+  mutable std::once_flag fingerprint_once;
+  mutable std::string fingerprint;  ///< fingerprint(), computed once
 };
 
 CausalLM::CausalLM(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
@@ -253,6 +258,28 @@ TokenizerFiles CausalLM::tokenizer_files() const {
                "' holds no tokenizer: extra file tokenizer.json (or vocab.json + "
                "merges.txt) is missing (export from a checkpoint directory that has one)");
   return f;
+}
+
+const std::string& CausalLM::fingerprint() const {
+  std::call_once(impl_->fingerprint_once, [this] {
+    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
+    KV_INTERNAL_ASSERT(st != nullptr && XXH3_64bits_reset(st.get()) == XXH_OK, "XXH3 state");
+    std::set<const void*> seen;
+    for (const auto& attr : impl_->module.named_attributes(/*recurse=*/true)) {
+      if (!attr.value.isTensor()) continue;
+      const at::Tensor t = attr.value.toTensor();
+      if (!t.defined() || !t.has_storage() || !seen.insert(t.storage().data()).second) continue;
+      XXH3_64bits_update(st.get(), attr.name.data(), attr.name.size());
+      XXH3_64bits_update(st.get(), t.storage().data(), t.storage().nbytes());
+    }
+    const std::string config = extra_file(kConfigFile);
+    char text[64];
+    std::snprintf(text, sizeof text, ":config=%016llx:weights=%016llx",
+                  static_cast<unsigned long long>(XXH3_64bits(config.data(), config.size())),
+                  static_cast<unsigned long long>(XXH3_64bits_digest(st.get())));
+    impl_->fingerprint = impl_->config.model_type + text;
+  });
+  return impl_->fingerprint;
 }
 
 int64_t CausalLM::weight_bytes() const {

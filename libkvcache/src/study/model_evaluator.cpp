@@ -4,6 +4,7 @@
 #include "kvcache/study/model_evaluator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -65,6 +66,74 @@ std::string file_id(const std::string& path) {
   return base + "@" + hex;
 }
 
+/// The runner's cache for ModelEvaluatorOptions::save_cache / load_cache: a CacheManager that
+/// saves itself once `save_at` prompt tokens are in (at the end of that step), or restores a
+/// snapshot at begin_request() and reports its tokens as the prompt's cached prefix.
+class SnapshotCache final : public KVCache {
+ public:
+  SnapshotCache(const CacheConfig& config, const std::string& fingerprint) : manager_(config), cache_(manager_), fp_(fingerprint) {}
+
+  void save_when(int64_t tokens, std::vector<int64_t> ids, std::string path) {
+    save_at_ = tokens;
+    save_ids_ = std::move(ids);
+    save_path_ = std::move(path);
+  }
+  void restore_from(std::string path) { load_path_ = std::move(path); }
+  int64_t restored() const { return restored_; }
+  double restore_seconds() const { return restore_seconds_; }
+  TorchCache& torch() { return cache_; }
+
+  const CacheConfig& config() const override { return cache_.config(); }
+  void reset(int64_t context_length) override { cache_.reset(context_length); }
+  PrefixReuse begin_request(const std::vector<int64_t>& prompt, int64_t context_length) override {
+    if (load_path_.empty()) return cache_.begin_request(prompt, context_length);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<int64_t> ids = manager_.load(load_path_, fp_);
+    restore_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    size_t same = 0;
+    while (same < ids.size() && same < prompt.size() && ids[same] == prompt[same]) ++same;
+    KV_CHECK_ARG(!ids.empty() && same == ids.size() && ids.size() < prompt.size(), "cache snapshot '", load_path_,
+                 "' holds ", ids.size(), " tokens, which the prompt of ", prompt.size(), " tokens ",
+                 ids.empty()       ? std::string("cannot extend (the snapshot names no tokens)")
+                 : same < ids.size() ? detail::str_cat("does not start with (first difference at token ", same, ")")
+                                     : std::string("does not extend (the prompt must hold at least one token more)"),
+                 "; expected a snapshot written by --save-cache for a prompt this one starts with");
+    KV_CHECK_ARG(manager_.config().context_length >= context_length, "cache snapshot '", load_path_,
+                 "' was saved for a request of ", manager_.config().context_length,
+                 " tokens (prompt + max new tokens); this one needs ", context_length,
+                 ": save it with at least as many --max-new-tokens");
+    restored_ = static_cast<int64_t>(ids.size());
+    return PrefixReuse{restored_, 0};
+  }
+  int64_t next_position(int64_t layer) const override { return cache_.next_position(layer); }
+  void append(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) override {
+    cache_.append(layer, k, v, positions);
+  }
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& q_positions) override {
+    return cache_.attend(layer, q, q_positions);
+  }
+  void end_step(StepKind step) override {
+    cache_.end_step(step);
+    if (save_at_ > 0 && cache_.tokens(0).written == save_at_) {
+      manager_.save(save_path_, fp_, save_ids_);
+      save_at_ = 0;
+    }
+  }
+  void finish() override { cache_.finish(); }
+  ReplayNeed replay_need() const override { return cache_.replay_need(); }
+  void begin_replay() override { cache_.begin_replay(); }
+
+ private:
+  CacheManager manager_;
+  TorchCache cache_;
+  std::string fp_;
+  int64_t save_at_ = 0;
+  std::vector<int64_t> save_ids_;
+  std::string save_path_, load_path_;
+  int64_t restored_ = 0;
+  double restore_seconds_ = 0;
+};
+
 class ModelArmEvaluator : public ArmEvaluator {
  public:
   explicit ModelArmEvaluator(const ModelEvaluatorOptions& opt)
@@ -117,7 +186,8 @@ class ModelArmEvaluator : public ArmEvaluator {
     const int64_t question_start = mode == QueryMode::kAgnostic ? context_tokens(task, msgs, rendered, ids) : 0;
     PeakRssProbe rss;
     rss.start();
-    TorchCache cache(config_for(arm));
+    SnapshotCache snap(config_for(arm), opt_.save_cache.empty() && opt_.load_cache.empty() ? "" : model_.fingerprint());
+    TorchCache& cache = snap.torch();
     GenerationOptions go;
     go.max_new_tokens = task.max_new_tokens;
     go.prefill_chunk = opt_.prefill_chunk;
@@ -125,7 +195,17 @@ class ModelArmEvaluator : public ArmEvaluator {
     go.question_start = question_start;
     const ReplayNeed replay = cache.replay_need();
     if (replay.any()) go.replay_prefix = tokenizer_.encode(replay.instruction, SpecialTokens::kParse, PostProcess::kSkip);
-    const GenerationResult r = runner_.generate(ids, go, cache);
+    if (!opt_.save_cache.empty()) {
+      // The prompt but its last token in one step, saved there; the last token ends the prompt.
+      const auto keep = static_cast<int64_t>(ids.size()) - 1;
+      KV_CHECK_ARG(keep >= 1, "--save-cache: the prompt has ", ids.size(), " token; a snapshot needs at least 2");
+      KV_CHECK_ARG(question_start == 0, "--save-cache: a query-agnostic request (--question with --query-mode "
+                                        "agnostic) is not saved; use --query-mode aware");
+      go.prefill_chunk = keep;
+      snap.save_when(keep, std::vector<int64_t>(ids.begin(), ids.end() - 1), opt_.save_cache);
+    }
+    if (!opt_.load_cache.empty()) snap.restore_from(opt_.load_cache);
+    const GenerationResult r = runner_.generate(ids, go, snap);
     Generation g;
     g.output = tokenizer_.decode_lenient(r.tokens, /*skip_special=*/true);
     g.prompt_tokens = r.prompt_tokens;
@@ -138,6 +218,8 @@ class ModelArmEvaluator : public ArmEvaluator {
     g.replay_tokens = r.replay_tokens;
     g.span_resident = span_resident(task, msgs, rendered, cache);
     g.question_tokens = r.question_tokens;
+    g.restored_tokens = snap.restored();
+    g.restore_seconds = snap.restore_seconds();
     return g;
   }
 

@@ -86,6 +86,13 @@ class CausalLM {
   ///         nor vocab.json + merges.txt.
   TokenizerFiles tokenizer_files() const;
 
+  /// Names this model for cache snapshots (CacheManager::save/load, docs/snapshot-format.md):
+  /// "<model_type>:config=<16 hex>:weights=<16 hex>", XXH3-64 of config.json's text and of every
+  /// tensor the module holds (name and storage bytes, in the module's order, each storage once).
+  /// Two exports of the same weights and config give the same text; any changed weight byte
+  /// gives another. Computed on first call (one pass over the weights), then kept.
+  const std::string& fingerprint() const;
+
   /// Bytes of every tensor the module holds (parameters, buffers, tensor attributes), each
   /// storage counted once (tied embeddings count once). Measured, not computed from the config.
   int64_t weight_bytes() const;

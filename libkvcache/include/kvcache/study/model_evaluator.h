@@ -38,6 +38,18 @@ struct ModelEvaluatorOptions {
   /// eviction act during a long prompt, so peak memory reflects the budget; SnapKV compresses at
   /// the end of the prompt whatever the chunk.
   int64_t prefill_chunk = 64;
+  /// A cache snapshot run_task writes (kv_study generate --save-cache; docs/snapshot-format.md):
+  /// the prompt but its last token is prefilled in one step (kPrefill), the cache is saved there
+  /// with those token ids under CausalLM::fingerprint(), then the last prompt token ends the
+  /// prompt (kPrefillEnd) and decoding goes on. Empty: no snapshot.
+  std::string save_cache;
+  /// A cache snapshot run_task restores instead of prefilling the tokens it holds (--load-cache):
+  /// the prompt must start with them and be longer; the rest is prefilled in prefill_chunk
+  /// steps. A run that restores the file --save-cache wrote for the same prompt and arm
+  /// generates exactly what that run generated. Empty: none.
+  /// run_task throws SnapshotError (kvcache/snapshot.h) when the file is refused (another model,
+  /// arm, corrupt, …), InvalidArgument when the prompt does not start with its tokens.
+  std::string load_cache;
   /// Tokens of the passage whose Q/K/V capture_qkv() returns.
   int64_t capture_tokens = 256;
   /// Layers whose Q/K/V capture_qkv() returns (empty: every layer).

@@ -73,6 +73,10 @@ struct Generation {
   /// QueryMode::kAgnostic: prompt tokens fed as decode steps after the context's prefill (the
   /// question); 0 when the prompt was prefilled whole (aware mode, or a task without a question).
   int64_t question_tokens = 0;
+  /// ModelEvaluatorOptions::load_cache: prompt tokens restored from the snapshot (their prefill
+  /// skipped) and the wall time of reading and checking it; 0 without one.
+  int64_t restored_tokens = 0;
+  double restore_seconds = 0;
 };
 
 /// Scoring of the evaluation passage under one arm (same token ids for every arm).

@@ -1,0 +1,777 @@
+// SPDX-License-Identifier: Apache-2.0
+// Snapshots of one sequence (CacheManager::save / load, kvcache/snapshot.h,
+// docs/snapshot-format.md): the round trip for every registered scheme and policy (blocks byte
+// for byte, then attend() outputs and evictions equal while both copies continue), every class of
+// refused file with the cache unchanged, bytes on disk against bytes stored, and the atomic
+// write (a full disk, a read-only directory, a kill -9 in the middle of a save).
+#include <dirent.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "../fuzz/snapshot_configs.h"
+#include "cache/cache_manager_access.h"
+#include "cache/layer_store.h"
+#include "cache_test_util.h"
+#include "kvcache/kvquant.h"
+#include "kvcache/multi_sequence_cache.h"
+#include "kvcache/registry.h"
+#include "kvcache/snapshot.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::make_config;
+using testing::positions_range;
+using Reason = SnapshotError::Reason;
+
+const std::string kModel = "test-model:config=abc:weights=0123456789abcdef";
+
+std::string temp_dir(const std::string& name) {
+  std::string d = ::testing::TempDir() + "snapshot_test_" + std::to_string(::getpid()) + "_" + name;
+  ::mkdir(d.c_str(), 0755);
+  return d;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> dir_entries(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != "..") out.push_back(n);
+    }
+    ::closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string bytes_of(const CacheManager& m, const std::string& model = kModel) {
+  std::ostringstream os;
+  m.save(os, model);
+  return os.str();
+}
+
+void load_bytes(CacheManager& m, const std::string& bytes, const std::string& model = kModel) {
+  std::istringstream is(bytes);
+  m.load(is, model);
+}
+
+/// The reason of the SnapshotError `f` throws (fails the test when it throws none).
+Reason reason_of(const std::function<void()>& f, std::string* what = nullptr) {
+  try {
+    f();
+  } catch (const SnapshotError& e) {
+    if (what != nullptr) *what = e.what();
+    return e.reason();
+  }
+  ADD_FAILURE() << "no SnapshotError";
+  return Reason::kIo;
+}
+
+/// A KVQuant calibration with uniform thresholds and codebooks (as tests/kvquant_test.cpp's).
+std::string kvquant_calibration(int64_t L, int64_t H, int64_t D) {
+  KvquantCalibration c;
+  c.num_layers = L;
+  c.num_kv_heads = H;
+  c.head_dim = D;
+  c.tokens = 1;
+  c.source = "hand-made";
+  c.bits = {2, 3, 4};
+  for (double p : {0.99, 1.0}) {
+    KvquantLevel lv;
+    lv.sparsity = p;
+    for (int64_t l = 0; l < L; ++l) {
+      KvquantLayerCalibration lc;
+      lc.key_lower.assign(static_cast<size_t>(H * D), -1.0f);
+      lc.key_upper.assign(static_cast<size_t>(H * D), 1.0f);
+      for (int b : c.bits) {
+        KvquantCodebook cb;
+        cb.bits = b;
+        const int k = 1 << b;
+        for (int j = 0; j < k; ++j) cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
+        cb.qnorm_scale = 2.0f;
+        cb.qnorm_shift = 0.5f;
+        lc.key_codebooks.push_back(cb);
+        lc.value_codebooks.push_back(cb);
+      }
+      lv.layers.push_back(lc);
+    }
+    c.levels.push_back(lv);
+  }
+  const std::string path = ::testing::TempDir() + "snapshot_test_" + std::to_string(::getpid()) + ".kvqcal";
+  save_kvquant_calibration(c, path);
+  return path;
+}
+
+// ------------------------------------------------------------ driving two caches alike
+
+/// One step fed to every cache in `ms` alike (random K/V/q from `gen`, 2 KV heads, 4 query heads,
+/// D = 8): append + attend per layer, then end_step(kind); a replay step when `replay`. Returns
+/// the attend() outputs of the first cache and EXPECTs the others' equal bit for bit.
+std::vector<at::Tensor> step_all(const std::vector<TorchCache*>& ms, at::Generator& gen, int64_t n, StepKind kind,
+                                 bool replay, const std::string& where) {
+  std::vector<at::Tensor> outs;
+  if (replay) {
+    for (TorchCache* m : ms) m->begin_replay();
+  }
+  const int64_t layers = ms[0]->config().num_layers;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t p0 = ms[0]->next_position(l);
+    const at::Tensor k = testing::randn({1, 2, n, 8}, gen) * 2.0, v = testing::randn({1, 2, n, 8}, gen);
+    const at::Tensor q = testing::randn({1, 4, n, 8}, gen);
+    for (size_t i = 0; i < ms.size(); ++i) {
+      EXPECT_EQ(ms[i]->next_position(l), p0) << where;
+      ms[i]->append(l, k, v, positions_range(p0, n));
+      const at::Tensor o = ms[i]->attend(l, q, positions_range(p0, n));
+      if (i == 0) {
+        outs.push_back(o);
+      } else {
+        EXPECT_TRUE(at::equal(o, outs.back())) << where << " layer " << l << ": attend() differs";
+      }
+    }
+  }
+  for (TorchCache* m : ms) {
+    m->end_step(kind);
+    m->check_invariants();
+  }
+  return outs;
+}
+
+/// The steps of a request of 40 tokens: three prefill chunks (18 tokens), a context replay when
+/// the policy asks for one (KVzip), then decode steps. `from`..`to` (step indices).
+void run_steps(const std::vector<TorchCache*>& ms, at::Generator& gen, int from, int to, const std::string& where) {
+  const int64_t chunks[3] = {6, 5, 7};
+  for (int s = from; s < to; ++s) {
+    if (s < 3) {
+      step_all(ms, gen, chunks[s], s == 2 ? StepKind::kPrefillEnd : StepKind::kPrefill, false, where);
+      if (s == 2 && ms[0]->replay_need().any()) {
+        step_all(ms, gen, 3, StepKind::kReplay, true, where + " replay");
+        step_all(ms, gen, 4, StepKind::kReplayEnd, true, where + " replay end");
+      }
+    } else {
+      step_all(ms, gen, 1, StepKind::kDecode, false, where + " decode " + std::to_string(s));
+    }
+  }
+}
+
+/// EXPECTs that the stored blocks of `a` and `b` are equal: per layer, head and stream the
+/// scales, every block's format, slots, holes and positions, and the bytes of its filled groups.
+void expect_same_blocks(const SequenceCache& a, const SequenceCache& b, const std::string& where) {
+  for (int64_t l = 0; l < a.config().num_layers; ++l) {
+    const cache::LayerStore& la = cache::CacheManagerAccess::layer(a, l);
+    const cache::LayerStore& lb = cache::CacheManagerAccess::layer(b, l);
+    EXPECT_EQ(la.k_scale(), lb.k_scale()) << where;
+    EXPECT_EQ(la.v_scale(), lb.v_scale()) << where;
+    for (int64_t h = 0; h < la.num_heads(); ++h) {
+      for (const bool key : {true, false}) {
+        const cache::HeadStream& sa = key ? la.k(h) : la.v(h);
+        const cache::HeadStream& sb = key ? lb.k(h) : lb.v(h);
+        EXPECT_EQ(sa.written, sb.written) << where;
+        for (int li = 0; li < 2; ++li) {
+          const cache::BlockList& xa = li == 0 ? sa.quant : sa.resid;
+          const cache::BlockList& xb = li == 0 ? sb.quant : sb.resid;
+          const std::string at = detail::str_cat(where, " layer ", l, " head ", h, key ? " K" : " V",
+                                                 li == 0 ? " quantized" : " residual");
+          ASSERT_EQ(xa.blocks().size(), xb.blocks().size()) << at;
+          for (size_t i = 0; i < xa.blocks().size(); ++i) {
+            const cache::Block& ba = xa.blocks()[i];
+            const cache::Block& bb = xb.blocks()[i];
+            EXPECT_EQ(ba.format, bb.format) << at;
+            EXPECT_EQ(ba.filled, bb.filled) << at;
+            EXPECT_EQ(ba.live, bb.live) << at;
+            EXPECT_EQ(ba.dead, bb.dead) << at;
+            for (int64_t s = 0; s < ba.filled; ++s) EXPECT_EQ(ba.position(s), bb.position(s)) << at;
+            const cache::BlockFormat& F = xa.format(ba);
+            const int64_t groups = (ba.filled + F.layout.group_tokens - 1) / F.layout.group_tokens;
+            const int64_t meta = F.layout.meta_count * dtype_size(F.layout.meta_dtype) * groups;
+            const uint8_t* ma = F.pool->data(ba.id);
+            const uint8_t* mb = xb.format(bb).pool->data(bb.id);
+            EXPECT_EQ(std::memcmp(ma, mb, static_cast<size_t>(groups * F.layout.code_bytes)), 0) << at << " codes";
+            EXPECT_EQ(std::memcmp(ma + F.scales_offset, mb + F.scales_offset, static_cast<size_t>(meta)), 0) << at;
+            if (F.layout.has_zeros) {
+              EXPECT_EQ(std::memcmp(ma + F.zeros_offset, mb + F.zeros_offset, static_cast<size_t>(meta)), 0) << at;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+struct RoundTripCase {
+  std::string scheme, policy;
+  KeyStorage keys = KeyStorage::kPostRoPE;
+  PositionMode positions = PositionMode::kOriginal;
+};
+
+/// Runs `c` to step `save_at`, saves, loads into a fresh cache (whose context length differs:
+/// the snapshot's replaces it), compares blocks and snapshot bytes, then continues both.
+void round_trip(const RoundTripCase& rc, int save_at) {
+  auto cfg = make_config(2, 4, 2, 8, rc.scheme, rc.policy, 40);
+  cfg.key_storage = rc.keys;
+  cfg.position_mode = rc.positions;
+  const std::string where = rc.scheme + " " + rc.policy + " saved after step " + std::to_string(save_at);
+  CacheManager a(cfg);
+  TorchCache ta(a);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  run_steps({&ta}, gen, 0, save_at, where);
+  const std::string saved = bytes_of(a);
+  auto cfg_b = cfg;
+  cfg_b.context_length = 0;
+  CacheManager b(cfg_b);
+  load_bytes(b, saved);
+  TorchCache tb(b);
+  tb.check_invariants();
+  EXPECT_EQ(b.config().context_length, 40) << where;
+  expect_same_blocks(a, b, where);
+  testing::Snapshot(ta).expect_same(testing::Snapshot(tb), where);
+  EXPECT_EQ(bytes_of(b), saved) << where << ": the restored cache saves other bytes";
+  // Both continue with the same inputs: every attend() output, eviction and counter equal.
+  run_steps({&ta, &tb}, gen, save_at, 12, where);
+  testing::Snapshot(ta).expect_same(testing::Snapshot(tb), where + " at the end");
+  expect_same_blocks(a, b, where + " at the end");
+  EXPECT_EQ(bytes_of(a), bytes_of(b)) << where << " at the end";
+}
+
+std::vector<RoundTripCase> round_trip_cases() {
+  static const std::string cal = kvquant_calibration(2, 2, 8);
+  std::vector<RoundTripCase> cases;
+  // Every scheme (registered heads, and variants: per-channel, scaled fp8, a residual), under a
+  // policy that evicts and keeps scores (holes, merges, converted groups, h2o state).
+  for (const std::string s : {"fp32", "fp16", "bf16", "fp8:e4m3", "fp8:e4m3:scaled", "int8", "int4:g4", "int3",
+                              "int2:g8:chan", "kivi:k2:v4:g4:r8", "had(int4)", "gear:b2:g4:s0.25:r1:loop1:nb8",
+                              "gear:b2:g4:s0.25:r1:loop1:nb8:rp2:whole", "layers(int8;int4:g4)"}) {
+    cases.push_back({s, "h2o@12"});
+  }
+  cases.push_back({"kvquant:b3:o1:cal=" + cal, "h2o@12", KeyStorage::kPreRoPE});
+  cases.push_back({"kvquant:b2:o1:f2:cal=" + cal, "full", KeyStorage::kPreRoPE});
+  // Every policy (and wrappers), over int4 and KIVI.
+  for (const std::string p :
+       {"full", "window@12", "sink:s2@12", "h2o@12", "random:seed3@12", "tova@12", "snapkv:w4@90%",
+        "pyramid:w4:b2@90%", "knorm:stream@12", "keydiff:stream@12", "expected:s2:stream@12", "expected:s2:n8@90%",
+        "duo:s2:r6:w4@24", "kvzip:s2@90%", "adakv:h2o@12", "adakv:snapkv:w4@90%", "adakv:kvzip:s2@90%",
+        "decode:i3:b2:keydiff@12", "decode:i4:b2:prefill:adakv:expected:s2@12", "perlayer(h2o@8;h2o@12)",
+        "perlayer(full;snapkv:w4@90%)"}) {
+    cases.push_back({"int4:g4", p});
+    cases.push_back({"kivi:k2:v4:g4:r8", p});
+  }
+  // Pre-RoPE keys, re-rotated positions.
+  for (const std::string p : {"sink:s2@12", "adakv:h2o@12", "duo:s2:r6:w4@24"}) {
+    cases.push_back({"int4:g4", p, KeyStorage::kPreRoPE, PositionMode::kRerotate});
+    cases.push_back({"fp16", p, KeyStorage::kPreRoPE});
+  }
+  return cases;
+}
+
+TEST(Snapshot, EveryRegisteredHeadIsCovered) {
+  std::set<std::string> covered;
+  for (const auto& c : round_trip_cases()) {
+    covered.insert(spec_head(c.scheme));
+    covered.insert(spec_head(c.policy));
+    // Wrapped heads: adakv:<inner>, decode:...:<inner>, perlayer(<inner>...), had(<inner>), layers(...)
+    for (const auto& s : registered_specs()) {
+      if ((c.scheme + " " + c.policy).find(s.table.head) != std::string::npos) covered.insert(s.table.head);
+    }
+  }
+  for (const auto& s : registered_specs()) EXPECT_TRUE(covered.count(s.table.head)) << s.table.head << " not round-tripped";
+}
+
+TEST(Snapshot, RoundTripContinuesBitForBit) {
+  for (const auto& c : round_trip_cases()) {
+    for (int save_at : {1, 3, 6}) {  // inside the prefill, after the prompt (and replay), while decoding
+      round_trip(c, save_at);
+      if (::testing::Test::HasFailure()) return;  // one case's failures, not hundreds
+    }
+  }
+}
+
+TEST(Snapshot, TokenIdsComeBackFromLoad) {
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  CacheManager a(cfg), b(cfg);
+  const std::vector<int64_t> ids = {1, 17, -3, int64_t{1} << 40};
+  std::ostringstream os;
+  a.save(os, kModel, ids);
+  std::istringstream is(os.str());
+  EXPECT_EQ(b.load(is, kModel), ids);
+  std::istringstream again(bytes_of(a));
+  EXPECT_EQ(b.load(again, kModel), std::vector<int64_t>{});
+}
+
+TEST(Snapshot, EmptyCacheRoundTrips) {
+  auto cfg = make_config(3, 4, 2, 8, "int4:g4", "h2o@12", 40);
+  CacheManager a(cfg), b(cfg);
+  load_bytes(b, bytes_of(a));
+  EXPECT_EQ(b.stats().tokens_written, 0);
+  EXPECT_EQ(bytes_of(b), bytes_of(a));
+}
+
+TEST(Snapshot, SequenceOfAMultiSequenceCacheLoadsIntoACacheManager) {
+  // Sequence 1 reuses sequence 0's prompt prefix from the index (shared blocks), goes on, and is
+  // saved; a CacheManager of the same configuration loads it and both continue alike.
+  for (const std::string scheme : {"int4:g4", "kivi:k2:v4:g4:r8", "fp16"}) {
+    auto model = make_config(2, 4, 2, 8, scheme, "full", 0);
+    model.block_tokens = 8;
+    MultiSequenceConfig mc;
+    mc.model = model;
+    mc.capacity_bytes = int64_t{1} << 28;
+    MultiSequenceCache pool(mc);
+    std::vector<int64_t> prompt(32);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int64_t>(3 + i % 11);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(23);
+    Sequence& first = pool.add_sequence();
+    ASSERT_EQ(first.begin_request(prompt, 48).cached_tokens, 0);
+    TorchCache t0(first);
+    step_all({&t0}, gen, 16, StepKind::kPrefill, false, scheme);
+    step_all({&t0}, gen, 16, StepKind::kPrefillEnd, false, scheme);
+    first.finish();
+    std::vector<int64_t> longer = prompt;
+    for (int64_t i = 0; i < 8; ++i) longer.push_back(100 + i);
+    Sequence& second = pool.add_sequence();
+    const PrefixReuse reuse = second.begin_request(longer, 48);
+    ASSERT_GT(reuse.cached_tokens, 0) << scheme;
+    TorchCache t1(second);
+    step_all({&t1}, gen, 40 - reuse.cached_tokens, StepKind::kPrefillEnd, false, scheme);
+    step_all({&t1}, gen, 1, StepKind::kDecode, false, scheme);
+    std::ostringstream os;
+    second.save(os, kModel);
+    auto cfg = model;
+    CacheManager m(cfg);
+    std::istringstream is(os.str());
+    (void)m.load(is, kModel);
+    expect_same_blocks(second, m, scheme);
+    EXPECT_EQ(bytes_of(m), os.str()) << scheme;
+    TorchCache tm(m);
+    for (int i = 0; i < 4; ++i) step_all({&t1, &tm}, gen, 1, StepKind::kDecode, false, scheme + " continued");
+    testing::Snapshot(t1).expect_same(testing::Snapshot(tm), scheme);
+  }
+}
+
+// ------------------------------------------------------------ refusals
+
+/// A cache with eviction state (int4, h2o) after six steps, its snapshot, and a second cache of
+/// the same config holding other tokens: the target a refused load must leave unchanged.
+struct Refusal {
+  CacheConfig cfg = make_config(2, 4, 2, 8, "int4:g4", "h2o@12", 40);
+  CacheManager source{cfg}, target{cfg};
+  std::string good;
+  std::string target_bytes;
+  Refusal() {
+    TorchCache ts(source), tt(target);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    run_steps({&ts}, gen, 0, 6, "source");
+    auto gen2 = at::make_generator<at::CPUGeneratorImpl>(6);
+    run_steps({&tt}, gen2, 0, 4, "target");
+    good = bytes_of(source);
+    target_bytes = bytes_of(target);
+  }
+  /// The reason loading `bytes` into the target gives; EXPECTs the target unchanged.
+  Reason refuse(const std::string& bytes, const std::string& where, std::string* what = nullptr,
+                const std::string& model = kModel) {
+    const Reason r = reason_of([&] { load_bytes(target, bytes, model); }, what);
+    EXPECT_EQ(bytes_of(target), target_bytes) << where << ": a refused load changed the cache";
+    return r;
+  }
+};
+
+/// Recomputes the section checksums of `file` after an edit (to forge a file whose checksums hold).
+void reseal(std::string& file) {
+  auto* p = reinterpret_cast<uint8_t*>(&file[0]);
+  uint64_t h = XXH3_64bits(p, 16);
+  std::memcpy(p + 16, &h, 8);
+  uint32_t count = 0;
+  std::memcpy(&count, p + 12, 4);
+  size_t at = 24;
+  for (uint32_t i = 0; i < count && at + 24 <= file.size(); ++i) {
+    h = XXH3_64bits(p + at, 16);
+    std::memcpy(p + at + 16, &h, 8);
+    uint64_t size = 0;
+    std::memcpy(&size, p + at + 8, 8);
+    at += 24;
+    h = XXH3_64bits(p + at, size);
+    std::memcpy(p + at + size, &h, 8);
+    at += size + 8;
+  }
+}
+
+TEST(SnapshotRefusal, EveryTruncationIsRefusedAsTruncated) {
+  Refusal r;
+  EXPECT_EQ(r.refuse("", "empty"), Reason::kNotSnapshot);
+  for (size_t n = 1; n < r.good.size(); ++n) {
+    std::string what;
+    ASSERT_EQ(r.refuse(r.good.substr(0, n), "cut at " + std::to_string(n), &what), Reason::kTruncated)
+        << "cut at " << n << ": " << what;
+  }
+  std::string what;
+  r.refuse(r.good.substr(0, r.good.size() - 3), "cut", &what);
+  EXPECT_THAT(what, HasSubstr("snapshot '<stream>': ends after " + std::to_string(r.good.size() - 3) + " bytes"));
+  EXPECT_THAT(what, HasSubstr("(truncated)"));
+}
+
+TEST(SnapshotRefusal, EveryFlippedBitIsRefusedByAChecksum) {
+  Refusal r;
+  for (size_t i = 0; i < r.good.size(); ++i) {
+    std::string bad = r.good;
+    bad[i] = static_cast<char>(bad[i] ^ (1 << (i % 8)));
+    std::string what;
+    // The magic's bytes make it no snapshot at all; every other byte is under a checksum.
+    ASSERT_EQ(r.refuse(bad, "flip at " + std::to_string(i), &what), i < 8 ? Reason::kNotSnapshot : Reason::kChecksum)
+        << "flip at " << i << ": " << what;
+  }
+  std::string bad = r.good;
+  bad[bad.size() / 2] ^= 0x40;
+  std::string what;
+  r.refuse(bad, "flip", &what);
+  EXPECT_THAT(what, HasSubstr("does not match its bytes (checksum)"));
+}
+
+TEST(SnapshotRefusal, OtherModelSchemePolicyOrShape) {
+  Refusal r;
+  std::string what;
+  EXPECT_EQ(r.refuse(r.good, "model", &what, "another-model"), Reason::kOtherModel);
+  EXPECT_THAT(what, HasSubstr("written for model '" + kModel + "', the caller's model is 'another-model'"));
+  struct Case {
+    std::function<void(CacheConfig&)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](CacheConfig& c) { c.scheme = "int8"; }, "scheme is 'int4:g4' in the file, 'int8' in the cache"},
+      {[](CacheConfig& c) { c.policy = "h2o@16"; }, "policy is 'h2o@12' in the file, 'h2o@16' in the cache"},
+      {[](CacheConfig& c) { c.block_tokens = 16; }, "block_tokens is '64' in the file, '16' in the cache"},
+      {[](CacheConfig& c) { c.head_dim = 16; },
+       "shape is '[layers=2, H_q=4, H_kv=2, D=8]' in the file, '[layers=2, H_q=4, H_kv=2, D=16]' in the cache"},
+      {[](CacheConfig& c) { c.num_layers = 3; }, "shape is '[layers=2, H_q=4, H_kv=2, D=8]' in the file, '[layers=3,"},
+      {[](CacheConfig& c) { c.num_q_heads = 2; }, "H_q=2"},
+      {[](CacheConfig& c) { c.residual_length = 4; }, "residual_length is '0' in the file, '4' in the cache"},
+      {[](CacheConfig& c) { c.key_storage = KeyStorage::kPreRoPE; }, "key_storage is '0' in the file, '1'"},
+  };
+  for (const auto& c : cases) {
+    CacheConfig cfg = r.cfg;
+    c.edit(cfg);
+    CacheManager other(cfg);
+    const std::string before = bytes_of(other);
+    EXPECT_EQ(reason_of([&] { load_bytes(other, r.good); }, &what), Reason::kOtherConfig) << c.message;
+    EXPECT_THAT(what, HasSubstr(c.message));
+    EXPECT_THAT(what, HasSubstr("(other-config)"));
+    EXPECT_EQ(bytes_of(other), before) << c.message;
+  }
+  // A spec spelled otherwise but canonically equal is the same configuration.
+  CacheConfig same = r.cfg;
+  same.scheme = "int4:g4:tok";
+  CacheManager m(same);
+  load_bytes(m, r.good);
+  EXPECT_EQ(bytes_of(m), r.good);
+}
+
+TEST(SnapshotRefusal, FutureVersionAndNotASnapshot) {
+  Refusal r;
+  std::string future = r.good;
+  const uint32_t v = kSnapshotFormatVersion + 1;
+  std::memcpy(&future[8], &v, 4);
+  reseal(future);
+  std::string what;
+  EXPECT_EQ(r.refuse(future, "future", &what), Reason::kFutureVersion);
+  EXPECT_THAT(what, HasSubstr("format version 2, newer than the version 1 this library"));
+  EXPECT_EQ(r.refuse("Once upon a time there was a cache.\n", "text", &what), Reason::kNotSnapshot);
+  EXPECT_THAT(what, HasSubstr("does not start with the snapshot magic"));
+  EXPECT_EQ(r.refuse(read_bytes(kvquant_calibration(1, 1, 8)), "calibration"), Reason::kNotSnapshot);
+  EXPECT_EQ(r.refuse(std::string(100, '\0'), "zeros"), Reason::kNotSnapshot);
+}
+
+TEST(SnapshotRefusal, ForgedContentWithValidChecksumsIsInconsistent) {
+  Refusal r;
+  // The first layer section starts after the preamble and the HEAD section.
+  uint64_t head = 0;
+  std::memcpy(&head, &r.good[24 + 8], 8);
+  const size_t layer0 = 24 + 24 + head + 8 + 24;  // payload of section 1
+  struct Forge {
+    size_t offset;
+    int64_t value;
+    const char* message;
+  };
+  // Fields of layer 0: index, written, last position, min step, 7 counters, scales, flag, then
+  // head 0's K stream: written, block count.
+  for (const Forge& f : {Forge{0, 1, "names another layer"}, Forge{8, -5, "written -5"},
+                         Forge{8 * 5, 999, "CacheManager invariant violated at layer 0: counters"},
+                         Forge{8 * 11 + 9 + 8, int64_t{1} << 40, "needs"}}) {
+    std::string bad = r.good;
+    std::memcpy(&bad[layer0 + f.offset], &f.value, 8);
+    reseal(bad);
+    std::string what;
+    EXPECT_EQ(r.refuse(bad, f.message, &what), Reason::kInconsistent) << f.message << ": " << what;
+    EXPECT_THAT(what, HasSubstr(f.message));
+  }
+  // Trailing bytes after the last section.
+  std::string what;
+  EXPECT_EQ(r.refuse(r.good + "x", "trailing", &what), Reason::kInconsistent);
+  EXPECT_THAT(what, HasSubstr("1 bytes after the last of 5 sections"));
+}
+
+TEST(SnapshotRefusal, PolicyStateThatDoesNotFitTheShapeIsRefused) {
+  // h2o's scores for 3 layers in a 2-layer cache (forged with valid checksums).
+  std::string state;
+  PolicyStateIO w(&state);
+  std::vector<std::vector<std::vector<float>>> scores(3);
+  w.io(scores);
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "h2o@12", 40);
+  auto p = make_eviction_policy("h2o@12");
+  p->reset(40, CacheShape{2, 4, 2});
+  PolicyStateIO rd(reinterpret_cast<const uint8_t*>(state.data()), state.size());
+  try {
+    p->persist(rd);
+    ADD_FAILURE() << "accepted";
+  } catch (const SnapshotError& e) {
+    EXPECT_EQ(e.reason(), Reason::kInconsistent);
+    EXPECT_THAT(e.what(), HasSubstr("policy state: h2o scores for 3 layers, expected 2"));
+  }
+  // A count larger than the bytes left is refused before anything is allocated.
+  std::string huge;
+  PolicyStateIO hw(&huge);
+  uint64_t n = uint64_t{1} << 60;
+  hw.io(n);
+  PolicyStateIO hr(reinterpret_cast<const uint8_t*>(huge.data()), huge.size());
+  std::vector<float> v;
+  EXPECT_THROW(hr.io(v), SnapshotError);
+}
+
+TEST(SnapshotRefusal, SaveInsideAStepIsRefused) {
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  CacheManager m(cfg);
+  TorchCache t(m);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  t.append(0, testing::randn({1, 2, 3, 8}, gen), testing::randn({1, 2, 3, 8}, gen), positions_range(0, 3));
+  EXPECT_THAT(testing::error_of([&] { (void)bytes_of(m); }),
+              HasSubstr("CacheManager::save: layer 0 is inside a step (append/attend ran; call end_step first)"));
+}
+
+// ------------------------------------------------------------ files
+
+TEST(SnapshotFile, BytesOnDiskAreTheBytesStoredPlusTheHeader) {
+  // 1024 tokens of D = 64, 2 KV heads, 2 layers, full policy: the file holds the stored bytes,
+  // ~4 bytes of metadata per block, and a fixed header (the empty cache's file).
+  for (const std::string scheme : {"int4:g32", "kivi:k2:v2:g32:r128", "fp16", "fp32"}) {
+    auto cfg = make_config(2, 4, 2, 64, scheme, "full", 1100);
+    CacheManager m(cfg);
+    const auto empty = static_cast<int64_t>(bytes_of(m).size());
+    TorchCache t(m);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    for (int64_t l = 0; l < 2; ++l) {
+      t.append(l, testing::randn({1, 2, 1024, 64}, gen), testing::randn({1, 2, 1024, 64}, gen),
+               positions_range(0, 1024));
+    }
+    t.end_step(StepKind::kPrefillEnd);
+    const std::string dir = temp_dir("bytes");
+    const std::string path = dir + "/seq.kvsnap";
+    m.save(path, kModel);
+    struct stat st{};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    const int64_t stored = m.stats().bytes_resident;
+    EXPECT_EQ(m.stats().bytes_resident, m.stats().bytes_reserved) << scheme;  // no partly filled block here
+    EXPECT_GE(st.st_size, stored) << scheme;
+    EXPECT_LE(static_cast<double>(st.st_size), 1.01 * static_cast<double>(stored) + static_cast<double>(empty))
+        << scheme << ": " << st.st_size << " bytes on disk for " << stored << " stored";
+    std::remove(path.c_str());
+    ::rmdir(dir.c_str());
+  }
+}
+
+TEST(SnapshotFile, PathRoundTripAndMissingFile) {
+  Refusal r;
+  const std::string dir = temp_dir("path");
+  const std::string path = dir + "/a.kvsnap";
+  r.source.save(path, kModel);
+  EXPECT_EQ(read_bytes(path), r.good);
+  EXPECT_EQ(dir_entries(dir), std::vector<std::string>{"a.kvsnap"});  // no temporary left
+  CacheManager m(r.cfg);
+  m.load(path, kModel);
+  EXPECT_EQ(bytes_of(m), r.good);
+  std::string what;
+  EXPECT_EQ(reason_of([&] { r.target.load(dir + "/missing.kvsnap", kModel); }, &what), Reason::kIo);
+  EXPECT_THAT(what, HasSubstr("missing.kvsnap"));
+  EXPECT_EQ(reason_of([&] { r.target.load(dir, kModel); }, &what), Reason::kIo);  // a directory
+  EXPECT_EQ(bytes_of(r.target), r.target_bytes);
+  std::remove(path.c_str());
+  ::rmdir(dir.c_str());
+}
+
+/// Runs `f` in a child process (fork) and returns its exit status (f's return value).
+int in_child(const std::function<int()>& f) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int rc = 99;
+    try {
+      rc = f();
+    } catch (...) {
+      rc = 98;
+    }
+    ::_exit(rc);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+TEST(SnapshotFile, ReadOnlyDirectoryGivesAClearErrorAndChangesNothing) {
+  Refusal r;
+  const std::string dir = temp_dir("readonly");
+  const std::string path = dir + "/a.kvsnap";
+  r.target.save(path, kModel);
+  ASSERT_EQ(::chmod(dir.c_str(), 0555), 0);
+  // In a child that is not root (root writes anywhere): drop to nobody when root.
+  const int rc = in_child([&] {
+    if (::geteuid() == 0 && ::setuid(65534) != 0) return 97;
+    try {
+      r.source.save(path, kModel);
+    } catch (const SnapshotError& e) {
+      const std::string what = e.what();
+      return e.reason() == Reason::kIo && what.find(path) != std::string::npos &&
+                     what.find("Permission denied") != std::string::npos &&
+                     what.find("the file at that path is unchanged") != std::string::npos
+                 ? 0
+                 : 2;
+    }
+    return 1;
+  });
+  ::chmod(dir.c_str(), 0755);
+  EXPECT_EQ(rc, 0) << "1: saved into a read-only directory; 2: another error";
+  EXPECT_EQ(read_bytes(path), r.target_bytes);
+  EXPECT_EQ(dir_entries(dir), std::vector<std::string>{"a.kvsnap"});
+  std::remove(path.c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(SnapshotFile, FullDiskLeavesThePreviousFileAndNoTemporary) {
+  Refusal r;
+  const std::string dir = temp_dir("full");
+  const std::string path = dir + "/a.kvsnap";
+  r.target.save(path, kModel);
+  // A file-size limit below the snapshot's size: write(2) fails with EFBIG as on a full disk.
+  const int rc = in_child([&] {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{static_cast<rlim_t>(r.good.size() / 2), static_cast<rlim_t>(r.good.size() / 2)};
+    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 97;
+    try {
+      r.source.save(path, kModel);
+    } catch (const SnapshotError& e) {
+      return e.reason() == Reason::kIo && std::string(e.what()).find(path) != std::string::npos ? 0 : 2;
+    }
+    return 1;
+  });
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(read_bytes(path), r.target_bytes);
+  EXPECT_EQ(dir_entries(dir), std::vector<std::string>{"a.kvsnap"});
+  std::remove(path.c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(SnapshotFile, KillNineInTheMiddleOfASaveLeavesALoadableSnapshot) {
+  // A large cache (fp32, 4 layers x 4 heads x 4096 tokens x D 64: 32 MiB) saved once (state A),
+  // then driven on (state B) and saved over and over by a child, killed while a temporary
+  // file exists (mid-save). The file must load, as A or as B, whole.
+  auto cfg = make_config(4, 4, 4, 64, "fp32", "full", 8192);
+  CacheManager m(cfg);
+  TorchCache t(m);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto fill = [&](int64_t p0, int64_t n) {
+    for (int64_t l = 0; l < 4; ++l) {
+      t.append(l, testing::randn({1, 4, n, 64}, gen), testing::randn({1, 4, n, 64}, gen), positions_range(p0, n));
+    }
+    t.end_step(StepKind::kPrefill);
+  };
+  fill(0, 4096);
+  const std::string dir = temp_dir("kill");
+  const std::string path = dir + "/a.kvsnap";
+  m.save(path, kModel);
+  const std::string a = read_bytes(path);
+  fill(4096, 64);
+  const std::string b = bytes_of(m);
+  ASSERT_NE(a, b);
+  bool killed_mid_save = false;
+  for (int attempt = 0; attempt < 5 && !killed_mid_save; ++attempt) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      for (;;) {
+        try {
+          m.save(path, kModel);
+        } catch (...) {
+          ::_exit(3);
+        }
+      }
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < until) {
+      if (dir_entries(dir).size() > 1) {  // a temporary beside the file: a save is under way
+        ::kill(pid, SIGKILL);
+        killed_mid_save = true;
+        break;
+      }
+    }
+    if (!killed_mid_save) ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the saving child exited with " << WEXITSTATUS(status);
+    CacheManager restored(cfg);
+    restored.load(path, kModel);  // whole: A or B, never a part
+    const std::string now = bytes_of(restored);
+    EXPECT_TRUE(now == a || now == b);
+  }
+  EXPECT_TRUE(killed_mid_save) << "never caught the child inside a save";
+  for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+  ::rmdir(dir.c_str());
+}
+
+// ------------------------------------------------------------ the fuzz target's seeds
+
+/// fuzz/corpus/snapshot/: one seed per fuzz/snapshot_configs.h case — [case][flags 1][a snapshot
+/// of that cache after a 3-chunk prompt and 3 decode steps]. Each committed seed must load into
+/// its case's cache (a format change that makes them stale fails here). With
+/// KVCACHE_WRITE_FUZZ_SEEDS=1 the test (re)writes them instead.
+TEST(SnapshotFuzzSeeds, CommittedSeedsLoad) {
+  const std::string dir = std::string(KVCACHE_SOURCE_DIR) + "/fuzz/corpus/snapshot";
+  const char* env = std::getenv("KVCACHE_WRITE_FUZZ_SEEDS");
+  const bool write = env != nullptr && std::string(env) == "1";
+  for (size_t i = 0; i < fuzz::kSnapshotCaseCount; ++i) {
+    const std::string path = dir + "/seed" + std::to_string(i);
+    CacheManager m(fuzz::snapshot_case_config(i));
+    if (write) {
+      TorchCache t(m);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(40 + i));
+      run_steps({&t}, gen, 0, 6, "seed " + std::to_string(i));
+      std::string seed;
+      seed.push_back(static_cast<char>(i));
+      seed.push_back(1);
+      seed += bytes_of(m, fuzz::kSnapshotFingerprint);
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << seed;
+      continue;
+    }
+    const std::string seed = read_bytes(path);
+    ASSERT_GT(seed.size(), 2u) << path << " is missing: KVCACHE_WRITE_FUZZ_SEEDS=1 build/tests/snapshot_test "
+                                          "--gtest_filter=SnapshotFuzzSeeds.* writes it";
+    EXPECT_EQ(static_cast<size_t>(static_cast<uint8_t>(seed[0])), i);
+    load_bytes(m, seed.substr(2), fuzz::kSnapshotFingerprint);
+    EXPECT_GT(m.stats().tokens_written, 0) << path;
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
