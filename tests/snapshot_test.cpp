@@ -138,8 +138,9 @@ std::vector<at::Tensor> step_all(const std::vector<TorchCache*>& ms, at::Generat
   const int64_t layers = ms[0]->config().num_layers;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t p0 = ms[0]->next_position(l);
-    const at::Tensor k = testing::randn({1, 2, n, 8}, gen) * 2.0, v = testing::randn({1, 2, n, 8}, gen);
-    const at::Tensor q = testing::randn({1, 4, n, 8}, gen);
+    const int64_t d = ms[0]->config().head_dim;
+    const at::Tensor k = testing::randn({1, 2, n, d}, gen) * 2.0, v = testing::randn({1, 2, n, d}, gen);
+    const at::Tensor q = testing::randn({1, 4, n, d}, gen);
     for (size_t i = 0; i < ms.size(); ++i) {
       EXPECT_EQ(ms[i]->next_position(l), p0) << where;
       ms[i]->append(l, k, v, positions_range(p0, n));
@@ -223,12 +224,13 @@ struct RoundTripCase {
   std::string scheme, policy;
   KeyStorage keys = KeyStorage::kPostRoPE;
   PositionMode positions = PositionMode::kOriginal;
+  int64_t head_dim = 8;
 };
 
 /// Runs `c` to step `save_at`, saves, loads into a fresh cache (whose context length differs:
 /// the snapshot's replaces it), compares blocks and snapshot bytes, then continues both.
 void round_trip(const RoundTripCase& rc, int save_at) {
-  auto cfg = make_config(2, 4, 2, 8, rc.scheme, rc.policy, 40);
+  auto cfg = make_config(2, 4, 2, rc.head_dim, rc.scheme, rc.policy, 40);
   cfg.key_storage = rc.keys;
   cfg.position_mode = rc.positions;
   const std::string where = rc.scheme + " " + rc.policy + " saved after step " + std::to_string(save_at);
@@ -264,6 +266,11 @@ std::vector<RoundTripCase> round_trip_cases() {
                               "gear:b2:g4:s0.25:r1:loop1:nb8:rp2:whole", "layers(int8;int4:g4)"}) {
     cases.push_back({s, "h2o@12"});
   }
+  // The 2025 rotation formats (seeded rotations and sketches; PolarQuant needs head_dim >= 16).
+  for (const std::string s : {"tq:b3", "tq:b2.5:prod:nc", "turboquant:k3:v3", "qjl:m16:o2:g4:v2:r8:mo8:vg8"}) {
+    cases.push_back({s, "h2o@12"});
+  }
+  cases.push_back({"polar", "h2o@12", KeyStorage::kPostRoPE, PositionMode::kOriginal, 16});
   cases.push_back({"kvquant:b3:o1:cal=" + cal, "h2o@12", KeyStorage::kPreRoPE});
   cases.push_back({"kvquant:b2:o1:f2:cal=" + cal, "full", KeyStorage::kPreRoPE});
   // Every policy (and wrappers), over int4 and KIVI.
