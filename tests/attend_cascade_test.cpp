@@ -71,43 +71,6 @@ Ids cat(Ids a, const Ids& b) {
   return a;
 }
 
-/// A hand-made KVQuant calibration (every channel's thresholds [-2, 2], uniform centroids).
-std::string kvquant_calibration(int64_t L, int64_t H, int64_t D) {
-  KvquantCalibration c;
-  c.num_layers = L;
-  c.num_kv_heads = H;
-  c.head_dim = D;
-  c.tokens = 1;
-  c.source = "hand-made";
-  c.bits = {2, 3, 4};
-  for (double p : {0.99, 1.0}) {
-    KvquantLevel lv;
-    lv.sparsity = p;
-    for (int64_t l = 0; l < L; ++l) {
-      KvquantLayerCalibration lc;
-      lc.key_lower.assign(static_cast<size_t>(H * D), -2.0f);
-      lc.key_upper.assign(static_cast<size_t>(H * D), 2.0f);
-      for (int b : c.bits) {
-        KvquantCodebook cb;
-        cb.bits = b;
-        const int k = 1 << b;
-        for (int j = 0; j < k; ++j) {
-          cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
-        }
-        cb.qnorm_scale = 2.0f;
-        cb.qnorm_shift = 0.5f;
-        lc.key_codebooks.push_back(cb);
-        lc.value_codebooks.push_back(cb);
-      }
-      lv.layers.push_back(lc);
-    }
-    c.levels.push_back(lv);
-  }
-  const std::string path = ::testing::TempDir() + "attend_cascade_test_" + std::to_string(::getpid()) + "_" +
-                           std::to_string(H) + "_" + std::to_string(D) + ".kvq";
-  save_kvquant_calibration(c, path);
-  return path;
-}
 
 struct Shape {
   std::string scheme;
@@ -259,7 +222,7 @@ void run_shared_prefix(const Shape& s, double* worst, int64_t* passes) {
 // Every registered quantizer and cache scheme head, several block sizes: the cascade equals
 // every sequence attended alone within kTol, and shared passes ran (the prefix was reused).
 TEST(AttendCascade, MatchesAttendingAloneForEveryFormat) {
-  const std::string cal = ":cal=" + kvquant_calibration(kLayers, 3, 32);
+  const std::string cal = ":cal=" + testing::uniform_kvquant_calibration_file("attend_cascade_test", kLayers, 3, 32, 2.0f);
   const std::vector<Shape> shapes = {
       {"fp32", 8},  {"fp32", 1},  {"fp16", 16},  {"bf16", 3},      {"fp8:e4m3", 8},   {"fp8:e5m2", 1},
       {"int8", 8},  {"int4", 32},  {"int4", 1},  {"int3", 8},      {"int2:g8", 4},    {"int4:g8:chan", 8},

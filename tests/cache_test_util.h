@@ -6,6 +6,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <functional>
 #include <string>
@@ -14,6 +16,7 @@
 #include "cache/cache_manager_access.h"
 #include "kvcache/cache_manager.h"
 #include "kvcache/error.h"
+#include "kvcache/kvquant.h"
 #include "kvcache/torch/cache.h"
 #include "kvcache/torch/rope.h"
 #include "kvcache/torch/tensor_view.h"
@@ -56,6 +59,52 @@ inline at::Tensor randn(std::vector<int64_t> shape, at::Generator& gen) {
 /// Softmax attention of random logits: [B, H_q, T_q, T] (rows sum to 1).
 inline at::Tensor random_probs(int64_t b, int64_t hq, int64_t tq, int64_t t, at::Generator& gen) {
   return at::softmax(randn({b, hq, tq, t}, gen) * 2.0, -1);
+}
+
+/// A hand-made KVQuant calibration: every channel's key thresholds [−bound, bound], codebooks of
+/// uniform centroids (2 bits: ±0.25, ±0.75) for 2, 3 and 4 bits, Q-Norm scale 2 / shift 0.5,
+/// levels p = 0.99 and 1.
+inline KvquantCalibration uniform_kvquant_calibration(int64_t L, int64_t H, int64_t D, float bound = 1.0f) {
+  KvquantCalibration c;
+  c.num_layers = L;
+  c.num_kv_heads = H;
+  c.head_dim = D;
+  c.tokens = 1;
+  c.source = "hand-made";
+  c.bits = {2, 3, 4};
+  for (double p : {0.99, 1.0}) {
+    KvquantLevel lv;
+    lv.sparsity = p;
+    for (int64_t l = 0; l < L; ++l) {
+      KvquantLayerCalibration lc;
+      lc.key_lower.assign(static_cast<size_t>(H * D), -bound);
+      lc.key_upper.assign(static_cast<size_t>(H * D), bound);
+      for (int b : c.bits) {
+        KvquantCodebook cb;
+        cb.bits = b;
+        const int k = 1 << b;
+        for (int j = 0; j < k; ++j) cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
+        cb.qnorm_scale = 2.0f;
+        cb.qnorm_shift = 0.5f;
+        lc.key_codebooks.push_back(cb);
+        lc.value_codebooks.push_back(cb);
+      }
+      lv.layers.push_back(lc);
+    }
+    c.levels.push_back(lv);
+  }
+  return c;
+}
+
+/// uniform_kvquant_calibration() saved to a temporary .kvqcal file named by `tag`, the shape,
+/// the bound and the process: its path (for a scheme's `:cal=` field).
+inline std::string uniform_kvquant_calibration_file(const std::string& tag, int64_t L, int64_t H, int64_t D,
+                                                    float bound = 1.0f) {
+  const std::string path = ::testing::TempDir() + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(L) +
+                           "_" + std::to_string(H) + "_" + std::to_string(D) + "_" +
+                           std::to_string(static_cast<int>(bound * 1000)) + ".kvqcal";
+  save_kvquant_calibration(uniform_kvquant_calibration(L, H, D, bound), path);
+  return path;
 }
 
 /// The step kind a test's prefill-end flag stands for.

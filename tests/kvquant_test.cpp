@@ -44,43 +44,10 @@ std::string temp_path(const std::string& name) {
   return ::testing::TempDir() + "kvquant_test_" + std::to_string(::getpid()) + "_" + name;
 }
 
-/// A hand-made calibration: every channel's thresholds [-1, 1] (offset 0, range 1), codebooks
-/// of uniform centroids (2 bits: ±0.25, ±0.75), Q-Norm scale 2 / shift 0.5, levels p = 0.99, 1.
-KvquantCalibration uniform_calibration(int64_t L, int64_t H, int64_t D) {
-  KvquantCalibration c;
-  c.num_layers = L;
-  c.num_kv_heads = H;
-  c.head_dim = D;
-  c.tokens = 1;
-  c.source = "hand-made";
-  c.bits = {2, 3, 4};
-  for (double p : {0.99, 1.0}) {
-    KvquantLevel lv;
-    lv.sparsity = p;
-    for (int64_t l = 0; l < L; ++l) {
-      KvquantLayerCalibration lc;
-      lc.key_lower.assign(static_cast<size_t>(H * D), -1.0f);
-      lc.key_upper.assign(static_cast<size_t>(H * D), 1.0f);
-      for (int b : c.bits) {
-        KvquantCodebook cb;
-        cb.bits = b;
-        const int k = 1 << b;
-        for (int j = 0; j < k; ++j) cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
-        cb.qnorm_scale = 2.0f;
-        cb.qnorm_shift = 0.5f;
-        lc.key_codebooks.push_back(cb);
-        lc.value_codebooks.push_back(cb);
-      }
-      lv.layers.push_back(lc);
-    }
-    c.levels.push_back(lv);
-  }
-  return c;
-}
 
 std::string write_uniform(const std::string& name, int64_t L, int64_t H, int64_t D) {
   const std::string path = temp_path(name);
-  save_kvquant_calibration(uniform_calibration(L, H, D), path);
+  save_kvquant_calibration(testing::uniform_kvquant_calibration(L, H, D), path);
   return path;
 }
 
@@ -333,7 +300,7 @@ TEST(KvquantWeights, AllZeroWeightsAreRefused) {
 // ------------------------------------------------------------ the file
 
 TEST(KvquantFile, RoundTripsExactly) {
-  const KvquantCalibration c = uniform_calibration(2, 2, 8);
+  const KvquantCalibration c = testing::uniform_kvquant_calibration(2, 2, 8);
   const std::string path = temp_path("rt.kvqcal");
   save_kvquant_calibration(c, path);
   const KvquantCalibration r = load_kvquant_calibration(path);
@@ -718,7 +685,7 @@ TEST(KvquantStored, TwoThreeFourBitsAndQNorm) {
 
 TEST(KvquantCache, AttentionEqualsAttentionOverTheDequantizedKV) {
   // Per-head thresholds: head 1's range is [-2, 2], head 0's [-1, 1], so a head mix-up shows.
-  KvquantCalibration cal = uniform_calibration(2, 2, 16);
+  KvquantCalibration cal = testing::uniform_kvquant_calibration(2, 2, 16);
   for (auto& lv : cal.levels) {
     for (auto& l : lv.layers) {
       for (int j = 16; j < 32; ++j) {

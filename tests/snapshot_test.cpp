@@ -89,40 +89,6 @@ Reason reason_of(const std::function<void()>& f, std::string* what = nullptr) {
   return Reason::kIo;
 }
 
-/// A KVQuant calibration with uniform thresholds and codebooks (as tests/kvquant_test.cpp's).
-std::string kvquant_calibration(int64_t L, int64_t H, int64_t D) {
-  KvquantCalibration c;
-  c.num_layers = L;
-  c.num_kv_heads = H;
-  c.head_dim = D;
-  c.tokens = 1;
-  c.source = "hand-made";
-  c.bits = {2, 3, 4};
-  for (double p : {0.99, 1.0}) {
-    KvquantLevel lv;
-    lv.sparsity = p;
-    for (int64_t l = 0; l < L; ++l) {
-      KvquantLayerCalibration lc;
-      lc.key_lower.assign(static_cast<size_t>(H * D), -1.0f);
-      lc.key_upper.assign(static_cast<size_t>(H * D), 1.0f);
-      for (int b : c.bits) {
-        KvquantCodebook cb;
-        cb.bits = b;
-        const int k = 1 << b;
-        for (int j = 0; j < k; ++j) cb.centroids.push_back(-1.0f + (2.0f * static_cast<float>(j) + 1.0f) / static_cast<float>(k));
-        cb.qnorm_scale = 2.0f;
-        cb.qnorm_shift = 0.5f;
-        lc.key_codebooks.push_back(cb);
-        lc.value_codebooks.push_back(cb);
-      }
-      lv.layers.push_back(lc);
-    }
-    c.levels.push_back(lv);
-  }
-  const std::string path = ::testing::TempDir() + "snapshot_test_" + std::to_string(::getpid()) + ".kvqcal";
-  save_kvquant_calibration(c, path);
-  return path;
-}
 
 // ------------------------------------------------------------ driving two caches alike
 
@@ -257,7 +223,7 @@ void round_trip(const RoundTripCase& rc, int save_at) {
 }
 
 std::vector<RoundTripCase> round_trip_cases() {
-  static const std::string cal = kvquant_calibration(2, 2, 8);
+  static const std::string cal = testing::uniform_kvquant_calibration_file("snapshot_test", 2, 2, 8);
   std::vector<RoundTripCase> cases;
   // Every scheme (registered heads, and variants: per-channel, scaled fp8, a residual), under a
   // policy that evicts and keeps scores (holes, merges, converted groups, h2o state).
@@ -501,7 +467,7 @@ TEST(SnapshotRefusal, FutureVersionAndNotASnapshot) {
   EXPECT_THAT(what, HasSubstr("format version 2, newer than the version 1 this library"));
   EXPECT_EQ(r.refuse("Once upon a time there was a cache.\n", "text", &what), Reason::kNotSnapshot);
   EXPECT_THAT(what, HasSubstr("does not start with the snapshot magic"));
-  EXPECT_EQ(r.refuse(read_bytes(kvquant_calibration(1, 1, 8)), "calibration"), Reason::kNotSnapshot);
+  EXPECT_EQ(r.refuse(read_bytes(testing::uniform_kvquant_calibration_file("snapshot_test", 1, 1, 8)), "calibration"), Reason::kNotSnapshot);
   EXPECT_EQ(r.refuse(std::string(100, '\0'), "zeros"), Reason::kNotSnapshot);
 }
 
