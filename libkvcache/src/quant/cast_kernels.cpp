@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "quant/cast_kernels.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "common/parallel.h"
@@ -76,6 +77,18 @@ CastStatus cast_to_fp16(const float* x, int64_t n, uint16_t* out) { return run(f
 CastStatus cast_to_bf16(const float* x, int64_t n, uint16_t* out) { return run(bf16_range, x, n, out); }
 CastStatus copy_fp32(const float* x, int64_t n, float* out) { return run(copy_range, x, n, out); }
 void cast_to_fp16_saturating(const float* x, int64_t n, uint16_t* out) { (void)run(fp16_sat_range, x, n, out); }
+
+std::vector<float> metadata_to_fp32(const void* data, bool fp16, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  if (n == 0) return out;
+  if (fp16) {
+    fp16_to_fp32(static_cast<const uint16_t*>(data), n, out.data());
+  } else {
+    const auto* f = static_cast<const float*>(data);
+    std::copy(f, f + n, out.data());
+  }
+  return out;
+}
 
 void fp16_to_fp32(const uint16_t* x, int64_t n, float* out) {
   detail::parallel_for(0, n, int64_t{1} << 16, [&](int64_t b, int64_t e) { fp16_widen_range(x, b, e, out); });

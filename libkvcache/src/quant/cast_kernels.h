@@ -6,6 +6,7 @@
 /// single-threaded Float→Half copy plus a separate overflow scan ran at < 1 GB/s here).
 
 #include <cstdint>
+#include <vector>
 
 namespace kvcache::quant {
 
@@ -28,5 +29,9 @@ CastStatus copy_fp32(const float* x, int64_t n, float* out);
 /// out[i] = float(x[i]) for IEEE binary16 / bfloat16 bits (exact). Runs detail::parallel_for.
 void fp16_to_fp32(const uint16_t* x, int64_t n, float* out);
 void bf16_to_fp32(const uint16_t* x, int64_t n, float* out);
+/// The first n metadata values (norms, radii, scales) of a buffer stored as fp16 (`fp16` true)
+/// or float32, as float32: a quantizer whose metadata falls back to float32 where fp16 would
+/// overflow reads both forms alike.
+std::vector<float> metadata_to_fp32(const void* data, bool fp16, int64_t n);
 
 }  // namespace kvcache::quant

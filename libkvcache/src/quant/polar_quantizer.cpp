@@ -275,12 +275,7 @@ void PolarQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) co
                where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (the radii)");
   const int64_t rows = b * h * t;
   if (rows == 0) return;
-  std::vector<float> radii(static_cast<size_t>(rows * blocks));
-  if (q.scales.dtype() == DType::kFloat16) {
-    fp16_to_fp32(q.scales.data_as<uint16_t>(), static_cast<int64_t>(radii.size()), radii.data());
-  } else {
-    std::copy(q.scales.data_as<float>(), q.scales.data_as<float>() + radii.size(), radii.data());
-  }
+  const std::vector<float> radii = metadata_to_fp32(q.scales.data(), q.scales.dtype() == DType::kFloat16, rows * blocks);
   decode_rows(q.codes.data_as<uint8_t>(), radii.data(), rows, d, out);
 }
 

@@ -232,12 +232,7 @@ void QjlKeyQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) c
                where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (the norms)");
   const int64_t groups = b * h * (t / g);
   if (groups == 0) return;
-  std::vector<float> meta(static_cast<size_t>(groups * 2 * g));
-  if (q.scales.dtype() == DType::kFloat16) {
-    fp16_to_fp32(q.scales.data_as<uint16_t>(), static_cast<int64_t>(meta.size()), meta.data());
-  } else {
-    std::copy(q.scales.data_as<float>(), q.scales.data_as<float>() + meta.size(), meta.data());
-  }
+  const std::vector<float> meta = metadata_to_fp32(q.scales.data(), q.scales.dtype() == DType::kFloat16, groups * 2 * g);
   decode_groups(q.codes.data_as<uint8_t>(), meta.data(), groups, d, out);
 }
 

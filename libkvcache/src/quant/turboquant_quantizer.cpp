@@ -302,12 +302,7 @@ void TurboQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) co
                where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (the norms)");
   const int64_t rows = b * h * t;
   if (rows == 0) return;
-  std::vector<float> meta(static_cast<size_t>(rows * mc));
-  if (q.scales.dtype() == DType::kFloat16) {
-    fp16_to_fp32(q.scales.data_as<uint16_t>(), rows * mc, meta.data());
-  } else {
-    std::copy(q.scales.data_as<float>(), q.scales.data_as<float>() + rows * mc, meta.data());
-  }
+  const std::vector<float> meta = metadata_to_fp32(q.scales.data(), q.scales.dtype() == DType::kFloat16, rows * mc);
   decode_rows(q.codes.data_as<uint8_t>(), meta.data(), rows, d, out);
 }
 
