@@ -358,6 +358,19 @@ void tile_keys(const Tile& t, const fused::Queries& fq, const float* qh, int64_t
   }
 }
 
+/// acc[r] += p[r] · values of a tile, for its nr rows of probabilities p (ld apart), segment by
+/// segment (decoded rows or the fused kernel).
+void tile_values(const Tile& t, const float* p, int64_t ld, int64_t nr, int64_t d, float* acc) {
+  for (size_t i = 0; i < t.nv_seg; ++i) {
+    const Segment& sg = t.vseg[i];
+    if (sg.rows) {
+      tile_pv(p + sg.at, ld, nr, sg.n, t.vrows + sg.at, d, acc);
+    } else {
+      fused::accumulate(p + sg.at, ld, nr, sg.raw, sg.n, d, acc);
+    }
+  }
+}
+
 void attend_one_head(const AttendArgs& a, int64_t h) {
   const LayerStore& L = *a.layer;
   const int64_t d = L.head_dim(), hkv = L.num_heads(), G = a.num_q_heads / hkv, tq = a.t_q;
@@ -411,14 +424,7 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
         }
       }
       tile_softmax(s.data(), cap, nr, t.n, d, m.data(), l.data(), acc.data());
-      for (size_t i = 0; i < t.nv_seg; ++i) {
-        const Segment& sg = t.vseg[i];
-        if (sg.rows) {
-          tile_pv(s.data() + sg.at, cap, nr, sg.n, t.vrows + sg.at, d, acc.data());
-        } else {
-          fused::accumulate(s.data() + sg.at, cap, nr, sg.raw, sg.n, d, acc.data());
-        }
-      }
+      tile_values(t, s.data(), cap, nr, d, acc.data());
     });
     for (int64_t r = r0; r < r0 + nr; ++r) {
       const int64_t t = r / G, g = r % G;
@@ -512,14 +518,7 @@ void attend_range(const RangeArgs& a, PartialState& st) {
                     tile_keys(t, fq, a.q, r0, nr, d, scale, s.data(), cap);
                     if (t.last_pos > min_q) tile_mask(s.data(), cap, nr, t.n, t.kpos, rp);
                     tile_softmax(s.data(), cap, nr, t.n, d, m, l, acc);
-                    for (size_t i = 0; i < t.nv_seg; ++i) {
-                      const Segment& sg = t.vseg[i];
-                      if (sg.rows) {
-                        tile_pv(s.data() + sg.at, cap, nr, sg.n, t.vrows + sg.at, d, acc);
-                      } else {
-                        fused::accumulate(s.data() + sg.at, cap, nr, sg.raw, sg.n, d, acc);
-                      }
-                    }
+                    tile_values(t, s.data(), cap, nr, d, acc);
                   });
   }
 }
