@@ -47,4 +47,22 @@ std::pair<const void*, const void*> byte_range(const TensorView& v) {
   return {b, b + (last + 1) * dtype_size(v.dtype)};
 }
 
+void check_codes_and_metadata(const QuantizedTensor& q, const std::vector<int64_t>& code_shape,
+                              const std::vector<int64_t>& meta_shape, const std::string& where,
+                              const std::string& meta_what) {
+  KV_CHECK_ARG(q.codes.dtype() == DType::kUInt8 && q.codes.shape() == code_shape, where,
+               ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
+               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
+  KV_CHECK_ARG(q.scales.defined() && q.scales.shape() == meta_shape &&
+                   (q.scales.dtype() == DType::kFloat16 || q.scales.dtype() == DType::kFloat32),
+               where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (", meta_what,
+               ")");
+}
+
+bool any_nonfinite(const float* x, int64_t n) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) bad = bad || !std::isfinite(x[i]);
+  return bad;
+}
+
 }  // namespace kvcache::quant

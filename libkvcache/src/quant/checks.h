@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/quantizer.h"
 #include "kvcache/view.h"
 
 namespace kvcache::quant {
@@ -23,6 +24,17 @@ void check_finite(const TensorView& x, const std::string& where);
 /// whose fp16 conversion `codes` became ±Inf (fp16's range ±65504), if any.
 void check_fp16_overflow(const float* x, const uint16_t* codes, const std::vector<int64_t>& shape,
                          const std::string& where);
+
+/// Checks what a codebook quantizer (TurboQuant, PolarQuant, QJL keys) dequantizes: q.codes
+/// uint8 of `code_shape`, q.scales fp16 (or float32, the overflow fallback) of `meta_shape`.
+/// @throws InvalidArgument "<where>: q.codes must be contiguous uint8 of shape ..." or
+///         "<where>: q.scales must be contiguous fp16 (or fp32) of shape ... (<meta_what>)".
+void check_codes_and_metadata(const QuantizedTensor& q, const std::vector<int64_t>& code_shape,
+                              const std::vector<int64_t>& meta_shape, const std::string& where,
+                              const std::string& meta_what);
+
+/// True if some x[0 .. n) is NaN or ±Inf.
+bool any_nonfinite(const float* x, int64_t n);
 
 /// [begin, end) of the bytes a view's elements occupy (for Buffer::ensure's overlap test).
 std::pair<const void*, const void*> byte_range(const TensorView& v);

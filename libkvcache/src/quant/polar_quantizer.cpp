@@ -8,6 +8,7 @@
 #include "common/parallel.h"
 #include "kvcache/error.h"
 #include "quant/cast_kernels.h"
+#include "quant/checks.h"
 #include "quant/hadamard.h"
 #include "quant/seeded_random.h"
 
@@ -267,12 +268,7 @@ void PolarQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) co
   check_head_dim(d, where);
   const int64_t blocks = d / 16;
   const std::vector<int64_t> code_shape{b, h, t, code_bytes(d)}, meta_shape{b, h, t, blocks};
-  KV_CHECK_ARG(q.codes.dtype() == DType::kUInt8 && q.codes.shape() == code_shape, where,
-               ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
-               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
-  KV_CHECK_ARG(q.scales.defined() && q.scales.shape() == meta_shape &&
-                   (q.scales.dtype() == DType::kFloat16 || q.scales.dtype() == DType::kFloat32),
-               where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (the radii)");
+  check_codes_and_metadata(q, code_shape, meta_shape, where, "the radii");
   const int64_t rows = b * h * t;
   if (rows == 0) return;
   const std::vector<float> radii = metadata_to_fp32(q.scales.data(), q.scales.dtype() == DType::kFloat16, rows * blocks);
@@ -295,7 +291,7 @@ EncodeStatus PolarQuantizer::do_encode(const float* x, int64_t groups, int64_t h
                                        GroupBuffers out) const {
   EncodeStatus s;
   const int64_t n = groups * head_dim;
-  for (int64_t i = 0; i < n; ++i) s.nonfinite = s.nonfinite || !std::isfinite(x[i]);
+  s.nonfinite = any_nonfinite(x, n);
   if (s.nonfinite || groups == 0) return s;
   std::vector<float> radii(static_cast<size_t>(groups * (head_dim / 16)));
   encode_rows(x, groups, head_dim, out.codes, radii.data());

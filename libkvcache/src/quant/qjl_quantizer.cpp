@@ -9,6 +9,7 @@
 #include "common/parallel.h"
 #include "kvcache/error.h"
 #include "quant/cast_kernels.h"
+#include "quant/checks.h"
 #include "quant/seeded_random.h"
 
 namespace kvcache::quant {
@@ -224,12 +225,7 @@ void QjlKeyQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) c
   KV_CHECK_ARG(t % g == 0, where, ": q.shape ", shape_str(q.shape), " has seq_len T = ", t,
                ", expected a multiple of the group size g = ", g, " tokens");
   const std::vector<int64_t> code_shape{b, h, t / g, code_bytes(d)}, meta_shape{b, h, t / g, 2 * g};
-  KV_CHECK_ARG(q.codes.dtype() == DType::kUInt8 && q.codes.shape() == code_shape, where,
-               ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
-               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
-  KV_CHECK_ARG(q.scales.defined() && q.scales.shape() == meta_shape &&
-                   (q.scales.dtype() == DType::kFloat16 || q.scales.dtype() == DType::kFloat32),
-               where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (the norms)");
+  check_codes_and_metadata(q, code_shape, meta_shape, where, "the norms");
   const int64_t groups = b * h * (t / g);
   if (groups == 0) return;
   const std::vector<float> meta = metadata_to_fp32(q.scales.data(), q.scales.dtype() == DType::kFloat16, groups * 2 * g);
@@ -253,7 +249,7 @@ EncodeStatus QjlKeyQuantizer::do_encode(const float* x, int64_t groups, int64_t 
                                         GroupBuffers out) const {
   EncodeStatus s;
   const int64_t n = groups * p_.group * head_dim;
-  for (int64_t i = 0; i < n; ++i) s.nonfinite = s.nonfinite || !std::isfinite(x[i]);
+  s.nonfinite = any_nonfinite(x, n);
   if (s.nonfinite || groups == 0) return s;
   std::vector<float> meta(static_cast<size_t>(groups * 2 * p_.group));
   encode_groups(x, groups, head_dim, out.codes, meta.data());

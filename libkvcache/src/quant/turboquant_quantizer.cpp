@@ -294,12 +294,7 @@ void TurboQuantizer::do_dequantize_into(const QuantizedTensor& q, float* out) co
                " has head_dim D = ", d, ", expected a power of two");
   const int64_t mc = meta_count();
   const std::vector<int64_t> code_shape{b, h, t, code_bytes(d)}, meta_shape{b, h, t, mc};
-  KV_CHECK_ARG(q.codes.dtype() == DType::kUInt8 && q.codes.shape() == code_shape, where,
-               ": q.codes must be contiguous uint8 of shape ", shape_str(code_shape), ", got ",
-               to_string(q.codes.dtype()), " ", shape_str(q.codes.shape()));
-  KV_CHECK_ARG(q.scales.defined() && q.scales.shape() == meta_shape &&
-                   (q.scales.dtype() == DType::kFloat16 || q.scales.dtype() == DType::kFloat32),
-               where, ": q.scales must be contiguous fp16 (or fp32) of shape ", shape_str(meta_shape), " (the norms)");
+  check_codes_and_metadata(q, code_shape, meta_shape, where, "the norms");
   const int64_t rows = b * h * t;
   if (rows == 0) return;
   const std::vector<float> meta = metadata_to_fp32(q.scales.data(), q.scales.dtype() == DType::kFloat16, rows * mc);
@@ -323,7 +318,7 @@ EncodeStatus TurboQuantizer::do_encode(const float* x, int64_t groups, int64_t h
                                        GroupBuffers out) const {
   EncodeStatus s;
   const int64_t n = groups * head_dim;
-  for (int64_t i = 0; i < n; ++i) s.nonfinite = s.nonfinite || !std::isfinite(x[i]);
+  s.nonfinite = any_nonfinite(x, n);
   if (s.nonfinite || groups == 0) return s;
   const int64_t mc = meta_count();
   std::vector<float> meta(static_cast<size_t>(groups * mc));
