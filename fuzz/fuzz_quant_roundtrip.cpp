@@ -28,6 +28,10 @@ const char* const kSpecs[] = {
     "fp8:e5m2:scaled", "int8",      "int4",          "int2",           "int8:g4",         "int4:g32",
     "int2:g32",    "int4:g16",      "int8:g32:chan", "int4:g32:chan",  "int2:g32:chan",   "int2:g4:chan",
     "int4:g64",    "int8:g1",       "int4:g128",     "int2:g8",        "int8:g2:chan",    "int4:g8:chan",
+    // The 3-bit packing and the rotation-and-codebook formats (TurboQuant, PolarQuant): their
+    // head-dim rules (a power of two; polar: a multiple of 16) are exercised by the free D.
+    "int3",        "int3:g8:chan",  "tq:b4",         "tq:b3:nc",       "tq:b2.5",         "tq:b3:prod",
+    "tq:b1",       "tq:b3.5:nc",    "tq:b2:prod:nc", "polar",
 };
 constexpr size_t kNumSpecs = sizeof(kSpecs) / sizeof(kSpecs[0]);
 const int64_t kHeadDims[] = {1, 2, 4, 8, 16, 32, 64, 128};

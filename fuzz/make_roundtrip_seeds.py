@@ -8,7 +8,7 @@ import random
 import struct
 import sys
 
-NUM_SPECS = 24          # kSpecs in fuzz_quant_roundtrip.cpp
+NUM_SPECS = 34          # kSpecs in fuzz_quant_roundtrip.cpp
 HEAD_DIMS = [1, 2, 4, 8, 16, 32, 64, 128]
 FMT = {0: "<f", 1: "<e", 3: "<d"}  # float32, float16, float64 (bf16: the top half of a float32)
 
