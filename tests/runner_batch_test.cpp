@@ -163,6 +163,60 @@ TEST_P(RunnerModels, RaggedBatchGeneratesWhatEachSequenceGeneratesAlone) {
   }
 }
 
+TEST_P(RunnerModels, SharedPrefixDecodeReadsThePrefixOnceForTheBatch) {
+  // Four prompts share their first 32 tokens (4 blocks of 8) and differ in 3 more. The first
+  // computes the prefix and publishes it; the other three reuse its blocks. In each of the 5
+  // decode steps, every layer's attend_batch reads the 4 shared blocks once per KV head for the
+  // 4 sequences (one pass of 4 · G query rows) instead of four times: shared_passes = steps ·
+  // layers · H_kv, 32 tokens each, and 3 × 4 blocks of K and V fewer read per (step, layer,
+  // head) than with cascade off — whose attention is each sequence's attend(), bit for bit.
+  // The cascade merges partial softmax states (float32 rounding): the same greedy tokens,
+  // logits within 1e-5 × their scale.
+  const TestModel& m = GetParam().get();
+  REQUIRE_MODEL(m);
+  const Runner runner(*m.lm);
+  std::vector<int64_t> prefix;
+  while (prefix.size() < 32) prefix.push_back(m.prompt[prefix.size() % m.prompt.size()]);
+  std::vector<std::vector<int64_t>> prompts;
+  for (size_t i = 0; i < 4; ++i) {
+    prompts.push_back(prefix);
+    for (size_t j = 0; j < 3; ++j) prompts.back().push_back(m.prompt[(3 * i + j + 1) % m.prompt.size()]);
+  }
+  CacheConfig c = m.lm->cache_config();
+  c.scheme = "fp32";
+  c.block_tokens = 8;
+  MultiSequenceConfig mc;
+  mc.model = c;
+  mc.capacity_bytes = int64_t{1} << 30;
+  std::vector<GenerationResult> runs[2];
+  AttendBatchStats stats[2];
+  for (const bool cascade : {false, true}) {
+    MultiSequenceCache pool(mc);
+    std::vector<std::unique_ptr<TorchCache>> faces;
+    for (size_t i = 0; i < prompts.size(); ++i) faces.push_back(std::make_unique<TorchCache>(pool.add_sequence()));
+    GenerationOptions o = greedy(6);
+    o.stop_at_eos = false;
+    o.cascade_attention = cascade;
+    o.attention_stats = &stats[cascade];
+    runs[cascade] = runner.generate_batch(prompts, o, pointers(faces));
+    for (size_t i = 1; i < prompts.size(); ++i) EXPECT_EQ(runs[cascade][i].cached_prompt_tokens, 32) << i;
+    pool.check_invariants();
+  }
+  const int64_t steps = 5, layers = c.num_layers, heads = c.num_kv_heads;
+  EXPECT_EQ(stats[0].shared_passes, 0);
+  EXPECT_EQ(stats[0].cascaded_requests, 0);
+  EXPECT_EQ(stats[1].shared_passes, steps * layers * heads);
+  EXPECT_EQ(stats[1].shared_tokens, steps * layers * heads * 32);
+  EXPECT_EQ(stats[1].cascaded_requests, steps * layers * 4);
+  const int64_t block_bytes = 8 * c.head_dim * 4;  // fp32, one stream
+  EXPECT_EQ(stats[0].bytes_read - stats[1].bytes_read, steps * layers * heads * 3 * 4 * 2 * block_bytes);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(runs[1][i].tokens, runs[0][i].tokens) << "sequence " << i;
+    const double scale = std::max(1.0, runs[0][i].logits.abs().max().item<double>());
+    EXPECT_LT(max_abs_diff(runs[1][i].logits, runs[0][i].logits), 1e-5 * scale) << "sequence " << i;
+  }
+}
+
 TEST_P(RunnerModels, SequencesLeaveTheBatchAtTheirOwnEos) {
   // The EOS id is the 4th token the second prompt generates alone: that sequence stops after
   // 4 tokens (3 decode steps) while the others run on; every result is what generate() gives

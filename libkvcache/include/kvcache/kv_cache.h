@@ -72,6 +72,12 @@ class KVCache {
   virtual void begin_replay() {
     throw UnsupportedError("this KVCache does not run context-replay steps (its replay_need() is none)");
   }
+  /// The core cache behind this KVCache, if any (TorchCache: its CacheManager or Sequence).
+  /// The runner's batched decode attends the core caches of a step together, one
+  /// kvcache::attend_batch call per layer (kvcache/sequence_cache.h: spread over the threads,
+  /// and shared-prefix "cascade" attention for Sequences that share prefix blocks), instead of
+  /// calling attend() on each. Default: nullptr (attend() is called per sequence).
+  virtual SequenceCache* core_cache() { return nullptr; }
 };
 
 }  // namespace kvcache

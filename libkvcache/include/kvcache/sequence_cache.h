@@ -173,6 +173,15 @@ struct AttendBatchStats {
   /// to 256 stacked rows of a pass). A model of the reads, not a hardware counter: it does not
   /// tell cache hits from memory, and leaves out the second walk of a policy's mass.
   int64_t bytes_read = 0;
+
+  /// Adds `other`'s counts (totals over several calls, e.g. GenerationOptions::attention_stats).
+  AttendBatchStats& operator+=(const AttendBatchStats& other) {
+    shared_passes += other.shared_passes;
+    shared_tokens += other.shared_tokens;
+    cascaded_requests += other.cascaded_requests;
+    bytes_read += other.bytes_read;
+    return *this;
+  }
 };
 
 /// How attend_batch() runs.

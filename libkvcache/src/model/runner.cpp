@@ -12,7 +12,9 @@
 
 #include "common/log.h"
 #include "kvcache/error.h"
+#include "kvcache/multi_sequence_cache.h"
 #include "kvcache/spec.h"
+#include "kvcache/torch/tensor_view.h"
 
 namespace kvcache {
 namespace {
@@ -72,17 +74,26 @@ void throw_if_model_output_not_finite(const CausalLM& model, int64_t layer, cons
   }
 }
 
-/// append + attend of layer `layer` (KVCache's order); a refusal caused by the model's own
-/// non-finite output names the model and the layer.
-at::Tensor append_attend(const CausalLM& model, int64_t layer, KVCache& cache, const at::Tensor& k,
-                         const at::Tensor& v, const at::Tensor& q, const at::Tensor& pos) {
+/// Runs `fn` (a call on the cache with layer `layer`'s K/V/q); a refusal caused by the model's
+/// own non-finite output names the model and the layer.
+template <class Fn>
+auto naming_model_faults(const CausalLM& model, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& q, Fn&& fn) {
   try {
-    cache.append(layer, k, v, pos);
-    return cache.attend(layer, q, pos);
+    return fn();
   } catch (const InvalidArgument& e) {
     throw_if_model_output_not_finite(model, layer, k, v, q, e);
     throw;
   }
+}
+
+/// append + attend of layer `layer` (KVCache's order).
+at::Tensor append_attend(const CausalLM& model, int64_t layer, KVCache& cache, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& q, const at::Tensor& pos) {
+  return naming_model_faults(model, layer, k, v, q, [&] {
+    cache.append(layer, k, v, pos);
+    return cache.attend(layer, q, pos);
+  });
 }
 
 enum class LogitsFor { kLastToken, kAllTokens, kNone };
@@ -149,7 +160,10 @@ bool guarded(Fn&& fn, KVCache& cache, Left* left) {
 /// by the batch, so qkv runs at position 0 (RoPE at 0 is the identity: cos 1, sin 0, exact in
 /// fp32) and q is rotated afterwards with each sequence's position in one `rope` call, the
 /// batch laid out along the T axis (`[1, H_q, B, D]`): RoPE is elementwise in (position,
-/// dimension), so every sequence's q is what qkv at its position gives.
+/// dimension), so every sequence's q is what qkv at its position gives. Per layer, every row
+/// appends first, then the rows attend together (attend_batch; `cascade`: shared prefix blocks
+/// read once for all the queries that share them): each cache still receives append, attend
+/// in its own order.
 ///
 /// `left` null: a cache's exception passes through (the batch stops mid-step). Otherwise
 /// `left` has B entries: a row whose cache throws PoolFullError (refused, or preempted by
@@ -159,7 +173,7 @@ bool guarded(Fn&& fn, KVCache& cache, Left* left) {
 /// the same GEMMs as without the failure.
 /// @return logits `[B, V]` float32.
 at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, const std::vector<KVCache*>& caches,
-                                std::vector<Left>* left = nullptr) {
+                                bool cascade, AttendBatchStats* stats, std::vector<Left>* left = nullptr) {
   const auto B = static_cast<int64_t>(caches.size());
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor h = model.embed(ids);
@@ -180,21 +194,59 @@ at::Tensor forward_decode_batch(const CausalLM& model, const at::Tensor& ids, co
     QKV x = model.qkv(l, h, zero);
     // [B, H_q, 1, D] -> [1, H_q, B, D]: the batch on the token axis, one position per row.
     const at::Tensor q = model.rope(x.q.transpose(0, 2), pos).transpose(0, 2);
+    // Every row appends its own K/V first; then the step's attention: one attend_batch call
+    // over the rows' core caches (spread over the threads; shared prefix blocks read once for
+    // every query that shares them, when `cascade`), per row for a cache without one or whose
+    // request was preempted (its attend() throws the PoolFullError that makes it leave).
+    std::vector<at::Tensor> kb(static_cast<size_t>(B)), vb(kb), qb(kb), pb(kb);
     for (int64_t b = 0; b < B; ++b) {
-      KVCache& c = *caches[static_cast<size_t>(b)];
-      const at::Tensor pb = pos.slice(0, b, b + 1);
-      at::Tensor& out = outs[static_cast<size_t>(b)];
-      const bool ok = !gone(b) && guarded(
-                                      [&] {
-                                        out = append_attend(model, l, c, x.k.slice(0, b, b + 1),
-                                                            x.v.slice(0, b, b + 1), q.slice(0, b, b + 1).contiguous(),
-                                                            pb);
-                                      },
-                                      c, left_of(b));
-      if (!ok) {
-        if (!no_attention.defined()) no_attention = at::zeros({1, q.size(1), 1, q.size(3)}, at::kFloat);
-        out = no_attention;
+      const auto i = static_cast<size_t>(b);
+      kb[i] = x.k.slice(0, b, b + 1);
+      vb[i] = x.v.slice(0, b, b + 1);
+      qb[i] = q.slice(0, b, b + 1).contiguous();
+      pb[i] = pos.slice(0, b, b + 1);
+      KVCache& c = *caches[i];
+      if (gone(b)) continue;
+      guarded([&] { naming_model_faults(model, l, kb[i], vb[i], qb[i], [&] { c.append(l, kb[i], vb[i], pb[i]); }); },
+              c, left_of(b));
+    }
+    std::vector<AttendRequest> together;
+    std::vector<int64_t> together_rows;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto i = static_cast<size_t>(b);
+      KVCache& c = *caches[i];
+      if (gone(b)) continue;
+      SequenceCache* core = c.core_cache();
+      const auto* seq = dynamic_cast<const Sequence*>(core);
+      if (core == nullptr || (seq != nullptr && seq->preempted())) {
+        guarded([&] { outs[i] = naming_model_faults(model, l, kb[i], vb[i], qb[i], [&] { return c.attend(l, qb[i], pb[i]); }); },
+                c, left_of(b));
+        continue;
       }
+      outs[i] = at::empty({1, qb[i].size(1), 1, qb[i].size(3)}, at::kFloat);
+      together.push_back({core, view_of(qb[i]), view_of(pb[i]), mutable_view_of(outs[i])});
+      together_rows.push_back(b);
+    }
+    if (!together.empty()) {
+      AttendBatchStats layer_stats;
+      AttendBatchOptions how;
+      how.cascade = cascade;
+      how.stats = stats != nullptr ? &layer_stats : nullptr;
+      try {
+        attend_batch(l, together, how);
+      } catch (const InvalidArgument& e) {
+        for (const int64_t b : together_rows) {
+          const auto i = static_cast<size_t>(b);
+          throw_if_model_output_not_finite(model, l, kb[i], vb[i], qb[i], e);
+        }
+        throw;
+      }
+      if (stats != nullptr) *stats += layer_stats;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      if (!gone(b)) continue;
+      if (!no_attention.defined()) no_attention = at::zeros({1, q.size(1), 1, q.size(3)}, at::kFloat);
+      outs[static_cast<size_t>(b)] = no_attention;
     }
     h = model.finish(l, h, at::cat(outs, 0).to(h.scalar_type()));
   }
@@ -295,13 +347,14 @@ void Runner::check_batch(size_t n, const char* item, const std::vector<KVCache*>
   }
 }
 
-at::Tensor Runner::decode_step_batch(const std::vector<int64_t>& tokens, const std::vector<KVCache*>& caches) const {
+at::Tensor Runner::decode_step_batch(const std::vector<int64_t>& tokens, const std::vector<KVCache*>& caches,
+                                     bool cascade_attention, AttendBatchStats* attention_stats) const {
   check_batch(tokens.size(), "token", caches, "Runner::decode_step_batch");
   check_token_ids(tokens, model_.config().vocab_size, "Runner::decode_step_batch");
   return forward_decode_batch(model_,
                               at::tensor(at::ArrayRef<int64_t>(tokens), at::TensorOptions().dtype(at::kLong))
                                   .view({static_cast<int64_t>(tokens.size()), 1}),
-                              caches);
+                              caches, cascade_attention, attention_stats);
 }
 
 void Runner::check_request(const std::vector<int64_t>& prompt, const GenerationOptions& opt, const KVCache& cache,
@@ -478,7 +531,7 @@ std::vector<GenerationResult> Runner::generate_batch(const std::vector<std::vect
         model_,
         at::tensor(at::ArrayRef<int64_t>(ids), at::TensorOptions().dtype(at::kLong))
             .view({static_cast<int64_t>(ids.size()), 1}),
-        step_caches, &left);
+        step_caches, opt.cascade_attention, opt.attention_stats, &left);
     const at::Tensor chosen = logits.argmax(-1).contiguous();  // one host read per step for the batch
     const int64_t* chosen_ids = chosen.data_ptr<int64_t>();
     const auto t2 = clock::now();

@@ -55,6 +55,19 @@ struct GenerationOptions {
   /// normally ReplayNeed::instruction encoded by the caller's tokenizer (raw ids, no BOS);
   /// empty: the runner encodes it with the model's tokenizer (CausalLM::tokenizer_files()).
   std::vector<int64_t> replay_prefix;
+  /// generate_batch()'s decode steps: sequences of one MultiSequenceCache that share prefix
+  /// blocks read each shared block once per step for all their queries (shared-prefix,
+  /// "cascade", attention: kvcache::attend_batch), where their policies take no attention
+  /// mass. Each such sequence's attention then differs from its attend() by float32 rounding
+  /// (the merge of partial softmax states; |Δ| ≤ 1e-5 · max|v| in tests/attend_cascade_test.cpp),
+  /// as the batch's GEMMs already differ from one sequence's GEMV. false: every sequence's
+  /// attention is bit for bit its attend() (still one attend_batch call per layer, spread over
+  /// the threads). generate() (one sequence) ignores it.
+  bool cascade_attention = true;
+  /// When not null, generate_batch() adds the AttendBatchStats of every attend_batch call of its
+  /// decode steps (one per layer and step) to *attention_stats (not reset first): shared
+  /// passes, shared tokens and the bytes of K/V blocks read.
+  AttendBatchStats* attention_stats = nullptr;
 };
 
 /// How a request of Runner::generate_batch() ended.
@@ -157,7 +170,9 @@ class Runner {
   /// @return logits `[B, V]` float32, row b for caches[b].
   /// @throws InvalidArgument if tokens.size() != caches.size(), the batch is empty, a cache is
   ///         null or given twice, a token id is outside [0, V), or a cache does not fit the model.
-  at::Tensor decode_step_batch(const std::vector<int64_t>& tokens, const std::vector<KVCache*>& caches) const;
+  /// `cascade_attention` and `attention_stats` as GenerationOptions' (generate_batch).
+  at::Tensor decode_step_batch(const std::vector<int64_t>& tokens, const std::vector<KVCache*>& caches,
+                               bool cascade_attention = true, AttendBatchStats* attention_stats = nullptr) const;
 
   /// Greedy generation: cache.begin_request(prompt, prompt + max_new_tokens) (reset() for a
   /// cache without prefix caching), prefill of the prompt tokens the cache does not hold yet —
@@ -183,7 +198,9 @@ class Runner {
   /// later prompt reuses the blocks an earlier one published. Decode: one forward per step for
   /// every sequence still running — the export's dense layers (embed, qkv, finish, head) see
   /// ids `[B, 1]`, and each sequence appends its K/V and attends over its own cache at its own
-  /// position (ragged lengths without padding: attention is the cache's, per sequence). A
+  /// position (ragged lengths without padding: attention is the cache's, per sequence). Caches
+  /// with a core cache (KVCache::core_cache(): TorchCache) attend together, one attend_batch call
+  /// per layer, with shared-prefix attention unless options.cascade_attention is false. A
   /// sequence leaves the batch at max_new_tokens or its EOS id; the others go on.
   ///
   /// Pool full (the rule; docs/model-runner.md, "Batched decode"): when a sequence's cache

@@ -64,6 +64,8 @@ class TorchCache final : public KVCache {
   void finish() override;
   ReplayNeed replay_need() const override;
   void begin_replay() override;
+  /// The core cache (core()): the runner's batched decode attends it through attend_batch.
+  SequenceCache* core_cache() override { return cache_; }
 
   // ---- the rest of the verbs the at::Tensor API had -------------------------------------
   const EvictionPolicy& policy() const;
