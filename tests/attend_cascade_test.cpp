@@ -714,5 +714,41 @@ TEST(AttendSplit, AttendSplitsOneLongHeadOnTwoThreads) {
   }
 }
 
+
+// attend_batch splits a long head as attend() does (the same runs, merged in the same order), so
+// a request in a batch — with the cascade or without — gets its attend() call's bits, on one
+// thread and on two; and the split is no shared pass.
+TEST(AttendSplit, AttendBatchSplitsAsAttendDoes) {
+  const int before_threads = at::get_num_threads();
+  for (const std::string q : {"int4", "fp16"}) {
+    TorchCache m = split_cache(q, 0, 1, "full", 5000, 0, 4);
+    TorchCache other = split_cache(q, 0, 2, "full", 300, 0, 5);  // a second request, 2 KV heads
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+    const at::Tensor qt = testing::randn({1, 7, 1, 64}, gen).contiguous();
+    const at::Tensor qo = testing::randn({1, 14, 1, 64}, gen).contiguous();
+    const at::Tensor pos = testing::positions_range(4999, 1), pos_o = testing::positions_range(299, 1);
+    for (const int n : {1, 2}) {
+      at::set_num_threads(n);
+      const at::Tensor want = m.attend(0, qt, pos);
+      const at::Tensor want_o = other.attend(0, qo, pos_o);
+      for (const bool cascade : {true, false}) {
+        at::Tensor out = at::full({1, 7, 1, 64}, 7.0f), out_o = at::full({1, 14, 1, 64}, 7.0f);
+        std::vector<AttendRequest> reqs = {{&m.core(), qt, pos, mutable_view_of(out)},
+                                           {&other.core(), qo, pos_o, mutable_view_of(out_o)}};
+        AttendBatchOptions opt;
+        opt.cascade = cascade;
+        AttendBatchStats st;
+        opt.stats = &st;
+        attend_batch(0, reqs, opt);
+        EXPECT_TRUE(at::equal(out, want)) << q << " on " << n << " threads, cascade " << cascade;
+        EXPECT_TRUE(at::equal(out_o, want_o)) << q << " on " << n << " threads, cascade " << cascade;
+        EXPECT_EQ(st.shared_passes, 0);
+        EXPECT_EQ(st.cascaded_requests, 0);
+      }
+    }
+    at::set_num_threads(before_threads);
+  }
+}
+
 }  // namespace
 }  // namespace kvcache
