@@ -52,8 +52,8 @@ std::string attention_query();
 ///     rounding), one VNNI product per 4 dims — only for the integer key formats whose extra
 ///     attention error stays within 10 % of the error the format itself introduces,
 ///     ‖attend − ref(k̂, v̂)‖ ≤ 0.1·‖ref(k̂, v̂) − ref(k, v)‖ (ref: float64 attention; measured per
-///     format by tests/attend_fused_test.cpp on synthetic K/V with outlier key channels, figures
-///     in docs/performance.md): per-token 4- and 2-bit keys (int4, int2) and per-channel 2-bit
+///     format by tests/attend_fused_test.cpp on the default model's captured K/V and on
+///     synthetic K/V with outlier key channels, figures in docs/performance.md): per-token 4- and 2-bit keys (int4, int2) and per-channel 2-bit
 ///     keys (KIVI-2, int2:chan). int8 keys and per-channel 4-bit keys (int4:chan, KIVI-4) fail the
 ///     bound and keep the exact query.
 /// The AVX2 kernels and the generic path compute in float32 whatever is set. Process-wide; call

@@ -94,10 +94,12 @@ bool available();
 /// The AVX2 kernels and the generic path compute in float32 and ignore it.
 enum class QueryRounding : uint8_t { kTwoTerm, kInt8, kInt8Everywhere };
 /// Bit b set: b-bit per-token (per-channel) integer keys take the int8 query under kInt8.
-/// Measured (AttendFused.Int8QueryWithinTheErrorBound, ratio to the bound's 0.1 · format error):
-/// per-token int4 0.025-0.032 and int2 0.012 pass, int8 0.41-0.54 fails; per-channel 2-bit
-/// (KIVI-2) 0.067 passes, 4-bit (int4:chan, KIVI-4) 0.29-0.30 fails — the channel scales folded
-/// into the query (w = q ⊙ s) let the outlier channels set each chunk's int8 step.
+/// Measured (AttendFused.Int8QueryWithinTheErrorBound*, the ratio ‖attend − ref(k̂, v̂)‖ /
+/// ‖ref(k̂, v̂) − ref(k, v)‖ against the bound 0.1, on the default model's captured K/V and on
+/// synthetic ones): per-token int4 0.025-0.034 and int2 0.011-0.012 pass, int8 0.41-0.61 fails;
+/// per-channel 2-bit (KIVI-2) 0.031-0.067 passes, 4-bit (int4:chan, KIVI-4) 0.13-0.30 fails —
+/// the channel scales folded into the query (w = q ⊙ s) let the outlier channels set each
+/// chunk's int8 step.
 inline constexpr uint32_t kInt8QueryTokenBits = (1u << 4) | (1u << 2);
 inline constexpr uint32_t kInt8QueryChannelBits = 1u << 2;
 QueryRounding query_rounding();
