@@ -17,6 +17,16 @@
 //                                   run next to BM_Attend on the same cache: the cost of the face
 //   BM_AttendGeneric/<spec>/<T>/<threads>  the same cache through the generic per-block path
 //                                   (the fused kernels' reference twin)
+//   BM_AttendQ8/<spec>/<T>/<threads>  BM_AttendCore's call with the int8 query
+//                                   (kvcache::set_attention_query("int8"): one VNNI product per
+//                                   4 dims of integer keys instead of two, for the formats within
+//                                   its error bound; the others, int8 here, keep the two-term
+//                                   query, so their row shows no change), on the same cache
+//   BM_AttendKV1/<spec>/<T>/<threads>  BM_AttendCore's call on a cache of ONE KV head (7 query
+//                                   heads): on 2 threads its keys are split across the threads
+//                                   and the partial softmax states merged (attend_split, issue
+//                                   37); 1 thread ÷ 2 threads is the split's speed-up (with two
+//                                   KV heads, BM_Attend's 2-thread case runs a head per thread)
 //   BM_AttendBaseline/<T>/<threads> the old path: float32 K/V tensors (what get() handed out)
 //                                   + at:: matmul/softmax/matmul (kvcache::reference_attention)
 //   BM_Copy                         memcpy of N = max(256 MiB, 2 × last-level cache):
@@ -97,6 +107,7 @@
 namespace {
 
 constexpr int64_t kLayers = 24, kHq = 14, kHkv = 2, kD = 64;
+constexpr int64_t kGroup = kHq / kHkv;  ///< query heads per KV head (BM_AttendKV1 keeps it)
 double g_copy_gbps = 0;        ///< measured at start-up
 double g_read_gbps = 0;        ///< measured at start-up
 double g_mac512_per_ns = 0;    ///< 512-bit FMA/VNNI instructions per ns, one thread (start-up; 0: not measured)
@@ -158,11 +169,11 @@ int64_t rss_bytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
-kvcache::CacheConfig config(const std::string& spec, int64_t layers = kLayers) {
+kvcache::CacheConfig config(const std::string& spec, int64_t layers = kLayers, int64_t hkv = kHkv) {
   kvcache::CacheConfig c;
   c.num_layers = layers;
-  c.num_q_heads = kHq;
-  c.num_kv_heads = kHkv;
+  c.num_q_heads = kGroup * hkv;
+  c.num_kv_heads = hkv;
   c.head_dim = kD;
   c.scheme = spec;
   c.policy = "full";
@@ -175,10 +186,10 @@ kvcache::CacheConfig config(const std::string& spec, int64_t layers = kLayers) {
 /// matter here).
 void fill(kvcache::TorchCache& m, int64_t layers, int64_t t) {
   at::manual_seed(0);
-  const int64_t chunk = 4096;
+  const int64_t chunk = 4096, hkv = m.config().num_kv_heads;
   for (int64_t p = 0; p < t; p += chunk) {
     const int64_t n = std::min(chunk, t - p);
-    const auto k = at::randn({1, kHkv, n, kD}), v = at::randn({1, kHkv, n, kD});
+    const auto k = at::randn({1, hkv, n, kD}), v = at::randn({1, hkv, n, kD});
     const auto pos = at::arange(p, p + n, at::kLong);
     for (int64_t l = 0; l < layers; ++l) m.append(l, k, v, pos);
     m.end_step(p + n >= t ? kvcache::StepKind::kPrefillEnd : kvcache::StepKind::kPrefill);
@@ -187,20 +198,20 @@ void fill(kvcache::TorchCache& m, int64_t layers, int64_t t) {
 
 /// The ring of layers (ring_layers()) of T tokens each, built on first use and kept until
 /// another is asked for. One layer is built first to learn what a layer holds.
-kvcache::TorchCache& filled_cache(const std::string& spec, int64_t t) {
+kvcache::TorchCache& filled_cache(const std::string& spec, int64_t t, int64_t hkv = kHkv) {
   static std::unique_ptr<kvcache::TorchCache> cache;
   static std::string key;
-  const std::string want = spec + "/" + std::to_string(t);
+  const std::string want = spec + "/" + std::to_string(t) + "/" + std::to_string(hkv);
   if (cache && key == want) return *cache;
   cache.reset();
   double layer_bytes = 0;
   {
-    kvcache::TorchCache probe(config(spec, 1));
+    kvcache::TorchCache probe(config(spec, 1, hkv));
     fill(probe, 1, t);
     layer_bytes = static_cast<double>(probe.stats().bytes_resident);
   }
   const int64_t layers = ring_layers(layer_bytes);
-  cache = std::make_unique<kvcache::TorchCache>(config(spec, layers));
+  cache = std::make_unique<kvcache::TorchCache>(config(spec, layers, hkv));
   key = want;
   fill(*cache, layers, t);
   return *cache;
@@ -345,22 +356,24 @@ void measure_mac_rates() {}
 #endif
 
 /// The arithmetic floor of one decode step over `t` tokens (ms): the multiply-add instructions
-/// the read path must issue, at the rate measured at start-up, on min(threads, KV heads) cores.
+/// the read path must issue, at the rate measured at start-up, on `cores` cores (the threads
+/// that have work: min(threads, KV heads × the runs each head's keys are split into)).
 /// Per key and KV head, G = 14/2 = 7 query rows × D = 64 dims are multiplied twice (q·k, p·v):
 /// the AVX-512 fused kernels take q·k of integer keys (int*, KIVI's quantized keys) with two
-/// VNNI products per 64 multiplies (the query's two int8 terms) and everything else with one
+/// VNNI products per 64 multiplies (the query's two int8 terms; one with `one_term`, the int8
+/// query where the format takes it) and everything else with one
 /// 16-lane FMA per 16; the AVX2 kernels one 8-lane FMA per 8; the generic path (decoded to
 /// float32) one tile-width FMA per lane count. `int_keys`: the cache's main key format is one
 /// the fused kernels read as integer codes (fused::classify, as attend() does); KIVI's
 /// full-precision residual (≤ 128 tokens) is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
 /// transposes and the softmax come on top, so no kernel of this form runs below it.
-double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused) {
+double mac_floor_ms(bool int_keys, int64_t t, int64_t cores, bool fused, int64_t hkv = kHkv, bool one_term = false) {
   namespace fused_ns = kvcache::cache::fused;
-  const double g = static_cast<double>(kHq / kHkv), macs = g * static_cast<double>(kD);  // per product, key, head
+  const double g = static_cast<double>(kGroup), macs = g * static_cast<double>(kD);  // per product, key, head
   double instr = 0, rate = 0;  // per key and KV head; per ns
   const fused_ns::FusedIsa isa = fused ? fused_ns::current_isa() : fused_ns::FusedIsa::kNone;
   if (isa == fused_ns::FusedIsa::kAvx512) {
-    instr = (int_keys ? 2 * macs / 64 : macs / 16) + macs / 16;
+    instr = (int_keys ? (one_term ? 1 : 2) * macs / 64 : macs / 16) + macs / 16;
     rate = g_mac512_per_ns;
   } else if (isa == fused_ns::FusedIsa::kAvx2 || kvcache::cache::tile_lanes() == 8) {
     instr = 2 * macs / 8;  // the AVX2 kernels, or the generic path's 8-lane tile kernels
@@ -370,8 +383,7 @@ double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused) {
     rate = g_mac512_per_ns;
   }
   if (rate <= 0) return 0;
-  const double cores = static_cast<double>(std::min<int64_t>(threads, kHkv));
-  return instr * static_cast<double>(t * kHkv) / (rate * cores) / 1e6;
+  return instr * static_cast<double>(t * hkv) / (rate * static_cast<double>(std::max<int64_t>(cores, 1))) / 1e6;
 }
 
 /// Which call a BM_Attend case times.
@@ -379,25 +391,28 @@ enum class Path {
   kFace,     ///< TorchCache::attend: at::Tensors in, a new output tensor (the ATen face)
   kCore,     ///< CacheManager::attend: views of q and of one output buffer (the core API)
   kGeneric,  ///< the generic per-block path (CacheManagerAccess::attend, fused = false)
+  kCoreQ8,   ///< kCore with the int8 query (kvcache::set_attention_query("int8")) during the loop
 };
 
-void BM_Attend(benchmark::State& state, const std::string& spec, Path path) {
-  const int64_t t = state.range(0);
+void BM_Attend(benchmark::State& state, const std::string& spec, Path path, int64_t hkv = kHkv) {
+  const int64_t t = state.range(0), hq = kGroup * hkv;
   at::set_num_threads(static_cast<int>(state.range(1)));
-  auto& m = filled_cache(spec, t);
+  auto& m = filled_cache(spec, t, hkv);
   const int64_t layers = m.config().num_layers;
-  const auto q = at::randn({1, kHq, 1, kD});
+  const auto q = at::randn({1, hq, 1, kD});
   const auto pos = at::full({1}, t, at::kLong);
   // The core API's arguments: the caller's buffers, viewed (as an engine holds them).
-  std::vector<float> qbuf(q.data_ptr<float>(), q.data_ptr<float>() + kHq * kD), out(kHq * kD);
+  std::vector<float> qbuf(q.data_ptr<float>(), q.data_ptr<float>() + hq * kD), out(static_cast<size_t>(hq * kD));
   const int64_t qpos = t;
-  const kvcache::TensorView qv(qbuf.data(), {1, kHq, 1, kD}), pv(&qpos, {1});
-  const kvcache::MutableTensorView ov(out.data(), {1, kHq, 1, kD});
+  const kvcache::TensorView qv(qbuf.data(), {1, hq, 1, kD}), pv(&qpos, {1});
+  const kvcache::MutableTensorView ov(out.data(), {1, hq, 1, kD});
   int64_t l = 0;
+  if (path == Path::kCoreQ8) kvcache::set_attention_query("int8");
   for (auto _ : state) {
     switch (path) {
       case Path::kFace: benchmark::DoNotOptimize(m.attend(l, q, pos).data_ptr()); break;
       case Path::kCore:
+      case Path::kCoreQ8:
         m.core().attend(l, qv, pv, ov);
         benchmark::DoNotOptimize(out.data());
         break;
@@ -408,17 +423,33 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path) {
     }
     l = (l + 1) % layers;
   }
+  kvcache::set_attention_query("exact");
   floor_counters(state, static_cast<double>(m.stats().bytes_resident) / static_cast<double>(layers));
   state.counters["ring_layers"] = static_cast<double>(layers);
   using Kind = kvcache::cache::fused::KernelFormat::Kind;
   const auto& key_main = kvcache::cache::CacheManagerAccess::layer(m.core(), 0).key_setup().formats.f[kvcache::cache::StreamFormats::kMain];
   const Kind key_kind = kvcache::cache::fused::classify(key_main).kind;
   const bool int_keys = key_kind == Kind::kIntToken || key_kind == Kind::kIntChannel;
-  if (const double f = mac_floor_ms(int_keys, t, state.range(1), path != Path::kGeneric); f > 0) {
+  // The threads with work: each KV head's keys split into `parts` runs (attend_split) when the
+  // thread count asks for it, as attend() decides (split_parts) for this cache and query.
+  kvcache::cache::AttendArgs probe;
+  probe.layer = &kvcache::cache::CacheManagerAccess::layer(m.core(), 0);
+  probe.num_q_heads = hq;
+  probe.t_q = 1;
+  const int64_t parts = kvcache::cache::split_parts(probe, state.range(1));
+  const int64_t cores = std::min<int64_t>(state.range(1), hkv * parts);
+  state.counters["split_parts"] = static_cast<double>(parts);
+  // The int8 query where the kernels take it for this key format (fused::kInt8Query*Bits).
+  namespace fns = kvcache::cache::fused;
+  const uint32_t q8_bits = key_kind == Kind::kIntChannel ? fns::kInt8QueryChannelBits : fns::kInt8QueryTokenBits;
+  const bool one_term = path == Path::kCoreQ8 && int_keys && fns::current_isa() == fns::FusedIsa::kAvx512 &&
+                        ((q8_bits >> fns::classify(key_main).bits) & 1u) != 0;
+  state.counters["one_term_query"] = one_term ? 1 : 0;
+  if (const double f = mac_floor_ms(int_keys, t, cores, path != Path::kGeneric, hkv, one_term); f > 0) {
     state.counters["mac_floor_ms"] = f;
   }
   state.counters["bits_per_value"] =
-      static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(layers * 2 * kHkv * t * kD);
+      static_cast<double>(m.stats().bytes_resident) * 8 / static_cast<double>(layers * 2 * hkv * t * kD);
 }
 
 void BM_AttendBaseline(benchmark::State& state) {
@@ -546,7 +577,7 @@ void BM_Cascade(benchmark::State& state, const std::string& spec, Cascade how) {
                              .formats.f[kvcache::cache::StreamFormats::kMain];
   const Kind kind = kvcache::cache::fused::classify(key_main).kind;
   if (const double f = mac_floor_ms(kind == Kind::kIntToken || kind == Kind::kIntChannel,
-                                    kCascadePrefix + kCascadeOwn, state.range(0), true);
+                                    kCascadePrefix + kCascadeOwn, std::min<int64_t>(state.range(0), kHkv), true);
       f > 0) {
     state.counters["mac_floor_ms"] = f * static_cast<double>(kCascadeSeqs);
   }
@@ -612,8 +643,29 @@ void register_all() {
             ->Args({t, threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
+        // The int8 query next to the exact one on the same cache (int8 keeps the exact query:
+        // a control).
+        if (s == "int8" || s == "int4" || s == "int2" || s == "kivi:k2:v2:g32:r128") {
+          benchmark::RegisterBenchmark(("BM_AttendQ8/" + s).c_str(),
+                                       [s](benchmark::State& st) { BM_Attend(st, s, Path::kCoreQ8); })
+              ->Args({t, threads})
+              ->Unit(benchmark::kMicrosecond)
+              ->UseRealTime();
+        }
         benchmark::RegisterBenchmark(("BM_AttendGeneric/" + s).c_str(),
                                      [s](benchmark::State& st) { BM_Attend(st, s, Path::kGeneric); })
+            ->Args({t, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
+    }
+  }
+  // One KV head: the split of its keys across the threads (1 then 2 threads on one cache).
+  for (int64_t t : {4096, 32768}) {
+    for (const std::string s : {"fp32", "fp16", "int8", "int4", "kivi:k2:v2:g32:r128"}) {
+      for (int64_t threads : {1, 2}) {
+        benchmark::RegisterBenchmark(("BM_AttendKV1/" + s).c_str(),
+                                     [s](benchmark::State& st) { BM_Attend(st, s, Path::kCore, 1); })
             ->Args({t, threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();

@@ -6,7 +6,9 @@
 // quantizer and cache scheme head, odd head counts, one-token blocks, prefixes that are not a
 // multiple of the block, pre-RoPE keys, holes in a sequence's own part, ragged own lengths,
 // groups sharing different prefixes and nested ones (a tree). And the merge of partial states
-// (attend_range over two runs of keys, merged) against one pass.
+// (attend_range over two runs of keys, merged) against one pass, and the thread split of one
+// long head (attend_split: a head's keys cut into runs across threads, merged by the same code)
+// against the unsplit head (AttendSplit.*; its tolerance is stated above those tests).
 //
 // Tolerance: a cascade reads the same stored bytes with the same kernels (fused or generic) as
 // the sequence alone; only the order of float32 sums changes — the shared keys' partial state
@@ -17,16 +19,19 @@
 // format here). A skipped, doubled or wrongly masked key moves them by O(0.01–0.1) (an own pass
 // starting one token late: 0.11–0.15).
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "cache/attend.h"
+#include "cache/attend_fused.h"
 #include "cache/cache_manager_access.h"
 #include "cache_test_util.h"
 #include "kvcache/cache_manager.h"
@@ -455,6 +460,294 @@ TEST(AttendCascade, MergeExactSmallCase) {
   cache::merge_partial(&em, &el, &ea, -INFINITY, 0.0f, &acc2, 1);
   cache::normalize_partial(el, &ea, 1, &out);
   EXPECT_EQ(out, 0.0f);
+}
+
+
+// ---------------------------------------------------------------- the thread split of a head
+// attend_split (attend.h) cuts each KV head's keys into runs on K block boundaries, takes each
+// run's partial state with attend_range and merges them in run order with merge_partial. Against
+// the unsplit head (begin_attend + attend_head: what one thread runs) only float32 rounding
+// changes, as in the cascade above: the same bytes, kernels and scores; the online softmax's
+// running sums are continued across a cut by a rescaling exp(m − m') instead of tile by tile, and
+// tiles start at the cut. Outputs are convex combinations of the values, so |Δ| ≤ kTol · max|v|
+// (randn values here, max|v| ≈ 4.2; measured on a Zen 4 EPYC: within 1.3e-7 · max|v| over every
+// case, both ISAs). A key skipped at a cut (the first run one token short) fails every case.
+
+/// A one-layer cache of `hkv` KV heads × 7 query heads each, D 64, `t` tokens appended in
+/// prefill chunks of 61 (post-RoPE keys), then `decode` decode steps of one token; the policy
+/// evicts as it says (holes).
+TorchCache split_cache(const std::string& scheme, int64_t block, int64_t hkv, const std::string& policy, int64_t t,
+                       int64_t decode, uint64_t seed) {
+  auto c = make_config(1, 7 * hkv, hkv, 64, scheme, policy, t + decode + 64);
+  c.block_tokens = block;
+  TorchCache m(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t p = 0; p < t; p += 61) {
+    const int64_t n = std::min<int64_t>(61, t - p);
+    m.append(0, testing::randn({1, hkv, n, 64}, gen), testing::randn({1, hkv, n, 64}, gen),
+             testing::positions_range(p, n));
+    m.end_step(p + n >= t ? StepKind::kPrefillEnd : StepKind::kPrefill);
+  }
+  for (int64_t i = 0; i < decode; ++i) {
+    m.append(0, testing::randn({1, hkv, 1, 64}, gen), testing::randn({1, hkv, 1, 64}, gen),
+             testing::positions_range(t + i, 1));
+    m.end_step(StepKind::kDecode);
+  }
+  return m;
+}
+
+/// The AttendArgs of layer 0 of `m` for query q `[1, H_q, T_q, D]` at positions `pos` into `out`.
+cache::AttendArgs split_args(const TorchCache& m, const at::Tensor& q, const std::vector<int64_t>& pos, bool fused,
+                             std::vector<float>& out) {
+  cache::AttendArgs a;
+  a.layer = &cache::CacheManagerAccess::layer(m.core(), 0);
+  a.q = q.data_ptr<float>();
+  a.q_pos = pos.data();
+  a.t_q = static_cast<int64_t>(pos.size());
+  a.num_q_heads = q.size(1);
+  a.fused = fused;
+  out.assign(static_cast<size_t>(q.numel()), 0.0f);
+  a.out = out.data();
+  return a;
+}
+
+/// What one thread computes: every head unsplit.
+std::vector<float> unsplit(const cache::AttendArgs& a0) {
+  std::vector<float> out(static_cast<size_t>(a0.num_q_heads * a0.t_q * a0.layer->head_dim()));
+  cache::AttendArgs a = a0;
+  a.out = out.data();
+  cache::begin_attend(a);
+  for (int64_t h = 0; h < a.layer->num_heads(); ++h) cache::attend_head(a, h);
+  return out;
+}
+
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double w = 0;
+  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, std::abs(static_cast<double>(a[i]) - b[i]));
+  return w;
+}
+
+/// The kernel ISAs this CPU runs (the AVX2 build too on an AVX-512 CPU), or none.
+std::vector<cache::fused::FusedIsa> split_isas() {
+  using cache::fused::FusedIsa;
+  const FusedIsa before = cache::fused::current_isa();
+  std::vector<FusedIsa> out;
+  for (const FusedIsa isa : {FusedIsa::kAvx512, FusedIsa::kAvx2}) {
+    if (cache::fused::use_fused_isa(isa)) out.push_back(isa);
+  }
+  cache::fused::use_fused_isa(before);
+  if (out.empty()) out.push_back(FusedIsa::kNone);
+  return out;
+}
+
+// Every format (fused and generic path, every kernel ISA the CPU runs), 1 and 2 KV heads, blocks
+// of 8/16/32/1 tokens and T = 203 (not a multiple), with and without holes, a decode query and a
+// 5-token chunk (its rows see different keys: the last runs are partly masked): split into 2, 3
+// and 5 runs, the output equals the unsplit head within kTol · max|v|.
+TEST(AttendSplit, EqualsTheUnsplitHeadForEveryFormat) {
+  struct Case {
+    std::string scheme;
+    int64_t block;
+  };
+  const std::vector<Case> cases = {{"fp32", 8},         {"fp16", 16},          {"bf16", 8},
+                                   {"fp8:e4m3", 8},     {"fp8:e4m3:scaled", 8}, {"int8", 32},
+                                   {"int4", 8},         {"int4", 1},           {"int2", 16},
+                                   {"int4:g32:chan", 32}, {"kivi:k2:v2:g32:r64", 32}, {"kivi:k4:v4:g32:r64", 32},
+                                   {"int3", 8},         {"had(int4)", 8},      {"tq:b4", 8}};
+  for (const cache::fused::FusedIsa isa : split_isas()) {
+    if (isa != cache::fused::FusedIsa::kNone) cache::fused::use_fused_isa(isa);
+    for (const Case& k : cases) {
+      for (const int64_t hkv : {int64_t{1}, int64_t{2}}) {
+        for (const std::string policy : {"full", "random:seed3@150"}) {
+          TorchCache m = split_cache(k.scheme, k.block, hkv, policy, 203, 6, 11);
+          const cache::LayerStore& L = cache::CacheManagerAccess::layer(m.core(), 0);
+          if (policy != "full" && k.block > 1) {  // (one-token blocks are freed whole)
+            const auto st = cache::CacheManagerAccess::stream(m.core(), 0, true);
+            int64_t dead = 0;
+            for (const int64_t d : st.dead_slots) dead += d;
+            EXPECT_GT(dead, 0) << k.scheme << ": the case must have holes";
+          }
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
+          const double vmax = m.get(0).v.abs().max().item<double>();
+          for (const int64_t tq : {int64_t{1}, int64_t{5}}) {
+            const at::Tensor q = testing::randn({1, 7 * hkv, tq, 64}, gen).contiguous();
+            std::vector<int64_t> pos(static_cast<size_t>(tq));
+            for (int64_t i = 0; i < tq; ++i) pos[static_cast<size_t>(i)] = 203 + 6 - tq + i;
+            for (const bool fused : {true, false}) {
+              std::vector<float> out;
+              const cache::AttendArgs a = split_args(m, q, pos, fused, out);
+              const std::vector<float> ref = unsplit(a);
+              for (const int64_t parts : {2, 3, 5}) {
+                const std::vector<int64_t> cuts = cache::split_points(L, 0, parts);
+                ASSERT_EQ(cuts.size(), static_cast<size_t>(parts + 1));
+                cache::attend_split(a, parts);
+                const std::string where = k.scheme + " block " + std::to_string(k.block) + " H_kv " +
+                                          std::to_string(hkv) + " " + policy + " T_q " + std::to_string(tq) +
+                                          (fused ? " fused " : " generic ") + cache::fused::isa_name(isa) + " parts " +
+                                          std::to_string(parts);
+                EXPECT_LE(max_diff(out, ref), kTol * vmax) << where;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  cache::fused::set_isa(cache::fused::best_isa());
+}
+
+// The merge is deterministic: the runs are independent tasks merged in run order, so a split
+// gives the same bits on 1 and 2 threads and on every repetition (attend() on a given thread
+// count always splits the same way: split_parts).
+TEST(AttendSplit, SameBitsOnOneAndTwoThreads) {
+  const int before_threads = at::get_num_threads();
+  for (const std::string q : {"fp16", "int4", "kivi:k2:v2:g32:r64"}) {
+    for (const int64_t hkv : {int64_t{1}, int64_t{2}}) {
+      TorchCache m = split_cache(q, 32, hkv, "random:seed3@150", 203, 6, 13);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+      const at::Tensor qt = testing::randn({1, 7 * hkv, 1, 64}, gen).contiguous();
+      const std::vector<int64_t> pos{208};
+      std::vector<float> out;
+      const cache::AttendArgs a = split_args(m, qt, pos, true, out);
+      std::vector<std::vector<float>> runs;
+      for (const int n : {1, 2, 2}) {
+        at::set_num_threads(n);
+        cache::attend_split(a, 5);
+        runs.push_back(out);
+      }
+      for (size_t i = 1; i < runs.size(); ++i) {
+        EXPECT_EQ(std::memcmp(runs[i].data(), runs[0].data(), out.size() * sizeof(float)), 0)
+            << q << " H_kv " << hkv << ": run " << i << " differs from one thread";
+      }
+    }
+  }
+  at::set_num_threads(before_threads);
+}
+
+// The cut points on a hand-checked case: 45 live tokens in blocks of 8 (boundaries 0, 8, ..., 40,
+// 45), three runs: the targets 15 and 30 go to the nearest boundaries 16 and 32; more runs than
+// blocks give empty runs (equal cuts), never a cut inside a block.
+TEST(AttendSplit, CutsOnTheNearestBlockBoundary) {
+  TorchCache m = split_cache("fp32", 8, 1, "full", 45, 0, 3);
+  const cache::LayerStore& L = cache::CacheManagerAccess::layer(m.core(), 0);
+  EXPECT_EQ(cache::split_points(L, 0, 1), (std::vector<int64_t>{0, 45}));
+  EXPECT_EQ(cache::split_points(L, 0, 3), (std::vector<int64_t>{0, 16, 32, 45}));
+  EXPECT_EQ(cache::split_points(L, 0, 2), (std::vector<int64_t>{0, 24, 45}));  // 22.5 -> 22: 24 is nearer than 16
+  const std::vector<int64_t> many = cache::split_points(L, 0, 12);
+  ASSERT_EQ(many.size(), 13u);
+  for (size_t i = 0; i + 1 < many.size(); ++i) {
+    EXPECT_LE(many[i], many[i + 1]);
+    EXPECT_TRUE(many[i] % 8 == 0 || many[i] == 45) << many[i];
+  }
+}
+
+// When the split runs (split_parts): a head of 7 query rows × D 64 over T keys is 448 · T
+// multiply-adds per product, so the grain (2^20) is 2,340.6 keys' worth.
+TEST(AttendSplit, PartsFollowTheThreadsAndTheGrain) {
+  std::vector<float> out;
+  const std::vector<int64_t> pos{5000};
+  {
+    TorchCache m = split_cache("fp16", 0, 1, "full", 5000, 0, 5);  // 2.1 grains
+    const at::Tensor q = at::zeros({1, 7, 1, 64});
+    cache::AttendArgs a = split_args(m, q, pos, true, out);
+    EXPECT_EQ(cache::split_parts(a, 1), 1);
+    EXPECT_EQ(cache::split_parts(a, 2), 2);
+    EXPECT_EQ(cache::split_parts(a, 4), 2);  // 4 runs would fall below the grain
+    a.need.rows = 1;
+    ASSERT_TRUE(a.need.any());
+    EXPECT_EQ(cache::split_parts(a, 2), 1);  // the mass needs one pass per head
+    a.need = AttentionNeed{};
+    a.tail_n = 1;
+    EXPECT_EQ(cache::split_parts(a, 2), 1);  // a replay tail
+  }
+  {
+    TorchCache m = split_cache("fp16", 0, 1, "full", 2000, 0, 5);  // 0.85 grains
+    const at::Tensor q = at::zeros({1, 7, 1, 64});
+    const cache::AttendArgs a = split_args(m, q, pos, true, out);
+    EXPECT_EQ(cache::split_parts(a, 2), 1);
+  }
+  {
+    TorchCache m = split_cache("fp16", 0, 2, "full", 5000, 0, 5);
+    const at::Tensor q = at::zeros({1, 14, 1, 64});
+    const cache::AttendArgs a = split_args(m, q, pos, true, out);
+    EXPECT_EQ(cache::split_parts(a, 2), 1);  // two heads fill two threads
+    EXPECT_EQ(cache::split_parts(a, 4), 2);  // 2 heads × 2 runs
+    EXPECT_EQ(cache::split_parts(a, 3), 2);  // 6 runs would be even, 3 per head fall below the grain
+  }
+  {
+    TorchCache m = split_cache("fp16", 0, 1, "full", 12000, 0, 5);  // 5.1 grains
+    const at::Tensor q = at::zeros({1, 7, 1, 64});
+    const cache::AttendArgs a = split_args(m, q, pos, true, out);
+    EXPECT_EQ(cache::split_parts(a, 16), 5);  // as many as the grain allows
+    EXPECT_EQ(cache::split_parts(a, 3), 3);
+  }
+}
+
+// The public attend() of one long sequence with one KV head: on two threads it is the split
+// (the same bits as attend_split into 2), on one thread the unsplit head (the same bits as
+// attend_head). Skipped where no OpenMP threads run (the sanitizer build).
+TEST(AttendSplit, AttendSplitsOneLongHeadOnTwoThreads) {
+  const int before_threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const bool threads = cache::attend_threads() >= 2;
+  at::set_num_threads(before_threads);
+  if (!threads) GTEST_SKIP() << "built without OpenMP threads: attend() never splits";
+  for (const std::string q : {"int4", "fp16"}) {
+    TorchCache m = split_cache(q, 0, 1, "full", 5000, 0, 9);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
+    const at::Tensor qt = testing::randn({1, 7, 1, 64}, gen).contiguous();
+    const std::vector<int64_t> pos{4999};
+    std::vector<float> out;
+    const cache::AttendArgs a = split_args(m, qt, pos, true, out);
+    cache::attend_split(a, 2);
+    const std::vector<float> split = out;
+    const std::vector<float> one = unsplit(a);
+    EXPECT_GT(max_diff(split, one), 0.0) << q << ": the split should round differently somewhere";
+    for (const int n : {2, 1}) {
+      at::set_num_threads(n);
+      const at::Tensor got = m.attend(0, qt, testing::positions_range(4999, 1)).contiguous();
+      const std::vector<float> want = n == 2 ? split : one;
+      EXPECT_EQ(std::memcmp(got.data_ptr<float>(), want.data(), want.size() * sizeof(float)), 0)
+          << q << " on " << n << " threads";
+    }
+    at::set_num_threads(before_threads);
+  }
+}
+
+
+// attend_batch splits a long head as attend() does (the same runs, merged in the same order), so
+// a request in a batch — with the cascade or without — gets its attend() call's bits, on one
+// thread and on two; and the split is no shared pass.
+TEST(AttendSplit, AttendBatchSplitsAsAttendDoes) {
+  const int before_threads = at::get_num_threads();
+  for (const std::string q : {"int4", "fp16"}) {
+    TorchCache m = split_cache(q, 0, 1, "full", 5000, 0, 4);
+    TorchCache other = split_cache(q, 0, 2, "full", 300, 0, 5);  // a second request, 2 KV heads
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+    const at::Tensor qt = testing::randn({1, 7, 1, 64}, gen).contiguous();
+    const at::Tensor qo = testing::randn({1, 14, 1, 64}, gen).contiguous();
+    const at::Tensor pos = testing::positions_range(4999, 1), pos_o = testing::positions_range(299, 1);
+    for (const int n : {1, 2}) {
+      at::set_num_threads(n);
+      const at::Tensor want = m.attend(0, qt, pos);
+      const at::Tensor want_o = other.attend(0, qo, pos_o);
+      for (const bool cascade : {true, false}) {
+        at::Tensor out = at::full({1, 7, 1, 64}, 7.0f), out_o = at::full({1, 14, 1, 64}, 7.0f);
+        std::vector<AttendRequest> reqs = {{&m.core(), qt, pos, mutable_view_of(out)},
+                                           {&other.core(), qo, pos_o, mutable_view_of(out_o)}};
+        AttendBatchOptions opt;
+        opt.cascade = cascade;
+        AttendBatchStats st;
+        opt.stats = &st;
+        attend_batch(0, reqs, opt);
+        EXPECT_TRUE(at::equal(out, want)) << q << " on " << n << " threads, cascade " << cascade;
+        EXPECT_TRUE(at::equal(out_o, want_o)) << q << " on " << n << " threads, cascade " << cascade;
+        EXPECT_EQ(st.shared_passes, 0);
+        EXPECT_EQ(st.cascaded_requests, 0);
+      }
+    }
+    at::set_num_threads(before_threads);
+  }
 }
 
 }  // namespace

@@ -321,7 +321,8 @@ void add_run_command(CLI::App& app) {
     const int64_t planned_arms = static_cast<int64_t>(opt.arms.size());
     std::cerr << "kv_study run: model " << evaluator->model_id() << ", " << planned_arms << " arms x " << opt.tasks.size()
               << " tasks" << (*query_mode == "aware" ? "" : " (query mode " + *query_mode + ")") << ", shard "
-              << opt.shard.to_string() << ", attention kernels " << kvcache::attention_kernels() << " -> " << path
+              << opt.shard.to_string() << ", attention kernels " << kvcache::attention_kernels() << " (query "
+              << kvcache::attention_query() << ") -> " << path
               << "\n";
     Progress progress(std::cerr, ::isatty(::fileno(stderr)) != 0, /*total: set by run_sweep*/ 0);
     const auto st = run_sweep(*evaluator, opt, store, &progress);

@@ -55,11 +55,13 @@ int main(int argc, char** argv) {
   kv_study::add_prefix_command(app);
   kv_study::add_layers_command(app);
   kv_study::add_calibrate_command(app);
-  // KVCACHE_FUSED_ISA picks the attention kernels (the library reads no environment: the app
-  // passes it on). A bad value is refused once parsing is done, before any subcommand runs (not
-  // as an error row per task); --help still prints.
+  // KVCACHE_FUSED_ISA picks the attention kernels, KVCACHE_ATTENTION_QUERY (exact or int8) their
+  // query arithmetic for integer keys (the library reads no environment: the app passes them
+  // on). A bad value is refused once parsing is done, before any subcommand runs (not as an
+  // error row per task); --help still prints.
   app.parse_complete_callback([] {
     if (const char* isa = std::getenv("KVCACHE_FUSED_ISA")) kvcache::set_attention_kernels(isa, "KVCACHE_FUSED_ISA");
+    if (const char* q = std::getenv("KVCACHE_ATTENTION_QUERY")) kvcache::set_attention_query(q, "KVCACHE_ATTENTION_QUERY");
   });
   try {
     app.parse(argc, argv);

@@ -88,6 +88,17 @@ class KvStudyCliTest(unittest.TestCase):
             self.assertIn("KVCACHE_FUSED_ISA=avx9: expected avx512, avx2 or none", r.stderr)
             self.assertEqual(os.listdir(d), [])
 
+    def test_bad_attention_query_is_refused_before_any_work(self):
+        """KVCACHE_ATTENTION_QUERY (exact or int8) names the query arithmetic of the attention
+        kernels; another value is refused up front (exit 1, the value named)."""
+        with tempfile.TemporaryDirectory() as d:
+            env = dict(os.environ, KVCACHE_ATTENTION_QUERY="q4")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "int4+full",
+                                "--out", d], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("KVCACHE_ATTENTION_QUERY=q4: expected exact", r.stderr)
+            self.assertEqual(os.listdir(d), [])
+
     def test_suite_and_training_data(self):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "small.jsonl")

@@ -41,4 +41,24 @@ std::string attention_kernels();
 ///         or naming an ISA this CPU (or build) cannot run.
 void set_attention_kernels(const std::string& isa, const std::string& source = "attention kernels");
 
+/// How the AVX-512 kernels round the query for integer keys: "exact" (the default) or "int8".
+std::string attention_query();
+
+/// Selects the query arithmetic of integer keys in the AVX-512 VNNI kernels (issue 37, decision
+/// 2; docs/cache-manager.md, "Fused kernels"):
+///   "exact" (default; "" too): the query split into two int8 terms per 32 dims, q' = qs·(qh +
+///     ql/254), |q − q'| ≤ 1.6e-5·max|q|: float accuracy, two VNNI products per 4 dims;
+///   "int8": one int8 term per 32 dims, q ≈ qs·round(q/qs), qs = max|q|/127 (llama.cpp's q8_0
+///     rounding), one VNNI product per 4 dims — only for the integer key formats whose extra
+///     attention error stays within 10 % of the error the format itself introduces,
+///     ‖attend − ref(k̂, v̂)‖ ≤ 0.1·‖ref(k̂, v̂) − ref(k, v)‖ (ref: float64 attention; measured per
+///     format by tests/attend_fused_test.cpp on the default model's captured K/V and on
+///     synthetic K/V with outlier key channels, figures in docs/performance.md): per-token 4- and 2-bit keys (int4, int2) and per-channel 2-bit
+///     keys (KIVI-2, int2:chan). int8 keys and per-channel 4-bit keys (int4:chan, KIVI-4) fail the
+///     bound and keep the exact query.
+/// The AVX2 kernels and the generic path compute in float32 whatever is set. Process-wide; call
+/// it while no attention runs. The default arithmetic is what the README's study tables used.
+/// @throws InvalidArgument "<source>=<mode>: expected exact ... or int8 ..." for another value.
+void set_attention_query(const std::string& mode, const std::string& source = "attention query");
+
 }  // namespace kvcache

@@ -65,9 +65,9 @@ struct CacheConfig {
   /// Let attend() use the fused kernels (docs/performance.md, "Fused kernels"): one pass over
   /// each block as stored, on x86-64 CPUs with AVX-512 F/BW/VL/DQ, VNNI and VBMI, for fp16,
   /// bf16, fp8 and int8/4/2 blocks with post-RoPE keys. For integer keys they take q·k with q
-  /// rounded to int8 per 32 dims (as llama.cpp does), which moves scores by at most
-  /// max|(q − q')·k̂|; false reads every block through the generic per-block path (q in
-  /// float32). Float32 blocks always take the generic path.
+  /// rounded to two int8 terms per 32 dims (one with kvcache::set_attention_query("int8"), as
+  /// llama.cpp does), which moves scores by at most max|(q − q')·k̂|; false reads every block
+  /// through the generic per-block path (q in float32).
   bool fused_attention = true;
   KeyStorage key_storage = KeyStorage::kPostRoPE;
   PositionMode position_mode = PositionMode::kOriginal;

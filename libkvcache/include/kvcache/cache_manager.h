@@ -35,8 +35,11 @@
 /// different managers from different threads at the same time, and each computes bit for bit
 /// what it computes driven alone (test CacheThreads.TwoThreadsTwoCachesAreBitEqualToOneThread);
 /// the same holds for separate MultiSequenceCaches. What they do share is process-wide and set
-/// up front: the attention kernels (set_attention_kernels(), kvcache/attention.h), the OpenMP
-/// threads (LibTorch's intra-op threads in a process with LibTorch), the library's logger
+/// up front: the attention kernels and their query arithmetic (set_attention_kernels(),
+/// set_attention_query(), kvcache/attention.h), the OpenMP threads (LibTorch's intra-op threads
+/// in a process with LibTorch; attend() splits a long head's keys across them when a layer has
+/// fewer KV heads than threads, so its float32 rounding depends on their number, never on the
+/// run: docs/cache-manager.md, "Threads"), the library's logger
 /// (kvcache/log.h; thread-safe), the kvquant calibration files read (a mutex-guarded cache),
 /// and the CacheConfig::rope hook when several configs hold the same one — it is then called
 /// from several threads at once and must allow that (rotate_half_rope()'s and

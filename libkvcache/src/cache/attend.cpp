@@ -561,7 +561,99 @@ int64_t head_work(const AttendArgs& a) {
   return (a.layer->max_resident() + a.tail_n) * (a.num_q_heads / a.layer->num_heads()) * a.t_q * a.layer->head_dim();
 }
 
+int64_t split_parts(const AttendArgs& a, int64_t threads) {
+  const int64_t hkv = a.layer->num_heads();
+  if (threads < 2 || a.need.any() || a.tail_n > 0 || hkv % threads == 0) return 1;
+  const int64_t most = head_work(a) / kSplitGrain;  // runs the grain allows per head
+  const int64_t even = threads / std::gcd(hkv, threads);
+  const int64_t p = even <= most ? even : std::min(most, (threads + hkv - 1) / hkv);
+  return p >= 2 ? p : 1;
+}
+
+std::vector<int64_t> split_points(const LayerStore& L, int64_t h, int64_t parts) {
+  std::vector<int64_t> cum{0};  // live tokens before each K block boundary
+  {
+    StreamBlockWalk w(L.k(h));
+    const BlockList* list = nullptr;
+    const Block* block = nullptr;
+    while (w.next(&list, &block)) cum.push_back(cum.back() + block->live);
+  }
+  const int64_t total = cum.back();
+  std::vector<int64_t> cuts{0};
+  size_t b = 0;
+  for (int64_t i = 1; i < parts; ++i) {
+    const int64_t target = i * total / parts;
+    while (b + 1 < cum.size() && cum[b + 1] <= target) ++b;  // cum[b] ≤ target < cum[b + 1]
+    int64_t cut = cum[b];
+    if (b + 1 < cum.size() && cum[b + 1] - target < target - cum[b]) cut = cum[b + 1];
+    cuts.push_back(std::max(cuts.back(), cut));
+  }
+  cuts.push_back(total);
+  return cuts;
+}
+
+int64_t attend_threads() { return detail::max_threads(); }
+
+void attend_split(const AttendArgs& a, int64_t parts) {
+  KV_INTERNAL_ASSERT(!a.need.any() && a.tail_n == 0 && parts >= 1,
+                     "attend_split: needs no mass and no tail, parts >= 1; got parts ", parts);
+  begin_attend(a);
+  const LayerStore& L = *a.layer;
+  const int64_t hkv = L.num_heads(), d = L.head_dim(), G = a.num_q_heads / hkv, tq = a.t_q;
+  const int64_t R = G * tq;  // rows per head, token-major as attend_one_head: r = t·G + g
+  std::vector<float> q(static_cast<size_t>(hkv * R * d));
+  std::vector<int64_t> rpos(static_cast<size_t>(R));
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t t = 0; t < tq; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        std::copy_n(a.q + ((h * G + g) * tq + t) * d, d, q.data() + (h * R + t * G + g) * d);
+      }
+    }
+  }
+  for (int64_t t = 0; t < tq; ++t) std::fill_n(rpos.data() + t * G, G, a.q_pos[t]);
+  std::vector<std::vector<int64_t>> cuts(static_cast<size_t>(hkv));
+  for (int64_t h = 0; h < hkv; ++h) cuts[static_cast<size_t>(h)] = split_points(L, h, parts);
+  std::vector<PartialState> states(static_cast<size_t>(hkv * parts));
+  // One run per task; parallel_for hands each thread a contiguous share of the tasks.
+  detail::parallel_for(0, hkv * parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t h = i / parts, p = i % parts;
+      const std::vector<int64_t>& c = cuts[static_cast<size_t>(h)];
+      RangeArgs ra;
+      ra.layer = &L;
+      ra.head = h;
+      ra.rope = a.rope;
+      ra.fused = a.fused;
+      ra.q = q.data() + h * R * d;
+      ra.q_pos = rpos.data();
+      ra.rows = R;
+      ra.first = c[static_cast<size_t>(p)];
+      ra.count = c[static_cast<size_t>(p + 1)] - ra.first;
+      attend_range(ra, states[static_cast<size_t>(i)]);
+    }
+  });
+  // Per head: the runs merged into the first, in run order, then normalised into the output.
+  for (int64_t h = 0; h < hkv; ++h) {
+    PartialState& st = states[static_cast<size_t>(h * parts)];
+    for (int64_t p = 1; p < parts; ++p) {
+      const PartialState& o = states[static_cast<size_t>(h * parts + p)];
+      for (int64_t r = 0; r < R; ++r) {
+        const auto ri = static_cast<size_t>(r);
+        merge_partial(&st.m[ri], &st.l[ri], st.acc.data() + r * d, o.m[ri], o.l[ri], o.acc.data() + r * d, d);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t t = r / G, g = r % G;
+      normalize_partial(st.l[static_cast<size_t>(r)], st.acc.data() + r * d, d, a.out + ((h * G + g) * tq + t) * d);
+    }
+  }
+}
+
 void attend_generic(const AttendArgs& a) {
+  if (const int64_t parts = split_parts(a, attend_threads()); parts > 1) {
+    attend_split(a, parts);
+    return;
+  }
   begin_attend(a);
   const int64_t hkv = a.layer->num_heads();
   // Parallel over KV heads once a head's work is worth a thread (≈ 64 Ki multiply-adds).

@@ -101,7 +101,44 @@ void begin_attend(const AttendArgs& args);
 void attend_head(const AttendArgs& args, int64_t h);
 /// A head's multiply-adds: heads run in parallel once this reaches 64 Ki.
 int64_t head_work(const AttendArgs& args);
-/// begin_attend, then every KV head (in parallel when the work is large).
+/// begin_attend, then every KV head: in parallel when the work is large, and with each head's
+/// keys split across the threads (attend_split) when split_parts() says so.
 void attend_generic(const AttendArgs& args);
+
+/// One long sequence on more threads than KV heads (issue 37, decision 4): each head's stored
+/// keys are cut into `parts` contiguous runs on K block boundaries (split_points), each run is an
+/// attend_range() pass over all of the head's query rows (a task of its own: hkv · parts tasks
+/// over the threads), and the head's partial states are merged in run order by merge_partial
+/// (the cascade's log-sum-exp merge) and normalised into the output. The result depends on
+/// `parts` only, not on which thread ran which run, so it is the same on every run with the same
+/// thread count. Against the unsplit head it differs by float32 rounding alone: the same bytes,
+/// kernels and scores, the online softmax's sums continued across a cut by one rescaling
+/// exp(m − m') instead (tests/attend_cascade_test.cpp, AttendSplit.*, states the tolerance).
+///
+/// Not used when the step needs the attention mass (need.any()) — the policy's mass then stays
+/// bit for bit what one thread computes, from one pass per head — nor in a replay step (tail_n >
+/// 0): those run unsplit, in parallel over KV heads only.
+///
+/// The parts per head for `threads` threads: 1 (no split) when threads < 2, when the heads
+/// already fill the threads evenly (H_kv a multiple of threads), when the mass or a tail is
+/// needed, or when a run would hold fewer than kSplitGrain multiply-adds; else the fewest parts
+/// that spread H_kv · parts runs evenly over the threads (threads / gcd(H_kv, threads)), or, if
+/// runs that small fall below the grain, as many as the grain allows up to ⌈threads / H_kv⌉.
+int64_t split_parts(const AttendArgs& args, int64_t threads);
+/// Multiply-adds of one run (per product: query rows × keys × D) below which a head is not split:
+/// 2^20, 2,341 keys of a 7-row, 64-dim head — 90-170 µs of the fused kernels on one core at
+/// issue 37's one-thread 32k figures (22 and 12 multiply-adds per ns for int8 and fp32) —
+/// against the few µs a parallel region costs to start (tens when its threads sleep between
+/// regions: OMP_WAIT_POLICY=passive).
+constexpr int64_t kSplitGrain = int64_t{1} << 20;
+/// Live-token cut points of head h's keys into `parts` runs: parts + 1 non-decreasing values from
+/// 0 to resident(h), each inner one the K block boundary nearest to i · resident(h) / parts.
+std::vector<int64_t> split_points(const LayerStore& layer, int64_t h, int64_t parts);
+/// The thread count attend_generic passes to split_parts from here (detail::max_threads() as the
+/// library is built: 1 without OpenMP, the sanitizer build).
+int64_t attend_threads();
+/// begin_attend, then every KV head as `parts` runs (above), merged. Requires !need.any() and
+/// tail_n == 0 (an internal error otherwise); parts ≥ 1.
+void attend_split(const AttendArgs& args, int64_t parts);
 
 }  // namespace kvcache::cache

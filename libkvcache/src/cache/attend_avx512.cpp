@@ -159,7 +159,9 @@ inline __m512 reduce8(const __m512 (&v)[8], Op op) {
 
 /// Integer keys: for 16 keys at a time, u8 codes × the two int8 terms of the query (VNNI), per
 /// 32-dim chunk scaled by the query chunk's scale and the key group's scale, plus zero × Σq'.
-template <int NR, bool kChannel>
+/// kOne: the high term alone (the int8 query, QueryView::one_term_*): one VNNI product per
+/// key and 4 dims instead of two, zero × Σ of that rounded query (qsum1).
+template <int NR, bool kChannel, bool kOne>
 void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   const int64_t d = q.d, chunks = d / 32;
   const int64_t mc = k.kf.meta_count;
@@ -211,8 +213,12 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
         // the compiler would otherwise choose per call site is fixed here).
         const __m512 h0 = round_to_int8(_mm512_mul_ps(w[r][0], iv), hi);
         const __m512 h1 = round_to_int8(_mm512_mul_ps(w[r][1], iv), hi + 16);
-        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h0, w[r][0]), is), lo);
-        round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h1, w[r][1]), is), lo + 16);
+        if constexpr (!kOne) {
+          round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h0, w[r][0]), is), lo);
+          round_to_int8(_mm512_mul_ps(_mm512_fnmadd_ps(sc_v, h1, w[r][1]), is), lo + 16);
+        } else {
+          (void)lo, (void)is;
+        }
         ws[r][c] = sa[r];
       }
       qt[c] = wt[c][0][0];
@@ -229,7 +235,7 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
     for (int64_t c = 0; c < chunks; ++c) qt[c] = q.qt + (c * q.rows + r0) * 64;
     for (int r = 0; r < NR; ++r) {
       qs[r] = q.qs + (r0 + r) * chunks;
-      qsum[r] = q.qsum + (r0 + r) * chunks;
+      qsum[r] = (kOne ? q.qsum1 : q.qsum) + (r0 + r) * chunks;
     }
   }
   TokenChunk tc[8];
@@ -272,16 +278,22 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
 #pragma GCC unroll 8
       for (int e = 0; e < 8; ++e) {
         for (int r = 0; r < NR; ++r) {
-          int32_t hi, lo;
+          int32_t hi;
           std::memcpy(&hi, qc + 64 * r + 4 * e, 4);
-          std::memcpy(&lo, qc + 64 * r + 32 + 4 * e, 4);
           ah[r] = _mm512_dpbusd_epi32(ah[r], kt[e], _mm512_set1_epi32(hi));
-          al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(lo));
+          if constexpr (!kOne) {
+            int32_t lo;
+            std::memcpy(&lo, qc + 64 * r + 32 + 4 * e, 4);
+            al[r] = _mm512_dpbusd_epi32(al[r], kt[e], _mm512_set1_epi32(lo));
+          }
         }
       }
-      // Σ q'·c / qs = ah + al / kLowSteps (int32 sums, exact in float up to 2^24).
+      // Σ q'·c / qs = ah + al / kLowSteps (int32 sums, exact in float up to 2^24); ah alone for
+      // the one-term query.
       __m512 dots[NR];
-      for (int r = 0; r < NR; ++r) dots[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[r]), low, _mm512_cvtepi32_ps(ah[r]));
+      for (int r = 0; r < NR; ++r) {
+        dots[r] = kOne ? _mm512_cvtepi32_ps(ah[r]) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[r]), low, _mm512_cvtepi32_ps(ah[r]));
+      }
       if constexpr (kChannel) {
         for (int r = 0; r < NR; ++r) out[r] = _mm512_fmadd_ps(dots[r], _mm512_set1_ps(qs[r][c]), out[r]);
       } else {
@@ -459,8 +471,12 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kBF16: return qk_bf16<NR>(q, r0, k, n, s, ld);
     case Kind::kE4M3: return qk_fp8<NR, Kind::kE4M3>(q, r0, k, n, s, ld);
     case Kind::kE5M2: return qk_fp8<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
-    case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
-    case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
+    case Kind::kIntToken:
+      if ((q.one_term_token >> k.kf.bits) & 1u) return qk_int<NR, false, true>(q, r0, k, n, s, ld);
+      return qk_int<NR, false, false>(q, r0, k, n, s, ld);
+    case Kind::kIntChannel:
+      if ((q.one_term_channel >> k.kf.bits) & 1u) return qk_int<NR, true, true>(q, r0, k, n, s, ld);
+      return qk_int<NR, true, false>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

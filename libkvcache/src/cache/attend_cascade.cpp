@@ -100,6 +100,7 @@ struct Chain {
   int request = 0;
   int64_t head = 0;
   std::vector<std::pair<size_t, int64_t>> passes;
+  bool split = false;  ///< the runs of one long head split across threads (no sharing)
 };
 
 int64_t rows_of(const AttendArgs& a) { return a.t_q * (a.num_q_heads / a.layer->num_heads()); }
@@ -258,6 +259,36 @@ void attend_items(const std::vector<BatchItem>& items, bool cascade, AttendBatch
     covered[i].assign(static_cast<size_t>(items[i].args->layer->num_heads()), 0);
   }
   for (const Chain& c : chains) covered[static_cast<size_t>(c.request)][static_cast<size_t>(c.head)] = 1;
+  // A long head that attend() would split across the threads (fewer KV heads than threads:
+  // split_parts) is split here the same way — its runs (split_points) passes of its own, merged
+  // in run order by the chains' merge below — so that the request gets attend()'s bits.
+  const int64_t threads = attend_threads();
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendArgs& a = *items[i].args;
+    const int64_t parts = split_parts(a, threads);
+    if (parts < 2) continue;
+    for (int64_t h = 0; h < a.layer->num_heads(); ++h) {
+      if (covered[i][static_cast<size_t>(h)] != 0) continue;
+      const std::vector<int64_t> cuts = split_points(*a.layer, h, parts);
+      Chain c;
+      c.request = static_cast<int>(i);
+      c.head = h;
+      c.split = true;
+      for (int64_t p = 0; p < parts; ++p) {
+        Pass ps;
+        ps.head = h;
+        ps.leader = static_cast<int>(i);
+        ps.first = cuts[static_cast<size_t>(p)];
+        ps.count = cuts[static_cast<size_t>(p + 1)] - ps.first;
+        ps.members = {static_cast<int>(i)};
+        ps.row_at = {0};
+        c.passes.emplace_back(passes.size(), 0);
+        passes.push_back(std::move(ps));
+      }
+      chains.push_back(std::move(c));
+      covered[i][static_cast<size_t>(h)] = 1;
+    }
+  }
 
   // Tasks: every pass, every uncovered (request, head); the largest first.
   struct Task {
@@ -345,7 +376,9 @@ void attend_items(const std::vector<BatchItem>& items, bool cascade, AttendBatch
     }
   }
   std::vector<char> cascaded(items.size(), 0);
-  for (const Chain& c : chains) cascaded[static_cast<size_t>(c.request)] = 1;
+  for (const Chain& c : chains) {
+    if (!c.split) cascaded[static_cast<size_t>(c.request)] = 1;
+  }
   for (const char c : cascaded) stats->cascaded_requests += c;
   for (size_t i = 0; i < items.size(); ++i) {
     const AttendArgs& a = *items[i].args;

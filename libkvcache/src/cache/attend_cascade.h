@@ -17,10 +17,14 @@
 /// alone gets one pass over its remaining tokens. Identity is transitive, so comparisons start
 /// where the group's run ended (one block each when members diverge there).
 ///
-/// Run: every pass (attend_range) and every unshared head (attend_head, untouched: bit for bit
-/// attend()) is one task, largest first, taken by the threads from one counter; then each
-/// cascaded (request, head) merges its passes' partial states (merge_partial, root first)
-/// and normalises them into the request's output.
+/// Split: an unshared head that attend() would split across the threads (split_parts: fewer KV
+/// heads than threads, a long head, no mass needed) is split the same way here — its runs
+/// (split_points) are passes of their own, merged in run order — so it gets attend()'s bits.
+///
+/// Run: every pass (attend_range) and every other unshared head (attend_head, untouched: bit for
+/// bit attend()) is one task, largest first, taken by the threads from one counter; then each
+/// cascaded or split (request, head) merges its passes' partial states (merge_partial, root
+/// first) and normalises them into the request's output.
 
 #include <vector>
 

@@ -173,6 +173,7 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
   out.qs.resize(static_cast<size_t>(rows * chunks));
   out.qsum.resize(static_cast<size_t>(rows * chunks));
   out.qfsum.resize(static_cast<size_t>(rows * chunks));
+  out.qsum1.resize(static_cast<size_t>(rows * chunks));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
       const float* src = q + r * d + c * 32;
@@ -188,14 +189,16 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
       const float step = qs / kLowSteps;
       int8_t* qh = out.qt.data() + (c * rows + r) * 64;  // QueryView::qt: [chunk][row][hi, lo][32]
       int8_t* ql = qh + 32;
-      float sum = 0.0f;
+      float sum = 0.0f, sum1 = 0.0f;
       for (int i = 0; i < 32; ++i) {
         const float hi = std::clamp(std::nearbyint(qf[i] / qs), -127.0f, 127.0f);
         const float lo = std::clamp(std::nearbyint((qf[i] - qs * hi) / step), -127.0f, 127.0f);
         qh[i] = static_cast<int8_t>(hi);
         ql[i] = static_cast<int8_t>(lo);
         sum += qs * hi + step * lo;
+        sum1 += qs * hi;
       }
+      out.qsum1[static_cast<size_t>(r * chunks + c)] = sum1;
       out.qs[static_cast<size_t>(r * chunks + c)] = qs;
       // The zero point multiplies the ROUNDED query's sum, so that the integer path computes
       // exactly q'·k̂ for q' = qs·qh + step·ql: its only error is q's (tiny) rounding.
@@ -203,7 +206,26 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
     }
   }
   out.view = QueryView{rows, d, out.qf.data(), out.qt.data(), out.qs.data(), out.qsum.data(), out.qfsum.data()};
+  out.view.qsum1 = out.qsum1.data();
+  switch (query_rounding()) {
+    case QueryRounding::kTwoTerm: break;
+    case QueryRounding::kInt8:
+      out.view.one_term_token = kInt8QueryTokenBits;
+      out.view.one_term_channel = kInt8QueryChannelBits;
+      break;
+    case QueryRounding::kInt8Everywhere: out.view.one_term_token = out.view.one_term_channel = ~0u; break;
+  }
 }
+
+namespace {
+std::atomic<QueryRounding>& rounding() {
+  static std::atomic<QueryRounding> r{QueryRounding::kTwoTerm};
+  return r;
+}
+}  // namespace
+
+QueryRounding query_rounding() { return rounding().load(std::memory_order_relaxed); }
+void set_query_rounding(QueryRounding r) { rounding().store(r, std::memory_order_relaxed); }
 
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   switch (current_isa()) {
@@ -241,6 +263,18 @@ std::string attention_kernels() { return cache::fused::isa_name(cache::fused::cu
 
 void set_attention_kernels(const std::string& isa, const std::string& source) {
   cache::fused::set_isa(cache::fused::isa_from_name(isa, source));
+}
+
+std::string attention_query() {
+  return cache::fused::query_rounding() == cache::fused::QueryRounding::kTwoTerm ? "exact" : "int8";
+}
+
+void set_attention_query(const std::string& mode, const std::string& source) {
+  KV_CHECK_ARG(mode == "exact" || mode == "int8" || mode.empty(), source, "=", mode,
+               ": expected exact (the two-term int8 query, float accuracy: the default) or int8 (one int8 term "
+               "per 32 dims for the integer key formats within the error bound)");
+  cache::fused::set_query_rounding(mode == "int8" ? cache::fused::QueryRounding::kInt8
+                                                  : cache::fused::QueryRounding::kTwoTerm);
 }
 
 }  // namespace kvcache

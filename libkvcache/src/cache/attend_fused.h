@@ -82,9 +82,33 @@ const char* isa_name(FusedIsa isa);
 /// True if some fused kernel runs here (current_isa() is not kNone).
 bool available();
 
+/// How the AVX-512 kernels round the query for integer keys (issue 37, decision 2).
+///   kTwoTerm (default): q' = qs·(qh + ql/254) per 32 dims, float accuracy (above);
+///   kInt8: q ≈ qs·qh, one int8 term (llama.cpp's q8 choice, round to nearest), one VNNI product
+///     per 4 dims instead of two — for the integer key formats whose attention error stays within
+///     the issue's bound (kInt8QueryTokenBits / kInt8QueryChannelBits: the formats
+///     tests/attend_fused_test.cpp, AttendFused.Int8QueryWithinTheErrorBound, holds to ‖attend − ref(k̂, v̂)‖ ≤ 0.1·‖ref(k̂, v̂) − ref(k, v)‖);
+///     the others keep the two-term query;
+///   kInt8Everywhere: the int8 query for every integer key format (tests: to measure the bound
+///     for the formats that fail it).
+/// The AVX2 kernels and the generic path compute in float32 and ignore it.
+enum class QueryRounding : uint8_t { kTwoTerm, kInt8, kInt8Everywhere };
+/// Bit b set: b-bit per-token (per-channel) integer keys take the int8 query under kInt8.
+/// Measured (AttendFused.Int8QueryWithinTheErrorBound*, the ratio ‖attend − ref(k̂, v̂)‖ /
+/// ‖ref(k̂, v̂) − ref(k, v)‖ against the bound 0.1, on the default model's captured K/V and on
+/// synthetic ones): per-token int4 0.025-0.034 and int2 0.011-0.012 pass, int8 0.41-0.61 fails;
+/// per-channel 2-bit (KIVI-2) 0.031-0.067 passes, 4-bit (int4:chan, KIVI-4) 0.13-0.30 fails —
+/// the channel scales folded into the query (w = q ⊙ s) let the outlier channels set each
+/// chunk's int8 step.
+inline constexpr uint32_t kInt8QueryTokenBits = (1u << 4) | (1u << 2);
+inline constexpr uint32_t kInt8QueryChannelBits = 1u << 2;
+QueryRounding query_rounding();
+/// Process-wide, as set_isa; call while no attention runs (kvcache::set_attention_query).
+void set_query_rounding(QueryRounding r);
+
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
-  std::vector<float> qf, qs, qsum, qfsum;
+  std::vector<float> qf, qs, qsum, qfsum, qsum1;
   std::vector<int8_t> qt;
   QueryView view;
 };

@@ -48,6 +48,11 @@ struct QueryView {
   const float* qs = nullptr;    ///< `[rows, d/32]` chunk scales
   const float* qsum = nullptr;  ///< `[rows, d/32]` Σ q' over the chunk (of the rounded query)
   const float* qfsum = nullptr; ///< `[rows, d/32]` Σ qf over the chunk (the float query: AVX2 kernels)
+  const float* qsum1 = nullptr; ///< `[rows, d/32]` Σ qs·qh over the chunk (the one-term query)
+  /// The int8 query (kvcache::set_attention_query("int8")): bit b set when b-bit per-token
+  /// (one_term_token) or per-channel (one_term_channel) integer keys are dotted with the high
+  /// term alone, q ≈ qs·qh (llama.cpp's q8 rounding; the AVX-512 kernels only). 0: two terms.
+  uint32_t one_term_token = 0, one_term_channel = 0;
 };
 
 namespace avx512 {

@@ -53,4 +53,14 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   f(begin, end);
 }
 
+/// The threads parallel_for would run a large enough range on from here: OpenMP's thread count,
+/// 1 inside a parallel region or without OpenMP. Kernels that choose how to split their work
+/// (attend.cpp: a long head's keys across threads) ask this, so they split only where threads run.
+inline int64_t max_threads() {
+#if defined(_OPENMP)
+  if (!omp_in_parallel()) return std::max(1, omp_get_max_threads());
+#endif
+  return 1;
+}
+
 }  // namespace kvcache::detail
