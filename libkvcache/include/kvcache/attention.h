@@ -44,8 +44,8 @@ void set_attention_kernels(const std::string& isa, const std::string& source = "
 /// How the AVX-512 kernels round the query for integer keys: "exact" (the default) or "int8".
 std::string attention_query();
 
-/// Selects the query arithmetic of integer keys in the AVX-512 VNNI kernels (issue 37, decision
-/// 2; docs/cache-manager.md, "Fused kernels"):
+/// Selects the query arithmetic of integer keys in the AVX-512 VNNI kernels
+/// (docs/cache-manager.md, "Fused kernels"):
 ///   "exact" (default; "" too): the query split into two int8 terms per 32 dims, q' = qs·(qh +
 ///     ql/254), |q − q'| ≤ 1.6e-5·max|q|: float accuracy, two VNNI products per 4 dims;
 ///   "int8": one int8 term per 32 dims, q ≈ qs·round(q/qs), qs = max|q|/127 (llama.cpp's q8_0
