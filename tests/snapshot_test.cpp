@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -340,6 +341,83 @@ TEST(Snapshot, SequenceOfAMultiSequenceCacheLoadsIntoACacheManager) {
   }
 }
 
+std::string bytes_of(const Sequence& s, const std::string& model = kModel) {
+  std::ostringstream os;
+  s.save(os, model);
+  return os.str();
+}
+
+std::vector<int64_t> load_bytes(Sequence& s, const std::string& bytes, const std::string& model = kModel) {
+  std::istringstream is(bytes);
+  return s.load(is, model);
+}
+
+MultiSequenceConfig pool_config(const CacheConfig& model, int64_t capacity = int64_t{1} << 28) {
+  MultiSequenceConfig mc;
+  mc.model = model;
+  mc.capacity_bytes = capacity;
+  return mc;
+}
+
+TEST(Snapshot, LoadIntoASequenceOfAMultiSequenceCacheContinuesBitForBit) {
+  // A CacheManager's snapshot (holes, h2o scores, a KIVI residual) loads into a sequence of a
+  // pool that holds other requests and cached prefixes; both continue with every attend()
+  // output, eviction and block equal. Then that sequence's own snapshot — its blocks private
+  // now — loads into a second sequence, which continues alike too.
+  for (const std::string scheme : {"int4:g4", "kivi:k2:v4:g4:r8", "fp16"}) {
+    for (const std::string policy : {"full", "h2o@12"}) {
+      const std::string where = scheme + " " + policy;
+      auto cfg = make_config(2, 4, 2, 8, scheme, policy, 40);
+      cfg.block_tokens = 8;
+      CacheManager a(cfg);
+      TorchCache ta(a);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+      run_steps({&ta}, gen, 0, 5, where);
+      const std::string saved = bytes_of(a);
+
+      MultiSequenceCache pool(pool_config(cfg));
+      auto cfg_full = cfg;  // the same storage (namespace) under a policy that shares prefixes
+      cfg_full.policy = "full";
+      Sequence& other = pool.add_sequence(cfg_full);
+      std::vector<int64_t> prompt(24);
+      std::iota(prompt.begin(), prompt.end(), 7);
+      ASSERT_EQ(other.begin_request(prompt, 40).cached_tokens, 0);
+      TorchCache to(other);
+      auto gen2 = at::make_generator<at::CPUGeneratorImpl>(32);
+      step_all({&to}, gen2, 24, StepKind::kPrefillEnd, false, where);
+      Sequence& target = pool.add_sequence();
+      ASSERT_EQ(target.begin_request(prompt, 40).cached_tokens, policy == "full" ? 16 : 0) << where;  // shared blocks
+      TorchCache tt(target);
+      step_all({&tt}, gen2, 24 - target.prefix().cached_tokens, StepKind::kPrefillEnd, false, where);
+      const int64_t index_pages = pool.stats().cached_blocks;
+      ASSERT_GT(index_pages, 0);
+
+      EXPECT_EQ(load_bytes(target, saved), std::vector<int64_t>{}) << where;
+      pool.check_invariants();
+      EXPECT_EQ(target.config().context_length, 40);
+      expect_same_blocks(a, target, where);
+      EXPECT_EQ(bytes_of(target), saved) << where << ": the loaded sequence saves other bytes";
+      EXPECT_EQ(pool.stats().cached_blocks, index_pages) << where << ": the index changed";
+      EXPECT_EQ(target.prefix().cached_tokens, 0);
+      run_steps({&ta, &tt}, gen, 5, 9, where + " continued");
+      pool.check_invariants();
+      expect_same_blocks(a, target, where + " at the end");
+      EXPECT_EQ(bytes_of(a), bytes_of(target)) << where;
+
+      // Sequence -> Sequence (the other one, which shares blocks with the index).
+      const std::string from_seq = bytes_of(other);
+      Sequence& third = pool.add_sequence(cfg_full);
+      load_bytes(third, from_seq);
+      pool.check_invariants();
+      expect_same_blocks(other, third, where + " sequence to sequence");
+      TorchCache t3(third);
+      for (int i = 0; i < 3; ++i) step_all({&to, &t3}, gen2, 1, StepKind::kDecode, false, where + " seq to seq");
+      expect_same_blocks(other, third, where + " sequence to sequence, at the end");
+      pool.check_invariants();
+    }
+  }
+}
+
 // ------------------------------------------------------------ refusals
 
 /// A cache with eviction state (int4, h2o) after six steps, its snapshot, and a second cache of
@@ -525,6 +603,108 @@ TEST(SnapshotRefusal, PolicyStateThatDoesNotFitTheShapeIsRefused) {
   PolicyStateIO hr(reinterpret_cast<const uint8_t*>(huge.data()), huge.size());
   std::vector<float> v;
   EXPECT_THROW(hr.io(v), SnapshotError);
+}
+
+TEST(SnapshotRefusal, LoadIntoASequenceRefusedLeavesPoolAndSequenceUnchanged) {
+  // int4, no eviction, blocks of 8 tokens: a 21-token snapshot needs 3 blocks per list.
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  cfg.block_tokens = 8;
+  CacheManager a(cfg);
+  TorchCache ta(a);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(41);
+  run_steps({&ta}, gen, 0, 6, "source");  // 18 prompt tokens + 3 decoded
+  const std::string saved = bytes_of(a);
+  int64_t need = 0;
+  {
+    MultiSequenceCache roomy(pool_config(cfg));
+    load_bytes(roomy.add_sequence(), saved);
+    need = roomy.stats().bytes_in_use;
+  }
+  ASSERT_GT(need, 0);
+  const int64_t per_block = need / (2 * 2 * 2 * 3);  // layers x KV heads x streams x blocks
+  ASSERT_EQ(need, per_block * 24);
+
+  // A cache of need − 8 bytes, its sequence holding a 4-token request: even ending that request
+  // leaves too little. Refused, nothing changed; then every class of a bad file, likewise.
+  MultiSequenceCache small(pool_config(cfg, need - 8));
+  Sequence& seq = small.add_sequence();
+  std::vector<int64_t> mine = {900, 901, 902, 903};
+  seq.begin_request(mine, 40);
+  TorchCache ts(seq);
+  step_all({&ts}, gen, 4, StepKind::kPrefillEnd, false, "small");
+  const std::string before = bytes_of(seq);
+  const PoolStats st = small.stats();
+  auto unchanged = [&](const std::string& where) {
+    small.check_invariants();
+    EXPECT_EQ(bytes_of(seq), before) << where;
+    EXPECT_EQ(small.stats().bytes_in_use, st.bytes_in_use) << where;
+    EXPECT_EQ(small.stats().cached_blocks, st.cached_blocks) << where;
+    EXPECT_EQ(seq.prefix().prompt_tokens, 4) << where;
+  };
+  try {
+    load_bytes(seq, saved);
+    ADD_FAILURE() << "no PoolFullError";
+  } catch (const PoolFullError& e) {
+    EXPECT_FALSE(e.preempted());
+    EXPECT_THAT(e.what(), HasSubstr(std::to_string(need) + " B of blocks"));
+  }
+  unchanged("no room");
+  std::string flipped = saved;
+  flipped[flipped.size() / 2] ^= 0x10;
+  EXPECT_EQ(reason_of([&] { load_bytes(seq, flipped); }), Reason::kChecksum);
+  unchanged("flipped");
+  EXPECT_EQ(reason_of([&] { load_bytes(seq, saved, "another-model"); }), Reason::kOtherModel);
+  unchanged("other model");
+  EXPECT_EQ(reason_of([&] { load_bytes(seq, saved.substr(0, saved.size() - 1)); }), Reason::kTruncated);
+  unchanged("truncated");
+  auto other_scheme = cfg;
+  other_scheme.scheme = "int8";
+  Sequence& int8 = small.add_sequence(other_scheme);
+  EXPECT_EQ(reason_of([&] { load_bytes(int8, saved); }), Reason::kOtherConfig);
+  unchanged("other scheme");
+  EXPECT_EQ(reason_of([&] { int8.load("/nonexistent-dir/x.kvsnap", kModel); }), Reason::kIo);
+  unchanged("missing file");
+}
+
+TEST(Snapshot, LoadIntoASequenceEndsItsRequestAndReclaimsUnusedPrefixes) {
+  // A pool of exactly the snapshot's bytes, holding a finished request's cached prefix (2
+  // blocks per list) and the target's own 4-token request (1 block per list): the load fits
+  // only by ending the target's request and reclaiming the prefix. It does, and continues exactly.
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  cfg.block_tokens = 8;
+  CacheManager a(cfg);
+  TorchCache ta(a);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
+  run_steps({&ta}, gen, 0, 6, "source");
+  const std::string saved = bytes_of(a);
+  const int64_t need = [&] {
+    MultiSequenceCache roomy(pool_config(cfg));
+    load_bytes(roomy.add_sequence(), saved);
+    return roomy.stats().bytes_in_use;
+  }();
+  MultiSequenceCache pool(pool_config(cfg, need));
+  Sequence& first = pool.add_sequence();
+  std::vector<int64_t> prompt(17);
+  std::iota(prompt.begin(), prompt.end(), 500);
+  first.begin_request(prompt, 40);
+  TorchCache t1(first);
+  auto gen2 = at::make_generator<at::CPUGeneratorImpl>(44);
+  step_all({&t1}, gen2, 16, StepKind::kPrefill, false, "first");
+  first.finish();
+  ASSERT_EQ(pool.stats().cached_blocks, 2 * 2 * 2 * 2);
+  Sequence& target = pool.add_sequence();
+  target.begin_request({1, 2, 3, 4}, 40);
+  TorchCache tt(target);
+  step_all({&tt}, gen2, 4, StepKind::kPrefillEnd, false, "target");
+  ASSERT_EQ(pool.stats().bytes_in_use, need);
+  const PrefixCounters c0 = pool.counters();
+  load_bytes(target, saved);
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().bytes_in_use, need);
+  EXPECT_EQ(pool.stats().cached_blocks, 0);
+  EXPECT_EQ((pool.counters() - c0).blocks_reclaimed, 16);
+  expect_same_blocks(a, target, "reclaimed");
+  run_steps({&ta, &tt}, gen, 6, 8, "reclaimed, continued");
 }
 
 TEST(SnapshotRefusal, SaveInsideAStepIsRefused) {

@@ -205,6 +205,25 @@ class Sequence final : public SequenceCache {
   /// The same bytes written to `out`. @throws as save(path); SnapshotError (kIo) when the stream fails.
   void save(std::ostream& out, const std::string& model_fingerprint, const std::vector<int64_t>& tokens = {}) const;
 
+  /// Reads a snapshot (CacheManager::save or Sequence::save, docs/snapshot-format.md) into this
+  /// sequence, which then continues bit for bit as the saved cache would: its blocks as stored,
+  /// counters and policy state, in new blocks from the cache's pool. The file must match this
+  /// sequence's configuration (scheme, policy, block_tokens, shape, residual, key storage,
+  /// position mode; its context length replaces the sequence's) and `model_fingerprint`.
+  /// Every check runs before anything changes. Then the sequence's current request ends (its
+  /// blocks go back to the pool, as finish()), unused cached prefixes are reclaimed if the
+  /// snapshot needs their room (LRU, as make_room), and the loaded request begins: the newest
+  /// request (no other is preempted for it), with no prompt — it reuses nothing from the index
+  /// and publishes nothing to it. Valid at any point, as finish(); clears preempted().
+  /// @return the token ids saved with the snapshot (empty if none were given).
+  /// @throws SnapshotError naming the failed check (kvcache/snapshot.h; kIo when the file cannot
+  ///         be read); PoolFullError (preempted() false) when the snapshot's blocks do not fit
+  ///         even after this sequence's request ended and every unused cached prefix were
+  ///         reclaimed. Both change nothing: the sequence, the pool and the index are as before.
+  std::vector<int64_t> load(const std::string& path, const std::string& model_fingerprint);
+  /// The same from a stream (read to its end). @throws as load(path).
+  std::vector<int64_t> load(std::istream& in, const std::string& model_fingerprint);
+
   /// As SequenceCache (the same checks and guarantees), plus: PoolFullError (a CapacityError)
   /// when the pool has no room (PoolFullRule; preempted() false, the call changed nothing) or
   /// this sequence was preempted (preempted() true); InvalidArgument when the first step after
@@ -220,6 +239,8 @@ class Sequence final : public SequenceCache {
   friend class MultiSequenceCache;
   friend struct cache::MultiSequenceAccess;
   struct State;
+  std::vector<int64_t> load_bytes(const std::string& bytes, const std::string& model_fingerprint,
+                                  const std::string& source);
   Sequence(std::unique_ptr<cache::StepProtocol> steps, std::unique_ptr<State> state);
   std::unique_ptr<State> s_;
 };
@@ -256,6 +277,33 @@ class MultiSequenceCache {
   int64_t reclaim(int64_t bytes);
   /// Sets bytes_in_use_peak to bytes_in_use (per-phase peaks).
   void reset_peak();
+
+  /// Persists the prefix index to directory `dir` (created if missing; its parent must exist):
+  /// every cached page — its blocks exactly as stored, the P token ids it keys and its place in
+  /// the tree — in one pages file with an XXH3-64 per page, then a manifest naming that file,
+  /// its size and checksum, written atomically last (docs/snapshot-format.md, "Prefix index
+  /// directory"). A save that fails leaves the directory's previous index loadable; a save
+  /// that succeeds removes the previous pages file. Pages held by running sequences are
+  /// written too (shared blocks are read-only). Sequences are not written (Sequence::save).
+  /// @throws SnapshotError (kIo) naming the path and the OS error (a read-only or full disk).
+  void save_prefix_index(const std::string& dir, const std::string& model_fingerprint) const;
+  /// Warm start: reads the index `dir` holds (save_prefix_index, possibly by another process)
+  /// into this cache's index, whose later requests then reuse its prefixes as if they had
+  /// been computed here — bit for bit the same blocks. Every namespace of the index must be the
+  /// storage key of config().model or of a sequence already added (add_sequence(CacheConfig)
+  /// first for the others), under the same geometry and `model_fingerprint`; pages the index
+  /// already holds are kept and the file's copies dropped. The loaded pages are unused (the
+  /// first to be reclaimed, LRU in file order). All-or-nothing: every page is read and checked
+  /// (checksums, block records against the namespace's formats, full unholed blocks covering
+  /// exactly their page) before the index changes.
+  /// @return the pages added to the index.
+  /// @throws SnapshotError naming the file and the failed check (kIo: no manifest or pages
+  ///         file, unreadable; kOtherModel, kOtherConfig: geometry or a namespace no
+  ///         configuration of this cache stores, or prefix sharing off; kChecksum, kTruncated,
+  ///         kNotSnapshot, kFutureVersion, kInconsistent as for a snapshot); PoolFullError
+  ///         (preempted() false) when the pages need more than the pool's free bytes (the load
+  ///         reclaims nothing). Either leaves the cache unchanged.
+  int64_t load_prefix_index(const std::string& dir, const std::string& model_fingerprint);
 
   /// Every sequence's invariants, the index's structure and locks, and the pool: every block's
   /// reference count equals its holders (sequences' block lists and the index), the blocks in

@@ -5,7 +5,14 @@
 // blocks, for every layer, KV head and stream.
 #include "kvcache/multi_sequence_cache.h"
 
+#include <dirent.h>
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <istream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -17,7 +24,9 @@
 #include "cache/multi_sequence_access.h"
 #include "cache/pool_set.h"
 #include "cache/radix_tree.h"
+#include "cache/snapshot_io.h"
 #include "cache/step_protocol.h"
+#include "common/file_io.h"
 #include "common/log.h"
 #include "kvcache/error.h"
 
@@ -101,6 +110,39 @@ int64_t settled_pages(const BlockList& list, int64_t P, int64_t b0, int64_t b1, 
   return b1 - b0;
 }
 
+/// Bytes of the blocks `m` holds (each block's pool size).
+int64_t held_bytes(const StepProtocol& m) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < m.config().num_layers; ++l) {
+    const LayerStore& store = m.store().store(l);
+    for (int64_t h = 0; h < store.num_heads(); ++h) {
+      for (const BlockList* list : {&store.k(h).quant, &store.k(h).resid, &store.v(h).quant, &store.v(h).resid}) {
+        for (const Block& b : list->blocks()) n += list->format(b).pool->block_bytes();
+      }
+    }
+  }
+  return n;
+}
+
+/// The largest snapshot or prefix index pages file read (64 GiB, as CacheManager::load).
+constexpr int64_t kMaxSnapshotBytes = int64_t{64} << 30;
+constexpr const char* kManifestName = "MANIFEST";
+
+std::string read_snapshot_file(const std::string& path, const char* what, const char* fn) {
+  try {
+    return io::read_regular_file(path, what, kMaxSnapshotBytes);
+  } catch (const InvalidArgument& e) {
+    throw SnapshotError(SnapshotError::Reason::kIo, detail::str_cat(fn, ": ", e.what(), " (io)"));
+  }
+}
+
+std::string hex16(uint64_t v) {
+  static const char* digits = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<size_t>(i)] = digits[v & 15];
+  return s;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- counters
@@ -171,6 +213,8 @@ struct MultiSequenceCache::Impl {
   int64_t next_id = 0, next_serial = 0;
   PrefixCounters counters;
   int64_t peak = 0;
+  /// The configuration of each namespace the index has held (what reads its blocks' formats).
+  std::map<std::string, CacheConfig> ns_configs;
 
   ~Impl() {
     seqs.clear();  // their blocks first, then the index's
@@ -244,11 +288,17 @@ struct MultiSequenceCache::Impl {
   /// `preempt`, every request begun after s's is preempted — all make_room can reach —
   /// computed without changing anything: a block is freed when every reference to it goes
   /// (the victims' block lists, then the pages left unlocked without the victims' locks).
-  int64_t reachable_free(const Sequence::State& s, bool preempt, int64_t* victims_out) {
+  /// With `self`, s's own request counts as ended too (Sequence::load ends it first).
+  int64_t reachable_free(const Sequence::State& s, bool preempt, int64_t* victims_out, bool self = false) {
     std::vector<Sequence::State*> victims;
     if (preempt) {
       for (auto& q : seqs) {
         if (preemptible_for(*q->s_, s)) victims.push_back(q->s_.get());
+      }
+    }
+    if (self) {
+      for (auto& q : seqs) {
+        if (q->s_.get() == &s) victims.push_back(q->s_.get());
       }
     }
     std::map<std::pair<const BlockPool*, cache::BlockId>, int64_t> dropped;
@@ -539,6 +589,7 @@ struct MultiSequenceCache::Impl {
         pages.emplace(id, std::move(p));
         return id;
       });
+      ns_configs.emplace(s.ns.key, s.m->config());
       abort_publish(pp);  // references of pages the index already held when inserted
       tree.lock(node);
       unlock(s);
@@ -546,6 +597,399 @@ struct MultiSequenceCache::Impl {
       s.published = b0 + settled;
     }
     if (pp.stop) s.publishing = false;
+  }
+
+  // ---- snapshots ----------------------------------------------------------------------
+  /// Sequence::load: every check of `bytes` in blocks of a private pool, then room (ending s's
+  /// request, reclaiming unused prefixes), then the same bytes read into the shared pool. The
+  /// caller swaps the returned protocol in.
+  std::unique_ptr<StepProtocol> load_sequence(Sequence::State& s, const std::string& bytes, const std::string& fp,
+                                              const std::string& source, std::vector<int64_t>* tokens) {
+    int64_t need = 0;
+    {
+      const std::unique_ptr<StepProtocol> probe = StepProtocol::from_snapshot(s.m->config(), bytes, fp, source, tokens);
+      need = held_bytes(*probe);
+    }
+    const int64_t reachable = reachable_free(s, false, nullptr, /*self=*/true);
+    if (need > reachable) {
+      ++counters.refusals;
+      throw PoolFullError(
+          detail::str_cat("Sequence::load: snapshot '", source, "' holds ", need, " B of blocks but only ",
+                          free_bytes(), " B of the pool's capacity_bytes = ", cfg.capacity_bytes,
+                          " are free, and ending sequence ", s.id,
+                          "'s request and reclaiming every unused cached prefix would leave ", reachable,
+                          " B free; nothing was changed: end a request (Sequence::finish) and retry, or raise "
+                          "capacity_bytes"),
+          /*preempted=*/false);
+    }
+    end_request(s);
+    if (need > free_bytes()) reclaim(need - free_bytes());
+    // The bytes passed every check above; reading them again cannot fail but for memory.
+    return StepProtocol::from_snapshot(s.m->config(), bytes, fp, source, nullptr, pools, &s);
+  }
+
+  /// The namespaces a load may fill: the storage key of config().model and of every sequence's
+  /// configuration, each with a protocol over `over` (null: pools of its own) whose formats read
+  /// the pages' blocks.
+  std::map<std::string, std::unique_ptr<StepProtocol>> namespaces(const std::shared_ptr<cache::PoolSet>& over) const {
+    std::map<std::string, std::unique_ptr<StepProtocol>> out;
+    std::vector<CacheConfig> configs{cfg.model};
+    for (const auto& q : seqs) configs.push_back(q->s_->m->config());
+    for (CacheConfig c : configs) {
+      c.context_length = 0;
+      auto m = std::make_unique<StepProtocol>(std::move(c), over, nullptr);
+      std::string key = storage_key(*m);
+      if (!out.count(key)) out.emplace(std::move(key), std::move(m));
+    }
+    return out;
+  }
+
+  /// A page read from an index file: its namespace, parent (file order), depth and tokens, and
+  /// its blocks (one reference each, taken from the formats' pools).
+  struct LoadedPage {
+    const RadixTree::Namespace* ns = nullptr;
+    int64_t parent = -1, depth = 0;
+    std::vector<int64_t> tokens;
+    CachedPage page;
+  };
+
+  static void release_loaded(std::vector<LoadedPage>& pages) {
+    for (LoadedPage& lp : pages) {
+      for (size_t i = 0; i < lp.page.blocks.size(); ++i) lp.page.pools[i]->release(lp.page.blocks[i].id);
+      lp.page.blocks.clear();
+    }
+  }
+
+  /// Reads and checks the pages of `file` (framed, kIndexMagic) into blocks of the formats of
+  /// `protos` (by namespace key). On a failed check every block taken is given back.
+  void read_index(const std::string& file, const std::string& fp, const std::string& source,
+                  const std::map<std::string, std::unique_ptr<StepProtocol>>& protos,
+                  std::vector<RadixTree::Namespace>& nss, std::vector<LoadedPage>& out) const {
+    using namespace cache::snapio;
+    const std::vector<Section> sections = frame(file, source, kIndexMagic, "prefix index magic \\x89KVINDX\\n");
+    if (sections.empty() || sections[0].tag != tag_of("HEAD")) {
+      fail(Reason::kInconsistent, source, "its first section is not 'HEAD'");
+    }
+    In hin(sections[0].data, sections[0].size, "section 0 (HEAD)", source);
+    const std::string library = hin.str();
+    const std::string model = hin.str();
+    if (model != fp) {
+      fail(Reason::kOtherModel, source, "written for model '" + model + "', the caller's model is '" + fp + "'");
+    }
+    const CacheConfig& g = cfg.model;
+    for (const auto& [name, mine] : {std::pair<const char*, int64_t>{"num_layers", g.num_layers},
+                                     {"num_q_heads", g.num_q_heads},
+                                     {"num_kv_heads", g.num_kv_heads},
+                                     {"head_dim", g.head_dim}}) {
+      const auto v = hin.get<int64_t>();
+      if (v != mine) {
+        fail(Reason::kOtherConfig, source, detail::str_cat(name, " is ", v, " in the index, ", mine, " in the cache"));
+      }
+    }
+    const auto n_ns = hin.get<uint64_t>();
+    hin.need(n_ns);
+    nss.clear();
+    std::vector<const StepProtocol*> ns_proto;
+    for (uint64_t i = 0; i < n_ns; ++i) {
+      RadixTree::Namespace ns;
+      ns.key = hin.str();
+      ns.page_tokens = hin.get<int64_t>();
+      const auto it = protos.find(ns.key);
+      if (it == protos.end()) {
+        std::string known;
+        for (const auto& [k, m] : protos) known += (known.empty() ? "'" : ", '") + k + "'";
+        fail(Reason::kOtherConfig, source,
+             "namespace '" + ns.key + "' is stored by no configuration of this cache (config().model or a sequence's: " +
+                 known + ")");
+      }
+      if (ns.page_tokens != it->second->store().block_tokens()) {
+        fail(Reason::kInconsistent, source, detail::str_cat("namespace '", ns.key, "' has pages of ", ns.page_tokens,
+                                                            " tokens, its blocks hold ",
+                                                            it->second->store().block_tokens()));
+      }
+      nss.push_back(std::move(ns));
+      ns_proto.push_back(it->second.get());
+    }
+    const auto n_pages = hin.get<uint64_t>();
+    hin.done();
+    if (n_pages != sections.size() - 1) {
+      fail(Reason::kInconsistent, source, detail::str_cat("the header counts ", n_pages, " pages, the file holds ",
+                                                          sections.size() - 1, " page sections"));
+    }
+    out.clear();
+    out.reserve(static_cast<size_t>(n_pages));
+    std::vector<int64_t> chain;  // the pages on the current path, by depth
+    try {
+      for (size_t si = 1; si < sections.size(); ++si) {
+        const std::string where = detail::str_cat("section ", si, " (page ", si - 1, ")");
+        if (sections[si].tag != tag_of("PAGE")) {
+          fail(Reason::kInconsistent, source, where + " is '" + tag_name(sections[si].tag) + "', expected 'PAGE'");
+        }
+        In in(sections[si].data, sections[si].size, where, source);
+        LoadedPage lp;
+        const auto ns = in.get<uint32_t>();
+        lp.parent = in.get<int64_t>();
+        if (ns >= nss.size()) fail(Reason::kInconsistent, source, detail::str_cat(where, ": namespace ", ns));
+        lp.ns = &nss[ns];
+        const int64_t self = static_cast<int64_t>(si) - 1;
+        if (lp.parent >= 0) {
+          const LoadedPage* q = lp.parent < self ? &out[static_cast<size_t>(lp.parent)] : nullptr;
+          if (q == nullptr || q->ns != lp.ns || static_cast<int64_t>(chain.size()) <= q->depth ||
+              chain[static_cast<size_t>(q->depth)] != lp.parent) {
+            fail(Reason::kInconsistent, source,
+                 detail::str_cat(where, ": its parent page ", lp.parent, " is not on the path before it"));
+          }
+          lp.depth = q->depth + 1;
+          chain.resize(static_cast<size_t>(lp.depth));
+        } else if (lp.parent == -1) {
+          chain.clear();
+        } else {
+          fail(Reason::kInconsistent, source, detail::str_cat(where, ": parent ", lp.parent));
+        }
+        chain.push_back(self);
+        const int64_t P = lp.ns->page_tokens;
+        in.need(static_cast<uint64_t>(P));  // each token takes 8 bytes: P <= bytes left bounds P * 8
+        const uint8_t* ids = in.take(static_cast<size_t>(P) * sizeof(int64_t));
+        lp.tokens.resize(static_cast<size_t>(P));
+        std::memcpy(lp.tokens.data(), ids, static_cast<size_t>(P) * sizeof(int64_t));
+        const StepProtocol& m = *ns_proto[ns];
+        const int64_t L = m.config().num_layers, H = m.config().num_kv_heads;
+        lp.page.start.push_back(0);
+        out.push_back(std::move(lp));
+        LoadedPage& page = out.back();
+        for (int64_t l = 0; l < L; ++l) {
+          for (int64_t h = 0; h < H; ++h) {
+            for (const bool key : {true, false}) {
+              const StreamFormats& fmts =
+                  *(key ? m.store().key_setup(l) : m.store().value_setup(l)).formats_for(h);
+              const std::string at = detail::str_cat(where, " layer ", l, " head ", h, key ? " K" : " V");
+              BlockList list(&fmts);
+              const auto blocks = in.get<uint32_t>();
+              in.need(blocks);
+              int64_t expect = page.depth * P;
+              for (uint32_t b = 0; b < blocks; ++b) get_block(in, list, fmts, expect, at, source);
+              // A page holds sealed blocks (full, main format, no holes) covering exactly its tokens.
+              int64_t want = page.depth * P;
+              for (const Block& b : list.blocks()) {
+                if (!sealed(list, b) || b.pos0 != want) {
+                  fail(Reason::kInconsistent, source,
+                       detail::str_cat(at, ": a block at position ", b.pos0, " of ", b.filled,
+                                       " slots is not a full, hole-free block of the main format at ", want));
+                }
+                want += b.filled;
+              }
+              if (want != (page.depth + 1) * P) {
+                fail(Reason::kInconsistent, source, detail::str_cat(at, ": blocks cover positions ", page.depth * P,
+                                                                    " .. ", want, ", not the page's ",
+                                                                    page.depth * P, " .. ", (page.depth + 1) * P));
+              }
+              for (const Block& b : list.blocks()) {
+                list.format(b).pool->retain(b.id);  // the page's reference; the list's goes with it
+                page.page.blocks.push_back(b);
+                page.page.pools.push_back(list.format(b).pool);
+              }
+              page.page.start.push_back(static_cast<uint32_t>(page.page.blocks.size()));
+            }
+          }
+        }
+        in.done();
+      }
+    } catch (...) {
+      release_loaded(out);
+      out.clear();
+      throw;
+    }
+  }
+
+  int64_t load_index(const std::string& dir, const std::string& fp) {
+    using namespace cache::snapio;
+    const char* fn = "MultiSequenceCache::load_prefix_index";
+    const std::string mpath = dir + "/" + kManifestName;
+    const std::string manifest = read_snapshot_file(mpath, "prefix index manifest", fn);
+    const std::vector<Section> ms = frame(manifest, mpath, kManifestMagic, "prefix index manifest magic \\x89KVMANI\\n");
+    if (ms.size() != 1 || ms[0].tag != tag_of("MANI")) {
+      fail(Reason::kInconsistent, mpath, detail::str_cat("holds ", ms.size(), " sections, expected one 'MANI'"));
+    }
+    In min(ms[0].data, ms[0].size, "section 0 (MANI)", mpath);
+    const std::string library = min.str();
+    const std::string model = min.str();
+    const std::string name = min.str();
+    const auto size = min.get<uint64_t>();
+    const auto sum = min.get<uint64_t>();
+    min.done();
+    if (model != fp) {
+      fail(Reason::kOtherModel, mpath, "written for model '" + model + "', the caller's model is '" + fp + "'");
+    }
+    if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
+      fail(Reason::kInconsistent, mpath, "names the pages file '" + name + "' (a plain file name is expected)");
+    }
+    if (!cfg.prefix_sharing) {
+      fail(Reason::kOtherConfig, mpath, "this cache does not share prefixes (MultiSequenceConfig::prefix_sharing)");
+    }
+    const std::string ppath = dir + "/" + name;
+    const std::string file = read_snapshot_file(ppath, "prefix index pages file", fn);
+    if (file.size() != size) {
+      fail(file.size() < size ? Reason::kTruncated : Reason::kInconsistent, ppath,
+           detail::str_cat("is ", file.size(), " bytes, the manifest says ", size));
+    }
+    if (xxh3(file.data(), file.size()) != sum) {
+      fail(Reason::kChecksum, ppath, "its checksum does not match the manifest's");
+    }
+    std::vector<RadixTree::Namespace> nss;
+    std::vector<LoadedPage> pages_in;
+    int64_t need = 0;
+    {
+      // Pass 1: every check, in pools of the probe's own.
+      const auto probes = namespaces(nullptr);
+      read_index(file, fp, ppath, probes, nss, pages_in);
+      for (const LoadedPage& lp : pages_in) {
+        for (const BlockPool* p : lp.page.pools) need += p->block_bytes();
+      }
+      release_loaded(pages_in);
+    }
+    if (need > free_bytes()) {
+      ++counters.refusals;
+      throw PoolFullError(detail::str_cat(fn, ": the index '", dir, "' holds ", pages_in.size(), " pages of ", need,
+                                          " B of blocks but only ", free_bytes(), " B of the pool's capacity_bytes = ",
+                                          cfg.capacity_bytes, " are free (a load reclaims nothing); nothing was "
+                                          "changed: raise capacity_bytes or load into a cache with room"),
+                          /*preempted=*/false);
+    }
+    // Pass 2: the same bytes into the shared pools (cannot fail but for memory), then the tree.
+    const auto protos = namespaces(pools);
+    read_index(file, fp, ppath, protos, nss, pages_in);
+    int64_t added = 0;
+    for (const RadixTree::Namespace& ns : nss) ns_configs.emplace(ns.key, protos.at(ns.key)->config());
+    std::vector<int64_t> path;
+    std::vector<size_t> chain;
+    for (size_t i = 0; i < pages_in.size(); ++i) {
+      LoadedPage& lp = pages_in[i];
+      if (lp.parent < 0) chain.clear();
+      chain.resize(static_cast<size_t>(lp.depth));
+      chain.push_back(i);
+      path.clear();
+      for (size_t j : chain) path.insert(path.end(), pages_in[j].tokens.begin(), pages_in[j].tokens.end());
+      bool taken = false;
+      tree.insert(*lp.ns, path.data(), static_cast<int64_t>(path.size()), [&](int64_t page) {
+        KV_INTERNAL_ASSERT(page == lp.depth, "load_prefix_index: page ", page, " asked for at depth ", lp.depth);
+        taken = true;
+        const RadixTree::PageId id = next_page++;
+        pages.emplace(id, std::move(lp.page));
+        return id;
+      });
+      if (taken) {
+        ++added;
+      } else {
+        for (size_t b = 0; b < lp.page.blocks.size(); ++b) lp.page.pools[b]->release(lp.page.blocks[b].id);
+      }
+    }
+    peak = std::max(peak, in_use());
+    return added;
+  }
+
+  void save_index(const std::string& dir, const std::string& fp) const {
+    using namespace cache::snapio;
+    const char* fn = "MultiSequenceCache::save_prefix_index";
+    // Pages in pre-order: file order, each after its parent.
+    std::vector<std::string> ns_keys;
+    std::vector<int64_t> ns_page;
+    std::map<std::string, uint32_t> ns_index;
+    std::unordered_map<RadixTree::PageId, int64_t> ordinal;
+    std::vector<std::string> payloads;
+    // A page keeps its blocks' pools, not their formats (those of the sequence that published
+    // it, which may be gone): a protocol of the namespace's configuration gives them again.
+    std::map<std::string, std::unique_ptr<StepProtocol>> formats;
+    tree.for_each_page_in_order([&](const RadixTree::Namespace& ns, RadixTree::PageId page, RadixTree::PageId parent,
+                                    const int64_t* tokens) {
+      auto it = ns_index.find(ns.key);
+      if (it == ns_index.end()) {
+        it = ns_index.emplace(ns.key, static_cast<uint32_t>(ns_keys.size())).first;
+        ns_keys.push_back(ns.key);
+        ns_page.push_back(ns.page_tokens);
+      }
+      const int64_t self = static_cast<int64_t>(payloads.size());
+      ordinal[page] = self;
+      std::string payload;
+      Out o(payload);
+      o.put<uint32_t>(it->second);
+      o.put<int64_t>(parent < 0 ? -1 : ordinal.at(parent));
+      o.bytes(tokens, static_cast<size_t>(ns.page_tokens) * sizeof(int64_t));
+      auto& proto = formats[ns.key];
+      if (!proto) {
+        CacheConfig c = ns_configs.at(ns.key);
+        c.context_length = 0;
+        proto = std::make_unique<StepProtocol>(std::move(c), nullptr, nullptr);
+      }
+      const int64_t H = proto->config().num_kv_heads;
+      const CachedPage& p = pages.at(page);
+      for (size_t list = 0; list + 1 < p.start.size(); ++list) {
+        const int64_t l = static_cast<int64_t>(list) / (2 * H), h = (static_cast<int64_t>(list) / 2) % H;
+        const StreamFormats& fmts =
+            *(list % 2 == 0 ? proto->store().key_setup(l) : proto->store().value_setup(l)).formats_for(h);
+        o.put<uint32_t>(p.start[list + 1] - p.start[list]);
+        // Positions as deltas from the page's first token (depth · P): 0 for every block.
+        int64_t expect = p.start[list] < p.start[list + 1] ? p.blocks[p.start[list]].pos0 : 0;
+        for (uint32_t b = p.start[list]; b < p.start[list + 1]; ++b) {
+          const Block& blk = p.blocks[b];
+          put_block(o, fmts.f[blk.format], blk, p.pools[b]->data(blk.id), expect);
+        }
+      }
+      payloads.push_back(std::move(payload));
+    });
+    std::string file = preamble(kIndexMagic, static_cast<uint32_t>(payloads.size() + 1));
+    {
+      std::string head;
+      Out o(head);
+      o.str(KVCACHE_VERSION_STRING);
+      o.str(fp);
+      for (int64_t v : {cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads, cfg.model.head_dim}) {
+        o.put<int64_t>(v);
+      }
+      o.put<uint64_t>(ns_keys.size());
+      for (size_t i = 0; i < ns_keys.size(); ++i) {
+        o.str(ns_keys[i]);
+        o.put<int64_t>(ns_page[i]);
+      }
+      o.put<uint64_t>(payloads.size());
+      put_section(file, "HEAD", 0, head);
+    }
+    for (size_t i = 0; i < payloads.size(); ++i) put_section(file, "PAGE", static_cast<uint32_t>(i + 1), payloads[i]);
+    const uint64_t sum = xxh3(file.data(), file.size());
+    const std::string name = "pages-" + hex16(sum) + ".kvidx";
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw SnapshotError(Reason::kIo, detail::str_cat(fn, ": cannot create the directory '", dir, "': ",
+                                                       std::strerror(errno), " (io)"));
+    }
+    cache::write_snapshot(dir + "/" + name, file, fn);
+    std::string manifest = preamble(kManifestMagic, 1);
+    {
+      std::string body;
+      Out o(body);
+      o.str(KVCACHE_VERSION_STRING);
+      o.str(fp);
+      o.str(name);
+      o.put<uint64_t>(file.size());
+      o.put<uint64_t>(sum);
+      put_section(manifest, "MANI", 0, body);
+    }
+    try {
+      cache::write_snapshot(dir + "/" + kManifestName, manifest, fn);
+    } catch (...) {
+      std::remove((dir + "/" + name).c_str());  // unreferenced: the previous manifest and its file stand
+      throw;
+    }
+    // The previous pages files are unreferenced now (best effort: a leftover is harmless).
+    if (DIR* d = ::opendir(dir.c_str())) {
+      std::vector<std::string> stale;
+      while (const dirent* e = ::readdir(d)) {
+        const std::string n = e->d_name;
+        if (n != name && n.rfind("pages-", 0) == 0 && n.size() > 6 && n.compare(n.size() - 6, 6, ".kvidx") == 0) {
+          stale.push_back(n);
+        }
+      }
+      ::closedir(d);
+      for (const auto& n : stale) std::remove((dir + "/" + n).c_str());
+    }
   }
 
   Sequence::State& state_of(Sequence& seq, const char* fn) {
@@ -620,6 +1064,36 @@ void Sequence::save(std::ostream& out, const std::string& model_fingerprint,
                " was preempted (its blocks went back to the pool): nothing to save");
   cache::write_snapshot(out, steps().snapshot(model_fingerprint, tokens), "Sequence::save");
 }
+
+std::vector<int64_t> Sequence::load(const std::string& path, const std::string& model_fingerprint) {
+  const std::string bytes = read_snapshot_file(path, "snapshot", "Sequence::load");
+  return load_bytes(bytes, model_fingerprint, path);
+}
+
+std::vector<int64_t> Sequence::load(std::istream& in, const std::string& model_fingerprint) {
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) {
+    throw SnapshotError(SnapshotError::Reason::kIo,
+                        detail::str_cat("Sequence::load: the stream failed after ", bytes.size(), " bytes (io)"));
+  }
+  return load_bytes(bytes, model_fingerprint, "<stream>");
+}
+
+std::vector<int64_t> Sequence::load_bytes(const std::string& bytes, const std::string& model_fingerprint,
+                                          const std::string& source) {
+  State& s = *s_;
+  std::vector<int64_t> tokens;
+  std::unique_ptr<cache::StepProtocol> loaded = s.cache->load_sequence(s, bytes, model_fingerprint, source, &tokens);
+  // Nothing below throws: the old protocol (reset by end_request, holding no block) goes.
+  replace_steps(std::move(loaded));
+  s.m = &steps();
+  s.cow_seen = s.m->cow_copies();
+  s.preempted = false;
+  s.serial = s.cache->next_serial++;
+  s.cache->after(s);
+  return tokens;
+}
+
 const PrefixMatch& Sequence::prefix() const { return s_->match; }
 
 PrefixReuse Sequence::begin_request(const std::vector<int64_t>& prompt, int64_t context_length) {
@@ -756,6 +1230,14 @@ Sequence& MultiSequenceCache::sequence(int64_t id) {
 }
 
 PrefixCounters MultiSequenceCache::counters() const { return impl_->counters; }
+
+void MultiSequenceCache::save_prefix_index(const std::string& dir, const std::string& model_fingerprint) const {
+  impl_->save_index(dir, model_fingerprint);
+}
+
+int64_t MultiSequenceCache::load_prefix_index(const std::string& dir, const std::string& model_fingerprint) {
+  return impl_->load_index(dir, model_fingerprint);
+}
 
 int64_t MultiSequenceCache::reclaim(int64_t bytes) {
   KV_CHECK_ARG(bytes >= 0, "MultiSequenceCache::reclaim: bytes must be >= 0, got ", bytes);
