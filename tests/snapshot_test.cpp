@@ -893,6 +893,264 @@ TEST(SnapshotFile, KillNineInTheMiddleOfASaveLeavesALoadableSnapshot) {
   ::rmdir(dir.c_str());
 }
 
+// ------------------------------------------------------------ the prefix index on disk
+
+/// K, V and q of a token as a function of its id alone (tables drawn from a fixed seed), so
+/// that two processes, or two requests, computing the same tokens store the same bytes.
+struct TokenKV {
+  static constexpr int64_t kVocab = 64;
+  at::Tensor k, v, q;  ///< [L, H, vocab, D]
+  explicit TokenKV(const CacheConfig& c) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+    k = testing::randn({c.num_layers, c.num_kv_heads, kVocab, c.head_dim}, gen) * 2.0;
+    v = testing::randn({c.num_layers, c.num_kv_heads, kVocab, c.head_dim}, gen);
+    q = testing::randn({c.num_layers, c.num_q_heads, kVocab, c.head_dim}, gen);
+  }
+  static at::Tensor rows(const at::Tensor& t, int64_t l, const std::vector<int64_t>& ids, int64_t from, int64_t to) {
+    const std::vector<int64_t> slice(ids.begin() + from, ids.begin() + to);
+    return t[l].index_select(1, at::tensor(slice, at::kLong)).unsqueeze(0).contiguous();
+  }
+  /// One step of tokens ids[from, to) (append + attend per layer); the attend outputs.
+  std::vector<at::Tensor> step(TorchCache& t, const std::vector<int64_t>& ids, int64_t from, int64_t to,
+                               StepKind kind) const {
+    std::vector<at::Tensor> outs;
+    for (int64_t l = 0; l < t.config().num_layers; ++l) {
+      t.append(l, rows(k, l, ids, from, to), rows(v, l, ids, from, to), positions_range(from, to - from));
+      outs.push_back(t.attend(l, rows(q, l, ids, from, to), positions_range(from, to - from)));
+    }
+    t.end_step(kind);
+    return outs;
+  }
+};
+
+/// Prompts of the index tests: two that share their first 16 tokens and then diverge.
+std::vector<int64_t> index_prompt(int which, int64_t n) {
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) p[static_cast<size_t>(i)] = i < 16 ? (i * 5 + 3) % TokenKV::kVocab : (i * 7 + which * 11) % TokenKV::kVocab;
+  return p;
+}
+
+CacheConfig index_config(const std::string& scheme = "int4:g4") {
+  auto c = make_config(2, 4, 2, 8, scheme, "full", 64);
+  c.block_tokens = 8;
+  return c;
+}
+
+/// Runs prompts 0 (32 tokens) and 1 (40 tokens) through `pool` (their pages enter the index).
+void fill_index(MultiSequenceCache& pool, const TokenKV& kv) {
+  for (int which : {0, 1}) {
+    Sequence& s = pool.add_sequence();
+    const std::vector<int64_t> p = index_prompt(which, which == 0 ? 32 : 40);
+    const int64_t cached = s.begin_request(p, 64).cached_tokens;
+    TorchCache t(s);
+    kv.step(t, p, cached, static_cast<int64_t>(p.size()), StepKind::kPrefillEnd);
+    s.finish();
+  }
+}
+
+/// The same request computed whole (no sharing) and served by `pool` (reusing its index):
+/// EXPECTs a prefix hit of `hit` tokens, equal blocks and bit-identical attend() outputs for
+/// the computed tokens' step and two decode steps.
+void expect_served_exactly(MultiSequenceCache& pool, const TokenKV& kv, const std::vector<int64_t>& prompt,
+                           int64_t hit, const std::string& where) {
+  CacheManager scratch(pool.config().model);
+  scratch.reset(64);
+  TorchCache ts(scratch);
+  Sequence& s = pool.add_sequence();
+  ASSERT_EQ(s.begin_request(prompt, 64).cached_tokens, hit) << where;
+  TorchCache tr(s);
+  const auto n = static_cast<int64_t>(prompt.size());
+  kv.step(ts, prompt, 0, hit, StepKind::kPrefill);
+  const auto a = kv.step(ts, prompt, hit, n, StepKind::kPrefillEnd);
+  const auto b = kv.step(tr, prompt, hit, n, StepKind::kPrefillEnd);
+  for (size_t l = 0; l < a.size(); ++l) EXPECT_TRUE(at::equal(a[l], b[l])) << where << " layer " << l;
+  expect_same_blocks(scratch, s, where);
+  std::vector<int64_t> more = prompt;
+  for (int64_t d = 0; d < 2; ++d) {
+    more.push_back((d * 13 + 1) % TokenKV::kVocab);
+    const auto x = kv.step(ts, more, n + d, n + d + 1, StepKind::kDecode);
+    const auto y = kv.step(tr, more, n + d, n + d + 1, StepKind::kDecode);
+    for (size_t l = 0; l < x.size(); ++l) EXPECT_TRUE(at::equal(x[l], y[l])) << where << " decode " << d;
+  }
+  pool.check_invariants();
+  pool.remove_sequence(s);
+}
+
+TEST(PrefixIndexFile, SaveLoadServesTheSamePrefixesBitForBit) {
+  for (const std::string scheme : {"int4:g4", "kivi:k2:v4:g4:r8", "fp16"}) {
+    const CacheConfig cfg = index_config(scheme);
+    const TokenKV kv(cfg);
+    MultiSequenceCache a(pool_config(cfg));
+    fill_index(a, kv);
+    const std::string dir = temp_dir("index_" + std::to_string(std::hash<std::string>()(scheme)));
+    a.save_prefix_index(dir, kModel);
+    // Pages of 8 tokens: prompt 0 publishes 4, prompt 1 reuses 2 of them and publishes 3 more;
+    // KIVI keeps each prompt's last 8 tokens in its residuals: 3, then 2 more.
+    const bool kivi = scheme.rfind("kivi", 0) == 0;
+    const int64_t pages = kivi ? 5 : 7;
+    const std::vector<std::string> files = dir_entries(dir);
+    ASSERT_EQ(files.size(), 2u) << scheme;  // the manifest and one pages file
+    EXPECT_EQ(files[0], "MANIFEST");
+    a.save_prefix_index(dir, kModel);  // again: the same content, still two files
+    EXPECT_EQ(dir_entries(dir), files);
+
+    MultiSequenceCache b(pool_config(cfg));
+    EXPECT_EQ(b.load_prefix_index(dir, kModel), pages) << scheme;
+    b.check_invariants();
+    EXPECT_EQ(b.stats().cached_blocks, a.stats().cached_blocks);
+    EXPECT_EQ(b.stats().bytes_in_use, a.stats().bytes_in_use);
+    EXPECT_EQ(b.load_prefix_index(dir, kModel), 0) << "pages held already are not added twice";
+    b.check_invariants();
+    // A request on branch 1 with new tokens: served from the loaded index, as from a's.
+    std::vector<int64_t> p = index_prompt(1, 40);
+    for (int64_t i = 0; i < 9; ++i) p.push_back(60 - i);
+    // Whole pages of branch 1 the index holds: all 5 (int4, fp16); KIVI's last 8 prompt tokens
+    // stay in its residuals, so 4 pages were published.
+    const int64_t hit = kivi ? 32 : 40;
+    expect_served_exactly(b, kv, p, hit, scheme + " from the loaded index");
+    expect_served_exactly(a, kv, p, hit, scheme + " from memory");
+    for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+    ::rmdir(dir.c_str());
+  }
+}
+
+/// The child half of PrefixIndexFile.WarmStartInASecondProcess: run by that test in a process of
+/// its own (this binary, exec'd with KVCACHE_TEST_INDEX_DIR set), it fills an index and saves it
+/// there. Skipped when run any other way.
+TEST(PrefixIndexChild, SavesAnIndexForTheParentProcess) {
+  const char* dir = std::getenv("KVCACHE_TEST_INDEX_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "the child half of PrefixIndexFile.WarmStartInASecondProcess";
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache a(pool_config(cfg));
+  fill_index(a, kv);
+  a.save_prefix_index(dir, kModel);
+}
+
+TEST(PrefixIndexFile, WarmStartInASecondProcess) {
+  const std::string dir = temp_dir("warm");
+  const std::string target = dir + "/index";
+  ::setenv("KVCACHE_TEST_INDEX_DIR", target.c_str(), 1);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const char* argv[] = {"snapshot_test", "--gtest_filter=PrefixIndexChild.SavesAnIndexForTheParentProcess", nullptr};
+    ::execv("/proc/self/exe", const_cast<char* const*>(argv));
+    ::_exit(127);
+  }
+  ::unsetenv("KVCACHE_TEST_INDEX_DIR");
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child failed: status " << status;
+  // This process never computed the prompts: its index comes from the child's files.
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache b(pool_config(cfg));
+  EXPECT_EQ(b.load_prefix_index(target, kModel), 7);
+  b.check_invariants();
+  std::vector<int64_t> p = index_prompt(0, 32);
+  p.resize(20);  // branch 0's first 20 tokens, then others: 2 whole pages are shared
+  for (int64_t i = 0; i < 5; ++i) p.push_back(40 + i);
+  const PrefixCounters c0 = b.counters();
+  expect_served_exactly(b, kv, p, 16, "warm start");
+  EXPECT_EQ((b.counters() - c0).prompt_tokens_hit, 16);
+  for (const auto& e : dir_entries(target)) std::remove((target + "/" + e).c_str());
+  ::rmdir(target.c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(PrefixIndexFile, RefusalsLeaveTheCacheUnchanged) {
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache a(pool_config(cfg));
+  fill_index(a, kv);
+  const std::string dir = temp_dir("index_refusals");
+  a.save_prefix_index(dir, kModel);
+  const int64_t need = a.stats().bytes_in_use;
+  std::string pages_file;
+  for (const auto& e : dir_entries(dir)) {
+    if (e != "MANIFEST") pages_file = dir + "/" + e;
+  }
+  const std::string good = read_bytes(pages_file), manifest = read_bytes(dir + "/MANIFEST");
+  auto write = [](const std::string& path, const std::string& bytes) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  };
+
+  // The target holds an index of its own (prompt 1 only) and a running request.
+  MultiSequenceCache b(pool_config(cfg));
+  {
+    Sequence& s = b.add_sequence();
+    const std::vector<int64_t> p = index_prompt(1, 24);
+    s.begin_request(p, 64);
+    TorchCache t(s);
+    kv.step(t, p, 0, 24, StepKind::kPrefillEnd);
+  }
+  const PoolStats st = b.stats();
+  auto refuse = [&](const std::string& where, std::string* what = nullptr, const std::string& model = kModel) {
+    const Reason r = reason_of([&] { b.load_prefix_index(dir, model); }, what);
+    b.check_invariants();
+    EXPECT_EQ(b.stats().bytes_in_use, st.bytes_in_use) << where;
+    EXPECT_EQ(b.stats().cached_blocks, st.cached_blocks) << where;
+    return r;
+  };
+  std::string what;
+  EXPECT_EQ(refuse("other model", &what, "another-model"), Reason::kOtherModel);
+  EXPECT_THAT(what, HasSubstr("another-model"));
+  {
+    auto c8 = cfg;
+    c8.scheme = "int8";
+    MultiSequenceCache other(pool_config(c8));
+    EXPECT_EQ(reason_of([&] { other.load_prefix_index(dir, kModel); }, &what), Reason::kOtherConfig);
+    EXPECT_THAT(what, HasSubstr("is stored by no configuration of this cache"));
+    EXPECT_EQ(other.stats().cached_blocks, 0);
+    auto shape = cfg;
+    shape.head_dim = 16;
+    MultiSequenceCache wide(pool_config(shape));
+    EXPECT_EQ(reason_of([&] { wide.load_prefix_index(dir, kModel); }, &what), Reason::kOtherConfig);
+    EXPECT_THAT(what, HasSubstr("head_dim is 8 in the index, 16 in the cache"));
+  }
+  // Every byte of the pages file flipped in turn (a stride): the manifest's checksum refuses it.
+  for (size_t i = 0; i < good.size(); i += 97) {
+    std::string bad = good;
+    bad[i] ^= 0x04;
+    write(pages_file, bad);
+    ASSERT_EQ(refuse("flipped " + std::to_string(i)), Reason::kChecksum) << i;
+  }
+  write(pages_file, good.substr(0, good.size() - 5));
+  EXPECT_EQ(refuse("truncated pages"), Reason::kTruncated);
+  write(pages_file, good);
+  std::string bad_manifest = manifest;
+  bad_manifest[manifest.size() - 12] ^= 0x01;
+  write(dir + "/MANIFEST", bad_manifest);
+  EXPECT_EQ(refuse("flipped manifest"), Reason::kChecksum);
+  write(dir + "/MANIFEST", "not a manifest");
+  EXPECT_EQ(refuse("not a manifest"), Reason::kNotSnapshot);
+  std::remove((dir + "/MANIFEST").c_str());
+  EXPECT_EQ(refuse("no manifest", &what), Reason::kIo);
+  EXPECT_THAT(what, HasSubstr("MANIFEST"));
+  write(dir + "/MANIFEST", manifest);
+  // No room: the pool's free bytes are less than the index's blocks (a load reclaims nothing).
+  {
+    MultiSequenceCache tight(pool_config(cfg, need - 8));
+    try {
+      tight.load_prefix_index(dir, kModel);
+      ADD_FAILURE() << "no PoolFullError";
+    } catch (const PoolFullError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(std::to_string(need) + " B of blocks"));
+    }
+    tight.check_invariants();
+    EXPECT_EQ(tight.stats().bytes_in_use, 0);
+  }
+  // Restored, it loads. The target published prompt 1's first 3 pages itself (the first 2 are
+  // prompt 0's too): of the file's 7 pages it gains the other 4, and keeps its own copies.
+  const int64_t added = b.load_prefix_index(dir, kModel);
+  b.check_invariants();
+  EXPECT_EQ(added, 4);
+  EXPECT_EQ(b.stats().cached_blocks, st.cached_blocks + 4 * 2 * 2 * 2);
+  for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+  ::rmdir(dir.c_str());
+}
+
 // ------------------------------------------------------------ the fuzz target's seeds
 
 /// fuzz/corpus/snapshot/: one seed per fuzz/snapshot_configs.h case — [case][flags 1][a snapshot
