@@ -27,6 +27,7 @@
 #include "../fuzz/snapshot_configs.h"
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
+#include "cache/multi_sequence_access.h"
 #include "cache_test_util.h"
 #include "kvcache/kvquant.h"
 #include "kvcache/multi_sequence_cache.h"
@@ -1149,6 +1150,172 @@ TEST(PrefixIndexFile, RefusalsLeaveTheCacheUnchanged) {
   EXPECT_EQ(b.stats().cached_blocks, st.cached_blocks + 4 * 2 * 2 * 2);
   for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
   ::rmdir(dir.c_str());
+}
+
+// ------------------------------------------------------------ the disk tier under the pool
+
+/// A scripted workload over a pool of 6 pages (int4, pages of 8 tokens: a page = 8 blocks,
+/// layers x KV heads x streams): request A (32 tokens, 4 pages), then B (32 other tokens) —
+/// whose second layer's append reclaims A's last 2 pages (spilled: A3, A2) — then A + 8 new
+/// tokens, served from the disk tier past A0, A1 in memory, compared with computing it whole.
+struct DiskWorkload {
+  const CacheConfig cfg = index_config();
+  const TokenKV kv{cfg};
+  std::string dir;
+  int64_t page_bytes = 0;
+  std::unique_ptr<MultiSequenceCache> pool;
+
+  DiskWorkload(const std::string& name, int64_t tier_files_or_0) {
+    dir = temp_dir(name);
+    {  // the bytes of a page and of its spilled file, measured on a roomy pool
+      MultiSequenceCache probe(pool_config(cfg));
+      run(probe, prompt_a());
+      page_bytes = probe.stats().bytes_in_use / 4;
+    }
+    auto mc = pool_config(cfg, 6 * page_bytes);
+    mc.disk_tier_dir = dir;
+    mc.disk_tier_bytes = tier_files_or_0 > 0 ? tier_files_or_0 * file_bytes() : int64_t{1} << 30;
+    pool = std::make_unique<MultiSequenceCache>(mc);
+  }
+  ~DiskWorkload() {
+    pool.reset();  // removes its files
+    EXPECT_EQ(dir_entries(dir), std::vector<std::string>{}) << "the tier's files outlived the cache";
+    ::rmdir(dir.c_str());
+  }
+  /// A spilled page's file: preamble 24, section header 24 + checksum 8; payload: key 16, the
+  /// namespace key (8 + its length), depth 8, P (8) + 8 token ids, then 8 lists of one block:
+  /// count 4 + record (head 1, filled 2, varint 1; codes 8 tokens x 8 channels x 4 bits = 32;
+  /// scales and zeros: 8 tokens x 2 groups of 4 channels x fp16 = 32 each).
+  int64_t file_bytes() const {
+    MultiSequenceCache probe(pool_config(cfg));
+    const std::string ns_key = cache::MultiSequenceAccess::storage_key(probe.add_sequence());
+    return 24 + 24 + 8 + 16 + 8 + static_cast<int64_t>(ns_key.size()) + 8 + 8 + 8 * 8 + 8 * (4 + 4 + 32 + 32 + 32);
+  }
+  static std::vector<int64_t> prompt_a() { return index_prompt(0, 32); }
+  static std::vector<int64_t> prompt_b() {
+    std::vector<int64_t> p(32);
+    for (int64_t i = 0; i < 32; ++i) p[static_cast<size_t>(i)] = (i * 3 + 41) % TokenKV::kVocab;
+    return p;
+  }
+  void run(MultiSequenceCache& c, const std::vector<int64_t>& p) const {
+    Sequence& s = c.add_sequence();
+    const int64_t cached = s.begin_request(p, 64).cached_tokens;
+    TorchCache t(s);
+    kv.step(t, p, cached, static_cast<int64_t>(p.size()), StepKind::kPrefillEnd);
+    c.remove_sequence(s);
+  }
+  std::vector<int64_t> prompt_a_longer() const {
+    std::vector<int64_t> p = prompt_a();
+    for (int64_t i = 0; i < 8; ++i) p.push_back(63 - i);
+    return p;
+  }
+};
+
+TEST(DiskTier, CountersOnAScriptedWorkload) {
+  DiskWorkload w("disk_counters", 0);
+  w.run(*w.pool, DiskWorkload::prompt_a());
+  w.run(*w.pool, DiskWorkload::prompt_b());
+  PrefixCounters c = w.pool->counters();
+  EXPECT_EQ(c.disk_pages_written, 2);  // A3, A2: B's second layer needed 2 pages
+  EXPECT_EQ(c.disk_bytes_written, 2 * w.file_bytes());
+  EXPECT_EQ(dir_entries(w.dir).size(), 2u);
+  for (const auto& e : dir_entries(w.dir)) {
+    struct stat st {};
+    ASSERT_EQ(::stat((w.dir + "/" + e).c_str(), &st), 0);
+    EXPECT_EQ(st.st_size, w.file_bytes()) << e;
+  }
+  // A + 8: A0, A1 in memory; A2, A3 read back (each reclaiming a page of B: B3, B2 spilled);
+  // the 8 new tokens take a page (B1 spilled), the first decode step another (B0 spilled).
+  const PrefixCounters c0 = c;
+  expect_served_exactly(*w.pool, w.kv, w.prompt_a_longer(), 32, "served from disk");
+  c = w.pool->counters() - c0;
+  EXPECT_EQ(c.prompt_tokens_hit, 32);
+  EXPECT_EQ(c.prompt_tokens_hit_memory, 16);
+  EXPECT_EQ(c.prompt_tokens_hit_disk, 16);
+  EXPECT_EQ(c.disk_pages_read, 2);
+  EXPECT_EQ(c.disk_bytes_read, 2 * w.file_bytes());
+  EXPECT_EQ(c.disk_pages_written, 4);
+  EXPECT_EQ(c.disk_bytes_written, 4 * w.file_bytes());
+  EXPECT_EQ(c.disk_evictions, 0);
+  EXPECT_EQ(c.disk_failures, 0);
+  EXPECT_EQ(dir_entries(w.dir).size(), 6u);  // read files stay (a page reclaimed again is not rewritten)
+  w.pool->check_invariants();
+}
+
+TEST(DiskTier, EvictionsKeepTheTierWithinItsBytes) {
+  // A tier of 3 files. A3, A2 spilled; then A + 8: A2 is read (B3 spilled: 3 files), reading A3
+  // reclaims B2, whose file evicts the least recent, A3's — so the hit ends at A2 (24 tokens).
+  // Computing 16 tokens reclaims B1 (evicting B3), the first decode step B0 (evicting A2).
+  DiskWorkload w("disk_evictions", 3);
+  w.run(*w.pool, DiskWorkload::prompt_a());
+  w.run(*w.pool, DiskWorkload::prompt_b());
+  expect_served_exactly(*w.pool, w.kv, w.prompt_a_longer(), 24, "partly from disk");
+  const PrefixCounters c = w.pool->counters();
+  EXPECT_EQ(c.prompt_tokens_hit_memory, 16);
+  EXPECT_EQ(c.prompt_tokens_hit_disk, 8);
+  EXPECT_EQ(c.disk_pages_written, 6);
+  EXPECT_EQ(c.disk_pages_read, 1);
+  EXPECT_EQ(c.disk_evictions, 3);
+  EXPECT_EQ(c.disk_failures, 0);
+  EXPECT_EQ(dir_entries(w.dir).size(), 3u);
+  EXPECT_EQ(c.disk_bytes_written, 6 * w.file_bytes());
+  EXPECT_EQ(c.disk_bytes_read, w.file_bytes());
+}
+
+TEST(DiskTier, ACorruptTruncatedOrMissingFileIsAMiss) {
+  for (const std::string how : {"flipped", "truncated", "removed"}) {
+    DiskWorkload w("disk_" + how, 0);
+    w.run(*w.pool, DiskWorkload::prompt_a());
+    w.run(*w.pool, DiskWorkload::prompt_b());
+    for (const auto& e : dir_entries(w.dir)) {  // both spilled pages, A2 and A3
+      const std::string path = w.dir + "/" + e;
+      std::string bytes = read_bytes(path);
+      if (how == "removed") {
+        std::remove(path.c_str());
+        continue;
+      }
+      if (how == "flipped") bytes[bytes.size() / 2] ^= 0x20;
+      if (how == "truncated") bytes.resize(bytes.size() - 9);
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    }
+    // A2 cannot be read: a miss, counted, its entry dropped; the request computes 24 tokens.
+    expect_served_exactly(*w.pool, w.kv, w.prompt_a_longer(), 16, how);
+    const PrefixCounters c = w.pool->counters();
+    EXPECT_EQ(c.disk_failures, 1) << how;
+    EXPECT_EQ(c.disk_pages_read, 0) << how;
+    EXPECT_EQ(c.prompt_tokens_hit_disk, 0) << how;
+    w.pool->check_invariants();
+  }
+}
+
+TEST(DiskTier, ConfigurationIsValidated) {
+  auto mc = pool_config(index_config());
+  mc.disk_tier_bytes = 100;
+  EXPECT_THROW(
+      {
+        try {
+          MultiSequenceCache c(mc);
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("disk_tier_bytes = 100 without a disk_tier_dir"));
+          throw;
+        }
+      },
+      InvalidArgument);
+  mc.disk_tier_dir = temp_dir("disk_cfg");
+  mc.disk_tier_bytes = 0;
+  EXPECT_THROW(MultiSequenceCache c(mc), InvalidArgument);
+  mc.disk_tier_bytes = 1 << 20;
+  const std::string file = mc.disk_tier_dir + "/plain";
+  std::ofstream(file) << "x";
+  mc.disk_tier_dir = file;
+  try {
+    MultiSequenceCache c(mc);
+    ADD_FAILURE() << "a file accepted as the tier's directory";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("it exists and is not a directory"));
+  }
+  std::remove(file.c_str());
+  ::rmdir((temp_dir("disk_cfg")).c_str());
 }
 
 // ------------------------------------------------------------ the fuzz target's seeds

@@ -100,6 +100,16 @@ struct MultiSequenceConfig {
   /// NOT compute what computing it alone computes (H2O starts the prefix's scores at 0). For
   /// studies of sharing × eviction; off by default.
   bool allow_inexact_reuse = false;
+  /// A disk tier under the pool (off when empty): cached prefix pages that the pool reclaims
+  /// (LRU, to make room) are written to files in this directory — created if missing, its
+  /// parent must exist — instead of being dropped, and a later request whose prompt continues
+  /// past its match in memory reads, verifies and adopts them instead of computing them
+  /// (docs/cache-manager.md, "Disk tier"). The files are this cache's own (named after its
+  /// process and instance) and removed when it is destroyed.
+  std::string disk_tier_dir;
+  /// Bytes the disk tier's files may take, ≥ 1 when disk_tier_dir is set (0 otherwise): the
+  /// least recently written or read files are removed to stay within it.
+  int64_t disk_tier_bytes = 0;
 
   /// @throws InvalidArgument naming the bad field (model validated as CacheConfig::validate).
   void validate() const;
@@ -131,6 +141,18 @@ struct PrefixCounters {
   int64_t blocks_reclaimed = 0;       ///< cached blocks freed to make room (or by reclaim())
   int64_t preemptions = 0;            ///< requests preempted (PoolFullRule::kPreemptNewest)
   int64_t refusals = 0;               ///< calls refused with CapacityError for want of room
+  // By tier (prompt_tokens_hit = memory + disk; prompt_tokens_queried − prompt_tokens_hit were
+  // computed, the misses). The disk_* counters stay 0 without a disk tier.
+  int64_t prompt_tokens_hit_memory = 0;  ///< reused tokens whose pages were in the pool
+  int64_t prompt_tokens_hit_disk = 0;    ///< reused tokens whose pages were read from the disk tier
+  int64_t disk_pages_written = 0;        ///< reclaimed pages spilled to a file
+  int64_t disk_bytes_written = 0;        ///< bytes of those files
+  int64_t disk_pages_read = 0;           ///< spilled pages read back, verified and adopted
+  int64_t disk_bytes_read = 0;           ///< bytes of those files
+  int64_t disk_evictions = 0;            ///< files removed to stay within disk_tier_bytes
+  /// Spilled pages that could not be written (a full or read-only disk) or read back (a file
+  /// missing, truncated or corrupt): dropped, never an error of the request (a miss).
+  int64_t disk_failures = 0;
 
   /// prompt_tokens_hit / prompt_tokens_queried (0 when nothing was queried).
   double hit_rate() const;

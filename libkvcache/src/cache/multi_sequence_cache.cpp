@@ -6,12 +6,17 @@
 #include "kvcache/multi_sequence_cache.h"
 
 #include <dirent.h>
+#include <unistd.h>
+#include <xxhash.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <istream>
+#include <list>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -47,7 +52,34 @@ struct CachedPage {
   std::vector<Block> blocks;
   std::vector<BlockPool*> pools;  ///< per block
   std::vector<uint32_t> start;
+  // With a disk tier (MultiSequenceConfig::disk_tier_dir) only: what a spill writes.
+  std::pair<uint64_t, uint64_t> key{0, 0};  ///< chain_key() of its path
+  int64_t depth = -1;                        ///< its page index in the path (−1: no disk tier)
+  std::vector<int64_t> tokens;               ///< its own P token ids
+  const std::string* ns = nullptr;           ///< its namespace (a key of Impl::ns_configs)
 };
+
+using DiskKey = std::pair<uint64_t, uint64_t>;
+
+/// The magic of a page spilled to the disk tier.
+constexpr char kDiskPageMagic[8] = {'\x89', 'K', 'V', 'P', 'A', 'G', 'E', '\n'};
+
+/// The disk tier's key of a page: XXH3-128 chained over the namespace key and every page of the
+/// path — h(ns) for the root, then h(parent's key ‖ the page's P token ids) — as vLLM's block
+/// hashes; a spilled file also holds the page's own tokens and depth, checked on read.
+std::pair<uint64_t, uint64_t> chain_key(const std::pair<uint64_t, uint64_t>& parent, const int64_t* tokens,
+                                        int64_t n) {
+  std::string buf(16 + static_cast<size_t>(n) * sizeof(int64_t), '\0');
+  std::memcpy(&buf[0], &parent.first, 8);
+  std::memcpy(&buf[8], &parent.second, 8);
+  std::memcpy(&buf[16], tokens, static_cast<size_t>(n) * sizeof(int64_t));
+  const XXH128_hash_t h = XXH3_128bits(buf.data(), buf.size());
+  return {h.low64, h.high64};
+}
+std::pair<uint64_t, uint64_t> root_key(const std::string& ns) {
+  const XXH128_hash_t h = XXH3_128bits(ns.data(), ns.size());
+  return {h.low64, h.high64};
+}
 
 /// Everything that changes the bytes a configuration stores for the same tokens: the index's
 /// namespace. (A CacheConfig field added later that changes stored bytes belongs here.)
@@ -162,6 +194,14 @@ PrefixCounters PrefixCounters::operator-(const PrefixCounters& e) const {
   d.blocks_reclaimed = blocks_reclaimed - e.blocks_reclaimed;
   d.preemptions = preemptions - e.preemptions;
   d.refusals = refusals - e.refusals;
+  d.prompt_tokens_hit_memory = prompt_tokens_hit_memory - e.prompt_tokens_hit_memory;
+  d.prompt_tokens_hit_disk = prompt_tokens_hit_disk - e.prompt_tokens_hit_disk;
+  d.disk_pages_written = disk_pages_written - e.disk_pages_written;
+  d.disk_bytes_written = disk_bytes_written - e.disk_bytes_written;
+  d.disk_pages_read = disk_pages_read - e.disk_pages_read;
+  d.disk_bytes_read = disk_bytes_read - e.disk_bytes_read;
+  d.disk_evictions = disk_evictions - e.disk_evictions;
+  d.disk_failures = disk_failures - e.disk_failures;
   return d;
 }
 
@@ -171,6 +211,12 @@ void MultiSequenceConfig::validate() const {
                capacity_bytes);
   KV_CHECK_ARG(when_full == PoolFullRule::kRefuse || when_full == PoolFullRule::kPreemptNewest,
                "MultiSequenceConfig.when_full: ", static_cast<int>(when_full), " is neither kRefuse nor kPreemptNewest");
+  KV_CHECK_ARG(disk_tier_dir.empty() ? disk_tier_bytes == 0 : disk_tier_bytes >= 1,
+               disk_tier_dir.empty()
+                   ? detail::str_cat("MultiSequenceConfig.disk_tier_bytes = ", disk_tier_bytes,
+                                     " without a disk_tier_dir (set both, or neither)")
+                   : detail::str_cat("MultiSequenceConfig.disk_tier_bytes must be >= 1 (bytes the disk tier's files "
+                                     "may take) with disk_tier_dir '", disk_tier_dir, "', got ", disk_tier_bytes));
 }
 
 // ---------------------------------------------------------------- state
@@ -215,11 +261,205 @@ struct MultiSequenceCache::Impl {
   int64_t peak = 0;
   /// The configuration of each namespace the index has held (what reads its blocks' formats).
   std::map<std::string, CacheConfig> ns_configs;
+  mutable std::map<std::string, std::unique_ptr<StepProtocol>> format_protos;  ///< formats_of()
+
+  /// The disk tier (MultiSequenceConfig::disk_tier_dir): one file per spilled page, by key.
+  struct DiskEntry {
+    std::string path;
+    int64_t file_bytes = 0, pool_bytes = 0;
+    std::list<DiskKey>::iterator lru;
+  };
+  struct DiskTier {
+    std::string dir, prefix;
+    int64_t capacity = 0, used = 0;
+    std::map<DiskKey, DiskEntry> entries;
+    std::list<DiskKey> lru;  ///< least recently written or read first
+  };
+  std::unique_ptr<DiskTier> disk;
+
+  void open_disk_tier() {
+    if (cfg.disk_tier_dir.empty()) return;
+    const std::string& dir = cfg.disk_tier_dir;
+    struct stat st {};
+    if (::mkdir(dir.c_str(), 0755) != 0 && (errno != EEXIST || ::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))) {
+      throw InvalidArgument(detail::str_cat("MultiSequenceConfig.disk_tier_dir: cannot use '", dir,
+                                            "' as the disk tier's directory: ",
+                                            errno == EEXIST ? "it exists and is not a directory" : std::strerror(errno)));
+    }
+    static int64_t instances = 0;
+    disk = std::make_unique<DiskTier>();
+    disk->dir = dir;
+    disk->prefix = detail::str_cat("kvpage-", ::getpid(), "-", instances++);
+    disk->capacity = cfg.disk_tier_bytes;
+  }
+
+  void drop_disk_entry(std::map<DiskKey, DiskEntry>::iterator it) {
+    std::remove(it->second.path.c_str());
+    disk->used -= it->second.file_bytes;
+    disk->lru.erase(it->second.lru);
+    disk->entries.erase(it);
+  }
+
+  void touch(DiskEntry& e) { disk->lru.splice(disk->lru.end(), disk->lru, e.lru); }
+
+  /// A page about to be reclaimed, written to the disk tier when its blocks are about to be
+  /// freed (no sequence holds them) and it is not there already. A write that fails counts in
+  /// disk_failures and is dropped (the page is lost, as without a tier).
+  void spill(RadixTree::PageId id) {
+    const CachedPage& p = pages.at(id);
+    if (p.depth < 0 || p.ns == nullptr) return;
+    int64_t pool_bytes = 0;
+    for (size_t i = 0; i < p.blocks.size(); ++i) {
+      if (p.pools[i]->refcount(p.blocks[i].id) != 1) return;  // a sequence holds it: nothing is lost
+      pool_bytes += p.pools[i]->block_bytes();
+    }
+    const auto it = disk->entries.find(p.key);
+    if (it != disk->entries.end()) {
+      touch(it->second);
+      return;
+    }
+    using namespace cache::snapio;
+    std::string payload;
+    {
+      Out o(payload);
+      o.put<uint64_t>(p.key.first);
+      o.put<uint64_t>(p.key.second);
+      o.str(*p.ns);
+      o.put<int64_t>(p.depth);
+      o.put<uint64_t>(p.tokens.size());
+      o.bytes(p.tokens.data(), p.tokens.size() * sizeof(int64_t));
+      put_page_lists(o, p, formats_of(*p.ns));
+    }
+    std::string file = preamble(kDiskPageMagic, 1);
+    put_section(file, "DPAG", 0, payload);
+    const auto n = static_cast<int64_t>(file.size());
+    if (n > disk->capacity) return;  // larger than the whole tier: dropped as without one
+    while (disk->used + n > disk->capacity) {
+      drop_disk_entry(disk->entries.find(disk->lru.front()));
+      ++counters.disk_evictions;
+    }
+    const std::string path = disk->dir + "/" + disk->prefix + "-" + hex16(p.key.second) + hex16(p.key.first) + ".kvpage";
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(file.data(), static_cast<std::streamsize>(file.size()));
+      out.close();
+      if (!out) {
+        std::remove(path.c_str());
+        ++counters.disk_failures;
+        log::logger().warn("MultiSequenceCache: disk tier: cannot write '{}' ({} B); the page is dropped", path, n);
+        return;
+      }
+    }
+    disk->lru.push_back(p.key);
+    disk->entries.emplace(p.key, DiskEntry{path, n, pool_bytes, std::prev(disk->lru.end())});
+    disk->used += n;
+    ++counters.disk_pages_written;
+    counters.disk_bytes_written += n;
+  }
+
+  /// Reads entry `e` as page `depth` of s's prompt (key `key`) into `out` (blocks of s's
+  /// formats from the shared pool), checking framing, checksums, key, namespace, depth, tokens
+  /// and every block. false (nothing held) when any of it fails.
+  bool read_disk_page(const Sequence::State& s, const DiskEntry& e, const DiskKey& key, int64_t depth,
+                      CachedPage& out) {
+    using namespace cache::snapio;
+    std::string bytes;
+    {
+      std::ifstream in(e.path, std::ios::binary);
+      if (!in) return false;
+      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      if (in.bad()) return false;
+    }
+    const int64_t P = s.ns.page_tokens;
+    const int64_t* want = s.prompt.data() + depth * P;
+    try {
+      const std::vector<Section> sec = frame(bytes, e.path, kDiskPageMagic, "disk tier page magic \\x89KVPAGE\\n");
+      if (sec.size() != 1 || sec[0].tag != tag_of("DPAG")) fail(Reason::kInconsistent, e.path, "not one 'DPAG' section");
+      In in(sec[0].data, sec[0].size, "section 0 (DPAG)", e.path);
+      const auto k1 = in.get<uint64_t>(), k2 = in.get<uint64_t>();
+      const std::string ns = in.str();
+      const auto d = in.get<int64_t>();
+      const auto n = in.get<uint64_t>();
+      if (DiskKey{k1, k2} != key || ns != s.ns.key || d != depth || n != static_cast<uint64_t>(P)) {
+        fail(Reason::kInconsistent, e.path, "another page's file");
+      }
+      const uint8_t* ids = in.take(static_cast<size_t>(P) * sizeof(int64_t));
+      if (std::memcmp(ids, want, static_cast<size_t>(P) * sizeof(int64_t)) != 0) {
+        fail(Reason::kInconsistent, e.path, "another page's tokens");
+      }
+      read_page_lists(in, *s.m, depth, P, out, "section 0 (DPAG)", e.path);
+      in.done();
+    } catch (const SnapshotError& err) {
+      for (size_t i = 0; i < out.blocks.size(); ++i) out.pools[i]->release(out.blocks[i].id);
+      out = CachedPage{};
+      log::logger().warn("MultiSequenceCache: disk tier: {}; counted as a miss", err.what());
+      return false;
+    }
+    counters.disk_bytes_read += static_cast<int64_t>(bytes.size());
+    out.key = key;
+    out.depth = depth;
+    out.tokens.assign(want, want + P);
+    out.ns = &ns_configs.find(s.ns.key)->first;
+    return true;
+  }
+
+  /// Extends `hit` (s's match in memory) with the pages that follow it on the disk tier, as far
+  /// as a reuse could use them (≥ max(1, min_step) prompt tokens left to compute): each is read,
+  /// checked and inserted into the index as a cached page (room made by reclaiming, the path
+  /// pinned meanwhile). A missing or corrupt file ends the extension (disk_failures).
+  void extend_from_disk(Sequence::State& s, RadixTree::Match& hit) {
+    const int64_t P = s.ns.page_tokens, n = static_cast<int64_t>(s.prompt.size());
+    const int64_t limit = n - std::max<int64_t>(1, s.min_step);
+    int64_t j = hit.tokens / P;
+    if ((j + 1) * P > limit || disk->entries.empty() || !ns_configs.count(s.ns.key)) return;
+    DiskKey key = root_key(s.ns.key);
+    for (int64_t k = 0; k < j; ++k) key = chain_key(key, s.prompt.data() + k * P, P);
+    RadixTree::Node* pin = hit.node;
+    tree.lock(pin);
+    int64_t got = 0;
+    for (; (j + 1) * P <= limit; ++j) {
+      key = chain_key(key, s.prompt.data() + j * P, P);
+      auto it = disk->entries.find(key);
+      if (it == disk->entries.end()) break;
+      const int64_t need = it->second.pool_bytes;
+      if (need > free_bytes()) {
+        reclaim(need - free_bytes());        // may spill others (the path is pinned)
+        it = disk->entries.find(key);        // ... and drop this one to make disk room
+        if (it == disk->entries.end() || need > free_bytes()) break;
+      }
+      CachedPage page;
+      if (!read_disk_page(s, it->second, key, j, page)) {
+        drop_disk_entry(it);
+        ++counters.disk_failures;
+        break;
+      }
+      touch(it->second);
+      ++counters.disk_pages_read;
+      bool taken = false;
+      RadixTree::Node* node = tree.insert(s.ns, s.prompt.data(), (j + 1) * P, [&](int64_t pg) {
+        KV_INTERNAL_ASSERT(pg == j, "disk tier: page ", pg, " asked for, ", j, " read");
+        taken = true;
+        const RadixTree::PageId id = next_page++;
+        pages.emplace(id, std::move(page));
+        return id;
+      });
+      KV_INTERNAL_ASSERT(taken, "disk tier: page ", j, " was in the index already");
+      tree.lock(node);
+      tree.unlock(pin);
+      pin = node;
+      ++got;
+    }
+    tree.unlock(pin);
+    if (got > 0) hit = tree.match(s.ns, s.prompt.data(), n);
+  }
 
   ~Impl() {
     seqs.clear();  // their blocks first, then the index's
     for (auto& [id, p] : pages) {
       for (size_t i = 0; i < p.blocks.size(); ++i) p.pools[i]->release(p.blocks[i].id);
+    }
+    if (disk) {
+      for (const auto& [key, e] : disk->entries) std::remove(e.path.c_str());
     }
   }
 
@@ -247,7 +487,10 @@ struct MultiSequenceCache::Impl {
 
   int64_t reclaim(int64_t bytes) {
     const int64_t before = in_use();
-    tree.evict([&] { return before - in_use() >= bytes; }, [&](RadixTree::PageId p) { release_page(p); });
+    tree.evict([&] { return before - in_use() >= bytes; }, [&](RadixTree::PageId p) {
+      if (disk) spill(p);
+      release_page(p);
+    });
     return before - in_use();
   }
 
@@ -424,6 +667,8 @@ struct MultiSequenceCache::Impl {
     if (n == 0) return;
     const int64_t P = s.ns.page_tokens;
     RadixTree::Match hit = tree.match(s.ns, s.prompt.data(), n);
+    const int64_t in_memory = hit.tokens;
+    if (disk) extend_from_disk(s, hit);
     pm.indexed_tokens = hit.tokens;
     int64_t m = hit.tokens;
     auto cut = [&](int64_t to, const std::string& why) {
@@ -482,6 +727,8 @@ struct MultiSequenceCache::Impl {
     s.published = m / P;
     pm.min_first_step = s.min_step;
     counters.prompt_tokens_hit += m;
+    counters.prompt_tokens_hit_memory += std::min(m, in_memory);
+    counters.prompt_tokens_hit_disk += std::max<int64_t>(0, m - in_memory);
   }
 
   /// The prompt pages of a sequence that settled since its last publication, with a reference
@@ -569,6 +816,13 @@ struct MultiSequenceCache::Impl {
     if (!pp.active) return;
     const int64_t b0 = pp.b0, settled = pp.settled;
     if (settled > 0) {
+      const std::string* ns = &ns_configs.emplace(s.ns.key, s.m->config()).first->first;
+      const int64_t P = s.ns.page_tokens;
+      std::vector<DiskKey> keys;  // the disk tier's keys of pages 0 .. b0 + settled
+      if (disk) {
+        keys.push_back(chain_key(root_key(s.ns.key), s.prompt.data(), P));
+        for (int64_t k = 1; k < b0 + settled; ++k) keys.push_back(chain_key(keys.back(), s.prompt.data() + k * P, P));
+      }
       RadixTree::Node* node = tree.insert(s.ns, s.prompt.data(), (b0 + settled) * s.ns.page_tokens, [&](int64_t page) {
         KV_INTERNAL_ASSERT(page >= b0 && page < b0 + settled, "publish: page ", page, " outside [", b0, ", ",
                            b0 + settled, ")");
@@ -584,12 +838,17 @@ struct MultiSequenceCache::Impl {
           }
           p.start.push_back(static_cast<uint32_t>(p.blocks.size()));
         }
+        if (disk) {
+          p.key = keys[static_cast<size_t>(page)];
+          p.depth = page;
+          p.tokens.assign(s.prompt.begin() + page * P, s.prompt.begin() + (page + 1) * P);
+          p.ns = ns;
+        }
         counters.blocks_published += static_cast<int64_t>(p.blocks.size());
         const RadixTree::PageId id = next_page++;
         pages.emplace(id, std::move(p));
         return id;
       });
-      ns_configs.emplace(s.ns.key, s.m->config());
       abort_publish(pp);  // references of pages the index already held when inserted
       tree.lock(node);
       unlock(s);
@@ -658,6 +917,82 @@ struct MultiSequenceCache::Impl {
       for (size_t i = 0; i < lp.page.blocks.size(); ++i) lp.page.pools[i]->release(lp.page.blocks[i].id);
       lp.page.blocks.clear();
     }
+  }
+
+  /// Reads a page's block lists (every layer, KV head, K then V: u32 count, block records) into
+  /// `page` — blocks of `m`'s formats, each with one reference the page holds — checking that
+  /// they are sealed and cover exactly positions [depth · P, (depth + 1) · P). On a failed
+  /// check the blocks already in `page` stay there (the caller releases them).
+  static void read_page_lists(cache::snapio::In& in, const StepProtocol& m, int64_t depth, int64_t P,
+                              CachedPage& page, const std::string& where, const std::string& source) {
+    using namespace cache::snapio;
+    const int64_t L = m.config().num_layers, H = m.config().num_kv_heads;
+    page.start.assign(1, 0);
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (const bool key : {true, false}) {
+          const StreamFormats& fmts = *(key ? m.store().key_setup(l) : m.store().value_setup(l)).formats_for(h);
+          const std::string at = detail::str_cat(where, " layer ", l, " head ", h, key ? " K" : " V");
+          BlockList list(&fmts);
+          const auto blocks = in.get<uint32_t>();
+          in.need(blocks);
+          int64_t expect = depth * P;
+          for (uint32_t b = 0; b < blocks; ++b) get_block(in, list, fmts, expect, at, source);
+          // A page holds sealed blocks (full, main format, no holes) covering exactly its tokens.
+          int64_t want = depth * P;
+          for (const Block& b : list.blocks()) {
+            if (!sealed(list, b) || b.pos0 != want) {
+              fail(Reason::kInconsistent, source,
+                   detail::str_cat(at, ": a block at position ", b.pos0, " of ", b.filled,
+                                   " slots is not a full, hole-free block of the main format at ", want));
+            }
+            want += b.filled;
+          }
+          if (want != (depth + 1) * P) {
+            fail(Reason::kInconsistent, source, detail::str_cat(at, ": blocks cover positions ", depth * P, " .. ", want,
+                                                                ", not the page's ", depth * P, " .. ",
+                                                                (depth + 1) * P));
+          }
+          for (const Block& b : list.blocks()) {
+            list.format(b).pool->retain(b.id);  // the page's reference; the list's goes with it
+            page.blocks.push_back(b);
+            page.pools.push_back(list.format(b).pool);
+          }
+          page.start.push_back(static_cast<uint32_t>(page.blocks.size()));
+        }
+      }
+    }
+  }
+
+  /// Writes a page's block lists as read_page_lists() reads them; `proto` (a protocol of the
+  /// page's namespace configuration) gives the blocks' formats.
+  static void put_page_lists(cache::snapio::Out& o, const CachedPage& p, const StepProtocol& proto) {
+    const int64_t H = proto.config().num_kv_heads;
+    for (size_t list = 0; list + 1 < p.start.size(); ++list) {
+      const int64_t l = static_cast<int64_t>(list) / (2 * H), h = (static_cast<int64_t>(list) / 2) % H;
+      const StreamFormats& fmts =
+          *(list % 2 == 0 ? proto.store().key_setup(l) : proto.store().value_setup(l)).formats_for(h);
+      o.put<uint32_t>(p.start[list + 1] - p.start[list]);
+      // Positions as deltas from the page's first token (depth · P): 0 for every block.
+      int64_t expect = p.start[list] < p.start[list + 1] ? p.blocks[p.start[list]].pos0 : 0;
+      for (uint32_t b = p.start[list]; b < p.start[list + 1]; ++b) {
+        const Block& blk = p.blocks[b];
+        cache::snapio::put_block(o, fmts.f[blk.format], blk, p.pools[b]->data(blk.id), expect);
+      }
+    }
+  }
+
+  /// A protocol of namespace `ns`'s configuration over pools of its own: its formats read and
+  /// write the namespace's pages (a page keeps its blocks' pools, not their formats, which are
+  /// those of the sequence that published it and may be gone).
+  const StepProtocol& formats_of(const std::string& ns) const {
+    auto& proto = format_protos[ns];
+    if (!proto) {
+      CacheConfig c = ns_configs.at(ns);
+      c.context_length = 0;
+      proto = std::make_unique<StepProtocol>(std::move(c), nullptr, nullptr);
+    }
+    return *proto;
   }
 
   /// Reads and checks the pages of `file` (framed, kIndexMagic) into blocks of the formats of
@@ -752,46 +1087,9 @@ struct MultiSequenceCache::Impl {
         const uint8_t* ids = in.take(static_cast<size_t>(P) * sizeof(int64_t));
         lp.tokens.resize(static_cast<size_t>(P));
         std::memcpy(lp.tokens.data(), ids, static_cast<size_t>(P) * sizeof(int64_t));
-        const StepProtocol& m = *ns_proto[ns];
-        const int64_t L = m.config().num_layers, H = m.config().num_kv_heads;
-        lp.page.start.push_back(0);
         out.push_back(std::move(lp));
         LoadedPage& page = out.back();
-        for (int64_t l = 0; l < L; ++l) {
-          for (int64_t h = 0; h < H; ++h) {
-            for (const bool key : {true, false}) {
-              const StreamFormats& fmts =
-                  *(key ? m.store().key_setup(l) : m.store().value_setup(l)).formats_for(h);
-              const std::string at = detail::str_cat(where, " layer ", l, " head ", h, key ? " K" : " V");
-              BlockList list(&fmts);
-              const auto blocks = in.get<uint32_t>();
-              in.need(blocks);
-              int64_t expect = page.depth * P;
-              for (uint32_t b = 0; b < blocks; ++b) get_block(in, list, fmts, expect, at, source);
-              // A page holds sealed blocks (full, main format, no holes) covering exactly its tokens.
-              int64_t want = page.depth * P;
-              for (const Block& b : list.blocks()) {
-                if (!sealed(list, b) || b.pos0 != want) {
-                  fail(Reason::kInconsistent, source,
-                       detail::str_cat(at, ": a block at position ", b.pos0, " of ", b.filled,
-                                       " slots is not a full, hole-free block of the main format at ", want));
-                }
-                want += b.filled;
-              }
-              if (want != (page.depth + 1) * P) {
-                fail(Reason::kInconsistent, source, detail::str_cat(at, ": blocks cover positions ", page.depth * P,
-                                                                    " .. ", want, ", not the page's ",
-                                                                    page.depth * P, " .. ", (page.depth + 1) * P));
-              }
-              for (const Block& b : list.blocks()) {
-                list.format(b).pool->retain(b.id);  // the page's reference; the list's goes with it
-                page.page.blocks.push_back(b);
-                page.page.pools.push_back(list.format(b).pool);
-              }
-              page.page.start.push_back(static_cast<uint32_t>(page.page.blocks.size()));
-            }
-          }
-        }
+        read_page_lists(in, *ns_proto[ns], page.depth, P, page.page, where, source);
         in.done();
       }
     } catch (...) {
@@ -869,6 +1167,13 @@ struct MultiSequenceCache::Impl {
       chain.push_back(i);
       path.clear();
       for (size_t j : chain) path.insert(path.end(), pages_in[j].tokens.begin(), pages_in[j].tokens.end());
+      if (disk) {
+        const DiskKey parent = lp.parent < 0 ? root_key(lp.ns->key) : pages_in[static_cast<size_t>(lp.parent)].page.key;
+        lp.page.key = chain_key(parent, lp.tokens.data(), lp.ns->page_tokens);
+        lp.page.depth = lp.depth;
+        lp.page.tokens = lp.tokens;
+        lp.page.ns = &ns_configs.find(lp.ns->key)->first;
+      }
       bool taken = false;
       tree.insert(*lp.ns, path.data(), static_cast<int64_t>(path.size()), [&](int64_t page) {
         KV_INTERNAL_ASSERT(page == lp.depth, "load_prefix_index: page ", page, " asked for at depth ", lp.depth);
@@ -896,9 +1201,6 @@ struct MultiSequenceCache::Impl {
     std::map<std::string, uint32_t> ns_index;
     std::unordered_map<RadixTree::PageId, int64_t> ordinal;
     std::vector<std::string> payloads;
-    // A page keeps its blocks' pools, not their formats (those of the sequence that published
-    // it, which may be gone): a protocol of the namespace's configuration gives them again.
-    std::map<std::string, std::unique_ptr<StepProtocol>> formats;
     tree.for_each_page_in_order([&](const RadixTree::Namespace& ns, RadixTree::PageId page, RadixTree::PageId parent,
                                     const int64_t* tokens) {
       auto it = ns_index.find(ns.key);
@@ -914,26 +1216,7 @@ struct MultiSequenceCache::Impl {
       o.put<uint32_t>(it->second);
       o.put<int64_t>(parent < 0 ? -1 : ordinal.at(parent));
       o.bytes(tokens, static_cast<size_t>(ns.page_tokens) * sizeof(int64_t));
-      auto& proto = formats[ns.key];
-      if (!proto) {
-        CacheConfig c = ns_configs.at(ns.key);
-        c.context_length = 0;
-        proto = std::make_unique<StepProtocol>(std::move(c), nullptr, nullptr);
-      }
-      const int64_t H = proto->config().num_kv_heads;
-      const CachedPage& p = pages.at(page);
-      for (size_t list = 0; list + 1 < p.start.size(); ++list) {
-        const int64_t l = static_cast<int64_t>(list) / (2 * H), h = (static_cast<int64_t>(list) / 2) % H;
-        const StreamFormats& fmts =
-            *(list % 2 == 0 ? proto->store().key_setup(l) : proto->store().value_setup(l)).formats_for(h);
-        o.put<uint32_t>(p.start[list + 1] - p.start[list]);
-        // Positions as deltas from the page's first token (depth · P): 0 for every block.
-        int64_t expect = p.start[list] < p.start[list + 1] ? p.blocks[p.start[list]].pos0 : 0;
-        for (uint32_t b = p.start[list]; b < p.start[list + 1]; ++b) {
-          const Block& blk = p.blocks[b];
-          put_block(o, fmts.f[blk.format], blk, p.pools[b]->data(blk.id), expect);
-        }
-      }
+      put_page_lists(o, pages.at(page), formats_of(ns.key));
       payloads.push_back(std::move(payload));
     });
     std::string file = preamble(kIndexMagic, static_cast<uint32_t>(payloads.size() + 1));
@@ -1180,6 +1463,7 @@ int64_t Sequence::blocks_copied() const { return s_->m->cow_copies(); }
 MultiSequenceCache::MultiSequenceCache(MultiSequenceConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
   impl_->cfg = std::move(config);
+  impl_->open_disk_tier();
 }
 
 MultiSequenceCache::~MultiSequenceCache() = default;
@@ -1302,6 +1586,7 @@ void MultiSequenceCache::check_invariants() const {
 namespace kvcache::cache {
 
 const cache::StepProtocol& MultiSequenceAccess::steps(const Sequence& seq) { return *seq.s_->m; }
+std::string MultiSequenceAccess::storage_key(const Sequence& seq) { return seq.s_->ns.key; }
 
 std::vector<MultiSequenceAccess::BlockBytes> MultiSequenceAccess::cached_blocks(const MultiSequenceCache& c) {
   std::vector<BlockBytes> out;
