@@ -153,6 +153,10 @@ struct PrefixCounters {
   /// Spilled pages that could not be written (a full or read-only disk) or read back (a file
   /// missing, truncated or corrupt): dropped, never an error of the request (a miss).
   int64_t disk_failures = 0;
+  /// Wall time of the disk tier's reads: reading, verifying and adopting spilled pages, and
+  /// the room they need (reclaims, which may spill other pages) — what a prefix hit from disk
+  /// costs instead of recomputing its prefill — in seconds.
+  double disk_read_seconds = 0;
 
   /// prompt_tokens_hit / prompt_tokens_queried (0 when nothing was queried).
   double hit_rate() const;

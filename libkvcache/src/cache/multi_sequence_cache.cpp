@@ -11,7 +11,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -202,6 +204,7 @@ PrefixCounters PrefixCounters::operator-(const PrefixCounters& e) const {
   d.disk_bytes_read = disk_bytes_read - e.disk_bytes_read;
   d.disk_evictions = disk_evictions - e.disk_evictions;
   d.disk_failures = disk_failures - e.disk_failures;
+  d.disk_read_seconds = disk_read_seconds - e.disk_read_seconds;
   return d;
 }
 
@@ -286,7 +289,7 @@ struct MultiSequenceCache::Impl {
                                             "' as the disk tier's directory: ",
                                             errno == EEXIST ? "it exists and is not a directory" : std::strerror(errno)));
     }
-    static int64_t instances = 0;
+    static std::atomic<int64_t> instances{0};
     disk = std::make_unique<DiskTier>();
     disk->dir = dir;
     disk->prefix = detail::str_cat("kvpage-", ::getpid(), "-", instances++);
@@ -414,6 +417,7 @@ struct MultiSequenceCache::Impl {
     if ((j + 1) * P > limit || disk->entries.empty() || !ns_configs.count(s.ns.key)) return;
     DiskKey key = root_key(s.ns.key);
     for (int64_t k = 0; k < j; ++k) key = chain_key(key, s.prompt.data() + k * P, P);
+    const auto t0 = std::chrono::steady_clock::now();
     RadixTree::Node* pin = hit.node;
     tree.lock(pin);
     int64_t got = 0;
@@ -451,6 +455,7 @@ struct MultiSequenceCache::Impl {
     }
     tree.unlock(pin);
     if (got > 0) hit = tree.match(s.ns, s.prompt.data(), n);
+    counters.disk_read_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   ~Impl() {
