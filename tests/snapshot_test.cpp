@@ -1152,6 +1152,71 @@ TEST(PrefixIndexFile, RefusalsLeaveTheCacheUnchanged) {
   ::rmdir(dir.c_str());
 }
 
+TEST(PrefixIndexFile, ForgedContentWithValidChecksumsIsInconsistent) {
+  // Pages files edited and resealed (every section checksum and the manifest's checksum and
+  // size recomputed): the content checks refuse them, the cache unchanged.
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache a(pool_config(cfg));
+  fill_index(a, kv);
+  const std::string dir = temp_dir("index_forged");
+  a.save_prefix_index(dir, kModel);
+  std::string pages_file;
+  for (const auto& e : dir_entries(dir)) {
+    if (e != "MANIFEST") pages_file = dir + "/" + e;
+  }
+  const std::string good = read_bytes(pages_file), manifest = read_bytes(dir + "/MANIFEST");
+  uint64_t head = 0;
+  std::memcpy(&head, good.data() + 24 + 8, 8);
+  const size_t page1 = 24 + 24 + static_cast<size_t>(head) + 8;  // the first PAGE section's header
+  uint64_t page1_size = 0;
+  std::memcpy(&page1_size, good.data() + page1 + 8, 8);
+  const size_t page2 = page1 + 24 + static_cast<size_t>(page1_size) + 8;
+  auto forge = [&](const std::function<void(std::string&)>& edit, const std::string& where) {
+    std::string f = good;
+    edit(f);
+    reseal(f);
+    std::ofstream(pages_file, std::ios::binary | std::ios::trunc) << f;
+    std::string m = manifest;
+    const uint64_t size = f.size(), sum = XXH3_64bits(f.data(), f.size());
+    std::memcpy(&m[m.size() - 8 - 16], &size, 8);
+    std::memcpy(&m[m.size() - 8 - 8], &sum, 8);
+    reseal(m);
+    std::ofstream(dir + "/MANIFEST", std::ios::binary | std::ios::trunc) << m;
+    MultiSequenceCache b(pool_config(cfg));
+    std::string what;
+    const Reason r = reason_of([&] { b.load_prefix_index(dir, kModel); }, &what);
+    b.check_invariants();
+    EXPECT_EQ(b.stats().bytes_in_use, 0) << where;
+    EXPECT_EQ(b.stats().cached_blocks, 0) << where;
+    return std::make_pair(r, what);
+  };
+  // The second page names a parent after it.
+  auto got = forge([&](std::string& f) { f[page2 + 24 + 4] = 9; }, "parent after");
+  EXPECT_EQ(got.first, Reason::kInconsistent);
+  EXPECT_THAT(got.second, HasSubstr("is not on the path before it"));
+  // The first page's first block claims 7 filled slots: not a full block.
+  got = forge(
+      [&](std::string& f) {
+        const size_t blocks = page1 + 24 + 4 + 8 + 8 * 8;  // ns, parent, 8 token ids
+        f[blocks + 4 + 1] = 7;                             // list 0: count u32, then format u8, filled u16
+      },
+      "partial block");
+  EXPECT_EQ(got.first, Reason::kInconsistent);
+  // A namespace index beyond the header's.
+  got = forge([&](std::string& f) { f[page1 + 24] = 3; }, "namespace");
+  EXPECT_EQ(got.first, Reason::kInconsistent);
+  EXPECT_THAT(got.second, HasSubstr("namespace 3"));
+  {
+    std::ofstream(pages_file, std::ios::binary | std::ios::trunc) << good;
+    std::ofstream(dir + "/MANIFEST", std::ios::binary | std::ios::trunc) << manifest;
+    MultiSequenceCache b(pool_config(cfg));
+    EXPECT_EQ(b.load_prefix_index(dir, kModel), 7);  // restored: it loads
+  }
+  for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+  ::rmdir(dir.c_str());
+}
+
 // ------------------------------------------------------------ the disk tier under the pool
 
 /// A scripted workload over a pool of 6 pages (int4, pages of 8 tokens: a page = 8 blocks,
