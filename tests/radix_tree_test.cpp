@@ -169,5 +169,27 @@ TEST(RadixTree, PartialEvictionKeepsTheLeafHead) {
   tree.check({});
 }
 
+TEST(RadixTree, PagesInOrderComeAfterTheirParents) {
+  // The SGLang demo tree, pages of 1 token, plus a namespace of 2-token pages: pre-order, children
+  // in key order, each page with the page before it on its path (−1 first) and its tokens.
+  RadixTree tree;
+  Inserter ins(tree, {"a", 1});
+  ins({1, 2, 3});
+  ins({1, 2, 4, 5});
+  ins({8, 9});
+  Inserter two(tree, {"b", 2});
+  two({7, 7, 6, 6});
+  std::vector<std::string> got;
+  tree.for_each_page_in_order([&](const RadixTree::Namespace& ns, RadixTree::PageId page, RadixTree::PageId parent,
+                                  const int64_t* tokens) {
+    std::string t;
+    for (int64_t i = 0; i < ns.page_tokens; ++i) t += (i ? "," : "") + std::to_string(tokens[i]);
+    got.push_back(ns.key + ":" + std::to_string(page) + "<" + std::to_string(parent) + " [" + t + "]");
+  });
+  EXPECT_EQ(got, (std::vector<std::string>{"a:100<-1 [1]", "a:101<100 [2]", "a:102<101 [3]", "a:202<101 [4]",
+                                           "a:203<202 [5]", "a:300<-1 [8]", "a:301<300 [9]", "b:100<-1 [7,7]",
+                                           "b:101<100 [6,6]"}));
+}
+
 }  // namespace
 }  // namespace kvcache

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -26,6 +27,7 @@
 #include "../fuzz/snapshot_configs.h"
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
+#include "cache/multi_sequence_access.h"
 #include "cache_test_util.h"
 #include "kvcache/kvquant.h"
 #include "kvcache/multi_sequence_cache.h"
@@ -340,6 +342,83 @@ TEST(Snapshot, SequenceOfAMultiSequenceCacheLoadsIntoACacheManager) {
   }
 }
 
+std::string bytes_of(const Sequence& s, const std::string& model = kModel) {
+  std::ostringstream os;
+  s.save(os, model);
+  return os.str();
+}
+
+std::vector<int64_t> load_bytes(Sequence& s, const std::string& bytes, const std::string& model = kModel) {
+  std::istringstream is(bytes);
+  return s.load(is, model);
+}
+
+MultiSequenceConfig pool_config(const CacheConfig& model, int64_t capacity = int64_t{1} << 28) {
+  MultiSequenceConfig mc;
+  mc.model = model;
+  mc.capacity_bytes = capacity;
+  return mc;
+}
+
+TEST(Snapshot, LoadIntoASequenceOfAMultiSequenceCacheContinuesBitForBit) {
+  // A CacheManager's snapshot (holes, h2o scores, a KIVI residual) loads into a sequence of a
+  // pool that holds other requests and cached prefixes; both continue with every attend()
+  // output, eviction and block equal. Then that sequence's own snapshot — its blocks private
+  // now — loads into a second sequence, which continues alike too.
+  for (const std::string scheme : {"int4:g4", "kivi:k2:v4:g4:r8", "fp16"}) {
+    for (const std::string policy : {"full", "h2o@12"}) {
+      const std::string where = scheme + " " + policy;
+      auto cfg = make_config(2, 4, 2, 8, scheme, policy, 40);
+      cfg.block_tokens = 8;
+      CacheManager a(cfg);
+      TorchCache ta(a);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+      run_steps({&ta}, gen, 0, 5, where);
+      const std::string saved = bytes_of(a);
+
+      MultiSequenceCache pool(pool_config(cfg));
+      auto cfg_full = cfg;  // the same storage (namespace) under a policy that shares prefixes
+      cfg_full.policy = "full";
+      Sequence& other = pool.add_sequence(cfg_full);
+      std::vector<int64_t> prompt(24);
+      std::iota(prompt.begin(), prompt.end(), 7);
+      ASSERT_EQ(other.begin_request(prompt, 40).cached_tokens, 0);
+      TorchCache to(other);
+      auto gen2 = at::make_generator<at::CPUGeneratorImpl>(32);
+      step_all({&to}, gen2, 24, StepKind::kPrefillEnd, false, where);
+      Sequence& target = pool.add_sequence();
+      ASSERT_EQ(target.begin_request(prompt, 40).cached_tokens, policy == "full" ? 16 : 0) << where;  // shared blocks
+      TorchCache tt(target);
+      step_all({&tt}, gen2, 24 - target.prefix().cached_tokens, StepKind::kPrefillEnd, false, where);
+      const int64_t index_pages = pool.stats().cached_blocks;
+      ASSERT_GT(index_pages, 0);
+
+      EXPECT_EQ(load_bytes(target, saved), std::vector<int64_t>{}) << where;
+      pool.check_invariants();
+      EXPECT_EQ(target.config().context_length, 40);
+      expect_same_blocks(a, target, where);
+      EXPECT_EQ(bytes_of(target), saved) << where << ": the loaded sequence saves other bytes";
+      EXPECT_EQ(pool.stats().cached_blocks, index_pages) << where << ": the index changed";
+      EXPECT_EQ(target.prefix().cached_tokens, 0);
+      run_steps({&ta, &tt}, gen, 5, 9, where + " continued");
+      pool.check_invariants();
+      expect_same_blocks(a, target, where + " at the end");
+      EXPECT_EQ(bytes_of(a), bytes_of(target)) << where;
+
+      // Sequence -> Sequence (the other one, which shares blocks with the index).
+      const std::string from_seq = bytes_of(other);
+      Sequence& third = pool.add_sequence(cfg_full);
+      load_bytes(third, from_seq);
+      pool.check_invariants();
+      expect_same_blocks(other, third, where + " sequence to sequence");
+      TorchCache t3(third);
+      for (int i = 0; i < 3; ++i) step_all({&to, &t3}, gen2, 1, StepKind::kDecode, false, where + " seq to seq");
+      expect_same_blocks(other, third, where + " sequence to sequence, at the end");
+      pool.check_invariants();
+    }
+  }
+}
+
 // ------------------------------------------------------------ refusals
 
 /// A cache with eviction state (int4, h2o) after six steps, its snapshot, and a second cache of
@@ -527,6 +606,108 @@ TEST(SnapshotRefusal, PolicyStateThatDoesNotFitTheShapeIsRefused) {
   EXPECT_THROW(hr.io(v), SnapshotError);
 }
 
+TEST(SnapshotRefusal, LoadIntoASequenceRefusedLeavesPoolAndSequenceUnchanged) {
+  // int4, no eviction, blocks of 8 tokens: a 21-token snapshot needs 3 blocks per list.
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  cfg.block_tokens = 8;
+  CacheManager a(cfg);
+  TorchCache ta(a);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(41);
+  run_steps({&ta}, gen, 0, 6, "source");  // 18 prompt tokens + 3 decoded
+  const std::string saved = bytes_of(a);
+  int64_t need = 0;
+  {
+    MultiSequenceCache roomy(pool_config(cfg));
+    load_bytes(roomy.add_sequence(), saved);
+    need = roomy.stats().bytes_in_use;
+  }
+  ASSERT_GT(need, 0);
+  const int64_t per_block = need / (2 * 2 * 2 * 3);  // layers x KV heads x streams x blocks
+  ASSERT_EQ(need, per_block * 24);
+
+  // A cache of need − 8 bytes, its sequence holding a 4-token request: even ending that request
+  // leaves too little. Refused, nothing changed; then every class of a bad file, likewise.
+  MultiSequenceCache small(pool_config(cfg, need - 8));
+  Sequence& seq = small.add_sequence();
+  std::vector<int64_t> mine = {900, 901, 902, 903};
+  seq.begin_request(mine, 40);
+  TorchCache ts(seq);
+  step_all({&ts}, gen, 4, StepKind::kPrefillEnd, false, "small");
+  const std::string before = bytes_of(seq);
+  const PoolStats st = small.stats();
+  auto unchanged = [&](const std::string& where) {
+    small.check_invariants();
+    EXPECT_EQ(bytes_of(seq), before) << where;
+    EXPECT_EQ(small.stats().bytes_in_use, st.bytes_in_use) << where;
+    EXPECT_EQ(small.stats().cached_blocks, st.cached_blocks) << where;
+    EXPECT_EQ(seq.prefix().prompt_tokens, 4) << where;
+  };
+  try {
+    load_bytes(seq, saved);
+    ADD_FAILURE() << "no PoolFullError";
+  } catch (const PoolFullError& e) {
+    EXPECT_FALSE(e.preempted());
+    EXPECT_THAT(e.what(), HasSubstr(std::to_string(need) + " B of blocks"));
+  }
+  unchanged("no room");
+  std::string flipped = saved;
+  flipped[flipped.size() / 2] ^= 0x10;
+  EXPECT_EQ(reason_of([&] { load_bytes(seq, flipped); }), Reason::kChecksum);
+  unchanged("flipped");
+  EXPECT_EQ(reason_of([&] { load_bytes(seq, saved, "another-model"); }), Reason::kOtherModel);
+  unchanged("other model");
+  EXPECT_EQ(reason_of([&] { load_bytes(seq, saved.substr(0, saved.size() - 1)); }), Reason::kTruncated);
+  unchanged("truncated");
+  auto other_scheme = cfg;
+  other_scheme.scheme = "int8";
+  Sequence& int8 = small.add_sequence(other_scheme);
+  EXPECT_EQ(reason_of([&] { load_bytes(int8, saved); }), Reason::kOtherConfig);
+  unchanged("other scheme");
+  EXPECT_EQ(reason_of([&] { int8.load("/nonexistent-dir/x.kvsnap", kModel); }), Reason::kIo);
+  unchanged("missing file");
+}
+
+TEST(Snapshot, LoadIntoASequenceEndsItsRequestAndReclaimsUnusedPrefixes) {
+  // A pool of exactly the snapshot's bytes, holding a finished request's cached prefix (2
+  // blocks per list) and the target's own 4-token request (1 block per list): the load fits
+  // only by ending the target's request and reclaiming the prefix. It does, and continues exactly.
+  auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
+  cfg.block_tokens = 8;
+  CacheManager a(cfg);
+  TorchCache ta(a);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
+  run_steps({&ta}, gen, 0, 6, "source");
+  const std::string saved = bytes_of(a);
+  const int64_t need = [&] {
+    MultiSequenceCache roomy(pool_config(cfg));
+    load_bytes(roomy.add_sequence(), saved);
+    return roomy.stats().bytes_in_use;
+  }();
+  MultiSequenceCache pool(pool_config(cfg, need));
+  Sequence& first = pool.add_sequence();
+  std::vector<int64_t> prompt(17);
+  std::iota(prompt.begin(), prompt.end(), 500);
+  first.begin_request(prompt, 40);
+  TorchCache t1(first);
+  auto gen2 = at::make_generator<at::CPUGeneratorImpl>(44);
+  step_all({&t1}, gen2, 16, StepKind::kPrefill, false, "first");
+  first.finish();
+  ASSERT_EQ(pool.stats().cached_blocks, 2 * 2 * 2 * 2);
+  Sequence& target = pool.add_sequence();
+  target.begin_request({1, 2, 3, 4}, 40);
+  TorchCache tt(target);
+  step_all({&tt}, gen2, 4, StepKind::kPrefillEnd, false, "target");
+  ASSERT_EQ(pool.stats().bytes_in_use, need);
+  const PrefixCounters c0 = pool.counters();
+  load_bytes(target, saved);
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().bytes_in_use, need);
+  EXPECT_EQ(pool.stats().cached_blocks, 0);
+  EXPECT_EQ((pool.counters() - c0).blocks_reclaimed, 16);
+  expect_same_blocks(a, target, "reclaimed");
+  run_steps({&ta, &tt}, gen, 6, 8, "reclaimed, continued");
+}
+
 TEST(SnapshotRefusal, SaveInsideAStepIsRefused) {
   auto cfg = make_config(2, 4, 2, 8, "int4:g4", "full", 40);
   CacheManager m(cfg);
@@ -711,6 +892,495 @@ TEST(SnapshotFile, KillNineInTheMiddleOfASaveLeavesALoadableSnapshot) {
   EXPECT_TRUE(killed_mid_save) << "never caught the child inside a save";
   for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
   ::rmdir(dir.c_str());
+}
+
+// ------------------------------------------------------------ the prefix index on disk
+
+/// K, V and q of a token as a function of its id alone (tables drawn from a fixed seed), so
+/// that two processes, or two requests, computing the same tokens store the same bytes.
+struct TokenKV {
+  static constexpr int64_t kVocab = 64;
+  at::Tensor k, v, q;  ///< [L, H, vocab, D]
+  explicit TokenKV(const CacheConfig& c) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+    k = testing::randn({c.num_layers, c.num_kv_heads, kVocab, c.head_dim}, gen) * 2.0;
+    v = testing::randn({c.num_layers, c.num_kv_heads, kVocab, c.head_dim}, gen);
+    q = testing::randn({c.num_layers, c.num_q_heads, kVocab, c.head_dim}, gen);
+  }
+  static at::Tensor rows(const at::Tensor& t, int64_t l, const std::vector<int64_t>& ids, int64_t from, int64_t to) {
+    const std::vector<int64_t> slice(ids.begin() + from, ids.begin() + to);
+    return t[l].index_select(1, at::tensor(slice, at::kLong)).unsqueeze(0).contiguous();
+  }
+  /// One step of tokens ids[from, to) (append + attend per layer); the attend outputs.
+  std::vector<at::Tensor> step(TorchCache& t, const std::vector<int64_t>& ids, int64_t from, int64_t to,
+                               StepKind kind) const {
+    std::vector<at::Tensor> outs;
+    for (int64_t l = 0; l < t.config().num_layers; ++l) {
+      t.append(l, rows(k, l, ids, from, to), rows(v, l, ids, from, to), positions_range(from, to - from));
+      outs.push_back(t.attend(l, rows(q, l, ids, from, to), positions_range(from, to - from)));
+    }
+    t.end_step(kind);
+    return outs;
+  }
+};
+
+/// Prompts of the index tests: two that share their first 16 tokens and then diverge.
+std::vector<int64_t> index_prompt(int which, int64_t n) {
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) p[static_cast<size_t>(i)] = i < 16 ? (i * 5 + 3) % TokenKV::kVocab : (i * 7 + which * 11) % TokenKV::kVocab;
+  return p;
+}
+
+CacheConfig index_config(const std::string& scheme = "int4:g4") {
+  auto c = make_config(2, 4, 2, 8, scheme, "full", 64);
+  c.block_tokens = 8;
+  return c;
+}
+
+/// Runs prompts 0 (32 tokens) and 1 (40 tokens) through `pool` (their pages enter the index).
+void fill_index(MultiSequenceCache& pool, const TokenKV& kv) {
+  for (int which : {0, 1}) {
+    Sequence& s = pool.add_sequence();
+    const std::vector<int64_t> p = index_prompt(which, which == 0 ? 32 : 40);
+    const int64_t cached = s.begin_request(p, 64).cached_tokens;
+    TorchCache t(s);
+    kv.step(t, p, cached, static_cast<int64_t>(p.size()), StepKind::kPrefillEnd);
+    s.finish();
+  }
+}
+
+/// The same request computed whole (no sharing) and served by `pool` (reusing its index):
+/// EXPECTs a prefix hit of `hit` tokens, equal blocks and bit-identical attend() outputs for
+/// the computed tokens' step and two decode steps.
+void expect_served_exactly(MultiSequenceCache& pool, const TokenKV& kv, const std::vector<int64_t>& prompt,
+                           int64_t hit, const std::string& where) {
+  CacheManager scratch(pool.config().model);
+  scratch.reset(64);
+  TorchCache ts(scratch);
+  Sequence& s = pool.add_sequence();
+  ASSERT_EQ(s.begin_request(prompt, 64).cached_tokens, hit) << where;
+  TorchCache tr(s);
+  const auto n = static_cast<int64_t>(prompt.size());
+  kv.step(ts, prompt, 0, hit, StepKind::kPrefill);
+  const auto a = kv.step(ts, prompt, hit, n, StepKind::kPrefillEnd);
+  const auto b = kv.step(tr, prompt, hit, n, StepKind::kPrefillEnd);
+  for (size_t l = 0; l < a.size(); ++l) EXPECT_TRUE(at::equal(a[l], b[l])) << where << " layer " << l;
+  expect_same_blocks(scratch, s, where);
+  std::vector<int64_t> more = prompt;
+  for (int64_t d = 0; d < 2; ++d) {
+    more.push_back((d * 13 + 1) % TokenKV::kVocab);
+    const auto x = kv.step(ts, more, n + d, n + d + 1, StepKind::kDecode);
+    const auto y = kv.step(tr, more, n + d, n + d + 1, StepKind::kDecode);
+    for (size_t l = 0; l < x.size(); ++l) EXPECT_TRUE(at::equal(x[l], y[l])) << where << " decode " << d;
+  }
+  pool.check_invariants();
+  pool.remove_sequence(s);
+}
+
+TEST(PrefixIndexFile, SaveLoadServesTheSamePrefixesBitForBit) {
+  for (const std::string scheme : {"int4:g4", "kivi:k2:v4:g4:r8", "fp16"}) {
+    const CacheConfig cfg = index_config(scheme);
+    const TokenKV kv(cfg);
+    MultiSequenceCache a(pool_config(cfg));
+    fill_index(a, kv);
+    const std::string dir = temp_dir("index_" + std::to_string(std::hash<std::string>()(scheme)));
+    a.save_prefix_index(dir, kModel);
+    // Pages of 8 tokens: prompt 0 publishes 4, prompt 1 reuses 2 of them and publishes 3 more;
+    // KIVI keeps each prompt's last 8 tokens in its residuals: 3, then 2 more.
+    const bool kivi = scheme.rfind("kivi", 0) == 0;
+    const int64_t pages = kivi ? 5 : 7;
+    const std::vector<std::string> files = dir_entries(dir);
+    ASSERT_EQ(files.size(), 2u) << scheme;  // the manifest and one pages file
+    EXPECT_EQ(files[0], "MANIFEST");
+    a.save_prefix_index(dir, kModel);  // again: the same content, still two files
+    EXPECT_EQ(dir_entries(dir), files);
+
+    MultiSequenceCache b(pool_config(cfg));
+    EXPECT_EQ(b.load_prefix_index(dir, kModel), pages) << scheme;
+    b.check_invariants();
+    EXPECT_EQ(b.stats().cached_blocks, a.stats().cached_blocks);
+    EXPECT_EQ(b.stats().bytes_in_use, a.stats().bytes_in_use);
+    EXPECT_EQ(b.load_prefix_index(dir, kModel), 0) << "pages held already are not added twice";
+    b.check_invariants();
+    // A request on branch 1 with new tokens: served from the loaded index, as from a's.
+    std::vector<int64_t> p = index_prompt(1, 40);
+    for (int64_t i = 0; i < 9; ++i) p.push_back(60 - i);
+    // Whole pages of branch 1 the index holds: all 5 (int4, fp16); KIVI's last 8 prompt tokens
+    // stay in its residuals, so 4 pages were published.
+    const int64_t hit = kivi ? 32 : 40;
+    expect_served_exactly(b, kv, p, hit, scheme + " from the loaded index");
+    expect_served_exactly(a, kv, p, hit, scheme + " from memory");
+    for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+    ::rmdir(dir.c_str());
+  }
+}
+
+/// The child half of PrefixIndexFile.WarmStartInASecondProcess: run by that test in a process of
+/// its own (this binary, exec'd with KVCACHE_TEST_INDEX_DIR set), it fills an index and saves it
+/// there. Skipped when run any other way.
+TEST(PrefixIndexChild, SavesAnIndexForTheParentProcess) {
+  const char* dir = std::getenv("KVCACHE_TEST_INDEX_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "the child half of PrefixIndexFile.WarmStartInASecondProcess";
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache a(pool_config(cfg));
+  fill_index(a, kv);
+  a.save_prefix_index(dir, kModel);
+}
+
+TEST(PrefixIndexFile, WarmStartInASecondProcess) {
+  const std::string dir = temp_dir("warm");
+  const std::string target = dir + "/index";
+  ::setenv("KVCACHE_TEST_INDEX_DIR", target.c_str(), 1);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const char* argv[] = {"snapshot_test", "--gtest_filter=PrefixIndexChild.SavesAnIndexForTheParentProcess", nullptr};
+    ::execv("/proc/self/exe", const_cast<char* const*>(argv));
+    ::_exit(127);
+  }
+  ::unsetenv("KVCACHE_TEST_INDEX_DIR");
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child failed: status " << status;
+  // This process never computed the prompts: its index comes from the child's files.
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache b(pool_config(cfg));
+  EXPECT_EQ(b.load_prefix_index(target, kModel), 7);
+  b.check_invariants();
+  std::vector<int64_t> p = index_prompt(0, 32);
+  p.resize(20);  // branch 0's first 20 tokens, then others: 2 whole pages are shared
+  for (int64_t i = 0; i < 5; ++i) p.push_back(40 + i);
+  const PrefixCounters c0 = b.counters();
+  expect_served_exactly(b, kv, p, 16, "warm start");
+  EXPECT_EQ((b.counters() - c0).prompt_tokens_hit, 16);
+  for (const auto& e : dir_entries(target)) std::remove((target + "/" + e).c_str());
+  ::rmdir(target.c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(PrefixIndexFile, RefusalsLeaveTheCacheUnchanged) {
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache a(pool_config(cfg));
+  fill_index(a, kv);
+  const std::string dir = temp_dir("index_refusals");
+  a.save_prefix_index(dir, kModel);
+  const int64_t need = a.stats().bytes_in_use;
+  std::string pages_file;
+  for (const auto& e : dir_entries(dir)) {
+    if (e != "MANIFEST") pages_file = dir + "/" + e;
+  }
+  const std::string good = read_bytes(pages_file), manifest = read_bytes(dir + "/MANIFEST");
+  auto write = [](const std::string& path, const std::string& bytes) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  };
+
+  // The target holds an index of its own (prompt 1 only) and a running request.
+  MultiSequenceCache b(pool_config(cfg));
+  {
+    Sequence& s = b.add_sequence();
+    const std::vector<int64_t> p = index_prompt(1, 24);
+    s.begin_request(p, 64);
+    TorchCache t(s);
+    kv.step(t, p, 0, 24, StepKind::kPrefillEnd);
+  }
+  const PoolStats st = b.stats();
+  auto refuse = [&](const std::string& where, std::string* what = nullptr, const std::string& model = kModel) {
+    const Reason r = reason_of([&] { b.load_prefix_index(dir, model); }, what);
+    b.check_invariants();
+    EXPECT_EQ(b.stats().bytes_in_use, st.bytes_in_use) << where;
+    EXPECT_EQ(b.stats().cached_blocks, st.cached_blocks) << where;
+    return r;
+  };
+  std::string what;
+  EXPECT_EQ(refuse("other model", &what, "another-model"), Reason::kOtherModel);
+  EXPECT_THAT(what, HasSubstr("another-model"));
+  {
+    auto c8 = cfg;
+    c8.scheme = "int8";
+    MultiSequenceCache other(pool_config(c8));
+    EXPECT_EQ(reason_of([&] { other.load_prefix_index(dir, kModel); }, &what), Reason::kOtherConfig);
+    EXPECT_THAT(what, HasSubstr("is stored by no configuration of this cache"));
+    EXPECT_EQ(other.stats().cached_blocks, 0);
+    auto shape = cfg;
+    shape.head_dim = 16;
+    MultiSequenceCache wide(pool_config(shape));
+    EXPECT_EQ(reason_of([&] { wide.load_prefix_index(dir, kModel); }, &what), Reason::kOtherConfig);
+    EXPECT_THAT(what, HasSubstr("head_dim is 8 in the index, 16 in the cache"));
+  }
+  // Every byte of the pages file flipped in turn (a stride): the manifest's checksum refuses it.
+  for (size_t i = 0; i < good.size(); i += 97) {
+    std::string bad = good;
+    bad[i] ^= 0x04;
+    write(pages_file, bad);
+    ASSERT_EQ(refuse("flipped " + std::to_string(i)), Reason::kChecksum) << i;
+  }
+  write(pages_file, good.substr(0, good.size() - 5));
+  EXPECT_EQ(refuse("truncated pages"), Reason::kTruncated);
+  write(pages_file, good);
+  std::string bad_manifest = manifest;
+  bad_manifest[manifest.size() - 12] ^= 0x01;
+  write(dir + "/MANIFEST", bad_manifest);
+  EXPECT_EQ(refuse("flipped manifest"), Reason::kChecksum);
+  write(dir + "/MANIFEST", "not a manifest");
+  EXPECT_EQ(refuse("not a manifest"), Reason::kNotSnapshot);
+  std::remove((dir + "/MANIFEST").c_str());
+  EXPECT_EQ(refuse("no manifest", &what), Reason::kIo);
+  EXPECT_THAT(what, HasSubstr("MANIFEST"));
+  write(dir + "/MANIFEST", manifest);
+  // No room: the pool's free bytes are less than the index's blocks (a load reclaims nothing).
+  {
+    MultiSequenceCache tight(pool_config(cfg, need - 8));
+    try {
+      tight.load_prefix_index(dir, kModel);
+      ADD_FAILURE() << "no PoolFullError";
+    } catch (const PoolFullError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(std::to_string(need) + " B of blocks"));
+    }
+    tight.check_invariants();
+    EXPECT_EQ(tight.stats().bytes_in_use, 0);
+  }
+  // Restored, it loads. The target published prompt 1's first 3 pages itself (the first 2 are
+  // prompt 0's too): of the file's 7 pages it gains the other 4, and keeps its own copies.
+  const int64_t added = b.load_prefix_index(dir, kModel);
+  b.check_invariants();
+  EXPECT_EQ(added, 4);
+  EXPECT_EQ(b.stats().cached_blocks, st.cached_blocks + 4 * 2 * 2 * 2);
+  for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(PrefixIndexFile, ForgedContentWithValidChecksumsIsInconsistent) {
+  // Pages files edited and resealed (every section checksum and the manifest's checksum and
+  // size recomputed): the content checks refuse them, the cache unchanged.
+  const CacheConfig cfg = index_config();
+  const TokenKV kv(cfg);
+  MultiSequenceCache a(pool_config(cfg));
+  fill_index(a, kv);
+  const std::string dir = temp_dir("index_forged");
+  a.save_prefix_index(dir, kModel);
+  std::string pages_file;
+  for (const auto& e : dir_entries(dir)) {
+    if (e != "MANIFEST") pages_file = dir + "/" + e;
+  }
+  const std::string good = read_bytes(pages_file), manifest = read_bytes(dir + "/MANIFEST");
+  uint64_t head = 0;
+  std::memcpy(&head, good.data() + 24 + 8, 8);
+  const size_t page1 = 24 + 24 + static_cast<size_t>(head) + 8;  // the first PAGE section's header
+  uint64_t page1_size = 0;
+  std::memcpy(&page1_size, good.data() + page1 + 8, 8);
+  const size_t page2 = page1 + 24 + static_cast<size_t>(page1_size) + 8;
+  auto forge = [&](const std::function<void(std::string&)>& edit, const std::string& where) {
+    std::string f = good;
+    edit(f);
+    reseal(f);
+    std::ofstream(pages_file, std::ios::binary | std::ios::trunc) << f;
+    std::string m = manifest;
+    const uint64_t size = f.size(), sum = XXH3_64bits(f.data(), f.size());
+    std::memcpy(&m[m.size() - 8 - 16], &size, 8);
+    std::memcpy(&m[m.size() - 8 - 8], &sum, 8);
+    reseal(m);
+    std::ofstream(dir + "/MANIFEST", std::ios::binary | std::ios::trunc) << m;
+    MultiSequenceCache b(pool_config(cfg));
+    std::string what;
+    const Reason r = reason_of([&] { b.load_prefix_index(dir, kModel); }, &what);
+    b.check_invariants();
+    EXPECT_EQ(b.stats().bytes_in_use, 0) << where;
+    EXPECT_EQ(b.stats().cached_blocks, 0) << where;
+    return std::make_pair(r, what);
+  };
+  // The second page names a parent after it.
+  auto got = forge([&](std::string& f) { f[page2 + 24 + 4] = 9; }, "parent after");
+  EXPECT_EQ(got.first, Reason::kInconsistent);
+  EXPECT_THAT(got.second, HasSubstr("is not on the path before it"));
+  // The first page's first block claims 7 filled slots: not a full block.
+  got = forge(
+      [&](std::string& f) {
+        const size_t blocks = page1 + 24 + 4 + 8 + 8 * 8;  // ns, parent, 8 token ids
+        f[blocks + 4 + 1] = 7;                             // list 0: count u32, then format u8, filled u16
+      },
+      "partial block");
+  EXPECT_EQ(got.first, Reason::kInconsistent);
+  // A namespace index beyond the header's.
+  got = forge([&](std::string& f) { f[page1 + 24] = 3; }, "namespace");
+  EXPECT_EQ(got.first, Reason::kInconsistent);
+  EXPECT_THAT(got.second, HasSubstr("namespace 3"));
+  {
+    std::ofstream(pages_file, std::ios::binary | std::ios::trunc) << good;
+    std::ofstream(dir + "/MANIFEST", std::ios::binary | std::ios::trunc) << manifest;
+    MultiSequenceCache b(pool_config(cfg));
+    EXPECT_EQ(b.load_prefix_index(dir, kModel), 7);  // restored: it loads
+  }
+  for (const auto& e : dir_entries(dir)) std::remove((dir + "/" + e).c_str());
+  ::rmdir(dir.c_str());
+}
+
+// ------------------------------------------------------------ the disk tier under the pool
+
+/// A scripted workload over a pool of 6 pages (int4, pages of 8 tokens: a page = 8 blocks,
+/// layers x KV heads x streams): request A (32 tokens, 4 pages), then B (32 other tokens) —
+/// whose second layer's append reclaims A's last 2 pages (spilled: A3, A2) — then A + 8 new
+/// tokens, served from the disk tier past A0, A1 in memory, compared with computing it whole.
+struct DiskWorkload {
+  const CacheConfig cfg = index_config();
+  const TokenKV kv{cfg};
+  std::string dir;
+  int64_t page_bytes = 0;
+  std::unique_ptr<MultiSequenceCache> pool;
+
+  DiskWorkload(const std::string& name, int64_t tier_files_or_0) {
+    dir = temp_dir(name);
+    {  // the bytes of a page and of its spilled file, measured on a roomy pool
+      MultiSequenceCache probe(pool_config(cfg));
+      run(probe, prompt_a());
+      page_bytes = probe.stats().bytes_in_use / 4;
+    }
+    auto mc = pool_config(cfg, 6 * page_bytes);
+    mc.disk_tier_dir = dir;
+    mc.disk_tier_bytes = tier_files_or_0 > 0 ? tier_files_or_0 * file_bytes() : int64_t{1} << 30;
+    pool = std::make_unique<MultiSequenceCache>(mc);
+  }
+  ~DiskWorkload() {
+    pool.reset();  // removes its files
+    EXPECT_EQ(dir_entries(dir), std::vector<std::string>{}) << "the tier's files outlived the cache";
+    ::rmdir(dir.c_str());
+  }
+  /// A spilled page's file: preamble 24, section header 24 + checksum 8; payload: key 16, the
+  /// namespace key (8 + its length), depth 8, P (8) + 8 token ids, then 8 lists of one block:
+  /// count 4 + record (head 1, filled 2, varint 1; codes 8 tokens x 8 channels x 4 bits = 32;
+  /// scales and zeros: 8 tokens x 2 groups of 4 channels x fp16 = 32 each).
+  int64_t file_bytes() const {
+    MultiSequenceCache probe(pool_config(cfg));
+    const std::string ns_key = cache::MultiSequenceAccess::storage_key(probe.add_sequence());
+    return 24 + 24 + 8 + 16 + 8 + static_cast<int64_t>(ns_key.size()) + 8 + 8 + 8 * 8 + 8 * (4 + 4 + 32 + 32 + 32);
+  }
+  static std::vector<int64_t> prompt_a() { return index_prompt(0, 32); }
+  static std::vector<int64_t> prompt_b() {
+    std::vector<int64_t> p(32);
+    for (int64_t i = 0; i < 32; ++i) p[static_cast<size_t>(i)] = (i * 3 + 41) % TokenKV::kVocab;
+    return p;
+  }
+  void run(MultiSequenceCache& c, const std::vector<int64_t>& p) const {
+    Sequence& s = c.add_sequence();
+    const int64_t cached = s.begin_request(p, 64).cached_tokens;
+    TorchCache t(s);
+    kv.step(t, p, cached, static_cast<int64_t>(p.size()), StepKind::kPrefillEnd);
+    c.remove_sequence(s);
+  }
+  std::vector<int64_t> prompt_a_longer() const {
+    std::vector<int64_t> p = prompt_a();
+    for (int64_t i = 0; i < 8; ++i) p.push_back(63 - i);
+    return p;
+  }
+};
+
+TEST(DiskTier, CountersOnAScriptedWorkload) {
+  DiskWorkload w("disk_counters", 0);
+  w.run(*w.pool, DiskWorkload::prompt_a());
+  w.run(*w.pool, DiskWorkload::prompt_b());
+  PrefixCounters c = w.pool->counters();
+  EXPECT_EQ(c.disk_pages_written, 2);  // A3, A2: B's second layer needed 2 pages
+  EXPECT_EQ(c.disk_bytes_written, 2 * w.file_bytes());
+  EXPECT_EQ(dir_entries(w.dir).size(), 2u);
+  for (const auto& e : dir_entries(w.dir)) {
+    struct stat st {};
+    ASSERT_EQ(::stat((w.dir + "/" + e).c_str(), &st), 0);
+    EXPECT_EQ(st.st_size, w.file_bytes()) << e;
+  }
+  // A + 8: A0, A1 in memory; A2, A3 read back (each reclaiming a page of B: B3, B2 spilled);
+  // the 8 new tokens take a page (B1 spilled), the first decode step another (B0 spilled).
+  const PrefixCounters c0 = c;
+  expect_served_exactly(*w.pool, w.kv, w.prompt_a_longer(), 32, "served from disk");
+  c = w.pool->counters() - c0;
+  EXPECT_EQ(c.prompt_tokens_hit, 32);
+  EXPECT_EQ(c.prompt_tokens_hit_memory, 16);
+  EXPECT_EQ(c.prompt_tokens_hit_disk, 16);
+  EXPECT_EQ(c.disk_pages_read, 2);
+  EXPECT_EQ(c.disk_bytes_read, 2 * w.file_bytes());
+  EXPECT_EQ(c.disk_pages_written, 4);
+  EXPECT_EQ(c.disk_bytes_written, 4 * w.file_bytes());
+  EXPECT_EQ(c.disk_evictions, 0);
+  EXPECT_EQ(c.disk_failures, 0);
+  EXPECT_EQ(dir_entries(w.dir).size(), 6u);  // read files stay (a page reclaimed again is not rewritten)
+  w.pool->check_invariants();
+}
+
+TEST(DiskTier, EvictionsKeepTheTierWithinItsBytes) {
+  // A tier of 3 files. A3, A2 spilled; then A + 8: A2 is read (B3 spilled: 3 files), reading A3
+  // reclaims B2, whose file evicts the least recent, A3's — so the hit ends at A2 (24 tokens).
+  // Computing 16 tokens reclaims B1 (evicting B3), the first decode step B0 (evicting A2).
+  DiskWorkload w("disk_evictions", 3);
+  w.run(*w.pool, DiskWorkload::prompt_a());
+  w.run(*w.pool, DiskWorkload::prompt_b());
+  expect_served_exactly(*w.pool, w.kv, w.prompt_a_longer(), 24, "partly from disk");
+  const PrefixCounters c = w.pool->counters();
+  EXPECT_EQ(c.prompt_tokens_hit_memory, 16);
+  EXPECT_EQ(c.prompt_tokens_hit_disk, 8);
+  EXPECT_EQ(c.disk_pages_written, 6);
+  EXPECT_EQ(c.disk_pages_read, 1);
+  EXPECT_EQ(c.disk_evictions, 3);
+  EXPECT_EQ(c.disk_failures, 0);
+  EXPECT_EQ(dir_entries(w.dir).size(), 3u);
+  EXPECT_EQ(c.disk_bytes_written, 6 * w.file_bytes());
+  EXPECT_EQ(c.disk_bytes_read, w.file_bytes());
+}
+
+TEST(DiskTier, ACorruptTruncatedOrMissingFileIsAMiss) {
+  for (const std::string how : {"flipped", "truncated", "removed"}) {
+    DiskWorkload w("disk_" + how, 0);
+    w.run(*w.pool, DiskWorkload::prompt_a());
+    w.run(*w.pool, DiskWorkload::prompt_b());
+    for (const auto& e : dir_entries(w.dir)) {  // both spilled pages, A2 and A3
+      const std::string path = w.dir + "/" + e;
+      std::string bytes = read_bytes(path);
+      if (how == "removed") {
+        std::remove(path.c_str());
+        continue;
+      }
+      if (how == "flipped") bytes[bytes.size() / 2] ^= 0x20;
+      if (how == "truncated") bytes.resize(bytes.size() - 9);
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    }
+    // A2 cannot be read: a miss, counted, its entry dropped; the request computes 24 tokens.
+    expect_served_exactly(*w.pool, w.kv, w.prompt_a_longer(), 16, how);
+    const PrefixCounters c = w.pool->counters();
+    EXPECT_EQ(c.disk_failures, 1) << how;
+    EXPECT_EQ(c.disk_pages_read, 0) << how;
+    EXPECT_EQ(c.prompt_tokens_hit_disk, 0) << how;
+    w.pool->check_invariants();
+  }
+}
+
+TEST(DiskTier, ConfigurationIsValidated) {
+  auto mc = pool_config(index_config());
+  mc.disk_tier_bytes = 100;
+  EXPECT_THROW(
+      {
+        try {
+          MultiSequenceCache c(mc);
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("disk_tier_bytes = 100 without a disk_tier_dir"));
+          throw;
+        }
+      },
+      InvalidArgument);
+  mc.disk_tier_dir = temp_dir("disk_cfg");
+  mc.disk_tier_bytes = 0;
+  EXPECT_THROW(MultiSequenceCache c(mc), InvalidArgument);
+  mc.disk_tier_bytes = 1 << 20;
+  const std::string file = mc.disk_tier_dir + "/plain";
+  std::ofstream(file) << "x";
+  mc.disk_tier_dir = file;
+  try {
+    MultiSequenceCache c(mc);
+    ADD_FAILURE() << "a file accepted as the tier's directory";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("it exists and is not a directory"));
+  }
+  std::remove(file.c_str());
+  ::rmdir((temp_dir("disk_cfg")).c_str());
 }
 
 // ------------------------------------------------------------ the fuzz target's seeds

@@ -3,6 +3,7 @@
 // with prefix sharing off and on, one table of what each lever saves alone and together.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iostream>
 #include <memory>
@@ -39,6 +40,8 @@ void add_prefix_command(CLI::App& app) {
   auto threads = std::make_shared<int>(1);
   auto pool_mib = std::make_shared<double>(1024.0);
   auto when_full = std::make_shared<std::string>("preempt");
+  auto disk_tier = std::make_shared<std::string>();
+  auto disk_mib = std::make_shared<double>(0.0);
   cmd->add_option("--model", *model, "exported model (.pt)")->capture_default_str();
   cmd->add_option("--configs", *configs, "arms: a comma list, a file or an arm set (as `run`)")->capture_default_str();
   cmd->add_option("--out", *out, "directory for prefix.md and prefix.json (default: print only)");
@@ -67,6 +70,16 @@ void add_prefix_command(CLI::App& app) {
                   "refuse (the request that needs room ends)")
       ->capture_default_str()
       ->check(CLI::IsMember({"preempt", "refuse"}));
+  auto* disk_opt = cmd->add_option(
+      "--disk-tier", *disk_tier,
+      "directory for a disk tier under each sharing run's pool (created if missing): reclaimed prefix pages spill "
+      "there, and each sharing run is followed by a second pass restored from it; the report's disk table shows "
+      "hits by tier and restore against recompute time (docs/cache-manager.md, \"Disk tier\")");
+  auto* disk_mib_opt =
+      cmd->add_option("--disk-mib", *disk_mib, "bytes the disk tier's files may take, in MiB (with --disk-tier)")
+          ->check(NumberRange(1.0 / 1024.0, 1024.0 * 1024.0));  // finite: NaN passes CLI::Range
+  disk_opt->needs(disk_mib_opt);
+  disk_mib_opt->needs(disk_opt);
   cmd->add_option("--threads", *threads, "LibTorch intra-op threads")
       ->capture_default_str()
       ->check(IntRange(1, kMaxThreads));
@@ -90,6 +103,10 @@ void add_prefix_command(CLI::App& app) {
     po.prefill_chunk = *chunk;
     po.pool_bytes = static_cast<int64_t>(*pool_mib * 1024.0 * 1024.0);
     po.when_full = *when_full == "refuse" ? kvcache::PoolFullRule::kRefuse : kvcache::PoolFullRule::kPreemptNewest;
+    if (!disk_tier->empty()) {
+      po.disk_tier_dir = *disk_tier;
+      po.disk_tier_bytes = std::max<int64_t>(1, static_cast<int64_t>(*disk_mib * 1024.0 * 1024.0));
+    }
     const PrefixWorkloadRunner runner(po);
     std::vector<Arm> canon;
     for (const Arm& a : arms) canon.push_back(runner.canonicalize(a));
@@ -98,6 +115,10 @@ void add_prefix_command(CLI::App& app) {
     if (!out->empty()) {
       KV_CHECK_ARG(::mkdir(out->c_str(), 0755) == 0 || (::stat(out->c_str(), &st) == 0 && S_ISDIR(st.st_mode)),
                    "cannot create directory '", *out, "'");
+    }
+    if (!disk_tier->empty()) {  // after --out: a tier inside it is fine
+      KV_CHECK_ARG(::mkdir(disk_tier->c_str(), 0755) == 0 || (::stat(disk_tier->c_str(), &st) == 0 && S_ISDIR(st.st_mode)),
+                   "--disk-tier: cannot create directory '", *disk_tier, "'");
     }
     std::vector<PrefixRunResult> results;
     for (const PrefixWorkload& w : wls) {
@@ -110,6 +131,10 @@ void add_prefix_command(CLI::App& app) {
                     << r.prompt_tokens << " prompt tokens, peak pool " << r.peak_pool_bytes << " B, " << r.seconds
                     << " s";
           if (r.preempted + r.refused > 0) std::cerr << ", " << r.preempted << " preempted, " << r.refused << " refused";
+          if (r.disk_pass) {
+            std::cerr << "; from disk: " << r.disk_pass->counters.prompt_tokens_hit_disk << " tokens restored, "
+                      << r.disk_pass->same_outputs << "/" << r.requests << " replies equal";
+          }
           std::cerr << "\n";
         }
       }

@@ -715,6 +715,46 @@ class DefaultModelTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("drop", r.stderr)
 
+    def test_prefix_disk_tier_restores_from_disk(self):
+        """`kv_study prefix --disk-tier DIR --disk-mib M`: each sharing run is followed by a
+        second pass after every cached page was reclaimed to the disk tier; the pass restores its
+        prefixes from disk (hits by tier in the JSON and the disk table), replies exactly as the
+        first pass, and the tier's files are gone afterwards. Each flag needs the other; a
+        --disk-mib out of range is refused."""
+        with tempfile.TemporaryDirectory() as d:
+            tier = os.path.join(d, "tier")
+            r = subprocess.run([os.path.abspath(KV_STUDY), "prefix", "--workloads", "1", "--requests", "2",
+                                "--configs", "int4+full", "--disk-tier", tier, "--disk-mib", "64", "--out", d],
+                               capture_output=True, text=True, timeout=300, cwd=REPO)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("### Disk tier: a second pass restored from disk", r.stdout)
+            self.assertIn("| restore ms/token | recompute ms/token | × faster | replies equal |", r.stdout)
+            with open(os.path.join(d, "prefix.json")) as f:
+                runs = json.load(f)
+            self.assertEqual(os.listdir(tier), [])
+        for run in runs:
+            if not run["sharing"]:
+                self.assertIsNone(run["disk_pass"])
+                continue
+            p = run["disk_pass"]
+            self.assertGreater(p["pages_spilled"], 0, run["workload"])
+            self.assertGreater(p["prompt_tokens_hit_disk"], 0, run["workload"])
+            self.assertGreater(p["disk_pages_read"], 0)
+            self.assertGreater(p["disk_bytes_read"], 0)
+            self.assertEqual(p["disk_failures"], 0)
+            self.assertEqual(p["same_outputs"], run["requests"], run["workload"])
+            self.assertEqual(p["computed_tokens"],
+                             run["prompt_tokens"] - p["prompt_tokens_hit_memory"] - p["prompt_tokens_hit_disk"])
+            self.assertGreater(p["restore_seconds_per_token"], 0)
+            self.assertGreater(p["recompute_seconds_per_token"], 0)
+        for args, message in ((["--disk-mib", "8"], "--disk-mib requires --disk-tier"),
+                              (["--disk-tier", "/tmp/x"], "--disk-tier requires --disk-mib"),
+                              (["--disk-tier", "/tmp/x", "--disk-mib", "0"], "--disk-mib")):
+            r = subprocess.run([os.path.abspath(KV_STUDY), "prefix"] + args, capture_output=True, text=True,
+                               timeout=120, cwd=REPO)
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertIn(message, r.stderr, args)
+
 
 if __name__ == "__main__":
     unittest.main()

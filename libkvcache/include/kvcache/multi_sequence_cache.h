@@ -100,6 +100,16 @@ struct MultiSequenceConfig {
   /// NOT compute what computing it alone computes (H2O starts the prefix's scores at 0). For
   /// studies of sharing × eviction; off by default.
   bool allow_inexact_reuse = false;
+  /// A disk tier under the pool (off when empty): cached prefix pages that the pool reclaims
+  /// (LRU, to make room) are written to files in this directory — created if missing, its
+  /// parent must exist — instead of being dropped, and a later request whose prompt continues
+  /// past its match in memory reads, verifies and adopts them instead of computing them
+  /// (docs/cache-manager.md, "Disk tier"). The files are this cache's own (named after its
+  /// process and instance) and removed when it is destroyed.
+  std::string disk_tier_dir;
+  /// Bytes the disk tier's files may take, ≥ 1 when disk_tier_dir is set (0 otherwise): the
+  /// least recently written or read files are removed to stay within it.
+  int64_t disk_tier_bytes = 0;
 
   /// @throws InvalidArgument naming the bad field (model validated as CacheConfig::validate).
   void validate() const;
@@ -131,6 +141,22 @@ struct PrefixCounters {
   int64_t blocks_reclaimed = 0;       ///< cached blocks freed to make room (or by reclaim())
   int64_t preemptions = 0;            ///< requests preempted (PoolFullRule::kPreemptNewest)
   int64_t refusals = 0;               ///< calls refused with CapacityError for want of room
+  // By tier (prompt_tokens_hit = memory + disk; prompt_tokens_queried − prompt_tokens_hit were
+  // computed, the misses). The disk_* counters stay 0 without a disk tier.
+  int64_t prompt_tokens_hit_memory = 0;  ///< reused tokens whose pages were in the pool
+  int64_t prompt_tokens_hit_disk = 0;    ///< reused tokens whose pages were read from the disk tier
+  int64_t disk_pages_written = 0;        ///< reclaimed pages spilled to a file
+  int64_t disk_bytes_written = 0;        ///< bytes of those files
+  int64_t disk_pages_read = 0;           ///< spilled pages read back, verified and adopted
+  int64_t disk_bytes_read = 0;           ///< bytes of those files
+  int64_t disk_evictions = 0;            ///< files removed to stay within disk_tier_bytes
+  /// Spilled pages that could not be written (a full or read-only disk) or read back (a file
+  /// missing, truncated or corrupt): dropped, never an error of the request (a miss).
+  int64_t disk_failures = 0;
+  /// Wall time of the disk tier's reads: reading, verifying and adopting spilled pages, and
+  /// the room they need (reclaims, which may spill other pages) — what a prefix hit from disk
+  /// costs instead of recomputing its prefill — in seconds.
+  double disk_read_seconds = 0;
 
   /// prompt_tokens_hit / prompt_tokens_queried (0 when nothing was queried).
   double hit_rate() const;
@@ -205,6 +231,25 @@ class Sequence final : public SequenceCache {
   /// The same bytes written to `out`. @throws as save(path); SnapshotError (kIo) when the stream fails.
   void save(std::ostream& out, const std::string& model_fingerprint, const std::vector<int64_t>& tokens = {}) const;
 
+  /// Reads a snapshot (CacheManager::save or Sequence::save, docs/snapshot-format.md) into this
+  /// sequence, which then continues bit for bit as the saved cache would: its blocks as stored,
+  /// counters and policy state, in new blocks from the cache's pool. The file must match this
+  /// sequence's configuration (scheme, policy, block_tokens, shape, residual, key storage,
+  /// position mode; its context length replaces the sequence's) and `model_fingerprint`.
+  /// Every check runs before anything changes. Then the sequence's current request ends (its
+  /// blocks go back to the pool, as finish()), unused cached prefixes are reclaimed if the
+  /// snapshot needs their room (LRU, as make_room), and the loaded request begins: the newest
+  /// request (no other is preempted for it), with no prompt — it reuses nothing from the index
+  /// and publishes nothing to it. Valid at any point, as finish(); clears preempted().
+  /// @return the token ids saved with the snapshot (empty if none were given).
+  /// @throws SnapshotError naming the failed check (kvcache/snapshot.h; kIo when the file cannot
+  ///         be read); PoolFullError (preempted() false) when the snapshot's blocks do not fit
+  ///         even after this sequence's request ended and every unused cached prefix were
+  ///         reclaimed. Both change nothing: the sequence, the pool and the index are as before.
+  std::vector<int64_t> load(const std::string& path, const std::string& model_fingerprint);
+  /// The same from a stream (read to its end). @throws as load(path).
+  std::vector<int64_t> load(std::istream& in, const std::string& model_fingerprint);
+
   /// As SequenceCache (the same checks and guarantees), plus: PoolFullError (a CapacityError)
   /// when the pool has no room (PoolFullRule; preempted() false, the call changed nothing) or
   /// this sequence was preempted (preempted() true); InvalidArgument when the first step after
@@ -220,6 +265,8 @@ class Sequence final : public SequenceCache {
   friend class MultiSequenceCache;
   friend struct cache::MultiSequenceAccess;
   struct State;
+  std::vector<int64_t> load_bytes(const std::string& bytes, const std::string& model_fingerprint,
+                                  const std::string& source);
   Sequence(std::unique_ptr<cache::StepProtocol> steps, std::unique_ptr<State> state);
   std::unique_ptr<State> s_;
 };
@@ -256,6 +303,33 @@ class MultiSequenceCache {
   int64_t reclaim(int64_t bytes);
   /// Sets bytes_in_use_peak to bytes_in_use (per-phase peaks).
   void reset_peak();
+
+  /// Persists the prefix index to directory `dir` (created if missing; its parent must exist):
+  /// every cached page — its blocks exactly as stored, the P token ids it keys and its place in
+  /// the tree — in one pages file with an XXH3-64 per page, then a manifest naming that file,
+  /// its size and checksum, written atomically last (docs/snapshot-format.md, "Prefix index
+  /// directory"). A save that fails leaves the directory's previous index loadable; a save
+  /// that succeeds removes the previous pages file. Pages held by running sequences are
+  /// written too (shared blocks are read-only). Sequences are not written (Sequence::save).
+  /// @throws SnapshotError (kIo) naming the path and the OS error (a read-only or full disk).
+  void save_prefix_index(const std::string& dir, const std::string& model_fingerprint) const;
+  /// Warm start: reads the index `dir` holds (save_prefix_index, possibly by another process)
+  /// into this cache's index, whose later requests then reuse its prefixes as if they had
+  /// been computed here — bit for bit the same blocks. Every namespace of the index must be the
+  /// storage key of config().model or of a sequence already added (add_sequence(CacheConfig)
+  /// first for the others), under the same geometry and `model_fingerprint`; pages the index
+  /// already holds are kept and the file's copies dropped. The loaded pages are unused (the
+  /// first to be reclaimed, LRU in file order). All-or-nothing: every page is read and checked
+  /// (checksums, block records against the namespace's formats, full unholed blocks covering
+  /// exactly their page) before the index changes.
+  /// @return the pages added to the index.
+  /// @throws SnapshotError naming the file and the failed check (kIo: no manifest or pages
+  ///         file, unreadable; kOtherModel, kOtherConfig: geometry or a namespace no
+  ///         configuration of this cache stores, or prefix sharing off; kChecksum, kTruncated,
+  ///         kNotSnapshot, kFutureVersion, kInconsistent as for a snapshot); PoolFullError
+  ///         (preempted() false) when the pages need more than the pool's free bytes (the load
+  ///         reclaims nothing). Either leaves the cache unchanged.
+  int64_t load_prefix_index(const std::string& dir, const std::string& model_fingerprint);
 
   /// Every sequence's invariants, the index's structure and locks, and the pool: every block's
   /// reference count equals its holders (sequences' block lists and the index), the blocks in

@@ -141,6 +141,8 @@ class SequenceCache {
   SequenceCache& operator=(SequenceCache&&) noexcept;
   cache::StepProtocol& steps() { return *steps_; }
   const cache::StepProtocol& steps() const { return *steps_; }
+  /// Replaces the steps (Sequence::load swaps in a restored sequence); returns the old ones.
+  std::unique_ptr<cache::StepProtocol> replace_steps(std::unique_ptr<cache::StepProtocol> steps);
 
  private:
   friend class ExternalAttention;

@@ -37,6 +37,10 @@ SequenceCache::~SequenceCache() = default;
 SequenceCache::SequenceCache(SequenceCache&&) noexcept = default;
 SequenceCache& SequenceCache::operator=(SequenceCache&&) noexcept = default;
 
+std::unique_ptr<cache::StepProtocol> SequenceCache::replace_steps(std::unique_ptr<cache::StepProtocol> steps) {
+  steps_.swap(steps);
+  return steps;
+}
 const CacheConfig& SequenceCache::config() const { return steps_->config(); }
 const EvictionPolicy& SequenceCache::policy() const { return steps_->policy(); }
 void SequenceCache::reset(int64_t context_length) { steps_->reset(context_length); }

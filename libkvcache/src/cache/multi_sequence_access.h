@@ -6,6 +6,7 @@
 /// holds. Not part of the public API.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cache/step_protocol.h"
@@ -22,6 +23,8 @@ struct MultiSequenceAccess {
     int64_t bytes = 0;
   };
   static std::vector<BlockBytes> cached_blocks(const MultiSequenceCache& c);
+  /// The prefix index namespace of `seq`'s configuration (its storage key; "" if never shared).
+  static std::string storage_key(const Sequence& seq);
 };
 
 }  // namespace kvcache::cache

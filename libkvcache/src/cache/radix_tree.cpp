@@ -205,6 +205,25 @@ void RadixTree::for_each_page(const std::function<void(PageId, bool)>& fn) const
   }
 }
 
+void RadixTree::for_each_page_in_order(
+    const std::function<void(const Namespace& ns, PageId page, PageId parent, const int64_t* tokens)>& fn) const {
+  for (const auto& [key, r] : roots_) {
+    const Namespace ns{key, r->page};
+    // (node, the page before its first one); children pushed in reverse key order.
+    std::vector<std::pair<const Node*, PageId>> stack;
+    for (auto it = r->children.rbegin(); it != r->children.rend(); ++it) stack.emplace_back(it->second.get(), -1);
+    while (!stack.empty()) {
+      auto [n, parent] = stack.back();
+      stack.pop_back();
+      for (size_t i = 0; i < n->pages.size(); ++i) {
+        fn(ns, n->pages[i], parent, n->key.data() + static_cast<int64_t>(i) * n->page);
+        parent = n->pages[i];
+      }
+      for (auto it = n->children.rbegin(); it != n->children.rend(); ++it) stack.emplace_back(it->second.get(), parent);
+    }
+  }
+}
+
 std::string RadixTree::dump(const std::string& ns_key) const {
   std::ostringstream os;
   std::function<void(const Node*)> children = [&](const Node* n) {

@@ -79,6 +79,12 @@ class RadixTree {
 
   /// Every page held, with whether its node is locked: fn(page, locked).
   void for_each_page(const std::function<void(PageId, bool)>& fn) const;
+  /// Every page in pre-order — namespaces and children in key order, a node's pages in order —
+  /// so a page comes after the page before it on its path: fn(ns, page, parent, tokens) with
+  /// the namespace, the page, the page before it (−1 for a namespace's first page) and the
+  /// ns.page_tokens token ids it keys.
+  void for_each_page_in_order(
+      const std::function<void(const Namespace& ns, PageId page, PageId parent, const int64_t* tokens)>& fn) const;
   /// Pages held in all namespaces.
   int64_t num_pages() const { return pages_; }
   /// Nodes (roots excluded).

@@ -13,6 +13,7 @@
 #include <numeric>
 #include <ostream>
 
+#include "cache/snapshot_io.h"
 #include "cache/step_protocol.h"
 #include "common/file_io.h"
 #include "kvcache/error.h"
@@ -39,14 +40,11 @@ const char* snapshot_reason_name(SnapshotError::Reason reason) {
 }
 
 namespace cache {
-namespace {
-
-using Reason = SnapshotError::Reason;
+namespace snapio {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "snapshots are little-endian: a big-endian build must swap");
 
-/// File magic: a non-ASCII first byte (as PNG's) so a text file is never taken for one.
-constexpr char kMagic[8] = {'\x89', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
+// File magics (snapshot_io.h): a non-ASCII first byte (as PNG's) so a text file is never taken for one.
 constexpr size_t kPreambleBytes = 24;       ///< magic, version u32, section count u32, xxh3 u64
 constexpr size_t kSectionHeaderBytes = 24;  ///< tag u32, index u32, payload bytes u64, xxh3 u64
 
@@ -70,64 +68,10 @@ uint64_t xxh3(const void* p, size_t n) { return XXH3_64bits(p, n); }
   throw SnapshotError(r, "snapshot '" + source + "': " + what + " (" + snapshot_reason_name(r) + ")");
 }
 
-// ---------------------------------------------------------------- bytes in, bytes out
-class Out {
- public:
-  explicit Out(std::string& s) : s_(s) {}
-  template <class T>
-  void put(T v) {
-    s_.append(reinterpret_cast<const char*>(&v), sizeof v);
-  }
-  void str(const std::string& v) {
-    put<uint64_t>(v.size());
-    s_.append(v);
-  }
-  void bytes(const void* p, size_t n) { s_.append(static_cast<const char*>(p), n); }
+}  // namespace snapio
 
- private:
-  std::string& s_;
-};
-
-class In {
- public:
-  In(const uint8_t* p, size_t n, std::string where, const std::string& source)
-      : p_(p), n_(n), where_(std::move(where)), source_(source) {}
-  template <class T>
-  T get() {
-    T v;
-    std::memcpy(&v, take(sizeof v), sizeof v);
-    return v;
-  }
-  std::string str() {
-    const auto n = get<uint64_t>();
-    need(n);
-    return std::string(reinterpret_cast<const char*>(take(static_cast<size_t>(n))), static_cast<size_t>(n));
-  }
-  const uint8_t* take(size_t n) {
-    need(n);
-    const uint8_t* p = p_ + i_;
-    i_ += n;
-    return p;
-  }
-  void need(uint64_t n) const {
-    if (n > n_ - i_) {
-      fail(Reason::kInconsistent, source_, where_ + " needs " + std::to_string(n) + " more bytes, " +
-                                               std::to_string(n_ - i_) + " left in the section");
-    }
-  }
-  size_t left() const { return n_ - i_; }
-  const uint8_t* here() const { return p_ + i_; }
-  void done() const {
-    if (i_ != n_) fail(Reason::kInconsistent, source_, where_ + ": " + std::to_string(n_ - i_) + " bytes left over");
-  }
-  const std::string& where() const { return where_; }
-
- private:
-  const uint8_t* p_;
-  size_t n_, i_ = 0;
-  std::string where_;
-  const std::string& source_;
-};
+namespace {
+using namespace snapio;
 
 void put_stats(Out& o, const CacheStats& s) {
   for (int64_t v : {s.tokens_written, s.tokens_resident, s.tokens_resident_peak, s.bytes_resident,
@@ -186,11 +130,14 @@ int64_t next_pos0(const Block& b) {
   return p >= 0 && p < std::numeric_limits<int64_t>::max() ? p + 1 : 0;
 }
 
+}  // namespace
+
+namespace snapio {
+
 /// Block record: u8 format | holes << 4 | explicit positions << 5; u16 filled slots; varint
 /// pos0 − (previous block's last position + 1); [holes: ceil(capacity / 64) u64 words];
 /// [positions: capacity i64]; the filled groups' codes, scales, zeros. `live` is derived.
-void put_block(Out& o, const BlockList& list, const Block& b, const uint8_t* mem, int64_t& expect_pos0) {
-  const BlockFormat& F = list.format(b);
+void put_block(Out& o, const BlockFormat& F, const Block& b, const uint8_t* mem, int64_t& expect_pos0) {
   o.put<uint8_t>(static_cast<uint8_t>(b.format | (b.dead.empty() ? 0 : 0x10) | (b.pos.empty() ? 0 : 0x20)));
   o.put<uint16_t>(static_cast<uint16_t>(b.filled));
   put_varint(o, b.pos0 - expect_pos0);
@@ -259,6 +206,15 @@ void get_block(In& in, BlockList& list, const StreamFormats& fmts, int64_t& expe
   });
 }
 
+std::string preamble(const char (&magic)[8], uint32_t sections) {
+  std::string file(magic, sizeof magic);
+  Out o(file);
+  o.put<uint32_t>(kSnapshotFormatVersion);
+  o.put<uint32_t>(sections);
+  o.put<uint64_t>(xxh3(file.data(), 16));
+  return file;
+}
+
 /// One section: header (tag, index, payload size, header xxh3), payload, payload xxh3.
 void put_section(std::string& file, const char (&tag)[5], uint32_t index, const std::string& payload) {
   std::string h;
@@ -272,6 +228,10 @@ void put_section(std::string& file, const char (&tag)[5], uint32_t index, const 
   Out f(file);
   f.put<uint64_t>(xxh3(payload.data(), payload.size()));
 }
+
+}  // namespace snapio
+
+namespace {
 
 /// The header fields a snapshot must share with the cache it is read into.
 struct Header {
@@ -335,20 +295,16 @@ Header header_of(const CacheConfig& cfg, const std::string& scheme, const std::s
   return h;
 }
 
-/// A section found by the framing pass: its tag and payload.
-struct Section {
-  uint32_t tag = 0;
-  const uint8_t* data = nullptr;
-  size_t size = 0;
-};
+}  // namespace
 
-/// The framing pass: magic, preamble checksum, version, then every section's header checksum,
-/// size and payload checksum, in order. Nothing is interpreted yet.
-std::vector<Section> frame(const std::string& bytes, const std::string& source) {
+namespace snapio {
+
+std::vector<Section> frame(const std::string& bytes, const std::string& source, const char (&magic)[8],
+                           const char* magic_name) {
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   const size_t n = bytes.size();
-  if (std::memcmp(p, kMagic, std::min(n, sizeof kMagic)) != 0 || n == 0) {
-    fail(Reason::kNotSnapshot, source, "does not start with the snapshot magic \\x89KVSNAP\\n (" +
+  if (n == 0 || std::memcmp(p, magic, std::min(n, sizeof magic)) != 0) {
+    fail(Reason::kNotSnapshot, source, std::string("does not start with the ") + magic_name + " (" +
                                            std::to_string(n) + " bytes)");
   }
   if (n < kPreambleBytes) {
@@ -408,6 +364,11 @@ std::vector<Section> frame(const std::string& bytes, const std::string& source) 
   return out;
 }
 
+}  // namespace snapio
+
+namespace {
+using namespace snapio;
+
 void compare(const std::string& field, const std::string& file, const std::string& cache, const std::string& source) {
   if (file != cache) {
     fail(Reason::kOtherConfig, source, field + " is '" + file + "' in the file, '" + cache + "' in the cache");
@@ -442,15 +403,9 @@ std::string StepProtocol::snapshot(const std::string& model_fingerprint, const s
                  " is inside a step (append/attend ran; call end_step first): a snapshot is taken between steps");
   }
   const SequenceStore& st = *store_;
-  std::string file(kMagic, sizeof kMagic);
   const int64_t L = cfg_.num_layers;
   const auto count = static_cast<uint32_t>(L + 3);
-  {
-    Out o(file);
-    o.put<uint32_t>(kSnapshotFormatVersion);
-    o.put<uint32_t>(count);
-    o.put<uint64_t>(xxh3(file.data(), 16));
-  }
+  std::string file = preamble(kSnapshotMagic, count);
   uint32_t index = 0;
   std::string payload;
   {
@@ -479,7 +434,7 @@ std::string StepProtocol::snapshot(const std::string& model_fingerprint, const s
         for (const BlockList* list : {&s->quant, &s->resid}) {
           o.put<uint64_t>(list->blocks().size());
           int64_t expect_pos0 = 0;
-          for (const Block& b : list->blocks()) put_block(o, *list, b, list->format(b).pool->data(b.id), expect_pos0);
+          for (const Block& b : list->blocks()) put_block(o, list->format(b), b, list->format(b).pool->data(b.id), expect_pos0);
         }
       }
     }
@@ -506,8 +461,9 @@ std::string StepProtocol::snapshot(const std::string& model_fingerprint, const s
 
 std::unique_ptr<StepProtocol> StepProtocol::from_snapshot(const CacheConfig& config, const std::string& bytes,
                                                           const std::string& model_fingerprint,
-                                                          const std::string& source, std::vector<int64_t>* tokens) {
-  const std::vector<Section> sections = frame(bytes, source);
+                                                          const std::string& source, std::vector<int64_t>* tokens,
+                                                          std::shared_ptr<PoolSet> pools, StepHooks* hooks) {
+  const std::vector<Section> sections = frame(bytes, source, kSnapshotMagic, "snapshot magic \\x89KVSNAP\\n");
   auto expect_tag = [&](size_t i, const char (&tag)[5]) {
     if (i >= sections.size()) {
       fail(Reason::kInconsistent, source, "holds " + std::to_string(sections.size()) + " sections, no '" +
@@ -557,7 +513,7 @@ std::unique_ptr<StepProtocol> StepProtocol::from_snapshot(const CacheConfig& con
   cfg.context_length = file.context_length;
   std::unique_ptr<StepProtocol> sp;
   try {
-    sp = std::make_unique<StepProtocol>(std::move(cfg), nullptr, nullptr);
+    sp = std::make_unique<StepProtocol>(std::move(cfg), std::move(pools), hooks);
   } catch (const CapacityError& e) {
     fail(Reason::kInconsistent, source, std::string("the saved context length does not fit the policy: ") + e.what());
   }

@@ -107,12 +107,16 @@ class StepProtocol {
   /// @throws InvalidArgument inside a step or a replay.
   std::string snapshot(const std::string& model_fingerprint, const std::vector<int64_t>& tokens) const;
   /// A new protocol of `config` (its context_length replaced by the snapshot's) holding what
-  /// `bytes` holds. Every check runs before anything is returned; the caller's cache is not
-  /// touched. `source` names the file in messages; the saved token ids go to `*tokens`.
+  /// `bytes` holds, its blocks from `pools` (null: its own) and calling `hooks` afterwards (as
+  /// the constructor). Every check runs before anything is returned; the caller's cache is not
+  /// touched (blocks taken from shared `pools` go back when a check fails). `source` names the
+  /// file in messages; the saved token ids go to `*tokens`.
   /// @throws SnapshotError naming the failed check (kvcache/snapshot.h).
   static std::unique_ptr<StepProtocol> from_snapshot(const CacheConfig& config, const std::string& bytes,
                                                      const std::string& model_fingerprint, const std::string& source,
-                                                     std::vector<int64_t>* tokens);
+                                                     std::vector<int64_t>* tokens,
+                                                     std::shared_ptr<PoolSet> pools = nullptr,
+                                                     StepHooks* hooks = nullptr);
 
  private:
   struct LayerStep {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -238,6 +239,11 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
   mc.prefix_sharing = sharing;
   mc.when_full = impl_->opt.when_full;
   mc.allow_inexact_reuse = impl_->opt.allow_inexact_reuse;
+  const bool disk_pass = sharing && !impl_->opt.disk_tier_dir.empty();
+  if (disk_pass) {
+    mc.disk_tier_dir = impl_->opt.disk_tier_dir;
+    mc.disk_tier_bytes = impl_->opt.disk_tier_bytes;
+  }
   MultiSequenceCache pool(mc);
 
   PrefixRunResult res;
@@ -253,36 +259,40 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
     prompts.push_back(encode(r.task));
     max_new = std::max(max_new, r.task.max_new_tokens);
   }
-  std::vector<GenerationResult> gens;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (workload.concurrent) {
-    // One batch: every request's own max_new_tokens cannot differ inside generate_batch, so the
-    // batch runs to the largest and each reply is cut to its request's limit below.
-    GenerationOptions go;
-    go.max_new_tokens = max_new;
-    go.prefill_chunk = impl_->opt.prefill_chunk;
-    go.eos_token_ids = impl_->eos;
-    std::vector<TorchCache> faces;  // the runner drives each sequence through its at::Tensor face
-    faces.reserve(prompts.size());
-    for (size_t i = 0; i < prompts.size(); ++i) faces.emplace_back(pool.add_sequence());
-    std::vector<KVCache*> seqs;
-    for (auto& f : faces) seqs.push_back(&f);
-    gens = impl_->runner.generate_batch(prompts, go, seqs);
-    res.sharing_ratio = pool.stats().sharing_ratio;
-  } else {
-    TorchCache seq(pool.add_sequence());
-    for (size_t i = 0; i < prompts.size(); ++i) {
+  // The workload's requests, in `pool` (run twice with a disk pass).
+  const auto run_requests = [&](std::vector<GenerationResult>& gens) {
+    if (workload.concurrent) {
+      // One batch: every request's own max_new_tokens cannot differ inside generate_batch, so the
+      // batch runs to the largest and each reply is cut to its request's limit below.
       GenerationOptions go;
-      go.max_new_tokens = workload.requests[i].task.max_new_tokens;
+      go.max_new_tokens = max_new;
       go.prefill_chunk = impl_->opt.prefill_chunk;
       go.eos_token_ids = impl_->eos;
-      // A batch of one: bit-identical to generate(), and a request that meets a full pool ends
-      // with its result marked (refused: one sequence has no newer request to preempt) while
-      // the session goes on with the next.
-      gens.push_back(impl_->runner.generate_batch({prompts[i]}, go, {&seq}).front());
-      res.sharing_ratio = std::max(res.sharing_ratio, pool.stats().sharing_ratio);
+      std::vector<TorchCache> faces;  // the runner drives each sequence through its at::Tensor face
+      faces.reserve(prompts.size());
+      for (size_t i = 0; i < prompts.size(); ++i) faces.emplace_back(pool.add_sequence());
+      std::vector<KVCache*> seqs;
+      for (auto& f : faces) seqs.push_back(&f);
+      gens = impl_->runner.generate_batch(prompts, go, seqs);
+      res.sharing_ratio = pool.stats().sharing_ratio;
+    } else {
+      TorchCache seq(pool.add_sequence());
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        GenerationOptions go;
+        go.max_new_tokens = workload.requests[i].task.max_new_tokens;
+        go.prefill_chunk = impl_->opt.prefill_chunk;
+        go.eos_token_ids = impl_->eos;
+        // A batch of one: bit-identical to generate(), and a request that meets a full pool ends
+        // with its result marked (refused: one sequence has no newer request to preempt) while
+        // the session goes on with the next.
+        gens.push_back(impl_->runner.generate_batch({prompts[i]}, go, {&seq}).front());
+        res.sharing_ratio = std::max(res.sharing_ratio, pool.stats().sharing_ratio);
+      }
     }
-  }
+  };
+  std::vector<GenerationResult> gens;
+  const auto t0 = std::chrono::steady_clock::now();
+  run_requests(gens);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (size_t i = 0; i < gens.size(); ++i) {
     const PrefixRequest& req = workload.requests[i];
@@ -306,6 +316,41 @@ PrefixRunResult PrefixWorkloadRunner::run(const PrefixWorkload& workload, const 
   res.peak_pool_bytes = pool.stats().bytes_in_use_peak;
   res.counters = pool.counters();
   pool.check_invariants();  // reference counts = holders, shared blocks untouched, bytes ≤ capacity
+  if (disk_pass) {
+    DiskPass d;
+    d.first_pass = res.counters;
+    double prefill = 0;
+    int64_t computed = 0;
+    for (const GenerationResult& g : gens) {
+      prefill += g.prefill_seconds;
+      computed += g.computed_prompt_tokens;
+    }
+    d.recompute_seconds_per_token = computed > 0 ? prefill / static_cast<double>(computed) : 0;
+    for (int64_t id = 0; id < pool.num_sequences(); ++id) pool.sequence(id).finish();
+    (void)pool.reclaim(std::numeric_limits<int64_t>::max());  // every cached page to the disk tier
+    const PrefixCounters before = pool.counters();
+    d.pages_spilled = before.disk_pages_written - res.counters.disk_pages_written;
+    std::vector<GenerationResult> again;
+    const double ratio = res.sharing_ratio;  // the first pass's
+    run_requests(again);
+    res.sharing_ratio = ratio;
+    d.counters = pool.counters() - before;
+    for (size_t i = 0; i < again.size(); ++i) {
+      d.computed_tokens += again[i].computed_prompt_tokens;
+      d.prefill_seconds += again[i].prefill_seconds;
+      std::vector<int64_t> a = gens[i].tokens, b = again[i].tokens;
+      const auto cap = static_cast<size_t>(workload.requests[i].task.max_new_tokens);
+      if (a.size() > cap) a.resize(cap);
+      if (b.size() > cap) b.resize(cap);
+      d.same_outputs += a == b && again[i].status == gens[i].status;
+    }
+    d.restore_seconds_per_token =
+        d.counters.prompt_tokens_hit_disk > 0
+            ? d.counters.disk_read_seconds / static_cast<double>(d.counters.prompt_tokens_hit_disk)
+            : 0;
+    pool.check_invariants();
+    res.disk_pass = d;
+  }
   return res;
 }
 
@@ -465,6 +510,52 @@ std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results) 
        << " | " << a.computed << " | " << fmt("%.3f", pre_x) << " | " << a.c.blocks_copied << " | " << a.preempted
        << " / " << a.refused << " |\n";
   }
+  bool any_disk = false;
+  for (const PrefixRunResult& r : results) any_disk = any_disk || r.disk_pass.has_value();
+  if (any_disk) {
+    md << "\n### Disk tier: a second pass restored from disk\n\n"
+       << "Each sharing run again in the same pool after every cached page was reclaimed to the disk tier "
+          "(summed over workloads): prompt tokens hit in memory and from disk, computed; pages spilled (the "
+          "reclaim between the passes), read back, evicted from the tier, failed; restore time per token "
+          "(reading, verifying and adopting spilled pages) against recompute time per token (the first "
+          "pass's prefill), and replies equal to the first pass's.\n\n"
+       << "| family | arm | requests | hit memory | hit disk | computed | pages spilled | read | evicted | failed | "
+          "restore ms/token | recompute ms/token | × faster | replies equal |\n"
+       << "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    std::vector<std::pair<PrefixFamily, std::string>> keys;
+    for (const PrefixRunResult& r : results) {
+      if (r.disk_pass && std::find(keys.begin(), keys.end(), std::make_pair(r.family, r.arm)) == keys.end()) {
+        keys.emplace_back(r.family, r.arm);
+      }
+    }
+    for (const auto& [family, arm] : keys) {
+      int64_t requests = 0, mem = 0, disk = 0, computed = 0, spilled = 0, read = 0, evicted = 0, failed = 0, equal = 0;
+      double restore = 0, recompute = 0, recompute_tokens = 0;
+      for (const PrefixRunResult& r : results) {
+        if (!r.disk_pass || r.family != family || r.arm != arm) continue;
+        const DiskPass& d = *r.disk_pass;
+        requests += r.requests;
+        mem += d.counters.prompt_tokens_hit_memory;
+        disk += d.counters.prompt_tokens_hit_disk;
+        computed += d.computed_tokens;
+        spilled += d.pages_spilled;
+        read += d.counters.disk_pages_read;
+        evicted += d.counters.disk_evictions;
+        failed += d.counters.disk_failures;
+        equal += d.same_outputs;
+        restore += d.counters.disk_read_seconds;
+        recompute += d.recompute_seconds_per_token * static_cast<double>(r.computed_tokens);
+        recompute_tokens += static_cast<double>(r.computed_tokens);
+      }
+      const double restore_ms = disk > 0 ? 1e3 * restore / static_cast<double>(disk) : 0;
+      const double recompute_ms = recompute_tokens > 0 ? 1e3 * recompute / recompute_tokens : 0;
+      md << "| " << to_string(family) << " | " << arm << " | " << requests << " | " << mem << " | " << disk << " | "
+         << computed << " | " << spilled << " | " << read << " | " << evicted << " | " << failed << " | "
+         << fmt("%.4f", restore_ms) << " | " << fmt("%.4f", recompute_ms) << " | "
+         << (restore_ms > 0 ? fmt("%.1f", recompute_ms / restore_ms) : std::string("n/a")) << " | " << equal << "/"
+         << requests << " |\n";
+    }
+  }
   return md.str();
 }
 
@@ -501,6 +592,29 @@ std::string prefix_results_json(const std::vector<PrefixRunResult>& results) {
     j["pool_preemptions"] = r.counters.preemptions;
     j["pool_refusals"] = r.counters.refusals;
     j["outputs"] = r.outputs;
+    if (r.disk_pass) {
+      const DiskPass& d = *r.disk_pass;
+      nlohmann::json dj;
+      dj["prompt_tokens_hit_memory"] = d.counters.prompt_tokens_hit_memory;
+      dj["prompt_tokens_hit_disk"] = d.counters.prompt_tokens_hit_disk;
+      dj["computed_tokens"] = d.computed_tokens;
+      dj["pages_spilled"] = d.pages_spilled;
+      dj["first_pass_pages_written"] = d.first_pass.disk_pages_written;
+      dj["disk_pages_written"] = d.counters.disk_pages_written;
+      dj["disk_bytes_written"] = d.counters.disk_bytes_written;
+      dj["disk_pages_read"] = d.counters.disk_pages_read;
+      dj["disk_bytes_read"] = d.counters.disk_bytes_read;
+      dj["disk_evictions"] = d.counters.disk_evictions;
+      dj["disk_failures"] = d.counters.disk_failures;
+      dj["disk_read_seconds"] = d.counters.disk_read_seconds;
+      dj["prefill_seconds"] = d.prefill_seconds;
+      dj["restore_seconds_per_token"] = d.restore_seconds_per_token;
+      dj["recompute_seconds_per_token"] = d.recompute_seconds_per_token;
+      dj["same_outputs"] = d.same_outputs;
+      j["disk_pass"] = std::move(dj);
+    } else {
+      j["disk_pass"] = nullptr;
+    }
     arr.push_back(std::move(j));
   }
   return arr.dump(1);

@@ -115,6 +115,27 @@ struct PrefixRunOptions {
   /// a full pool ends early — refused, or preempted for an older one — and is scored as failed
   /// (its reply is what it generated before); PrefixRunResult counts them.
   PoolFullRule when_full = PoolFullRule::kPreemptNewest;
+  /// A disk tier under each sharing run's pool (MultiSequenceConfig::disk_tier_dir, ""
+  /// off; disk_tier_bytes ≥ 1 with it). With one, a sharing run is followed by a second pass
+  /// in the same pool: every request ended, every cached page reclaimed — spilled to the tier —
+  /// then the workload's requests run again, their prefixes restored from disk
+  /// (PrefixRunResult::disk_pass).
+  std::string disk_tier_dir;
+  int64_t disk_tier_bytes = 0;
+};
+
+/// The second pass of a sharing run over a disk tier (PrefixRunOptions::disk_tier_dir).
+struct DiskPass {
+  PrefixCounters counters;       ///< the pool's counters of this pass alone (hits by tier, disk traffic)
+  PrefixCounters first_pass;     ///< the disk counters of the first pass (pages spilled while it ran)
+  int64_t pages_spilled = 0;     ///< pages the reclaim between the passes wrote to the tier
+  int64_t computed_tokens = 0;   ///< Σ prompt tokens this pass computed
+  double prefill_seconds = 0;    ///< Σ GenerationResult::prefill_seconds of this pass (restores included)
+  /// Σ prefill_seconds / Σ computed prompt tokens of the first pass: what recomputing a token costs.
+  double recompute_seconds_per_token = 0;
+  /// counters.disk_read_seconds / counters.prompt_tokens_hit_disk: what restoring one costs (0 if none).
+  double restore_seconds_per_token = 0;
+  int64_t same_outputs = 0;      ///< requests whose reply equals the first pass's (exact restores: all)
 };
 
 /// One workload under one arm, with sharing on or off.
@@ -144,6 +165,8 @@ struct PrefixRunResult {
   std::vector<bool> request_scored;  ///< each request's PrefixRequest::scored, in order (as outputs)
   /// Each request ended normally (GenerationStatus::kOk: not preempted, not refused), in order.
   std::vector<bool> request_completed;
+  /// The second pass from the disk tier (sharing runs with PrefixRunOptions::disk_tier_dir).
+  std::optional<DiskPass> disk_pass;
 };
 
 /// Runs prefix workloads on one exported model (the model and tokenizer load once).
@@ -201,12 +224,15 @@ std::vector<std::optional<BaselineAgreement>> same_as_baseline(const std::vector
 /// hit rate, blocks shared / copied on write / reclaimed, the highest sharing ratio, requests
 /// preempted / refused for want of room — then, per
 /// (family, arm), what sharing saves: peak pool bytes and prefill tokens with / without, and the
-/// same reply-as-baseline column.
+/// same reply-as-baseline column. With disk passes, a third table: per (family, arm) the
+/// second pass's prompt tokens hit in memory and from disk, computed, pages spilled / read /
+/// evicted / failed, restore and recompute time per token and their ratio, replies equal to
+/// the first pass's.
 std::string prefix_report_markdown(const std::vector<PrefixRunResult>& results);
 
 /// The results as a JSON array (one object per PrefixRunResult, outputs included;
 /// "same_as_baseline" and "compared_with_baseline": same_as_baseline's same and compared, or
-/// null where the baseline run is missing).
+/// null where the baseline run is missing; "disk_pass": DiskPass's fields, or null).
 std::string prefix_results_json(const std::vector<PrefixRunResult>& results);
 
 /// Writes DIR/prefix.md (prefix_report_markdown) and DIR/prefix.json (prefix_results_json),
