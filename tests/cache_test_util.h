@@ -8,7 +8,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
@@ -96,14 +98,28 @@ inline KvquantCalibration uniform_kvquant_calibration(int64_t L, int64_t H, int6
   return c;
 }
 
+/// Files a test process wrote to the temporary directory, removed when it exits.
+struct TempFilesRemovedAtExit {
+  std::vector<std::string> paths;
+  ~TempFilesRemovedAtExit() {
+    for (const auto& p : paths) std::remove(p.c_str());
+  }
+};
+inline TempFilesRemovedAtExit& temp_files_removed_at_exit() {
+  static TempFilesRemovedAtExit files;
+  return files;
+}
+
 /// uniform_kvquant_calibration() saved to a temporary .kvqcal file named by `tag`, the shape,
-/// the bound and the process: its path (for a scheme's `:cal=` field).
+/// the bound and the process: its path (for a scheme's `:cal=` field). Removed at exit.
 inline std::string uniform_kvquant_calibration_file(const std::string& tag, int64_t L, int64_t H, int64_t D,
                                                     float bound = 1.0f) {
   const std::string path = ::testing::TempDir() + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(L) +
                            "_" + std::to_string(H) + "_" + std::to_string(D) + "_" +
                            std::to_string(static_cast<int>(bound * 1000)) + ".kvqcal";
   save_kvquant_calibration(uniform_kvquant_calibration(L, H, D, bound), path);
+  auto& files = temp_files_removed_at_exit().paths;
+  if (std::find(files.begin(), files.end(), path) == files.end()) files.push_back(path);
   return path;
 }
 
