@@ -64,6 +64,10 @@ enum class KernelKind : uint8_t {
   kFp8E5M2,
   kIntToken,    ///< per-token integer groups: kernel_bits 8/4/2, kernel_group values per group
   kIntChannel,  ///< per-channel integer groups: kernel_bits 8/4/2, kernel_group tokens per group
+  /// TurboQuant (`tq`, arXiv 2504.19874): Lloyd–Max codes of the rotated unit vector, ‖x‖ (and
+  /// for `:prod` the residual's sign sketch and γ); the kernels take the rotation, codebooks
+  /// and sketch from the quantizer (src/quant/turboquant_quantizer.h).
+  kTurboQuant,
 };
 
 /// How a quantizer lays out what it stores for ONE KV head, as the cache's block store holds

@@ -284,6 +284,39 @@ struct Lanes256 {
   static void token_codes(const uint8_t* row, const TokenChunk& tc, int bits, int64_t at, F& x0, F& x1) {
     const __m256i codes = chunk_codes32(row, tc, bits);
     codes16_to_ps(at % 32 == 0 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1), x0, x1);
+  }  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  /// TurboQuant: a region's codebook (16 entries: two 8-lane halves) and the lane shifts that
+  /// unpack 8 codes of `bits` bits from one 32-bit word.
+  struct TqLut {
+    __m256 lo, hi;
+    __m256i shifts, mask;
+    bool wide;  ///< 16 levels: two permutes and a blend on the code's bit 3
+  };
+  static TqLut tq_lut(const float* levels16, int bits) {
+    TqLut t;
+    t.lo = _mm256_loadu_ps(levels16);
+    t.hi = _mm256_loadu_ps(levels16 + 8);
+    t.shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    t.mask = _mm256_set1_epi32((1 << bits) - 1);
+    t.wide = bits == 4;
+    return t;
+  }
+  /// The centroids of the 8 codes at p (bits bytes; 4 are loaded: the bytes after a row's codes
+  /// are its block's, or the pool slab's 64 bytes of slack after the last block).
+  static F tq_centroids(const uint8_t* p, const TqLut& t) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), t.shifts), t.mask);
+    const __m256 v = _mm256_permutevar8x32_ps(t.lo, idx);
+    if (!t.wide) return v;
+    return _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(t.hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
+  /// 8 sign bits at p (bit j set: +1) as ±1.0f.
+  static F signs_pm1(const uint8_t* p) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(*p), bit), bit);
+    return _mm256_blendv_ps(_mm256_set1_ps(-1.0f), _mm256_set1_ps(1.0f), _mm256_castsi256_ps(set));
   }
 };
 
@@ -297,6 +330,7 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kE5M2: return qk_float<Lanes256, NR, Kind::kE5M2>(q, r0, k, n, s, ld);
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
+    case Kind::kTurboQuant: return qk_tq<Lanes256, NR>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

@@ -448,6 +448,36 @@ struct Lanes512 {
   static void token_codes(const uint8_t* row, const TokenChunk& tc, int bits, int64_t /*at: a chunk's start*/, F& x0,
                           F& x1) {
     codes32(chunk_codes32(row, tc, bits), x0, x1);
+  }  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  /// TurboQuant: a region's 16-entry codebook and the byte shifts that unpack 16 codes of
+  /// `bits` bits from one 64-bit word (vpmultishiftqb: byte i takes bits [i·bits, i·bits + 8)).
+  struct TqLut {
+    __m512 table;
+    __m128i ctrl, mask;
+    __mmask16 bytes;  ///< the 2·bits bytes of 16 codes
+  };
+  static TqLut tq_lut(const float* levels16, int bits) {
+    TqLut t;
+    t.table = _mm512_loadu_ps(levels16);
+    t.ctrl = _mm_mullo_epi16(_mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14), _mm_set1_epi16(static_cast<int16_t>(bits)));
+    // bytes 2i, 2i + 1 of the epi16 products: i·2·bits and 0 → set byte 2i + 1 to (2i + 1)·bits
+    t.ctrl = _mm_or_si128(t.ctrl, _mm_slli_epi16(_mm_add_epi16(t.ctrl, _mm_set1_epi16(static_cast<int16_t>(bits))), 8));
+    t.mask = _mm_set1_epi8(static_cast<char>((1 << bits) - 1));
+    t.bytes = static_cast<__mmask16>((1u << (2 * bits)) - 1u);
+    return t;
+  }
+  /// The centroids of the 16 codes at p (2·bits bytes read, masked: nothing beyond).
+  static F tq_centroids(const uint8_t* p, const TqLut& t) {
+    const __m128i w = _mm_broadcastq_epi64(_mm_maskz_loadu_epi8(t.bytes, p));
+    const __m128i codes = _mm_and_si128(_mm_multishift_epi64_epi8(t.ctrl, w), t.mask);
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), t.table);
+  }
+  /// 16 sign bits at p (bit j set: +1) as ±1.0f.
+  static F signs_pm1(const uint8_t* p) {
+    uint16_t b;
+    std::memcpy(&b, p, sizeof b);
+    return _mm512_mask_blend_ps(static_cast<__mmask16>(b), _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f));
   }
 };
 
@@ -461,6 +491,7 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kE5M2: return qk_fp8<NR, Kind::kE5M2>(q, r0, k, n, s, ld);
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
+    case Kind::kTurboQuant: return qk_tq<Lanes512, NR>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

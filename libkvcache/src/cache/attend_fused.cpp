@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <cmath>
 #include <string>
 #if defined(KVCACHE_FUSED_AVX2)
@@ -16,6 +17,8 @@
 #include "cache/attend.h"
 #include "kvcache/attention.h"
 #include "kvcache/error.h"
+#include "quant/hadamard.h"
+#include "quant/turboquant_quantizer.h"
 
 namespace kvcache::cache::fused {
 
@@ -54,6 +57,24 @@ KernelFormat classify(const BlockFormat& f) {
       k.kind = l.kernel == KernelKind::kFp8E4M3 ? KernelFormat::Kind::kE4M3 : KernelFormat::Kind::kE5M2;
       k.scaled = l.tensor_scale;
       break;
+    case KernelKind::kTurboQuant: {
+      const auto* tq = dynamic_cast<const quant::TurboQuantizer*>(f.quantizer);
+      KV_INTERNAL_ASSERT(tq != nullptr, "fused::classify: KernelKind::kTurboQuant from ", f.quantizer->spec());
+      // The tables live as long as the quantizer (TurboQuantizer keeps them per head_dim).
+      const std::shared_ptr<const quant::TurboQuantizer::Tables> t = tq->tables(d);
+      k.kind = KernelFormat::Kind::kTurboQuant;
+      k.tq_hi = tq->hi_bits();
+      k.tq_lo = tq->lo_bits();
+      k.tq_n_hi = tq->hi_count(d);
+      k.tq_mse_bytes = tq->mse_code_bytes(d);
+      k.tq_nc = tq->norm_correction();
+      k.tq_prod = tq->mode() == quant::TurboMode::kProd;
+      k.tq_levels_hi = t->levels_hi.data();
+      k.tq_levels_lo = t->levels_lo.data();
+      k.rot_signs = t->signs.data();
+      k.sketch = k.tq_prod ? t->sketch.data() : nullptr;
+      break;
+    }
     case KernelKind::kIntToken:
     case KernelKind::kIntChannel:
       k.bits = l.kernel_bits;
@@ -203,6 +224,43 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
     }
   }
   out.view = QueryView{rows, d, out.qf.data(), out.qt.data(), out.qs.data(), out.qsum.data(), out.qfsum.data()};
+}
+
+bool same_rotation(const KernelFormat& a, const KernelFormat& b) {
+  if (a.rot_signs == b.rot_signs) return a.sketch == b.sketch || !a.tq_prod || !b.tq_prod;
+  if (a.head_dim != b.head_dim) return false;
+  const auto n = static_cast<size_t>(a.head_dim);
+  if (!std::equal(a.rot_signs, a.rot_signs + n, b.rot_signs)) return false;
+  return !a.tq_prod || !b.tq_prod || std::equal(a.sketch, a.sketch + n * n, b.sketch);
+}
+
+void rotate_queries(const KernelFormat& kf, Queries& q) {
+  KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant, "fused::rotate_queries: not a TurboQuant format");
+  const int64_t rows = q.view.rows, d = q.view.d;
+  q.qrot.resize(static_cast<size_t>(rows * d));
+  for (int64_t i = 0; i < rows * d; ++i) q.qrot[static_cast<size_t>(i)] = q.qf[static_cast<size_t>(i)] * kf.rot_signs[i % d];
+  quant::hadamard_rows(q.qrot.data(), rows, d);
+  q.view.qrot = q.qrot.data();
+  q.view.qsketch = nullptr;
+  if (!kf.tq_prod) return;
+  q.qsketch.resize(static_cast<size_t>(rows * d));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qf = q.qf.data() + r * d;
+    for (int64_t j = 0; j < d; ++j) {
+      const float* sj = kf.sketch + j * d;
+      float acc = 0.0f;
+      for (int64_t i = 0; i < d; ++i) acc += sj[i] * qf[i];
+      q.qsketch[static_cast<size_t>(r * d + j)] = acc;
+    }
+  }
+  q.view.qsketch = q.qsketch.data();
+}
+
+void add_rotated_back(const float* signs, float* rot, int64_t rows, int64_t d, float* acc) {
+  quant::hadamard_rows(rot, rows, d);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < d; ++i) acc[r * d + i] += signs[i] * rot[r * d + i];
+  }
 }
 
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {

@@ -84,13 +84,27 @@ bool available();
 
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
-  std::vector<float> qf, qs, qsum, qfsum;
+  std::vector<float> qf, qs, qsum, qfsum, qrot, qsketch;
   std::vector<int8_t> qt;
   QueryView view;
 };
 
 /// `q` rows `[rows, d]` float32 → Queries; d must be a multiple of 32 and ≤ 256.
 void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out);
+
+/// True if two TurboQuant formats rotate alike (same signs, and same sketch where both are
+/// Prod): the fused path rotates the query once per layer and step, so a layer whose key (or
+/// value) formats rotate differently takes the generic path.
+bool same_rotation(const KernelFormat& a, const KernelFormat& b);
+
+/// TurboQuant keys `kf`: q.qrot = H·diag(s)·qf per row (the rotated query; diag(s)·H is
+/// orthogonal, so qf·x̂ = ‖x‖·f·(qrot·c)) and for Prod keys q.qsketch = S·qf; sets
+/// q.view.qrot/qsketch. Call after prepare(), once per step and KV head.
+void rotate_queries(const KernelFormat& kf, Queries& q);
+
+/// TurboQuant values: acc[r] += diag(signs)·H·rot[r] for r < rows (rot, `[rows, d]`, the
+/// rotated-domain accumulator, is overwritten): the inverse rotation, once per query row.
+void add_rotated_back(const float* signs, float* rot, int64_t rows, int64_t d, float* acc);
 
 /// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n (the keys of `k`).
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);

@@ -28,6 +28,8 @@
 /// before and after the loops were shared). Include only from the kernel units, after the
 /// traits: everything here has internal linkage (fused_codes.h explains why).
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "cache/fused_abi.h"
@@ -67,6 +69,139 @@ void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, flo
       }
     }
     for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + j0, L::mul(out[r], L::set1(ts)), m);
+  }
+}
+
+// ---------------------------------------------------------------- TurboQuant
+//
+// Traits the TurboQuant loops use: TqLut (one region's codebook and unpack constants),
+// tq_lut(levels16, bits), tq_centroids(p, lut) (the centroids of the W codes of the byte-aligned
+// bit stream at p: W·bits/8 bytes), signs_pm1(p) (W sign bits at p as ±1.0f), div, sqrt.
+
+/// Where a W-dim chunk [c, c + W) of a TurboQuant row lies: byte offset and region (the first
+/// tq_n_hi codes have tq_hi bits, the rest tq_lo). c is a multiple of W and tq_n_hi (0 or D/2)
+/// of 16, so a chunk starts on a byte and lies in one region.
+struct TqChunk {
+  int64_t offset;
+  bool hi;
+};
+inline TqChunk tq_chunk(const KernelFormat& kf, int64_t c) {
+  if (c < kf.tq_n_hi) return {c * kf.tq_hi / 8, true};
+  return {(kf.tq_n_hi * kf.tq_hi + (c - kf.tq_n_hi) * kf.tq_lo) / 8, false};
+}
+
+constexpr float kTqQjl = 1.2533141373155003f;  ///< √(π/2)
+
+/// TurboQuant keys: s = ‖k‖·f·(qrot·c) [+ √(π/2)/D·γ·(qsketch·z)], f = 1/‖c‖ with nc (1
+/// otherwise). W keys × W dims of centroids are looked up in registers, transposed and
+/// multiplied in float32 as qk_float does; ‖c‖² of the W keys accumulates on the way.
+template <class L, int NR>
+void qk_tq(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const KernelFormat& kf = k.kf;
+  const int64_t d = q.d;
+  const int64_t row_bytes = kf.code_bytes, mc = kf.meta_count;
+  const uint8_t* meta = k.block + kf.scales_offset;
+  const typename L::TqLut lut_hi = L::tq_lut(kf.tq_levels_hi, kf.tq_hi);
+  const typename L::TqLut lut_lo = L::tq_lut(kf.tq_levels_lo, kf.tq_lo);
+  const float qjl = kTqQjl / static_cast<float>(d);
+  for (int64_t j0 = 0; j0 < n; j0 += W) {
+    const int m = static_cast<int>(min64(W, n - j0));
+    const int32_t* slots = k.slots + j0;
+    F out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = L::zero();
+    F csq = L::zero();
+    for (int64_t c = 0; c < d; c += W) {
+      const TqChunk ch = tq_chunk(kf, c);
+      const typename L::TqLut& lut = ch.hi ? lut_hi : lut_lo;
+      F kt[W];
+      for (int j = 0; j < W; ++j) {
+        kt[j] = j < m ? L::tq_centroids(k.block + static_cast<int64_t>(slots[j]) * row_bytes + ch.offset, lut)
+                      : L::zero();
+      }
+      L::transpose(kt);
+#pragma GCC unroll 16
+      for (int e = 0; e < W; ++e) {
+        if (kf.tq_nc) csq = L::fmadd(kt[e], kt[e], csq);
+        for (int r = 0; r < NR; ++r) out[r] = L::fmadd(kt[e], L::set1(q.qrot[(r0 + r) * d + c + e]), out[r]);
+      }
+    }
+    F scale = L::meta(meta, slots, m, mc, 0);  // ‖k‖ (lanes ≥ m: 0, never stored)
+    if (kf.tq_nc) scale = L::div(scale, L::sqrt(csq));
+    for (int r = 0; r < NR; ++r) out[r] = L::mul(out[r], scale);
+    if (kf.tq_prod) {
+      F sk[NR];
+      for (int r = 0; r < NR; ++r) sk[r] = L::zero();
+      for (int64_t c = 0; c < d; c += W) {
+        F zt[W];
+        for (int j = 0; j < W; ++j) {
+          zt[j] = j < m ? L::signs_pm1(k.block + static_cast<int64_t>(slots[j]) * row_bytes + kf.tq_mse_bytes + c / 8)
+                        : L::zero();
+        }
+        L::transpose(zt);
+#pragma GCC unroll 16
+        for (int e = 0; e < W; ++e) {
+          for (int r = 0; r < NR; ++r) sk[r] = L::fmadd(zt[e], L::set1(q.qsketch[(r0 + r) * d + c + e]), sk[r]);
+        }
+      }
+      const F g = L::mul(L::meta(meta, slots, m, mc, 1), L::set1(qjl));  // √(π/2)/D · γ
+      for (int r = 0; r < NR; ++r) out[r] = L::fmadd(sk[r], g, out[r]);
+    }
+    for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
+/// TurboQuant values, in the rotated domain (attend_fused.h): acc[r] += Σ_j p_rj·‖v_j‖·f_j·c_j,
+/// the centroids looked up in registers 2W dims at a time with the rows' accumulators in
+/// registers; the caller rotates acc back once per row (fused::add_rotated_back).
+template <class L, int NR>
+void pv_tq(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const KernelFormat& kf = v.kf;
+  const int64_t row_bytes = kf.code_bytes, mc = kf.meta_count;
+  const uint8_t* meta = v.block + kf.scales_offset;
+  const typename L::TqLut lut_hi = L::tq_lut(kf.tq_levels_hi, kf.tq_hi);
+  const typename L::TqLut lut_lo = L::tq_lut(kf.tq_levels_lo, kf.tq_lo);
+  alignas(64) float w[NR][64];  // n ≤ 64 (accumulate_rows): p · ‖v‖ · f
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+    float kw = half_at(meta, static_cast<int64_t>(v.slots[j]) * mc);
+    if (kf.tq_nc) {
+      F cc = L::zero();
+      for (int64_t c = 0; c < d; c += W) {
+        const TqChunk ch = tq_chunk(kf, c);
+        const F x = L::tq_centroids(row + ch.offset, ch.hi ? lut_hi : lut_lo);
+        cc = L::fmadd(x, x, cc);
+      }
+      kw /= _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(L::hsum(cc))));  // no <cmath>: fused_abi.h
+    }
+    for (int r = 0; r < NR; ++r) w[r][j] = p[r * ld + j] * kw;
+  }
+  for (int64_t h = 0; h < d / (2 * W); ++h) {
+    const TqChunk c0 = tq_chunk(kf, 2 * W * h), c1 = tq_chunk(kf, 2 * W * h + W);
+    const typename L::TqLut& l0 = c0.hi ? lut_hi : lut_lo;
+    const typename L::TqLut& l1 = c1.hi ? lut_hi : lut_lo;
+    F a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = L::loadu(acc + r * d + 2 * W * h);
+      a[r][1] = L::loadu(acc + r * d + 2 * W * h + W);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+      const F x0 = L::tq_centroids(row + c0.offset, l0);
+      const F x1 = L::tq_centroids(row + c1.offset, l1);
+      for (int r = 0; r < NR; ++r) {
+        const F wj = L::set1(w[r][j]);
+        a[r][0] = L::fmadd(wj, x0, a[r][0]);
+        a[r][1] = L::fmadd(wj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      L::storeu(acc + r * d + 2 * W * h, a[r][0]);
+      L::storeu(acc + r * d + 2 * W * h + W, a[r][1]);
+    }
   }
 }
 
@@ -216,6 +351,7 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
     case Kind::kE5M2: return pv_rows<L, NR, Kind::kE5M2>(p, ld, v, n, d, acc);
     case Kind::kIntToken: return pv_int_token<L, NR>(p, ld, v, n, d, acc);
     case Kind::kIntChannel: return pv_rows<L, NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
+    case Kind::kTurboQuant: return pv_tq<L, NR>(p, ld, v, n, d, acc);
     case Kind::kNone: break;
   }
 }
