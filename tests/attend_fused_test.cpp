@@ -589,7 +589,7 @@ TEST(AttendFused, TurboQuantMatchesTheGenericPath) {
   }
 }
 
-// TurboQuant with holes (scattered eviction: non-consecutive slots in the kernels' key and
+// TurboQuant and QJL keys with holes (scattered eviction: non-consecutive slots in the kernels' key and
 // value loops) and through the public attend() with the scheme's fp16 window; head_dim 16 (a
 // power of two the rotation takes, below the kernels' 32) and pre-RoPE keys take the generic
 // path (the keys must be rotated by position after decoding), so fused and generic agree
@@ -599,7 +599,7 @@ TEST(AttendFused, TurboQuantHolesSmallHeadsAndPreRopeKeys) {
   using Kind = cache::fused::KernelFormat::Kind;
   for (const FusedIsa isa : runnable_isas()) {
     const IsaScope scope(isa);
-    for (const std::string quant : {"tq:b3:nc", "tq:b4", "turboquant:k2.5:v2:nc", "turboquant:k3.5:v3"}) {
+    for (const std::string quant : {"tq:b3:nc", "tq:b4", "turboquant:k2.5:v2:nc", "turboquant:k3.5:v3", "qjl:r32"}) {
       auto c = make_config(1, 14, 2, 64, quant, "random:seed9@300", 4000);
       c.block_tokens = 32;
       TorchCache m(c);
@@ -637,6 +637,60 @@ TEST(AttendFused, TurboQuantHolesSmallHeadsAndPreRopeKeys) {
   }
 }
 
+// QJL keys (the qjl scheme; attend_fused.h): the estimate computed from the stored sign bits
+// against S·q (once per step) with the group's outlier columns moved from S q_in to S_o q_out,
+// against the generic path that decodes k̂ = √(π/2)/m·‖k_in‖·P_in Sᵀz + √(π/2)/m_o·‖k_out‖·P_out S_oᵀz_o.
+// Sketch sizes that are and are not a multiple of 16 bits (the AVX-512 kernels' lanes), no
+// outliers, several groups per block (block_tokens 64, g 16), head_dim 32/64/128/256, the
+// scheme's int2 values (fused) and fp16 window, holes from eviction, both ISAs. Tolerance
+// kFloatTol: the same algebra in float32, with S·q and the m-term sign dots summed in float
+// where the generic path sums Sᵀz in double (measured worst case: RecordProperty worst_<isa>).
+TEST(AttendFused, QjlKeysMatchTheGenericPath) {
+  REQUIRE_FUSED();
+  using Kind = cache::fused::KernelFormat::Kind;
+  struct Case {
+    std::string quant;
+    Shape sh;
+  };
+  const std::vector<Case> cases = {
+      {"qjl", {14, 2, 64, 64}},          {"qjl", {4, 1, 128, 32}},          {"qjl:m72:mo8:o4:r32", {9, 3, 32, 32}},
+      {"qjl:o0:mo0:g16:r32", {7, 1, 64, 64}}, {"qjl:m128:mo40:g16:r16", {6, 2, 256, 64}},
+      {"qjl:v4:vg64", {14, 2, 64, 32}}};
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    uint64_t seed = 500;
+    double worst = 0;
+    for (const auto& [quant, sh] : cases) {
+      auto c = make_config(1, sh.hq, sh.hkv, sh.d, quant, "full");
+      c.block_tokens = sh.block_tokens;
+      TorchCache m(c);
+      const auto& L = CacheManagerAccess::layer(m.core(), 0);
+      ASSERT_EQ(cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind, Kind::kQjl) << quant;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+      int64_t pos = 0;
+      bool differs = false;
+      for (int64_t n : {1, 37, 150, 1, 80}) {
+        m.append(0, testing::randn({1, sh.hkv, n, sh.d}, gen) * 1.5, testing::randn({1, sh.hkv, n, sh.d}, gen),
+                 positions_range(pos, n));
+        pos += n;
+        for (int64_t tq : {int64_t{1}, std::min<int64_t>(n, 9)}) {
+          const std::string where = quant + " D " + std::to_string(sh.d) + " T " + std::to_string(pos) + " T_q " +
+                                    std::to_string(tq);
+          const auto q = testing::randn({1, sh.hq, tq, sh.d}, gen);
+          const auto qp = positions_range(pos - tq, tq);
+          const double diff = max_abs(testing::access_attend(m, 0, q, qp, true) - testing::access_attend(m, 0, q, qp, false));
+          worst = std::max(worst, diff);
+          differs = differs || diff > 0;
+          EXPECT_LE(diff, kFloatTol) << where;
+        }
+        m.end_step(StepKind::kPrefill);
+      }
+      EXPECT_TRUE(differs) << quant << ": the fused kernels must run";
+    }
+    RecordProperty(std::string("worst_") + cache::fused::isa_name(isa), std::to_string(worst));
+  }
+}
+
 // CacheConfig::fused_attention selects the path of the public attend(): false is exactly the
 // generic per-block path, true exactly the fused one (here int4, where the two differ).
 // int3 (two-plane codes) and rotated had(...) formats are not read by the fused kernels:
@@ -656,6 +710,8 @@ TEST(AttendFused, Int3AndRotatedFormatsTakeTheGenericPath) {
   EXPECT_EQ(kind("int2:g32:chan"), Kind::kIntChannel);
   EXPECT_EQ(kind("fp32"), Kind::kF32);
   for (const char* spec : {"tq:b3", "tq:b2.5:prod:nc", "tq:b1"}) EXPECT_EQ(kind(spec), Kind::kTurboQuant) << spec;
+  // PolarQuant's recursive polar transform is not read by the kernels (attend_fused.h).
+  EXPECT_EQ(kind("polar"), Kind::kNone);
 }
 
 TEST(AttendFused, ConfigSelectsThePath) {

@@ -11,7 +11,10 @@ Per spec and thread count: wall µs per decode step; × baseline (BM_AttendBasel
 threads: the float32 copy + at:: path); MB a step reads (`MB_per_step`); × its bandwidth floor
 (`floor_ms`: those bytes at the run's STREAM copy bandwidth); × its arithmetic floor
 (`mac_floor_ms`: the multiply-add instructions the kernels issue at the run's measured rate; see
-bench/bench_attention.cpp); and 1 thread ÷ 2 threads. Missing cases leave empty cells.
+bench/bench_attention.cpp); and 1 thread ÷ 2 threads. Missing cases leave empty cells. The bits per
+stored value (`bits_per_value`: metadata and any fp16 window counted) stand beside each spec, and
+a BM_Attend row whose cache the fused kernels do not read (`fused_read` = 0: QJL, PolarQuant,
+int3, had(...)) says "generic (no fused kernel)": its time is the generic path's.
 """
 import json
 import re
@@ -72,9 +75,9 @@ def main(path):
             if tt == t:
                 specs.setdefault((kind, spec), None)
         print(f"T = {t:,} tokens\n")
-        print("| spec | path | 1 thread µs | × baseline | MB/step | × its floor | × its arithmetic floor "
+        print("| spec | bits/value | path | 1 thread µs | × baseline | MB/step | × its floor | × its arithmetic floor "
               "| 2 threads µs | × baseline (2 threads) | 1 thread ÷ 2 threads |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         order = sorted(specs, key=lambda k: (k[0] != "baseline", k[0] == "generic"))
         base1, base2 = rows.get(("baseline", BASELINE, t, 1)), rows.get(("baseline", BASELINE, t, 2))
         for kind, spec in order:
@@ -83,7 +86,11 @@ def main(path):
             mb = ref.get("MB_per_step") if ref else None
 
             label = spec if kind == "baseline" else f"`{spec}`"
-            print(f"| {label} | {kind} | {fmt(us(one), 0) if one else ''} | {fmt(ratio(one, base1))} | {fmt(mb, 1)} "
+            bits = ref.get("bits_per_value") if ref and kind != "baseline" else None
+            path = kind
+            if kind == "fused" and ref is not None and ref.get("fused_read", 1) == 0:
+                path = "generic (no fused kernel)"
+            print(f"| {label} | {fmt(bits, 3)} | {path} | {fmt(us(one), 0) if one else ''} | {fmt(ratio(one, base1))} | {fmt(mb, 1)} "
                   f"| {fmt(over(one, 'floor_ms'), 1)} | {fmt(over(one, 'mac_floor_ms'), 1)} "
                   f"| {fmt(us(two), 0) if two else ''} | {fmt(ratio(two, base2))} "
                   f"| {fmt(us(one) / us(two) if one and two else None)} |")

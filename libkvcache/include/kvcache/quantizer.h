@@ -68,6 +68,10 @@ enum class KernelKind : uint8_t {
   /// for `:prod` the residual's sign sketch and γ); the kernels take the rotation, codebooks
   /// and sketch from the quantizer (src/quant/turboquant_quantizer.h).
   kTurboQuant,
+  /// QJL keys (the `qjl` scheme's, arXiv 2406.03482): per group of tokens the outlier channel
+  /// indices, per token the sign bits of S k_in and S_o k_out and the two norms; the kernels
+  /// take the sketch from the quantizer (src/quant/qjl_quantizer.h).
+  kQjl,
 };
 
 /// How a quantizer lays out what it stores for ONE KV head, as the cache's block store holds

@@ -343,11 +343,12 @@ bool fusable(const LayerStore& L, const common::RopeTable* rope) {
       if (f.quantizer == nullptr) continue;
       const fused::KernelFormat k = fused::classify(f);
       if (k.kind == fused::KernelFormat::Kind::kNone) return false;
-      if (k.kind != fused::KernelFormat::Kind::kTurboQuant) continue;
+      if (k.kind != fused::KernelFormat::Kind::kTurboQuant && k.kind != fused::KernelFormat::Kind::kQjl) continue;
       // TurboQuant-Prod is a key format (the paper's, the turboquant scheme's); Prod values
       // (`tq:b<b>:prod` as a whole-cache scheme) would need Sᵀ of a sign accumulator per row
-      // besides the inverse rotation: they take the generic path.
-      if (st == &L.value_setup() && k.tq_prod) return false;
+      // besides the inverse rotation: they take the generic path (as would QJL values; the
+      // qjl scheme stores only keys so).
+      if (st == &L.value_setup() && (k.tq_prod || k.kind == fused::KernelFormat::Kind::kQjl)) return false;
       if (tq.kind == fused::KernelFormat::Kind::kNone) {
         tq = k;
       } else if (!fused::same_rotation(tq, k)) {
@@ -358,13 +359,13 @@ bool fusable(const LayerStore& L, const common::RopeTable* rope) {
   return true;
 }
 
-/// The first TurboQuant format of a stream (its rotation is every TurboQuant format's there:
-/// fusable()), or kind kNone.
-fused::KernelFormat turboquant_format(const StreamSetup& st) {
+/// The first TurboQuant (or, `qjl`, QJL) format of a stream (its rotation or sketch is every
+/// such format's there: fusable()), or kind kNone.
+fused::KernelFormat turboquant_format(const StreamSetup& st, bool qjl = false) {
   for (const auto& f : st.formats.f) {
     if (f.quantizer == nullptr) continue;
     const fused::KernelFormat k = fused::classify(f);
-    if (k.kind == fused::KernelFormat::Kind::kTurboQuant) return k;
+    if (k.kind == fused::KernelFormat::Kind::kTurboQuant || (qjl && k.kind == fused::KernelFormat::Kind::kQjl)) return k;
   }
   return {};
 }
@@ -475,7 +476,7 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
   RotatedValues rv;
   if (raw) {
     fused::prepare(qh.data(), R, d, scale, fq);
-    const fused::KernelFormat ktq = turboquant_format(L.key_setup());
+    const fused::KernelFormat ktq = turboquant_format(L.key_setup(), /*qjl=*/true);
     if (ktq.kind != fused::KernelFormat::Kind::kNone) fused::rotate_queries(ktq, fq);
     rv.init(turboquant_format(L.value_setup()), kRowBlock, d);
   }
@@ -585,7 +586,7 @@ void attend_range(const RangeArgs& a, PartialState& st) {
   RotatedValues rv;
   if (raw) {
     fused::prepare(a.q, R, d, scale, fq);
-    const fused::KernelFormat ktq = turboquant_format(L.key_setup());
+    const fused::KernelFormat ktq = turboquant_format(L.key_setup(), /*qjl=*/true);
     if (ktq.kind != fused::KernelFormat::Kind::kNone) fused::rotate_queries(ktq, fq);
     rv.init(turboquant_format(L.value_setup()), rb, d);
   }

@@ -492,6 +492,7 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
     case Kind::kTurboQuant: return qk_tq<Lanes512, NR>(q, r0, k, n, s, ld);
+    case Kind::kQjl: return qk_qjl<Lanes512, NR>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

@@ -18,6 +18,7 @@
 #include "kvcache/attention.h"
 #include "kvcache/error.h"
 #include "quant/hadamard.h"
+#include "quant/qjl_quantizer.h"
 #include "quant/turboquant_quantizer.h"
 
 namespace kvcache::cache::fused {
@@ -73,6 +74,20 @@ KernelFormat classify(const BlockFormat& f) {
       k.tq_levels_lo = t->levels_lo.data();
       k.rot_signs = t->signs.data();
       k.sketch = k.tq_prod ? t->sketch.data() : nullptr;
+      break;
+    }
+    case KernelKind::kQjl: {
+      const auto* qj = dynamic_cast<const quant::QjlKeyQuantizer*>(f.quantizer);
+      KV_INTERNAL_ASSERT(qj != nullptr, "fused::classify: KernelKind::kQjl from ", f.quantizer->spec());
+      const quant::QjlParams& p = qj->params();
+      if (p.sketch > kMaxQjlSketch) return KernelFormat{};
+      k.kind = KernelFormat::Kind::kQjl;
+      k.group = p.group;
+      k.qjl_m = p.sketch;
+      k.qjl_mo = p.outlier_sketch;
+      k.qjl_o = p.outliers;
+      // The sketch lives as long as the quantizer (QjlKeyQuantizer keeps it per head_dim).
+      k.sketch = qj->sketch(d)->data();
       break;
     }
     case KernelKind::kIntToken:
@@ -227,6 +242,12 @@ void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out)
 }
 
 bool same_rotation(const KernelFormat& a, const KernelFormat& b) {
+  if (a.kind != b.kind) return false;
+  if (a.kind == KernelFormat::Kind::kQjl) {
+    if (a.sketch == b.sketch) return true;
+    const auto n = static_cast<size_t>(a.qjl_m * a.head_dim);
+    return a.head_dim == b.head_dim && a.qjl_m == b.qjl_m && std::equal(a.sketch, a.sketch + n, b.sketch);
+  }
   if (a.rot_signs == b.rot_signs) return a.sketch == b.sketch || !a.tq_prod || !b.tq_prod;
   if (a.head_dim != b.head_dim) return false;
   const auto n = static_cast<size_t>(a.head_dim);
@@ -235,25 +256,33 @@ bool same_rotation(const KernelFormat& a, const KernelFormat& b) {
 }
 
 void rotate_queries(const KernelFormat& kf, Queries& q) {
-  KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant, "fused::rotate_queries: not a TurboQuant format");
   const int64_t rows = q.view.rows, d = q.view.d;
+  // S·qf per row: m = D rows of S for TurboQuant-Prod, qjl_m for QJL.
+  auto sketch_rows = [&](int64_t m) {
+    q.qsketch.resize(static_cast<size_t>(rows * m));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qf = q.qf.data() + r * d;
+      for (int64_t j = 0; j < m; ++j) {
+        const float* sj = kf.sketch + j * d;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < d; ++i) acc += sj[i] * qf[i];
+        q.qsketch[static_cast<size_t>(r * m + j)] = acc;
+      }
+    }
+    q.view.qsketch = q.qsketch.data();
+  };
+  if (kf.kind == KernelFormat::Kind::kQjl) {
+    q.view.qrot = nullptr;
+    sketch_rows(kf.qjl_m);
+    return;
+  }
+  KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant, "fused::rotate_queries: not a TurboQuant or QJL format");
   q.qrot.resize(static_cast<size_t>(rows * d));
   for (int64_t i = 0; i < rows * d; ++i) q.qrot[static_cast<size_t>(i)] = q.qf[static_cast<size_t>(i)] * kf.rot_signs[i % d];
   quant::hadamard_rows(q.qrot.data(), rows, d);
   q.view.qrot = q.qrot.data();
   q.view.qsketch = nullptr;
-  if (!kf.tq_prod) return;
-  q.qsketch.resize(static_cast<size_t>(rows * d));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qf = q.qf.data() + r * d;
-    for (int64_t j = 0; j < d; ++j) {
-      const float* sj = kf.sketch + j * d;
-      float acc = 0.0f;
-      for (int64_t i = 0; i < d; ++i) acc += sj[i] * qf[i];
-      q.qsketch[static_cast<size_t>(r * d + j)] = acc;
-    }
-  }
-  q.view.qsketch = q.qsketch.data();
+  if (kf.tq_prod) sketch_rows(d);
 }
 
 void add_rotated_back(const float* signs, float* rot, int64_t rows, int64_t d, float* acc) {

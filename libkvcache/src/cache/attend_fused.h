@@ -93,13 +93,14 @@ struct Queries {
 void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out);
 
 /// True if two TurboQuant formats rotate alike (same signs, and same sketch where both are
-/// Prod): the fused path rotates the query once per layer and step, so a layer whose key (or
-/// value) formats rotate differently takes the generic path.
+/// Prod), or two QJL formats sketch alike: the fused path rotates (sketches) the query once per
+/// layer and step, so a layer whose key (or value) formats differ there takes the generic path.
 bool same_rotation(const KernelFormat& a, const KernelFormat& b);
 
 /// TurboQuant keys `kf`: q.qrot = H·diag(s)·qf per row (the rotated query; diag(s)·H is
-/// orthogonal, so qf·x̂ = ‖x‖·f·(qrot·c)) and for Prod keys q.qsketch = S·qf; sets
-/// q.view.qrot/qsketch. Call after prepare(), once per step and KV head.
+/// orthogonal, so qf·x̂ = ‖x‖·f·(qrot·c)) and for Prod keys q.qsketch = S·qf; QJL keys:
+/// q.qsketch = S·qf (qjl_m per row). Sets q.view.qrot/qsketch. Call after prepare(), once per
+/// step and KV head.
 void rotate_queries(const KernelFormat& kf, Queries& q);
 
 /// TurboQuant values: acc[r] += diag(signs)·H·rot[r] for r < rows (rot, `[rows, d]`, the

@@ -12,9 +12,13 @@
 
 namespace kvcache::cache::fused {
 
+/// The largest QJL sketch (m bits per key) the fused kernels read (their per-row buffers of S·q
+/// are sized for it); a larger m takes the generic path.
+inline constexpr int64_t kMaxQjlSketch = 1024;
+
 /// What a fused kernel needs to know about a block format (filled by classify()).
 struct KernelFormat {
-  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel, kTurboQuant };
+  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel, kTurboQuant, kQjl };
   Kind kind = Kind::kNone;
   int bits = 0;          ///< integer formats: 8, 4, 2
   int64_t group = 0;     ///< integer formats: group size (values per token, or tokens per channel)
@@ -33,7 +37,11 @@ struct KernelFormat {
   const float* tq_levels_hi = nullptr;  ///< 16 floats (codebook · 1/√D, zero-padded)
   const float* tq_levels_lo = nullptr;
   const float* rot_signs = nullptr;     ///< D signs s of the rotation diag(s)·H (x̂ = ‖x‖·diag(s)·H·c)
-  const float* sketch = nullptr;        ///< tq_prod: S, D × D row-major
+  const float* sketch = nullptr;        ///< tq_prod: S, D × D row-major; kQjl: S, qjl_m × D row-major
+  /// kQjl (quant/qjl_quantizer.h; `group` = g tokens per group, one group's codes are
+  /// code_bytes: qjl_o outlier indices, then per token (qjl_m + qjl_mo)/8 sign bytes; scales
+  /// 2 fp16 per token, ‖k_in‖ and ‖k_out‖).
+  int64_t qjl_m = 0, qjl_mo = 0, qjl_o = 0;
 };
 
 /// One stream's tokens of a tile, as stored: `n` live slots of one block.
@@ -61,7 +69,8 @@ struct QueryView {
   const float* qsum = nullptr;  ///< `[rows, d/32]` Σ q' over the chunk (of the rounded query)
   const float* qfsum = nullptr; ///< `[rows, d/32]` Σ qf over the chunk (the float query: AVX2 kernels)
   /// TurboQuant keys (fused::rotate_queries): `[rows, d]` H·diag(s)·qf, the rotated query
-  /// (qrot), and for Prod keys S·qf (qsketch); null when the layer's keys are not TurboQuant.
+  /// (qrot), and for Prod keys S·qf (qsketch, `[rows, d]`); QJL keys: qsketch = S·qf,
+  /// `[rows, qjl_m]`. Null when the layer's keys are neither.
   const float* qrot = nullptr;
   const float* qsketch = nullptr;
 };

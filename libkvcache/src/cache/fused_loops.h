@@ -205,6 +205,83 @@ void pv_tq(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d,
   }
 }
 
+// ---------------------------------------------------------------- QJL keys
+
+/// W keys' dots of the ±1 signs at bit `bit0` of each key's sign bits (`row0 + t·tok_bytes`,
+/// t the key's token in its group) with u[r] (`cols` entries, zero-padded to a multiple of W:
+/// the bits read past them, the next stream's or token's, meet zeros), added to out[r].
+template <class L, int NR>
+inline void sign_dots(const uint8_t* row0, int64_t tok_bytes, const int32_t* ts, int m, int64_t bit0, int64_t cols,
+                      const float (*u)[kMaxQjlSketch], typename L::F (&out)[NR]) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  for (int64_t c = 0; c < cols; c += W) {
+    F zt[W];
+    for (int j = 0; j < W; ++j) {
+      zt[j] = j < m ? L::signs_pm1(row0 + static_cast<int64_t>(ts[j]) * tok_bytes + (bit0 + c) / 8) : L::zero();
+    }
+    L::transpose(zt);
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) {
+      for (int r = 0; r < NR; ++r) out[r] = L::fmadd(zt[e], L::set1(u[r][c + e]), out[r]);
+    }
+  }
+}
+
+/// QJL keys (quant/qjl_quantizer.h): s = √(π/2)/m·‖k_in‖·⟨S q_in, z⟩ + √(π/2)/m_o·‖k_out‖·⟨S_o q_out, z_o⟩.
+/// Per group (the block's slots in runs of one group): u = S q − Σ_{c∈out} q_c S[:, c] and
+/// u_o = Σ_{c∈out} q_c S[:m_o, c] (S q once per step: QueryView::qsketch); per W keys the sign
+/// bits as ±1 lanes, transposed, multiplied with u in float32.
+template <class L, int NR>
+void qk_qjl(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const KernelFormat& kf = k.kf;
+  const int64_t d = q.d, g = kf.group, m = kf.qjl_m, mo = kf.qjl_mo, o = kf.qjl_o;
+  const int64_t tok_bytes = (m + mo) / 8;
+  const int64_t m_pad = (m + W - 1) / W * W, mo_pad = (mo + W - 1) / W * W;
+  const float c_in = kTqQjl / static_cast<float>(m), c_out = mo > 0 ? kTqQjl / static_cast<float>(mo) : 0.0f;
+  const uint8_t* meta = k.block + kf.scales_offset;
+  alignas(64) float u[NR][kMaxQjlSketch], uo[NR][kMaxQjlSketch];
+  alignas(64) int32_t ts[64];  // tokens in the group of W keys (slot mod g)
+  for (int64_t j0 = 0; j0 < n;) {
+    const int64_t gi = k.slots[j0] / g;
+    int64_t j1 = j0 + 1;
+    while (j1 < n && k.slots[j1] / g == gi) ++j1;  // slots increase: one group's run
+    const uint8_t* cg = k.block + gi * kf.code_bytes;
+    bool seen[256] = {};  // an index repeated (or past D) marks its channel once (or none), as decode does
+    for (int r = 0; r < NR; ++r) {
+      const float* sq = q.qsketch + (r0 + r) * m;
+      for (int64_t j = 0; j < m_pad; ++j) u[r][j] = j < m ? sq[j] : 0.0f;
+      for (int64_t j = 0; j < mo_pad; ++j) uo[r][j] = 0.0f;
+    }
+    for (int64_t i = 0; i < o; ++i) {
+      const int c = cg[i];
+      if (c >= d || seen[c]) continue;
+      seen[c] = true;
+      for (int r = 0; r < NR; ++r) {
+        const float qc = q.qf[(r0 + r) * d + c];
+        for (int64_t j = 0; j < m; ++j) u[r][j] -= qc * kf.sketch[j * d + c];
+        for (int64_t j = 0; j < mo; ++j) uo[r][j] += qc * kf.sketch[j * d + c];
+      }
+    }
+    const uint8_t* row0 = cg + o;
+    for (int64_t jb = j0; jb < j1; jb += W) {
+      const int mm = static_cast<int>(min64(W, j1 - jb));
+      for (int j = 0; j < mm; ++j) ts[j] = static_cast<int32_t>(k.slots[jb + j] - gi * g);
+      F in[NR], out[NR];
+      for (int r = 0; r < NR; ++r) in[r] = out[r] = L::zero();
+      sign_dots<L, NR>(row0, tok_bytes, ts, mm, 0, m_pad, u, in);
+      if (mo > 0) sign_dots<L, NR>(row0, tok_bytes, ts, mm, m, mo_pad, uo, out);
+      // Norms: fp16 words 2·slot (‖k_in‖) and 2·slot + 1 (‖k_out‖) of the block's scales.
+      const F a = L::mul(L::meta(meta, k.slots + jb, mm, 2, 0), L::set1(c_in));
+      const F b = L::mul(L::meta(meta, k.slots + jb, mm, 2, 1), L::set1(c_out));
+      for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + jb, L::fmadd(out[r], b, L::mul(in[r], a)), mm);
+    }
+    j0 = j1;
+  }
+}
+
 // ---------------------------------------------------------------- p·v
 
 /// Dims [2W·span, 2W·span + 2W) of value slot `slot`, dequantized: x0 (first W), x1. Per-channel
@@ -352,6 +429,7 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
     case Kind::kIntToken: return pv_int_token<L, NR>(p, ld, v, n, d, acc);
     case Kind::kIntChannel: return pv_rows<L, NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
     case Kind::kTurboQuant: return pv_tq<L, NR>(p, ld, v, n, d, acc);
+    case Kind::kQjl:  // keys only (fusable() sends a layer with QJL values to the generic path)
     case Kind::kNone: break;
   }
 }
