@@ -274,6 +274,12 @@ void rotate_queries(const KernelFormat& kf, Queries& q) {
   if (kf.kind == KernelFormat::Kind::kQjl) {
     q.view.qrot = nullptr;
     sketch_rows(kf.qjl_m);
+    const int64_t m = kf.qjl_m;
+    q.sketch_t.resize(static_cast<size_t>(d * m));
+    for (int64_t j = 0; j < m; ++j) {
+      for (int64_t c = 0; c < d; ++c) q.sketch_t[static_cast<size_t>(c * m + j)] = kf.sketch[j * d + c];
+    }
+    q.view.sketch_t = q.sketch_t.data();
     return;
   }
   KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant, "fused::rotate_queries: not a TurboQuant or QJL format");

@@ -73,6 +73,7 @@ struct QueryView {
   /// `[rows, qjl_m]`. Null when the layer's keys are neither.
   const float* qrot = nullptr;
   const float* qsketch = nullptr;
+  const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous)
 };
 
 namespace avx512 {
