@@ -354,14 +354,15 @@ void measure_mac_rates() {}
 /// the fused kernels read as integer codes (fused::classify, as attend() does); KIVI's
 /// full-precision residual (≤ 128 tokens) is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
 /// transposes and the softmax come on top, so no kernel of this form runs below it.
-/// TurboQuant-Prod keys (`prod_keys`) are dotted twice per key (the codebook part against the
-/// rotated query, the sign sketch against S·q): q·k counts double.
-double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused, bool prod_keys = false) {
+/// `qk_factor`: q·k's multiplies per key over D's: 2 for TurboQuant-Prod keys (the codebook part
+/// against the rotated query, the sign sketch against S·q), (m + m_o)/D for QJL keys (the two
+/// sign sketches against S·q), 1 otherwise.
+double mac_floor_ms(bool int_keys, int64_t t, int64_t threads, bool fused, double qk_factor = 1.0) {
   namespace fused_ns = kvcache::cache::fused;
   const double g = static_cast<double>(kHq / kHkv), macs = g * static_cast<double>(kD);  // per product, key, head
   double instr = 0, rate = 0;  // per key and KV head; per ns
   const fused_ns::FusedIsa isa = fused ? fused_ns::current_isa() : fused_ns::FusedIsa::kNone;
-  const double qk = prod_keys ? 2.0 : 1.0;
+  const double qk = qk_factor;
   if (isa == fused_ns::FusedIsa::kAvx512) {
     instr = (int_keys ? 2 * macs / 64 : qk * macs / 16) + macs / 16;
     rate = g_mac512_per_ns;
@@ -433,7 +434,10 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path) {
     }
   }
   state.counters["fused_read"] = fused_read ? 1 : 0;
-  if (const double f = mac_floor_ms(int_keys, t, state.range(1), fused_read, key_main.tq_prod); f > 0) {
+  const double qk_factor = key_main.tq_prod           ? 2.0
+                           : key_kind == Kind::kQjl ? static_cast<double>(key_main.qjl_m + key_main.qjl_mo) / kD
+                                                    : 1.0;
+  if (const double f = mac_floor_ms(int_keys, t, state.range(1), fused_read, qk_factor); f > 0) {
     state.counters["mac_floor_ms"] = f;
   }
   state.counters["bits_per_value"] =
