@@ -522,7 +522,10 @@ TEST(AttendFused, SkipsHolesLikeTheGenericPath) {
 // and rotated back once per row, against the generic path that decodes each block. Every bit
 // width (1..4, the fractional 1.5/2.5/3.5, Prod at 2..4), nc, the scheme with its fp16 window,
 // head_dim 32 (the smallest the kernels read), 64, 128 and 256, one-token blocks, T never a
-// multiple of the block, decode and prefill queries, both ISAs.
+// multiple of the block, decode and prefill queries, both ISAs. PolarQuant (`polar`, two seeds)
+// the same way: its 16-value blocks rebuilt in registers from ρ and the levels' cos/sin tables
+// against the query rotated by its preconditioning (the generic path decodes in double with
+// std::cos/std::sin: the tables' float rounding is within the same tolerance).
 //
 // Tolerance kFloatTol (2e-5 on the output, values of unit scale), as for the float formats: the
 // two paths compute the same algebra — q·(‖k‖·f·diag(s)·H·c) = ‖k‖·f·((H·diag(s)·q)·c) and
@@ -545,7 +548,7 @@ TEST(AttendFused, TurboQuantMatchesTheGenericPath) {
                                            "tq:b4",           "tq:b3:nc",         "tq:b4:nc",
                                            "tq:b2.5:nc",      "turboquant:k2:v2", "turboquant:k2.5:v1.5",
                                            "turboquant:k3:v3", "turboquant:k3.5:v3.5:nc", "turboquant:k4:v4",
-                                           "turboquant:k4:v2.5:kmse:nc", "tq:b3:prod"};
+                                           "turboquant:k4:v2.5:kmse:nc", "tq:b3:prod", "polar", "polar:seed7"};
   const std::vector<Shape> shapes = {{14, 2, 64, 64}, {9, 3, 32, 32}, {4, 1, 128, 96}, {6, 2, 64, 1}, {7, 1, 256, 64}};
   for (const FusedIsa isa : runnable_isas()) {
     const IsaScope scope(isa);
@@ -559,7 +562,8 @@ TEST(AttendFused, TurboQuantMatchesTheGenericPath) {
         c.block_tokens = sh.block_tokens;
         TorchCache m(c);
         const auto& L = CacheManagerAccess::layer(m.core(), 0);
-        ASSERT_EQ(cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind, Kind::kTurboQuant)
+        ASSERT_EQ(cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind,
+                  quant.rfind("polar", 0) == 0 ? Kind::kPolar : Kind::kTurboQuant)
             << quant;
         auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
         int64_t pos = 0;
@@ -599,7 +603,7 @@ TEST(AttendFused, TurboQuantHolesSmallHeadsAndPreRopeKeys) {
   using Kind = cache::fused::KernelFormat::Kind;
   for (const FusedIsa isa : runnable_isas()) {
     const IsaScope scope(isa);
-    for (const std::string quant : {"tq:b3:nc", "tq:b4", "turboquant:k2.5:v2:nc", "turboquant:k3.5:v3", "qjl:r32"}) {
+    for (const std::string quant : {"tq:b3:nc", "tq:b4", "turboquant:k2.5:v2:nc", "turboquant:k3.5:v3", "qjl:r32", "polar"}) {
       auto c = make_config(1, 14, 2, 64, quant, "random:seed9@300", 4000);
       c.block_tokens = 32;
       TorchCache m(c);
@@ -618,21 +622,21 @@ TEST(AttendFused, TurboQuantHolesSmallHeadsAndPreRopeKeys) {
       const auto s = CacheManagerAccess::stream(m.core(), 0, false);
       EXPECT_GT(s.dead_slots[0] + s.dead_slots[1], 0) << quant << ": the case must have holes";
     }
-    for (const bool pre_rope : {false, true}) {
+    for (const auto& [quant, pre_rope] : {std::pair{"tq:b3", false}, std::pair{"tq:b3", true}, std::pair{"polar", false}}) {
       const int64_t d = pre_rope ? 64 : 16;
-      auto c = make_config(1, 4, 2, d, "tq:b3", "full");
+      auto c = make_config(1, 4, 2, d, quant, "full");
       if (pre_rope) c.key_storage = KeyStorage::kPreRoPE;
       c.block_tokens = 16;
       TorchCache m(c);
       const auto& L = CacheManagerAccess::layer(m.core(), 0);
       const Kind kind = cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind;
-      EXPECT_EQ(kind, pre_rope ? Kind::kTurboQuant : Kind::kNone) << "D " << d;
+      EXPECT_EQ(kind, pre_rope ? Kind::kTurboQuant : Kind::kNone) << quant << " D " << d;
       auto gen = at::make_generator<at::CPUGeneratorImpl>(79);
       m.append(0, testing::randn({1, 2, 50, d}, gen), testing::randn({1, 2, 50, d}, gen), positions_range(0, 50));
       const auto q = testing::randn({1, 4, 1, d}, gen);
       EXPECT_TRUE(at::equal(testing::access_attend(m, 0, q, positions_range(49, 1), true),
                             testing::access_attend(m, 0, q, positions_range(49, 1), false)))
-          << (pre_rope ? "pre-RoPE keys" : "D 16");
+          << quant << (pre_rope ? " pre-RoPE keys" : " D 16");
     }
   }
 }
@@ -710,8 +714,7 @@ TEST(AttendFused, Int3AndRotatedFormatsTakeTheGenericPath) {
   EXPECT_EQ(kind("int2:g32:chan"), Kind::kIntChannel);
   EXPECT_EQ(kind("fp32"), Kind::kF32);
   for (const char* spec : {"tq:b3", "tq:b2.5:prod:nc", "tq:b1"}) EXPECT_EQ(kind(spec), Kind::kTurboQuant) << spec;
-  // PolarQuant's recursive polar transform is not read by the kernels (attend_fused.h).
-  EXPECT_EQ(kind("polar"), Kind::kNone);
+  EXPECT_EQ(kind("polar"), Kind::kPolar);
 }
 
 TEST(AttendFused, ConfigSelectsThePath) {

@@ -72,6 +72,10 @@ enum class KernelKind : uint8_t {
   /// indices, per token the sign bits of S k_in and S_o k_out and the two norms; the kernels
   /// take the sketch from the quantizer (src/quant/qjl_quantizer.h).
   kQjl,
+  /// PolarQuant (`polar`, arXiv 2502.02617): angle codes of 16-value blocks and one fp16 radius
+  /// per block; the kernels take the preconditioning and the cos/sin tables from the quantizer
+  /// (src/quant/polar_quantizer.h).
+  kPolar,
 };
 
 /// How a quantizer lays out what it stores for ONE KV head, as the cache's block store holds

@@ -333,6 +333,12 @@ void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope
   }
 }
 
+/// Formats read in the rotated domain (TurboQuant, PolarQuant): keys against the rotated query,
+/// values into the rotated accumulator (RotatedValues).
+bool rotated_kind(fused::KernelFormat::Kind k) {
+  return k == fused::KernelFormat::Kind::kTurboQuant || k == fused::KernelFormat::Kind::kPolar;
+}
+
 /// True if the fused kernels can read every block of head h's layer (and its keys need no
 /// rotation on read).
 bool fusable(const LayerStore& L, const common::RopeTable* rope) {
@@ -343,7 +349,7 @@ bool fusable(const LayerStore& L, const common::RopeTable* rope) {
       if (f.quantizer == nullptr) continue;
       const fused::KernelFormat k = fused::classify(f);
       if (k.kind == fused::KernelFormat::Kind::kNone) return false;
-      if (k.kind != fused::KernelFormat::Kind::kTurboQuant && k.kind != fused::KernelFormat::Kind::kQjl) continue;
+      if (!rotated_kind(k.kind) && k.kind != fused::KernelFormat::Kind::kQjl) continue;
       // TurboQuant-Prod is a key format (the paper's, the turboquant scheme's); Prod values
       // (`tq:b<b>:prod` as a whole-cache scheme) would need Sᵀ of a sign accumulator per row
       // besides the inverse rotation: they take the generic path (as would QJL values; the
@@ -359,13 +365,13 @@ bool fusable(const LayerStore& L, const common::RopeTable* rope) {
   return true;
 }
 
-/// The first TurboQuant (or, `qjl`, QJL) format of a stream (its rotation or sketch is every
+/// The first TurboQuant or PolarQuant (or, `qjl`, QJL) format of a stream (its rotation or sketch is every
 /// such format's there: fusable()), or kind kNone.
 fused::KernelFormat turboquant_format(const StreamSetup& st, bool qjl = false) {
   for (const auto& f : st.formats.f) {
     if (f.quantizer == nullptr) continue;
     const fused::KernelFormat k = fused::classify(f);
-    if (k.kind == fused::KernelFormat::Kind::kTurboQuant || (qjl && k.kind == fused::KernelFormat::Kind::kQjl)) return k;
+    if (rotated_kind(k.kind) || (qjl && k.kind == fused::KernelFormat::Kind::kQjl)) return k;
   }
   return {};
 }
@@ -380,7 +386,7 @@ struct RotatedValues {
   std::vector<float> rot, m_old;
 
   void init(const fused::KernelFormat& vf, int64_t rows, int64_t d) {
-    if (vf.kind != fused::KernelFormat::Kind::kTurboQuant) return;
+    if (!rotated_kind(vf.kind)) return;
     signs = vf.rot_signs;
     rot.assign(static_cast<size_t>(rows * d), 0.0f);
     m_old.resize(static_cast<size_t>(rows));
@@ -435,7 +441,7 @@ void tile_values(const Tile& t, const float* p, int64_t ld, int64_t nr, int64_t 
     if (sg.rows) {
       tile_pv(p + sg.at, ld, nr, sg.n, t.vrows + sg.at, d, acc);
     } else {
-      const bool rotated = sg.raw.kf.kind == fused::KernelFormat::Kind::kTurboQuant;
+      const bool rotated = rotated_kind(sg.raw.kf.kind);
       fused::accumulate(p + sg.at, ld, nr, sg.raw, sg.n, d, rotated ? rot : acc);
     }
   }

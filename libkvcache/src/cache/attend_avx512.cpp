@@ -473,6 +473,43 @@ struct Lanes512 {
     const __m128i codes = _mm_and_si128(_mm_multishift_epi64_epi8(t.ctrl, w), t.mask);
     return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), t.table);
   }
+  /// PolarQuant: the level-1 cos and sin tables (16 each) and levels 2–4's [cos ×4, sin ×4].
+  struct PolarLut {
+    __m512 c1, s1, t2, t3, t4;
+  };
+  static PolarLut polar_lut(const float* a) {
+    return {_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + 32), _mm512_loadu_ps(a + 48),
+            _mm512_loadu_ps(a + 64)};
+  }
+  /// The 16 values (one block, c a multiple of 16) without ρ: lane i takes level 1's code i/2
+  /// (cos for even i, sin for odd), level 2's code i/4 (cos or sin by bit 1 of i), level 3's
+  /// i/8 (bit 2), level 4's one code (bit 3). The block's 46 code bits start at bit 46·(c/16).
+  static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
+    const int64_t bit = 46 * (c / 16);
+    const __m128i raw = _mm_maskz_loadu_epi8(static_cast<__mmask16>(0x7F), row + bit / 8);  // 7 bytes ≥ 46 + 7 bits
+    const uint64_t w = static_cast<uint64_t>(_mm_cvtsi128_si64(raw)) >> (bit % 8);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lo = _mm512_set1_epi32(static_cast<int>(w & 0xFFFFFFFFu));
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(w >> 32));
+    const __m512i three = _mm512_set1_epi32(3);
+    // level 1: code (w >> 4·(i/2)) & 15; + 16 for odd lanes (the sin table)
+    const __m512i i1 = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srlv_epi32(lo, _mm512_slli_epi32(_mm512_srli_epi32(lane, 1), 2)), _mm512_set1_epi32(15)),
+        _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(1)), 4));
+    F y = _mm512_permutex2var_ps(t.c1, i1, t.s1);
+    // level ℓ = 2, 3, 4: code (hi >> (offset + 2·(i >> ℓ))) & 3, + 4 where bit ℓ−1 of i is set
+    const auto level = [&](const __m512& tab, int offset, int shift) {
+      const __m512i code = _mm512_and_si512(
+          _mm512_srlv_epi32(hi, _mm512_add_epi32(_mm512_set1_epi32(offset),
+                                                 _mm512_slli_epi32(_mm512_srli_epi32(lane, shift), 1))),
+          three);
+      const __m512i sel = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(lane, shift - 1), _mm512_set1_epi32(1)), 2);
+      return _mm512_permutexvar_ps(_mm512_or_si512(code, sel), tab);
+    };
+    y = _mm512_mul_ps(y, level(t.t2, 0, 2));
+    y = _mm512_mul_ps(y, level(t.t3, 8, 3));
+    return _mm512_mul_ps(y, level(t.t4, 12, 4));
+  }
   /// 16 sign bits at p (bit j set: +1) as ±1.0f.
   static F signs_pm1(const uint8_t* p) {
     uint16_t b;
@@ -493,6 +530,7 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
     case Kind::kTurboQuant: return qk_tq<Lanes512, NR>(q, r0, k, n, s, ld);
     case Kind::kQjl: return qk_qjl<Lanes512, NR>(q, r0, k, n, s, ld);
+    case Kind::kPolar: return qk_polar<Lanes512, NR>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

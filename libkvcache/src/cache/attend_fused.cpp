@@ -18,6 +18,7 @@
 #include "kvcache/attention.h"
 #include "kvcache/error.h"
 #include "quant/hadamard.h"
+#include "quant/polar_quantizer.h"
 #include "quant/qjl_quantizer.h"
 #include "quant/turboquant_quantizer.h"
 
@@ -74,6 +75,15 @@ KernelFormat classify(const BlockFormat& f) {
       k.tq_levels_lo = t->levels_lo.data();
       k.rot_signs = t->signs.data();
       k.sketch = k.tq_prod ? t->sketch.data() : nullptr;
+      break;
+    }
+    case KernelKind::kPolar: {
+      const auto* pq = dynamic_cast<const quant::PolarQuantizer*>(f.quantizer);
+      KV_INTERNAL_ASSERT(pq != nullptr, "fused::classify: KernelKind::kPolar from ", f.quantizer->spec());
+      const std::shared_ptr<const quant::PolarQuantizer::KernelTables> t = pq->kernel_tables(d);
+      k.kind = KernelFormat::Kind::kPolar;
+      k.rot_signs = t->signs.data();
+      k.polar_angles = t->angles.data();
       break;
     }
     case KernelKind::kQjl: {
@@ -282,7 +292,8 @@ void rotate_queries(const KernelFormat& kf, Queries& q) {
     q.view.sketch_t = q.sketch_t.data();
     return;
   }
-  KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant, "fused::rotate_queries: not a TurboQuant or QJL format");
+  KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant || kf.kind == KernelFormat::Kind::kPolar,
+                     "fused::rotate_queries: not a TurboQuant, PolarQuant or QJL format");
   q.qrot.resize(static_cast<size_t>(rows * d));
   for (int64_t i = 0; i < rows * d; ++i) q.qrot[static_cast<size_t>(i)] = q.qf[static_cast<size_t>(i)] * kf.rot_signs[i % d];
   quant::hadamard_rows(q.qrot.data(), rows, d);

@@ -18,7 +18,7 @@ inline constexpr int64_t kMaxQjlSketch = 1024;
 
 /// What a fused kernel needs to know about a block format (filled by classify()).
 struct KernelFormat {
-  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel, kTurboQuant, kQjl };
+  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel, kTurboQuant, kQjl, kPolar };
   Kind kind = Kind::kNone;
   int bits = 0;          ///< integer formats: 8, 4, 2
   int64_t group = 0;     ///< integer formats: group size (values per token, or tokens per channel)
@@ -36,7 +36,8 @@ struct KernelFormat {
   bool tq_prod = false;      ///< TurboQuant-Prod keys: + √(π/2)/D · γ · ⟨S q, z⟩
   const float* tq_levels_hi = nullptr;  ///< 16 floats (codebook · 1/√D, zero-padded)
   const float* tq_levels_lo = nullptr;
-  const float* rot_signs = nullptr;     ///< D signs s of the rotation diag(s)·H (x̂ = ‖x‖·diag(s)·H·c)
+  const float* rot_signs = nullptr;     ///< D signs s of the rotation diag(s)·H (x̂ = ‖x‖·diag(s)·H·c; kPolar too)
+  const float* polar_angles = nullptr;  ///< kPolar: 80 floats (quant::PolarQuantizer::KernelTables::angles)
   const float* sketch = nullptr;        ///< tq_prod: S, D × D row-major; kQjl: S, qjl_m × D row-major
   /// kQjl (quant/qjl_quantizer.h; `group` = g tokens per group, one group's codes are
   /// code_bytes: qjl_o outlier indices, then per token (qjl_m + qjl_mo)/8 sign bytes; scales

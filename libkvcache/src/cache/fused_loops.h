@@ -205,6 +205,78 @@ void pv_tq(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d,
   }
 }
 
+// ---------------------------------------------------------------- PolarQuant
+//
+// Traits: PolarLut (the cos/sin tables in registers), polar_lut(angles80),
+// polar_chunk(row, c, lut): dims [c, c + W) of a row's preconditioned vector y without the
+// block's radius ρ (Π over the four levels of cos or sin of the lane's angle).
+
+/// The radius ρ of 16-dim block `b` of token `slot` (fp16, D/16 per token).
+inline float polar_radius(const RawTokens& t, int32_t slot, int64_t b) {
+  return half_at(t.block + t.kf.scales_offset, static_cast<int64_t>(slot) * t.kf.meta_count + b);
+}
+
+/// PolarQuant keys: s = (H·diag(s)·q)·y, y rebuilt W dims at a time in registers (ρ times the
+/// four levels' cos/sin), transposed and multiplied in float32 as qk_float does.
+template <class L, int NR>
+void qk_polar(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const int64_t d = q.d, row_bytes = k.kf.code_bytes;
+  const typename L::PolarLut lut = L::polar_lut(k.kf.polar_angles);
+  for (int64_t j0 = 0; j0 < n; j0 += W) {
+    const int m = static_cast<int>(min64(W, n - j0));
+    const int32_t* slots = k.slots + j0;
+    F out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = L::zero();
+    for (int64_t c = 0; c < d; c += W) {
+      F kt[W];
+      for (int j = 0; j < W; ++j) {
+        kt[j] = j < m ? L::mul(L::polar_chunk(k.block + static_cast<int64_t>(slots[j]) * row_bytes, c, lut),
+                               L::set1(polar_radius(k, slots[j], c / 16)))
+                      : L::zero();
+      }
+      L::transpose(kt);
+#pragma GCC unroll 16
+      for (int e = 0; e < W; ++e) {
+        for (int r = 0; r < NR; ++r) out[r] = L::fmadd(kt[e], L::set1(q.qrot[(r0 + r) * d + c + e]), out[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
+/// PolarQuant values, in the rotated domain as TurboQuant's: acc[r] += Σ_j p_rj·y_j.
+template <class L, int NR>
+void pv_polar(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const int64_t row_bytes = v.kf.code_bytes;
+  const typename L::PolarLut lut = L::polar_lut(v.kf.polar_angles);
+  for (int64_t h = 0; h < d / (2 * W); ++h) {
+    const int64_t c0 = 2 * W * h, c1 = c0 + W;
+    F a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = L::loadu(acc + r * d + c0);
+      a[r][1] = L::loadu(acc + r * d + c1);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+      const F x0 = L::mul(L::polar_chunk(row, c0, lut), L::set1(polar_radius(v, v.slots[j], c0 / 16)));
+      const F x1 = L::mul(L::polar_chunk(row, c1, lut), L::set1(polar_radius(v, v.slots[j], c1 / 16)));
+      for (int r = 0; r < NR; ++r) {
+        const F pj = L::set1(p[r * ld + j]);
+        a[r][0] = L::fmadd(pj, x0, a[r][0]);
+        a[r][1] = L::fmadd(pj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      L::storeu(acc + r * d + c0, a[r][0]);
+      L::storeu(acc + r * d + c1, a[r][1]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- QJL keys
 
 /// W keys' dots of the ±1 signs at bit `bit0` of each key's sign bits (`row0 + t·tok_bytes`,
@@ -432,6 +504,7 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
     case Kind::kIntToken: return pv_int_token<L, NR>(p, ld, v, n, d, acc);
     case Kind::kIntChannel: return pv_rows<L, NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
     case Kind::kTurboQuant: return pv_tq<L, NR>(p, ld, v, n, d, acc);
+    case Kind::kPolar: return pv_polar<L, NR>(p, ld, v, n, d, acc);
     case Kind::kQjl:  // keys only (fusable() sends a layer with QJL values to the generic path)
     case Kind::kNone: break;
   }
