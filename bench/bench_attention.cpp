@@ -424,7 +424,7 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path) {
   const bool int_keys = key_kind == Kind::kIntToken || key_kind == Kind::kIntChannel;
   // fused_read: 1 if the fused kernels read this cache as stored (every format of the layer is
   // one they read, as attend() decides; TurboQuant-Prod values are not), 0 if even BM_Attend
-  // takes the generic per-block path (QJL, PolarQuant, int3, had(...), ...).
+  // takes the generic per-block path (int3, had(...), GEAR, KVQuant, TurboQuant-Prod values, ...).
   bool fused_read = path != Path::kGeneric && kvcache::cache::fused::available();
   for (const auto* st : {&layer0.key_setup(), &layer0.value_setup()}) {
     for (const auto& f : st->formats.f) {
@@ -614,8 +614,9 @@ const std::vector<std::string>& specs() {
                                              // TurboQuant (fused: keys from their codes against the
                                              // rotated query, values rotated back once per row);
                                              // turboquant:k3:v3 = Prod keys at 3 bits, MSE values
-                                             // at 3, with its fp16 window. QJL keys and PolarQuant
-                                             // take the generic path (fused_read = 0).
+                                             // at 3, with its fp16 window; QJL keys from their
+                                             // sign bits against S·q, PolarQuant's blocks rebuilt
+                                             // from cos/sin tables (all fused_read = 1).
                                              "tq:b4", "tq:b3:nc", "tq:b2.5", "turboquant:k3:v3", "qjl", "polar"};
   return s;
 }

@@ -13,8 +13,8 @@ threads: the float32 copy + at:: path); MB a step reads (`MB_per_step`); × its 
 (`mac_floor_ms`: the multiply-add instructions the kernels issue at the run's measured rate; see
 bench/bench_attention.cpp); and 1 thread ÷ 2 threads. Missing cases leave empty cells. The bits per
 stored value (`bits_per_value`: metadata and any fp16 window counted) stand beside each spec, and
-a BM_Attend row whose cache the fused kernels do not read (`fused_read` = 0: QJL, PolarQuant,
-int3, had(...)) says "generic (no fused kernel)": its time is the generic path's.
+a BM_Attend row whose cache the fused kernels do not read (`fused_read` = 0: int3,
+had(...), GEAR, KVQuant) says "generic (no fused kernel)": its time is the generic path's.
 """
 import json
 import re

@@ -47,10 +47,12 @@
 ///     and u_o = Σ_{c∈out} q_c S_o[:, c] (the group's o outlier columns); per key
 ///     √(π/2)/m·‖k_in‖·⟨u, z⟩ + √(π/2)/m_o·‖k_out‖·⟨u_o, z_o⟩ from the stored bits (±1 lanes).
 ///     Its int values and fp16 window take the int / fp16 kernels.
-///   - PolarQuant (`polar`) stays on the generic path (docs/quantizers.md says why and what a
-///     fused form would take).
+///   - PolarQuant (`polar`, kPolar): its preconditioning is TurboQuant's rotation, so keys are
+///     scored against the same rotated query and values go to the rotated accumulator; each
+///     16-value block is rebuilt in registers from its radius ρ and four lane permutes of the
+///     levels' cos/sin tables (value i = ρ·Π_ℓ cos or sin of level ℓ's angle over i).
 /// A layer whose key (or value) formats rotate or sketch differently takes the generic path
-/// (same_rotation()), as do head dims the kernels do not read (TurboQuant at D = 16).
+/// (same_rotation()), as do head dims the kernels do not read (TurboQuant, PolarQuant at D = 16).
 ///
 /// The kernels are compiled for x86-64 with AVX-512 F/BW/VL/DQ, VNNI, VBMI and F16C
 /// (attend_avx512.cpp) and used only where the running CPU has them (available()).
@@ -74,7 +76,7 @@ namespace kvcache::cache::fused {
 
 /// The kernel format of `f`: what its StoredLayout says (StoredLayout::kernel), or Kind::kNone
 /// if the fused kernels cannot read it — KernelKind::kNone formats (int3, rotated `had(...)`,
-/// GEAR, KVQuant, PolarQuant), QJL sketches above kMaxQjlSketch bits, integer groups whose 32-dim chunks do not lie in one packed code stream,
+/// GEAR, KVQuant), QJL sketches above kMaxQjlSketch bits, integer groups whose 32-dim chunks do not lie in one packed code stream,
 /// head dims that are not a multiple of 32 or above 256: then the generic path runs for the
 /// whole layer.
 KernelFormat classify(const BlockFormat& f);
