@@ -367,16 +367,24 @@ void measure_mac_rates() {}
 /// the fused kernels read as integer codes (fused::classify, as attend() does); KIVI's
 /// full-precision residual (≤ 128 tokens) is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
 /// transposes and the softmax come on top, so no kernel of this form runs below it.
-double mac_floor_ms(bool int_keys, int64_t t, int64_t cores, bool fused, int64_t hkv = kHkv, bool one_term = false) {
+/// `qk_factor`: q·k's multiplies per key over D's: 2 for TurboQuant-Prod keys (the codebook part
+/// against the rotated query, the sign sketch against S·q), (m + m_o)/D for QJL keys (the two
+/// sign sketches against S·q), 1 otherwise.
+double mac_floor_ms(bool int_keys, int64_t t, int64_t cores, bool fused, int64_t hkv = kHkv, bool one_term = false,
+                    double qk_factor = 1.0) {
   namespace fused_ns = kvcache::cache::fused;
   const double g = static_cast<double>(kGroup), macs = g * static_cast<double>(kD);  // per product, key, head
   double instr = 0, rate = 0;  // per key and KV head; per ns
   const fused_ns::FusedIsa isa = fused ? fused_ns::current_isa() : fused_ns::FusedIsa::kNone;
+  const double qk = qk_factor;
   if (isa == fused_ns::FusedIsa::kAvx512) {
-    instr = (int_keys ? (one_term ? 1 : 2) * macs / 64 : macs / 16) + macs / 16;
+    instr = (int_keys ? (one_term ? 1 : 2) * macs / 64 : qk * macs / 16) + macs / 16;
     rate = g_mac512_per_ns;
-  } else if (isa == fused_ns::FusedIsa::kAvx2 || kvcache::cache::tile_lanes() == 8) {
-    instr = 2 * macs / 8;  // the AVX2 kernels, or the generic path's 8-lane tile kernels
+  } else if (isa == fused_ns::FusedIsa::kAvx2) {
+    instr = (qk + 1) * macs / 8;  // the AVX2 kernels
+    rate = g_mac256_per_ns;
+  } else if (kvcache::cache::tile_lanes() == 8) {
+    instr = 2 * macs / 8;  // the generic path's 8-lane tile kernels
     rate = g_mac256_per_ns;
   } else {
     instr = 2 * macs / 16;  // the generic path's 16-lane tile kernels
@@ -427,8 +435,9 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path, int6
   floor_counters(state, static_cast<double>(m.stats().bytes_resident) / static_cast<double>(layers));
   state.counters["ring_layers"] = static_cast<double>(layers);
   using Kind = kvcache::cache::fused::KernelFormat::Kind;
-  const auto& key_main = kvcache::cache::CacheManagerAccess::layer(m.core(), 0).key_setup().formats.f[kvcache::cache::StreamFormats::kMain];
-  const Kind key_kind = kvcache::cache::fused::classify(key_main).kind;
+  const auto& layer0 = kvcache::cache::CacheManagerAccess::layer(m.core(), 0);
+  const auto key_main = kvcache::cache::fused::classify(layer0.key_setup().formats.f[kvcache::cache::StreamFormats::kMain]);
+  const Kind key_kind = key_main.kind;
   const bool int_keys = key_kind == Kind::kIntToken || key_kind == Kind::kIntChannel;
   // The threads with work: each KV head's keys split into `parts` runs (attend_split) when the
   // thread count asks for it, as attend() decides (split_parts) for this cache and query.
@@ -445,7 +454,22 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path, int6
   const bool one_term = path == Path::kCoreQ8 && int_keys && fns::current_isa() == fns::FusedIsa::kAvx512 &&
                         ((q8_bits >> fns::classify(key_main).bits) & 1u) != 0;
   state.counters["one_term_query"] = one_term ? 1 : 0;
-  if (const double f = mac_floor_ms(int_keys, t, cores, path != Path::kGeneric, hkv, one_term); f > 0) {
+  // fused_read: 1 if the fused kernels read this cache as stored (every format of the layer is
+  // one they read, as attend() decides; TurboQuant-Prod values are not), 0 if even BM_Attend
+  // takes the generic per-block path (int3, had(...), GEAR, KVQuant, TurboQuant-Prod values, ...).
+  bool fused_read = path != Path::kGeneric && kvcache::cache::fused::available();
+  for (const auto* st : {&layer0.key_setup(), &layer0.value_setup()}) {
+    for (const auto& f : st->formats.f) {
+      if (f.quantizer == nullptr) continue;
+      const auto k = kvcache::cache::fused::classify(f);
+      if (k.kind == Kind::kNone || (st == &layer0.value_setup() && k.tq_prod)) fused_read = false;
+    }
+  }
+  state.counters["fused_read"] = fused_read ? 1 : 0;
+  const double qk_factor = key_main.tq_prod           ? 2.0
+                           : key_kind == Kind::kQjl ? static_cast<double>(key_main.qjl_m + key_main.qjl_mo) / kD
+                                                    : 1.0;
+  if (const double f = mac_floor_ms(int_keys, t, cores, fused_read, hkv, one_term, qk_factor); f > 0) {
     state.counters["mac_floor_ms"] = f;
   }
   state.counters["bits_per_value"] =
@@ -618,7 +642,14 @@ void BM_Memory(benchmark::State& state, const std::string& spec) {
 const std::vector<std::string>& specs() {
   static const std::vector<std::string> s = {"fp32",      "fp16", "bf16", "fp8:e4m3", "fp8:e5m2", "fp8:e4m3:scaled",
                                              "int8",      "int4", "int2", "int4:g32:chan", "kivi:k2:v2:g32:r128",
-                                             "kivi:k4:v4:g32:r128"};
+                                             "kivi:k4:v4:g32:r128",
+                                             // TurboQuant (fused: keys from their codes against the
+                                             // rotated query, values rotated back once per row);
+                                             // turboquant:k3:v3 = Prod keys at 3 bits, MSE values
+                                             // at 3, with its fp16 window; QJL keys from their
+                                             // sign bits against S·q, PolarQuant's blocks rebuilt
+                                             // from cos/sin tables (all fused_read = 1).
+                                             "tq:b4", "tq:b3:nc", "tq:b2.5", "turboquant:k3:v3", "qjl", "polar"};
   return s;
 }
 

@@ -530,6 +530,184 @@ TEST(AttendFused, SkipsHolesLikeTheGenericPath) {
   }
 }
 
+// TurboQuant (tq, the turboquant scheme; attend_fused.h): keys scored from their codes against
+// the query rotated once per step (and S·q for Prod), values accumulated in the rotated domain
+// and rotated back once per row, against the generic path that decodes each block. Every bit
+// width (1..4, the fractional 1.5/2.5/3.5, Prod at 2..4), nc, the scheme with its fp16 window,
+// head_dim 32 (the smallest the kernels read), 64, 128 and 256, one-token blocks, T never a
+// multiple of the block, decode and prefill queries, both ISAs. PolarQuant (`polar`, two seeds)
+// the same way: its 16-value blocks rebuilt in registers from ρ and the levels' cos/sin tables
+// against the query rotated by its preconditioning (the generic path decodes in double with
+// std::cos/std::sin: the tables' float rounding is within the same tolerance).
+//
+// Tolerance kFloatTol (2e-5 on the output, values of unit scale), as for the float formats: the
+// two paths compute the same algebra — q·(‖k‖·f·diag(s)·H·c) = ‖k‖·f·((H·diag(s)·q)·c) and
+// Σ_j p_j·diag(s)·H·(‖v_j‖·f_j·c_j) = diag(s)·H·Σ_j p_j·‖v_j‖·f_j·c_j — in float32, with the
+// Hadamard butterflies (log2 D rounding steps) run on different vectors (each key or value on
+// the generic path; the query, and each accumulated row once, on the fused one), nc's 1/‖c‖ in
+// float here and in double there, and the softmax rescale of the rotated accumulator by std::exp
+// instead of the tile kernels' exp: a few ulps per score and per output. Measured worst case over
+// these cases: 4e-6 (AVX-512), 5e-6 (AVX2) (RecordProperty worst_<isa>).
+constexpr double kTurboTol = kFloatTol;
+
+TEST(AttendFused, TurboQuantMatchesTheGenericPath) {
+  REQUIRE_FUSED();
+  using Kind = cache::fused::KernelFormat::Kind;
+  // Prod keys come from the turboquant scheme (keys Prod, values MSE); `tq:b3:prod` as a
+  // whole-cache scheme makes the values Prod too, which the fused path does not read (the
+  // layer takes the generic path: the outputs are then identical).
+  const std::vector<std::string> quants = {"tq:b1",           "tq:b1.5",          "tq:b2",
+                                           "tq:b2.5",         "tq:b3",            "tq:b3.5",
+                                           "tq:b4",           "tq:b3:nc",         "tq:b4:nc",
+                                           "tq:b2.5:nc",      "turboquant:k2:v2", "turboquant:k2.5:v1.5",
+                                           "turboquant:k3:v3", "turboquant:k3.5:v3.5:nc", "turboquant:k4:v4",
+                                           "turboquant:k4:v2.5:kmse:nc", "tq:b3:prod", "polar", "polar:seed7"};
+  const std::vector<Shape> shapes = {{14, 2, 64, 64}, {9, 3, 32, 32}, {4, 1, 128, 96}, {6, 2, 64, 1}, {7, 1, 256, 64}};
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    uint64_t seed = 300;
+    double worst = 0;
+    for (const auto& quant : quants) {
+      const bool prod_values = quant == "tq:b3:prod";
+      bool differs = false;  // the fused kernels ran (the generic path is deterministic)
+      for (const auto& sh : shapes) {
+        auto c = make_config(1, sh.hq, sh.hkv, sh.d, quant, "full");
+        c.block_tokens = sh.block_tokens;
+        TorchCache m(c);
+        const auto& L = CacheManagerAccess::layer(m.core(), 0);
+        ASSERT_EQ(cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind,
+                  quant.rfind("polar", 0) == 0 ? Kind::kPolar : Kind::kTurboQuant)
+            << quant;
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+        int64_t pos = 0;
+        for (int64_t n : {1, 37, 150, 1, 80}) {  // T reaches 269: never a multiple of the block
+          m.append(0, testing::randn({1, sh.hkv, n, sh.d}, gen) * 1.5, testing::randn({1, sh.hkv, n, sh.d}, gen),
+                   positions_range(pos, n));
+          pos += n;
+          for (int64_t tq : {int64_t{1}, std::min<int64_t>(n, 9)}) {
+            const std::string where = quant + " H_q " + std::to_string(sh.hq) + " H_kv " + std::to_string(sh.hkv) +
+                                      " D " + std::to_string(sh.d) + " block " + std::to_string(sh.block_tokens) +
+                                      " T " + std::to_string(pos) + " T_q " + std::to_string(tq);
+            const auto q = testing::randn({1, sh.hq, tq, sh.d}, gen);
+            const auto qp = positions_range(pos - tq, tq);
+            const auto fast = testing::access_attend(m, 0, q, qp, /*fused=*/true);
+            const auto ref = testing::access_attend(m, 0, q, qp, /*fused=*/false);
+            const double diff = max_abs(fast - ref);
+            worst = std::max(worst, diff);
+            differs = differs || diff > 0;
+            EXPECT_LE(diff, prod_values ? 0.0 : kTurboTol) << where;
+          }
+          m.end_step(StepKind::kPrefill);
+        }
+      }
+      EXPECT_EQ(differs, !prod_values) << quant << ": the fused kernels must run (and only where they read the format)";
+    }
+    RecordProperty(std::string("worst_") + cache::fused::isa_name(isa), std::to_string(worst));
+  }
+}
+
+// TurboQuant and QJL keys with holes (scattered eviction: non-consecutive slots in the kernels' key and
+// value loops) and through the public attend() with the scheme's fp16 window; head_dim 16 (a
+// power of two the rotation takes, below the kernels' 32) and pre-RoPE keys take the generic
+// path (the keys must be rotated by position after decoding), so fused and generic agree
+// exactly there.
+TEST(AttendFused, TurboQuantHolesSmallHeadsAndPreRopeKeys) {
+  REQUIRE_FUSED();
+  using Kind = cache::fused::KernelFormat::Kind;
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    for (const std::string quant : {"tq:b3:nc", "tq:b4", "turboquant:k2.5:v2:nc", "turboquant:k3.5:v3", "qjl:r32", "polar"}) {
+      auto c = make_config(1, 14, 2, 64, quant, "random:seed9@300", 4000);
+      c.block_tokens = 32;
+      TorchCache m(c);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(78);
+      m.append(0, testing::randn({1, 2, 400, 64}, gen), testing::randn({1, 2, 400, 64}, gen), positions_range(0, 400));
+      m.end_step(StepKind::kPrefillEnd);
+      for (int64_t step = 0; step < 30; ++step) {
+        const int64_t p = 400 + step;
+        m.append(0, testing::randn({1, 2, 1, 64}, gen), testing::randn({1, 2, 1, 64}, gen), positions_range(p, 1));
+        const auto q = testing::randn({1, 14, 1, 64}, gen);
+        const auto fast = testing::access_attend(m, 0, q, positions_range(p, 1), true);
+        const auto ref = testing::access_attend(m, 0, q, positions_range(p, 1), false);
+        EXPECT_LE(max_abs(fast - ref), kTurboTol) << quant << " step " << step;
+        m.end_step(StepKind::kDecode);
+      }
+      const auto s = CacheManagerAccess::stream(m.core(), 0, false);
+      EXPECT_GT(s.dead_slots[0] + s.dead_slots[1], 0) << quant << ": the case must have holes";
+    }
+    for (const auto& [quant, pre_rope] : {std::pair{"tq:b3", false}, std::pair{"tq:b3", true}, std::pair{"polar", false}}) {
+      const int64_t d = pre_rope ? 64 : 16;
+      auto c = make_config(1, 4, 2, d, quant, "full");
+      if (pre_rope) c.key_storage = KeyStorage::kPreRoPE;
+      c.block_tokens = 16;
+      TorchCache m(c);
+      const auto& L = CacheManagerAccess::layer(m.core(), 0);
+      const Kind kind = cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind;
+      EXPECT_EQ(kind, pre_rope ? Kind::kTurboQuant : Kind::kNone) << quant << " D " << d;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(79);
+      m.append(0, testing::randn({1, 2, 50, d}, gen), testing::randn({1, 2, 50, d}, gen), positions_range(0, 50));
+      const auto q = testing::randn({1, 4, 1, d}, gen);
+      EXPECT_TRUE(at::equal(testing::access_attend(m, 0, q, positions_range(49, 1), true),
+                            testing::access_attend(m, 0, q, positions_range(49, 1), false)))
+          << quant << (pre_rope ? " pre-RoPE keys" : " D 16");
+    }
+  }
+}
+
+// QJL keys (the qjl scheme; attend_fused.h): the estimate computed from the stored sign bits
+// against S·q (once per step) with the group's outlier columns moved from S q_in to S_o q_out,
+// against the generic path that decodes k̂ = √(π/2)/m·‖k_in‖·P_in Sᵀz + √(π/2)/m_o·‖k_out‖·P_out S_oᵀz_o.
+// Sketch sizes that are and are not a multiple of 16 bits (the AVX-512 kernels' lanes), no
+// outliers, several groups per block (block_tokens 64, g 16), head_dim 32/64/128/256, the
+// scheme's int2 values (fused) and fp16 window, holes from eviction, both ISAs. Tolerance
+// kFloatTol: the same algebra in float32, with S·q and the m-term sign dots summed in float
+// where the generic path sums Sᵀz in double (measured worst case: RecordProperty worst_<isa>).
+TEST(AttendFused, QjlKeysMatchTheGenericPath) {
+  REQUIRE_FUSED();
+  using Kind = cache::fused::KernelFormat::Kind;
+  struct Case {
+    std::string quant;
+    Shape sh;
+  };
+  const std::vector<Case> cases = {
+      {"qjl", {14, 2, 64, 64}},          {"qjl", {4, 1, 128, 32}},          {"qjl:m72:mo8:o4:r32", {9, 3, 32, 32}},
+      {"qjl:o0:mo0:g16:r32", {7, 1, 64, 64}}, {"qjl:m128:mo40:g16:r16", {6, 2, 256, 64}},
+      {"qjl:v4:vg64", {14, 2, 64, 32}}};
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    uint64_t seed = 500;
+    double worst = 0;
+    for (const auto& [quant, sh] : cases) {
+      auto c = make_config(1, sh.hq, sh.hkv, sh.d, quant, "full");
+      c.block_tokens = sh.block_tokens;
+      TorchCache m(c);
+      const auto& L = CacheManagerAccess::layer(m.core(), 0);
+      ASSERT_EQ(cache::fused::classify(L.key_setup().formats.f[cache::StreamFormats::kMain]).kind, Kind::kQjl) << quant;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+      int64_t pos = 0;
+      bool differs = false;
+      for (int64_t n : {1, 37, 150, 1, 80}) {
+        m.append(0, testing::randn({1, sh.hkv, n, sh.d}, gen) * 1.5, testing::randn({1, sh.hkv, n, sh.d}, gen),
+                 positions_range(pos, n));
+        pos += n;
+        for (int64_t tq : {int64_t{1}, std::min<int64_t>(n, 9)}) {
+          const std::string where = quant + " D " + std::to_string(sh.d) + " T " + std::to_string(pos) + " T_q " +
+                                    std::to_string(tq);
+          const auto q = testing::randn({1, sh.hq, tq, sh.d}, gen);
+          const auto qp = positions_range(pos - tq, tq);
+          const double diff = max_abs(testing::access_attend(m, 0, q, qp, true) - testing::access_attend(m, 0, q, qp, false));
+          worst = std::max(worst, diff);
+          differs = differs || diff > 0;
+          EXPECT_LE(diff, kFloatTol) << where;
+        }
+        m.end_step(StepKind::kPrefill);
+      }
+      EXPECT_TRUE(differs) << quant << ": the fused kernels must run";
+    }
+    RecordProperty(std::string("worst_") + cache::fused::isa_name(isa), std::to_string(worst));
+  }
+}
+
 // CacheConfig::fused_attention selects the path of the public attend(): false is exactly the
 // generic per-block path, true exactly the fused one (here int4, where the two differ).
 // int3 (two-plane codes) and rotated had(...) formats are not read by the fused kernels:
@@ -548,6 +726,8 @@ TEST(AttendFused, Int3AndRotatedFormatsTakeTheGenericPath) {
   EXPECT_EQ(kind("int4"), Kind::kIntToken);
   EXPECT_EQ(kind("int2:g32:chan"), Kind::kIntChannel);
   EXPECT_EQ(kind("fp32"), Kind::kF32);
+  for (const char* spec : {"tq:b3", "tq:b2.5:prod:nc", "tq:b1"}) EXPECT_EQ(kind(spec), Kind::kTurboQuant) << spec;
+  EXPECT_EQ(kind("polar"), Kind::kPolar);
 }
 
 TEST(AttendFused, ConfigSelectsThePath) {

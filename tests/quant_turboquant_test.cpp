@@ -131,7 +131,7 @@ TEST(TurboQuantLayout, BytesPerTokenByHand) {
   EXPECT_FALSE(l.has_zeros);
   EXPECT_EQ(l.meta_dtype, DType::kFloat16);
   EXPECT_EQ(l.group_bytes(), 34);
-  EXPECT_EQ(l.kernel, KernelKind::kNone);
+  EXPECT_EQ(l.kernel, KernelKind::kTurboQuant);  // read as stored by the fused attention kernels
   EXPECT_DOUBLE_EQ(q->bits_per_value(64), 4.25);
   // tq:b3 at D = 128: 48 bytes + 2 = 50 bytes = 3.125 bits/value.
   EXPECT_EQ(make_quantizer("tq:b3")->stored_layout(128).group_bytes(), 50);

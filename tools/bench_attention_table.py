@@ -11,12 +11,15 @@ Per spec and thread count: wall µs per decode step; × baseline (BM_AttendBasel
 threads: the float32 copy + at:: path); MB a step reads (`MB_per_step`); × its bandwidth floor
 (`floor_ms`: those bytes at the run's STREAM copy bandwidth); × its arithmetic floor
 (`mac_floor_ms`: the multiply-add instructions the kernels issue at the run's measured rate; see
-bench/bench_attention.cpp); and 1 thread ÷ 2 threads, the thread ratio (issue 37's goal: ≥ 1.8 at 32k).
+bench/bench_attention.cpp); and 1 thread ÷ 2 threads, the thread ratio (goal: ≥ 1.8 at 32k).
 Rows `fused, core API` are BM_AttendCore, `fused, int8 query` BM_AttendQ8 (the same call with
 kvcache::set_attention_query("int8")).
 Rows `fused, 1 KV head` are BM_AttendKV1 (7 query heads over one KV head, whose keys two threads
-split between them); they have no baseline (BM_AttendBaseline has two KV heads). Missing cases leave
-empty cells.
+split between them); they have no baseline (BM_AttendBaseline has two KV heads). The bits per
+stored value (`bits_per_value`: metadata and any fp16 window counted) stand beside each spec, and
+a BM_Attend row whose cache the fused kernels do not read (`fused_read` = 0: int3,
+had(...), GEAR, KVQuant) says "generic (no fused kernel)": its time is the generic path's.
+Missing cases leave empty cells.
 """
 import json
 import re
@@ -81,9 +84,9 @@ def main(path):
             if tt == t:
                 specs.setdefault((kind, spec), None)
         print(f"T = {t:,} tokens\n")
-        print("| spec | path | 1 thread µs | × baseline | MB/step | × its floor | × its arithmetic floor "
+        print("| spec | bits/value | path | 1 thread µs | × baseline | MB/step | × its floor | × its arithmetic floor "
               "| 2 threads µs | × baseline (2 threads) | 1 thread ÷ 2 threads |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         order = sorted(specs, key=lambda k: ORDER[k[0]])
         base1, base2 = rows.get(("baseline", BASELINE, t, 1)), rows.get(("baseline", BASELINE, t, 2))
         for kind, spec in order:
@@ -93,7 +96,11 @@ def main(path):
             mb = ref.get("MB_per_step") if ref else None
 
             label = spec if kind == "baseline" else f"`{spec}`"
-            print(f"| {label} | {kind} | {fmt(us(one), 0) if one else ''} | {fmt(ratio(one, b1))} | {fmt(mb, 1)} "
+            bits = ref.get("bits_per_value") if ref and kind != "baseline" else None
+            path = kind
+            if kind == "fused" and ref is not None and ref.get("fused_read", 1) == 0:
+                path = "generic (no fused kernel)"
+            print(f"| {label} | {fmt(bits, 3)} | {path} | {fmt(us(one), 0) if one else ''} | {fmt(ratio(one, b1))} | {fmt(mb, 1)} "
                   f"| {fmt(over(one, 'floor_ms'), 1)} | {fmt(over(one, 'mac_floor_ms'), 1)} "
                   f"| {fmt(us(two), 0) if two else ''} | {fmt(ratio(two, b2))} "
                   f"| {fmt(us(one) / us(two) if one and two else None)} |")

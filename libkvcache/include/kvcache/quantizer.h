@@ -64,6 +64,18 @@ enum class KernelKind : uint8_t {
   kFp8E5M2,
   kIntToken,    ///< per-token integer groups: kernel_bits 8/4/2, kernel_group values per group
   kIntChannel,  ///< per-channel integer groups: kernel_bits 8/4/2, kernel_group tokens per group
+  /// TurboQuant (`tq`, arXiv 2504.19874): Lloyd–Max codes of the rotated unit vector, ‖x‖ (and
+  /// for `:prod` the residual's sign sketch and γ); the kernels take the rotation, codebooks
+  /// and sketch from the quantizer (src/quant/turboquant_quantizer.h).
+  kTurboQuant,
+  /// QJL keys (the `qjl` scheme's, arXiv 2406.03482): per group of tokens the outlier channel
+  /// indices, per token the sign bits of S k_in and S_o k_out and the two norms; the kernels
+  /// take the sketch from the quantizer (src/quant/qjl_quantizer.h).
+  kQjl,
+  /// PolarQuant (`polar`, arXiv 2502.02617): angle codes of 16-value blocks and one fp16 radius
+  /// per block; the kernels take the preconditioning and the cos/sin tables from the quantizer
+  /// (src/quant/polar_quantizer.h).
+  kPolar,
 };
 
 /// How a quantizer lays out what it stores for ONE KV head, as the cache's block store holds

@@ -333,17 +333,91 @@ void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope
   }
 }
 
+/// Formats read in the rotated domain (TurboQuant, PolarQuant): keys against the rotated query,
+/// values into the rotated accumulator (RotatedValues).
+bool rotated_kind(fused::KernelFormat::Kind k) {
+  return k == fused::KernelFormat::Kind::kTurboQuant || k == fused::KernelFormat::Kind::kPolar;
+}
+
 /// True if the fused kernels can read every block of head h's layer (and its keys need no
 /// rotation on read).
 bool fusable(const LayerStore& L, const common::RopeTable* rope) {
   if (rope != nullptr || !fused::available()) return false;
   for (const StreamSetup* st : {&L.key_setup(), &L.value_setup()}) {
+    fused::KernelFormat tq;  // the stream's first TurboQuant format: the others must rotate alike
     for (const auto& f : st->formats.f) {
-      if (f.quantizer != nullptr && fused::classify(f).kind == fused::KernelFormat::Kind::kNone) return false;
+      if (f.quantizer == nullptr) continue;
+      const fused::KernelFormat k = fused::classify(f);
+      if (k.kind == fused::KernelFormat::Kind::kNone) return false;
+      if (!rotated_kind(k.kind) && k.kind != fused::KernelFormat::Kind::kQjl) continue;
+      // TurboQuant-Prod is a key format (the paper's, the turboquant scheme's); Prod values
+      // (`tq:b<b>:prod` as a whole-cache scheme) would need Sᵀ of a sign accumulator per row
+      // besides the inverse rotation: they take the generic path (as would QJL values; the
+      // qjl scheme stores only keys so).
+      if (st == &L.value_setup() && (k.tq_prod || k.kind == fused::KernelFormat::Kind::kQjl)) return false;
+      if (tq.kind == fused::KernelFormat::Kind::kNone) {
+        tq = k;
+      } else if (!fused::same_rotation(tq, k)) {
+        return false;
+      }
     }
   }
   return true;
 }
+
+/// The first TurboQuant or PolarQuant (or, `qjl`, QJL) format of a stream (its rotation or sketch is every
+/// such format's there: fusable()), or kind kNone.
+fused::KernelFormat turboquant_format(const StreamSetup& st, bool qjl = false) {
+  for (const auto& f : st.formats.f) {
+    if (f.quantizer == nullptr) continue;
+    const fused::KernelFormat k = fused::classify(f);
+    if (rotated_kind(k.kind) || (qjl && k.kind == fused::KernelFormat::Kind::kQjl)) return k;
+  }
+  return {};
+}
+
+/// TurboQuant values' rotated-domain accumulator (attend_fused.h): the tiles' p·v of
+/// TurboQuant segments go to `rot` (Σ p·‖v‖·f·c, unrotated), the other segments to acc; the
+/// online softmax rescales both alike, and the inverse rotation folds `rot` into acc once per
+/// row at the end. Inactive (no rows) when the layer's values are not TurboQuant or the generic
+/// path runs.
+struct RotatedValues {
+  const float* signs = nullptr;
+  std::vector<float> rot, m_old;
+
+  void init(const fused::KernelFormat& vf, int64_t rows, int64_t d) {
+    if (!rotated_kind(vf.kind)) return;
+    signs = vf.rot_signs;
+    rot.assign(static_cast<size_t>(rows * d), 0.0f);
+    m_old.resize(static_cast<size_t>(rows));
+  }
+  bool active() const { return signs != nullptr; }
+  float* data(int64_t r0, int64_t d) { return active() ? rot.data() + r0 * d : nullptr; }
+  /// Before the tile's softmax: remember the rows' running maxima.
+  void before_softmax(const float* m, int64_t nr) {
+    if (active()) std::copy_n(m, nr, m_old.data());
+  }
+  /// After it: rescale rows [r0, r0 + nr) as tile_softmax rescaled acc, by exp(m_old − m_new)
+  /// (0 for a row that had seen no key; std::exp here, the tile kernels' exp there: the two
+  /// factors agree to float rounding).
+  void after_softmax(const float* m, int64_t r0, int64_t nr, int64_t d) {
+    if (!active()) return;
+    for (int64_t r = 0; r < nr; ++r) {
+      const float mo = m_old[static_cast<size_t>(r)], mn = m[r];
+      if (mo == mn) continue;
+      const float corr = mo == kNegInf ? 0.0f : std::exp(mo - mn);
+      float* a = rot.data() + (r0 + r) * d;
+      for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+    }
+  }
+  /// acc[r] += diag(s)·H·rot[r] for rows [r0, r0 + nr); rot's rows are zeroed for reuse.
+  void fold(int64_t r0, int64_t nr, int64_t d, float* acc) {
+    if (!active()) return;
+    float* a = rot.data() + r0 * d;
+    fused::add_rotated_back(signs, a, nr, d, acc);
+    std::fill(a, a + nr * d, 0.0f);
+  }
+};
 
 /// Scores of query rows [r0, r0 + nr) against a tile's keys, segment by segment.
 void tile_keys(const Tile& t, const fused::Queries& fq, const float* qh, int64_t r0, int64_t nr, int64_t d,
@@ -360,13 +434,15 @@ void tile_keys(const Tile& t, const fused::Queries& fq, const float* qh, int64_t
 
 /// acc[r] += p[r] · values of a tile, for its nr rows of probabilities p (ld apart), segment by
 /// segment (decoded rows or the fused kernel).
-void tile_values(const Tile& t, const float* p, int64_t ld, int64_t nr, int64_t d, float* acc) {
+/// TurboQuant segments accumulate into `rot` instead (RotatedValues; null: none in the layer).
+void tile_values(const Tile& t, const float* p, int64_t ld, int64_t nr, int64_t d, float* acc, float* rot) {
   for (size_t i = 0; i < t.nv_seg; ++i) {
     const Segment& sg = t.vseg[i];
     if (sg.rows) {
       tile_pv(p + sg.at, ld, nr, sg.n, t.vrows + sg.at, d, acc);
     } else {
-      fused::accumulate(p + sg.at, ld, nr, sg.raw, sg.n, d, acc);
+      const bool rotated = rotated_kind(sg.raw.kf.kind);
+      fused::accumulate(p + sg.at, ld, nr, sg.raw, sg.n, d, rotated ? rot : acc);
     }
   }
 }
@@ -403,7 +479,13 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
 
   const bool raw = a.fused && fusable(L, a.rope);
   fused::Queries fq;
-  if (raw) fused::prepare(qh.data(), R, d, scale, fq);
+  RotatedValues rv;
+  if (raw) {
+    fused::prepare(qh.data(), R, d, scale, fq);
+    const fused::KernelFormat ktq = turboquant_format(L.key_setup(), /*qjl=*/true);
+    if (ktq.kind != fused::KernelFormat::Kind::kNone) fused::rotate_queries(ktq, fq);
+    rv.init(turboquant_format(L.value_setup()), kRowBlock, d);
+  }
   std::vector<float> s(static_cast<size_t>(kRowBlock * cap));
   std::vector<float> m(static_cast<size_t>(kRowBlock)), l(static_cast<size_t>(kRowBlock));
   std::vector<float> acc(static_cast<size_t>(kRowBlock * d));
@@ -423,9 +505,12 @@ void attend_one_head(const AttendArgs& a, int64_t h) {
           std::copy_n(s.data() + (r - r0) * cap, ns, sbuf.data() + (r - sel_first) * th + t.j0);
         }
       }
+      rv.before_softmax(m.data(), nr);
       tile_softmax(s.data(), cap, nr, t.n, d, m.data(), l.data(), acc.data());
-      tile_values(t, s.data(), cap, nr, d, acc.data());
+      rv.after_softmax(m.data(), 0, nr, d);
+      tile_values(t, s.data(), cap, nr, d, acc.data(), rv.data(0, d));
     });
+    rv.fold(0, nr, d, acc.data());
     for (int64_t r = r0; r < r0 + nr; ++r) {
       const int64_t t = r / G, g = r % G;
       float* dst = a.out + ((h * G + g) * tq + t) * d;
@@ -503,8 +588,14 @@ void attend_range(const RangeArgs& a, PartialState& st) {
   if (R == 0 || a.count <= 0) return;
   const bool raw = a.fused && fusable(L, a.rope);
   fused::Queries fq;
-  if (raw) fused::prepare(a.q, R, d, scale, fq);
   const int64_t rb = std::min(R, kRangeRowBlock);
+  RotatedValues rv;
+  if (raw) {
+    fused::prepare(a.q, R, d, scale, fq);
+    const fused::KernelFormat ktq = turboquant_format(L.key_setup(), /*qjl=*/true);
+    if (ktq.kind != fused::KernelFormat::Kind::kNone) fused::rotate_queries(ktq, fq);
+    rv.init(turboquant_format(L.value_setup()), rb, d);
+  }
   std::vector<float> s(static_cast<size_t>(rb * cap));
   for (int64_t r0 = 0; r0 < R; r0 += rb) {
     const int64_t nr = std::min(rb, R - r0);
@@ -517,9 +608,12 @@ void attend_range(const RangeArgs& a, PartialState& st) {
                   [&](const Tile& t) {
                     tile_keys(t, fq, a.q, r0, nr, d, scale, s.data(), cap);
                     if (t.last_pos > min_q) tile_mask(s.data(), cap, nr, t.n, t.kpos, rp);
+                    rv.before_softmax(m, nr);
                     tile_softmax(s.data(), cap, nr, t.n, d, m, l, acc);
-                    tile_values(t, s.data(), cap, nr, d, acc);
+                    rv.after_softmax(m, 0, nr, d);
+                    tile_values(t, s.data(), cap, nr, d, acc, rv.data(0, d));
                   });
+    rv.fold(0, nr, d, acc);
   }
 }
 

@@ -284,6 +284,78 @@ struct Lanes256 {
   static void token_codes(const uint8_t* row, const TokenChunk& tc, int bits, int64_t at, F& x0, F& x1) {
     const __m256i codes = chunk_codes32(row, tc, bits);
     codes16_to_ps(at % 32 == 0 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1), x0, x1);
+  }  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  /// TurboQuant: a region's codebook (16 entries: two 8-lane halves) and the lane shifts that
+  /// unpack 8 codes of `bits` bits from one 32-bit word.
+  struct TqLut {
+    __m256 lo, hi;
+    __m256i shifts, mask;
+    bool wide;  ///< 16 levels: two permutes and a blend on the code's bit 3
+  };
+  static TqLut tq_lut(const float* levels16, int bits) {
+    TqLut t;
+    t.lo = _mm256_loadu_ps(levels16);
+    t.hi = _mm256_loadu_ps(levels16 + 8);
+    t.shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    t.mask = _mm256_set1_epi32((1 << bits) - 1);
+    t.wide = bits == 4;
+    return t;
+  }
+  /// The centroids of the 8 codes at p (bits bytes; 4 are loaded: the bytes after a row's codes
+  /// are its block's, or the pool slab's 64 bytes of slack after the last block).
+  static F tq_centroids(const uint8_t* p, const TqLut& t) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), t.shifts), t.mask);
+    const __m256 v = _mm256_permutevar8x32_ps(t.lo, idx);
+    if (!t.wide) return v;
+    return _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(t.hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
+  /// PolarQuant: the level-1 cos and sin tables (16 each, as 8-lane halves) and levels 2–4's
+  /// [cos ×4, sin ×4].
+  struct PolarLut {
+    __m256 c1lo, c1hi, s1lo, s1hi, t2, t3, t4;
+  };
+  static PolarLut polar_lut(const float* a) {
+    return {_mm256_loadu_ps(a),      _mm256_loadu_ps(a + 8),  _mm256_loadu_ps(a + 16), _mm256_loadu_ps(a + 24),
+            _mm256_loadu_ps(a + 32), _mm256_loadu_ps(a + 48), _mm256_loadu_ps(a + 64)};
+  }
+  /// Dims [c, c + 8) (half of block c/16) without ρ; lane i of the block as attend_avx512.cpp's
+  /// polar_chunk. 8 bytes are loaded from the block's first code byte (7 needed: the bytes after
+  /// a row's codes are its block's, or the pool slab's slack).
+  static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
+    const int64_t bit = 46 * (c / 16);
+    uint64_t w;
+    std::memcpy(&w, row + bit / 8, sizeof w);
+    w >>= bit % 8;
+    const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(c % 16)));
+    const __m256i lo = _mm256_set1_epi32(static_cast<int>(w & 0xFFFFFFFFu));
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(w >> 32));
+    const __m256i three = _mm256_set1_epi32(3);
+    const __m256i i1 = _mm256_and_si256(_mm256_srlv_epi32(lo, _mm256_slli_epi32(_mm256_srli_epi32(lane, 1), 2)),
+                                        _mm256_set1_epi32(15));
+    const __m256 wide = _mm256_castsi256_ps(_mm256_slli_epi32(i1, 28));  // code bit 3: the upper 8 entries
+    const __m256 cv = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.c1lo, i1), _mm256_permutevar8x32_ps(t.c1hi, i1), wide);
+    const __m256 sv = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.s1lo, i1), _mm256_permutevar8x32_ps(t.s1hi, i1), wide);
+    __m256 y = _mm256_blend_ps(cv, sv, 0xAA);  // odd lanes (c is even): sin
+    const auto level = [&](const __m256& tab, int offset, int shift) {
+      const __m256i code = _mm256_and_si256(
+          _mm256_srlv_epi32(hi, _mm256_add_epi32(_mm256_set1_epi32(offset),
+                                                 _mm256_slli_epi32(_mm256_srli_epi32(lane, shift), 1))),
+          three);
+      const __m256i sel = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(lane, shift - 1), _mm256_set1_epi32(1)), 2);
+      return _mm256_permutevar8x32_ps(tab, _mm256_or_si256(code, sel));
+    };
+    y = _mm256_mul_ps(y, level(t.t2, 0, 2));
+    y = _mm256_mul_ps(y, level(t.t3, 8, 3));
+    return _mm256_mul_ps(y, level(t.t4, 12, 4));
+  }
+  /// 8 sign bits at p (bit j set: +1) as ±1.0f.
+  static F signs_pm1(const uint8_t* p) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(*p), bit), bit);
+    return _mm256_blendv_ps(_mm256_set1_ps(-1.0f), _mm256_set1_ps(1.0f), _mm256_castsi256_ps(set));
   }
 };
 
@@ -297,6 +369,9 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kE5M2: return qk_float<Lanes256, NR, Kind::kE5M2>(q, r0, k, n, s, ld);
     case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
     case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
+    case Kind::kTurboQuant: return qk_tq<Lanes256, NR>(q, r0, k, n, s, ld);
+    case Kind::kQjl: return qk_qjl<Lanes256, NR>(q, r0, k, n, s, ld);
+    case Kind::kPolar: return qk_polar<Lanes256, NR>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

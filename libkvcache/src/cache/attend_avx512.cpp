@@ -460,6 +460,73 @@ struct Lanes512 {
   static void token_codes(const uint8_t* row, const TokenChunk& tc, int bits, int64_t /*at: a chunk's start*/, F& x0,
                           F& x1) {
     codes32(chunk_codes32(row, tc, bits), x0, x1);
+  }  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  /// TurboQuant: a region's 16-entry codebook and the byte shifts that unpack 16 codes of
+  /// `bits` bits from one 64-bit word (vpmultishiftqb: byte i takes bits [i·bits, i·bits + 8)).
+  struct TqLut {
+    __m512 table;
+    __m128i ctrl, mask;
+    __mmask16 bytes;  ///< the 2·bits bytes of 16 codes
+  };
+  static TqLut tq_lut(const float* levels16, int bits) {
+    TqLut t;
+    t.table = _mm512_loadu_ps(levels16);
+    t.ctrl = _mm_mullo_epi16(_mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14), _mm_set1_epi16(static_cast<int16_t>(bits)));
+    // bytes 2i, 2i + 1 of the epi16 products: i·2·bits and 0 → set byte 2i + 1 to (2i + 1)·bits
+    t.ctrl = _mm_or_si128(t.ctrl, _mm_slli_epi16(_mm_add_epi16(t.ctrl, _mm_set1_epi16(static_cast<int16_t>(bits))), 8));
+    t.mask = _mm_set1_epi8(static_cast<char>((1 << bits) - 1));
+    t.bytes = static_cast<__mmask16>((1u << (2 * bits)) - 1u);
+    return t;
+  }
+  /// The centroids of the 16 codes at p (2·bits bytes read, masked: nothing beyond).
+  static F tq_centroids(const uint8_t* p, const TqLut& t) {
+    const __m128i w = _mm_broadcastq_epi64(_mm_maskz_loadu_epi8(t.bytes, p));
+    const __m128i codes = _mm_and_si128(_mm_multishift_epi64_epi8(t.ctrl, w), t.mask);
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), t.table);
+  }
+  /// PolarQuant: the level-1 cos and sin tables (16 each) and levels 2–4's [cos ×4, sin ×4].
+  struct PolarLut {
+    __m512 c1, s1, t2, t3, t4;
+  };
+  static PolarLut polar_lut(const float* a) {
+    return {_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + 32), _mm512_loadu_ps(a + 48),
+            _mm512_loadu_ps(a + 64)};
+  }
+  /// The 16 values (one block, c a multiple of 16) without ρ: lane i takes level 1's code i/2
+  /// (cos for even i, sin for odd), level 2's code i/4 (cos or sin by bit 1 of i), level 3's
+  /// i/8 (bit 2), level 4's one code (bit 3). The block's 46 code bits start at bit 46·(c/16).
+  static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
+    const int64_t bit = 46 * (c / 16);
+    const __m128i raw = _mm_maskz_loadu_epi8(static_cast<__mmask16>(0x7F), row + bit / 8);  // 7 bytes ≥ 46 + 7 bits
+    const uint64_t w = static_cast<uint64_t>(_mm_cvtsi128_si64(raw)) >> (bit % 8);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lo = _mm512_set1_epi32(static_cast<int>(w & 0xFFFFFFFFu));
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(w >> 32));
+    const __m512i three = _mm512_set1_epi32(3);
+    // level 1: code (w >> 4·(i/2)) & 15; + 16 for odd lanes (the sin table)
+    const __m512i i1 = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srlv_epi32(lo, _mm512_slli_epi32(_mm512_srli_epi32(lane, 1), 2)), _mm512_set1_epi32(15)),
+        _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(1)), 4));
+    F y = _mm512_permutex2var_ps(t.c1, i1, t.s1);
+    // level ℓ = 2, 3, 4: code (hi >> (offset + 2·(i >> ℓ))) & 3, + 4 where bit ℓ−1 of i is set
+    const auto level = [&](const __m512& tab, int offset, int shift) {
+      const __m512i code = _mm512_and_si512(
+          _mm512_srlv_epi32(hi, _mm512_add_epi32(_mm512_set1_epi32(offset),
+                                                 _mm512_slli_epi32(_mm512_srli_epi32(lane, shift), 1))),
+          three);
+      const __m512i sel = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(lane, shift - 1), _mm512_set1_epi32(1)), 2);
+      return _mm512_permutexvar_ps(_mm512_or_si512(code, sel), tab);
+    };
+    y = _mm512_mul_ps(y, level(t.t2, 0, 2));
+    y = _mm512_mul_ps(y, level(t.t3, 8, 3));
+    return _mm512_mul_ps(y, level(t.t4, 12, 4));
+  }
+  /// 16 sign bits at p (bit j set: +1) as ±1.0f.
+  static F signs_pm1(const uint8_t* p) {
+    uint16_t b;
+    std::memcpy(&b, p, sizeof b);
+    return _mm512_mask_blend_ps(static_cast<__mmask16>(b), _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f));
   }
 };
 
@@ -477,6 +544,9 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kIntChannel:
       if ((q.one_term_channel >> k.kf.bits) & 1u) return qk_int<NR, true, true>(q, r0, k, n, s, ld);
       return qk_int<NR, true, false>(q, r0, k, n, s, ld);
+    case Kind::kTurboQuant: return qk_tq<Lanes512, NR>(q, r0, k, n, s, ld);
+    case Kind::kQjl: return qk_qjl<Lanes512, NR>(q, r0, k, n, s, ld);
+    case Kind::kPolar: return qk_polar<Lanes512, NR>(q, r0, k, n, s, ld);
     case Kind::kNone: break;
   }
 }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <cmath>
 #include <string>
 #if defined(KVCACHE_FUSED_AVX2)
@@ -16,6 +17,10 @@
 #include "cache/attend.h"
 #include "kvcache/attention.h"
 #include "kvcache/error.h"
+#include "quant/hadamard.h"
+#include "quant/polar_quantizer.h"
+#include "quant/qjl_quantizer.h"
+#include "quant/turboquant_quantizer.h"
 
 namespace kvcache::cache::fused {
 
@@ -54,6 +59,47 @@ KernelFormat classify(const BlockFormat& f) {
       k.kind = l.kernel == KernelKind::kFp8E4M3 ? KernelFormat::Kind::kE4M3 : KernelFormat::Kind::kE5M2;
       k.scaled = l.tensor_scale;
       break;
+    case KernelKind::kTurboQuant: {
+      const auto* tq = dynamic_cast<const quant::TurboQuantizer*>(f.quantizer);
+      KV_INTERNAL_ASSERT(tq != nullptr, "fused::classify: KernelKind::kTurboQuant from ", f.quantizer->spec());
+      // The tables live as long as the quantizer (TurboQuantizer keeps them per head_dim).
+      const std::shared_ptr<const quant::TurboQuantizer::Tables> t = tq->tables(d);
+      k.kind = KernelFormat::Kind::kTurboQuant;
+      k.tq_hi = tq->hi_bits();
+      k.tq_lo = tq->lo_bits();
+      k.tq_n_hi = tq->hi_count(d);
+      k.tq_mse_bytes = tq->mse_code_bytes(d);
+      k.tq_nc = tq->norm_correction();
+      k.tq_prod = tq->mode() == quant::TurboMode::kProd;
+      k.tq_levels_hi = t->levels_hi.data();
+      k.tq_levels_lo = t->levels_lo.data();
+      k.rot_signs = t->signs.data();
+      k.sketch = k.tq_prod ? t->sketch.data() : nullptr;
+      break;
+    }
+    case KernelKind::kPolar: {
+      const auto* pq = dynamic_cast<const quant::PolarQuantizer*>(f.quantizer);
+      KV_INTERNAL_ASSERT(pq != nullptr, "fused::classify: KernelKind::kPolar from ", f.quantizer->spec());
+      const std::shared_ptr<const quant::PolarQuantizer::KernelTables> t = pq->kernel_tables(d);
+      k.kind = KernelFormat::Kind::kPolar;
+      k.rot_signs = t->signs.data();
+      k.polar_angles = t->angles.data();
+      break;
+    }
+    case KernelKind::kQjl: {
+      const auto* qj = dynamic_cast<const quant::QjlKeyQuantizer*>(f.quantizer);
+      KV_INTERNAL_ASSERT(qj != nullptr, "fused::classify: KernelKind::kQjl from ", f.quantizer->spec());
+      const quant::QjlParams& p = qj->params();
+      if (p.sketch > kMaxQjlSketch) return KernelFormat{};
+      k.kind = KernelFormat::Kind::kQjl;
+      k.group = p.group;
+      k.qjl_m = p.sketch;
+      k.qjl_mo = p.outlier_sketch;
+      k.qjl_o = p.outliers;
+      // The sketch lives as long as the quantizer (QjlKeyQuantizer keeps it per head_dim).
+      k.sketch = qj->sketch(d)->data();
+      break;
+    }
     case KernelKind::kIntToken:
     case KernelKind::kIntChannel:
       k.bits = l.kernel_bits;
@@ -226,6 +272,64 @@ std::atomic<QueryRounding>& rounding() {
 
 QueryRounding query_rounding() { return rounding().load(std::memory_order_relaxed); }
 void set_query_rounding(QueryRounding r) { rounding().store(r, std::memory_order_relaxed); }
+
+bool same_rotation(const KernelFormat& a, const KernelFormat& b) {
+  if (a.kind != b.kind) return false;
+  if (a.kind == KernelFormat::Kind::kQjl) {
+    if (a.sketch == b.sketch) return true;
+    const auto n = static_cast<size_t>(a.qjl_m * a.head_dim);
+    return a.head_dim == b.head_dim && a.qjl_m == b.qjl_m && std::equal(a.sketch, a.sketch + n, b.sketch);
+  }
+  if (a.rot_signs == b.rot_signs) return a.sketch == b.sketch || !a.tq_prod || !b.tq_prod;
+  if (a.head_dim != b.head_dim) return false;
+  const auto n = static_cast<size_t>(a.head_dim);
+  if (!std::equal(a.rot_signs, a.rot_signs + n, b.rot_signs)) return false;
+  return !a.tq_prod || !b.tq_prod || std::equal(a.sketch, a.sketch + n * n, b.sketch);
+}
+
+void rotate_queries(const KernelFormat& kf, Queries& q) {
+  const int64_t rows = q.view.rows, d = q.view.d;
+  // S·qf per row: m = D rows of S for TurboQuant-Prod, qjl_m for QJL.
+  auto sketch_rows = [&](int64_t m) {
+    q.qsketch.resize(static_cast<size_t>(rows * m));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qf = q.qf.data() + r * d;
+      for (int64_t j = 0; j < m; ++j) {
+        const float* sj = kf.sketch + j * d;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < d; ++i) acc += sj[i] * qf[i];
+        q.qsketch[static_cast<size_t>(r * m + j)] = acc;
+      }
+    }
+    q.view.qsketch = q.qsketch.data();
+  };
+  if (kf.kind == KernelFormat::Kind::kQjl) {
+    q.view.qrot = nullptr;
+    sketch_rows(kf.qjl_m);
+    const int64_t m = kf.qjl_m;
+    q.sketch_t.resize(static_cast<size_t>(d * m));
+    for (int64_t j = 0; j < m; ++j) {
+      for (int64_t c = 0; c < d; ++c) q.sketch_t[static_cast<size_t>(c * m + j)] = kf.sketch[j * d + c];
+    }
+    q.view.sketch_t = q.sketch_t.data();
+    return;
+  }
+  KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant || kf.kind == KernelFormat::Kind::kPolar,
+                     "fused::rotate_queries: not a TurboQuant, PolarQuant or QJL format");
+  q.qrot.resize(static_cast<size_t>(rows * d));
+  for (int64_t i = 0; i < rows * d; ++i) q.qrot[static_cast<size_t>(i)] = q.qf[static_cast<size_t>(i)] * kf.rot_signs[i % d];
+  quant::hadamard_rows(q.qrot.data(), rows, d);
+  q.view.qrot = q.qrot.data();
+  q.view.qsketch = nullptr;
+  if (kf.tq_prod) sketch_rows(d);
+}
+
+void add_rotated_back(const float* signs, float* rot, int64_t rows, int64_t d, float* acc) {
+  quant::hadamard_rows(rot, rows, d);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < d; ++i) acc[r * d + i] += signs[i] * rot[r * d + i];
+  }
+}
 
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld) {
   switch (current_isa()) {

@@ -26,6 +26,34 @@
 /// rounding, per-channel scores against the exact formula, and fused(q) against generic(q)
 /// with the bound that δ implies.
 ///
+/// The 2025 rotation-and-codebook formats (issue 38), computed from their codes in the query's
+/// domain, with no float copy of K or V:
+///   - TurboQuant keys (`tq`, KernelKind::kTurboQuant): x̂ = ‖x‖·f·diag(s)·H·c (f = 1/‖c‖ with
+///     `nc`, else 1) and diag(s)·H is orthogonal, so q·x̂ = ‖x‖·f·⟨H·diag(s)·q, c⟩: the query is
+///     rotated once per step and KV head (rotate_queries: QueryView::qrot) and each key costs a
+///     centroid lookup per coordinate (AVX-512: 16 codes unpacked with vpmultishiftqb and looked
+///     up with one vpermps of the 16-entry codebook; AVX2: 8 codes with vpsrlvd, two vpermps and
+///     a blend for 16 levels), then the same transposed FMAs as float keys; ‖c‖² accumulates on
+///     the way for `nc`. Prod keys add √(π/2)/D·γ·⟨S q, z⟩, S q once per step (QueryView::qsketch)
+///     and the sign bits as ±1 lanes.
+///   - TurboQuant values: acc_rot += Σ_j p_j·‖v_j‖·f_j·c_j in the rotated domain (accumulate()
+///     writes the accumulator it is given: for these segments the orchestration's second,
+///     rotated one, which the online softmax rescales with the first), rotated back once per
+///     query row at the end (add_rotated_back: diag(s)·H·acc_rot). Exact algebra; the float
+///     rounding differs from the generic path's per-token inverse rotation (≤ 2e-5 on unit-scale
+///     outputs, measured ≤ 5e-6: tests/attend_fused_test.cpp). Prod values (not the paper's
+///     split) take the generic path.
+///   - QJL keys (kQjl): S·q once per step; per group of g tokens u = S q − Σ_{c∈out} q_c S[:, c]
+///     and u_o = Σ_{c∈out} q_c S_o[:, c] (the group's o outlier columns); per key
+///     √(π/2)/m·‖k_in‖·⟨u, z⟩ + √(π/2)/m_o·‖k_out‖·⟨u_o, z_o⟩ from the stored bits (±1 lanes).
+///     Its int values and fp16 window take the int / fp16 kernels.
+///   - PolarQuant (`polar`, kPolar): its preconditioning is TurboQuant's rotation, so keys are
+///     scored against the same rotated query and values go to the rotated accumulator; each
+///     16-value block is rebuilt in registers from its radius ρ and four lane permutes of the
+///     levels' cos/sin tables (value i = ρ·Π_ℓ cos or sin of level ℓ's angle over i).
+/// A layer whose key (or value) formats rotate or sketch differently takes the generic path
+/// (same_rotation()), as do head dims the kernels do not read (TurboQuant, PolarQuant at D = 16).
+///
 /// The kernels are compiled for x86-64 with AVX-512 F/BW/VL/DQ, VNNI, VBMI and F16C
 /// (attend_avx512.cpp) and used only where the running CPU has them (available()).
 ///
@@ -48,7 +76,7 @@ namespace kvcache::cache::fused {
 
 /// The kernel format of `f`: what its StoredLayout says (StoredLayout::kernel), or Kind::kNone
 /// if the fused kernels cannot read it — KernelKind::kNone formats (int3, rotated `had(...)`,
-/// GEAR, KVQuant), integer groups whose 32-dim chunks do not lie in one packed code stream,
+/// GEAR, KVQuant), QJL sketches above kMaxQjlSketch bits, integer groups whose 32-dim chunks do not lie in one packed code stream,
 /// head dims that are not a multiple of 32 or above 256: then the generic path runs for the
 /// whole layer.
 KernelFormat classify(const BlockFormat& f);
@@ -108,13 +136,28 @@ void set_query_rounding(QueryRounding r);
 
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
-  std::vector<float> qf, qs, qsum, qfsum, qsum1;
+  std::vector<float> qf, qs, qsum, qfsum, qsum1, qrot, qsketch, sketch_t;
   std::vector<int8_t> qt;
   QueryView view;
 };
 
 /// `q` rows `[rows, d]` float32 → Queries; d must be a multiple of 32 and ≤ 256.
 void prepare(const float* q, int64_t rows, int64_t d, float scale, Queries& out);
+
+/// True if two TurboQuant formats rotate alike (same signs, and same sketch where both are
+/// Prod), or two QJL formats sketch alike: the fused path rotates (sketches) the query once per
+/// layer and step, so a layer whose key (or value) formats differ there takes the generic path.
+bool same_rotation(const KernelFormat& a, const KernelFormat& b);
+
+/// TurboQuant keys `kf`: q.qrot = H·diag(s)·qf per row (the rotated query; diag(s)·H is
+/// orthogonal, so qf·x̂ = ‖x‖·f·(qrot·c)) and for Prod keys q.qsketch = S·qf; QJL keys:
+/// q.qsketch = S·qf (qjl_m per row). Sets q.view.qrot/qsketch. Call after prepare(), once per
+/// step and KV head.
+void rotate_queries(const KernelFormat& kf, Queries& q);
+
+/// TurboQuant values: acc[r] += diag(signs)·H·rot[r] for r < rows (rot, `[rows, d]`, the
+/// rotated-domain accumulator, is overwritten): the inverse rotation, once per query row.
+void add_rotated_back(const float* signs, float* rot, int64_t rows, int64_t d, float* acc);
 
 /// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n (the keys of `k`).
 void scores(const Queries& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);

@@ -12,9 +12,13 @@
 
 namespace kvcache::cache::fused {
 
+/// The largest QJL sketch (m bits per key) the fused kernels read (their per-row buffers of S·q
+/// are sized for it); a larger m takes the generic path.
+inline constexpr int64_t kMaxQjlSketch = 1024;
+
 /// What a fused kernel needs to know about a block format (filled by classify()).
 struct KernelFormat {
-  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel };
+  enum class Kind : uint8_t { kNone, kF32, kF16, kBF16, kE4M3, kE5M2, kIntToken, kIntChannel, kTurboQuant, kQjl, kPolar };
   Kind kind = Kind::kNone;
   int bits = 0;          ///< integer formats: 8, 4, 2
   int64_t group = 0;     ///< integer formats: group size (values per token, or tokens per channel)
@@ -22,6 +26,23 @@ struct KernelFormat {
   int64_t head_dim = 0;  ///< D
   int64_t code_bytes = 0, meta_count = 0;  ///< StoredLayout of one group
   int64_t scales_offset = 0, zeros_offset = 0;  ///< byte offsets of the metadata regions
+  /// kTurboQuant (quant/turboquant_quantizer.h): code i of a row (LSB-first bit stream) has
+  /// tq_hi bits for i < tq_n_hi and tq_lo bits after; the scales are ‖x‖ (and γ: tq_prod) per
+  /// token. The tables belong to the quantizer (live as long as the cache's formats).
+  int tq_hi = 0, tq_lo = 0;
+  int64_t tq_n_hi = 0;
+  int64_t tq_mse_bytes = 0;  ///< bytes of the codes; for tq_prod the D sign bits follow
+  bool tq_nc = false;        ///< norm correction: scores and values × 1/‖c‖
+  bool tq_prod = false;      ///< TurboQuant-Prod keys: + √(π/2)/D · γ · ⟨S q, z⟩
+  const float* tq_levels_hi = nullptr;  ///< 16 floats (codebook · 1/√D, zero-padded)
+  const float* tq_levels_lo = nullptr;
+  const float* rot_signs = nullptr;     ///< D signs s of the rotation diag(s)·H (x̂ = ‖x‖·diag(s)·H·c; kPolar too)
+  const float* polar_angles = nullptr;  ///< kPolar: 80 floats (quant::PolarQuantizer::KernelTables::angles)
+  const float* sketch = nullptr;        ///< tq_prod: S, D × D row-major; kQjl: S, qjl_m × D row-major
+  /// kQjl (quant/qjl_quantizer.h; `group` = g tokens per group, one group's codes are
+  /// code_bytes: qjl_o outlier indices, then per token (qjl_m + qjl_mo)/8 sign bytes; scales
+  /// 2 fp16 per token, ‖k_in‖ and ‖k_out‖).
+  int64_t qjl_m = 0, qjl_mo = 0, qjl_o = 0;
 };
 
 /// One stream's tokens of a tile, as stored: `n` live slots of one block.
@@ -53,12 +74,19 @@ struct QueryView {
   /// (one_term_token) or per-channel (one_term_channel) integer keys are dotted with the high
   /// term alone, q ≈ qs·qh (llama.cpp's q8 rounding; the AVX-512 kernels only). 0: two terms.
   uint32_t one_term_token = 0, one_term_channel = 0;
+  /// TurboQuant keys (fused::rotate_queries): `[rows, d]` H·diag(s)·qf, the rotated query
+  /// (qrot), and for Prod keys S·qf (qsketch, `[rows, d]`); QJL keys: qsketch = S·qf,
+  /// `[rows, qjl_m]`. Null when the layer's keys are neither.
+  const float* qrot = nullptr;
+  const float* qsketch = nullptr;
+  const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous)
 };
 
 namespace avx512 {
 /// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n.
 void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);
-/// acc[r·d + :] += Σ_j p[r·ld + j] · v_j for r < nr, j < n.
+/// acc[r·d + :] += Σ_j p[r·ld + j] · v_j for r < nr, j < n. TurboQuant values (kTurboQuant):
+/// acc is the rotated-domain accumulator, acc += Σ_j p_j·‖v_j‖·f_j·c_j (attend_fused.h).
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);
 }  // namespace avx512
 

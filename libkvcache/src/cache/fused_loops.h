@@ -28,6 +28,8 @@
 /// before and after the loops were shared). Include only from the kernel units, after the
 /// traits: everything here has internal linkage (fused_codes.h explains why).
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "cache/fused_abi.h"
@@ -67,6 +69,291 @@ void qk_float(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, flo
       }
     }
     for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + j0, L::mul(out[r], L::set1(ts)), m);
+  }
+}
+
+// ---------------------------------------------------------------- TurboQuant
+//
+// Traits the TurboQuant loops use: TqLut (one region's codebook and unpack constants),
+// tq_lut(levels16, bits), tq_centroids(p, lut) (the centroids of the W codes of the byte-aligned
+// bit stream at p: W·bits/8 bytes), signs_pm1(p) (W sign bits at p as ±1.0f), div, sqrt.
+
+/// Where a W-dim chunk [c, c + W) of a TurboQuant row lies: byte offset and region (the first
+/// tq_n_hi codes have tq_hi bits, the rest tq_lo). c is a multiple of W and tq_n_hi (0 or D/2)
+/// of 16, so a chunk starts on a byte and lies in one region.
+struct TqChunk {
+  int64_t offset;
+  bool hi;
+};
+inline TqChunk tq_chunk(const KernelFormat& kf, int64_t c) {
+  if (c < kf.tq_n_hi) return {c * kf.tq_hi / 8, true};
+  return {(kf.tq_n_hi * kf.tq_hi + (c - kf.tq_n_hi) * kf.tq_lo) / 8, false};
+}
+
+constexpr float kTqQjl = 1.2533141373155003f;  ///< √(π/2)
+
+/// TurboQuant keys: s = ‖k‖·f·(qrot·c) [+ √(π/2)/D·γ·(qsketch·z)], f = 1/‖c‖ with nc (1
+/// otherwise). W keys × W dims of centroids are looked up in registers, transposed and
+/// multiplied in float32 as qk_float does; ‖c‖² of the W keys accumulates on the way.
+template <class L, int NR>
+void qk_tq(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const KernelFormat& kf = k.kf;
+  const int64_t d = q.d;
+  const int64_t row_bytes = kf.code_bytes, mc = kf.meta_count;
+  const uint8_t* meta = k.block + kf.scales_offset;
+  const typename L::TqLut lut_hi = L::tq_lut(kf.tq_levels_hi, kf.tq_hi);
+  const typename L::TqLut lut_lo = L::tq_lut(kf.tq_levels_lo, kf.tq_lo);
+  const float qjl = kTqQjl / static_cast<float>(d);
+  for (int64_t j0 = 0; j0 < n; j0 += W) {
+    const int m = static_cast<int>(min64(W, n - j0));
+    const int32_t* slots = k.slots + j0;
+    F out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = L::zero();
+    F csq = L::zero();
+    for (int64_t c = 0; c < d; c += W) {
+      const TqChunk ch = tq_chunk(kf, c);
+      const typename L::TqLut& lut = ch.hi ? lut_hi : lut_lo;
+      F kt[W];
+      for (int j = 0; j < W; ++j) {
+        kt[j] = j < m ? L::tq_centroids(k.block + static_cast<int64_t>(slots[j]) * row_bytes + ch.offset, lut)
+                      : L::zero();
+      }
+      L::transpose(kt);
+#pragma GCC unroll 16
+      for (int e = 0; e < W; ++e) {
+        if (kf.tq_nc) csq = L::fmadd(kt[e], kt[e], csq);
+        for (int r = 0; r < NR; ++r) out[r] = L::fmadd(kt[e], L::set1(q.qrot[(r0 + r) * d + c + e]), out[r]);
+      }
+    }
+    F scale = L::meta(meta, slots, m, mc, 0);  // ‖k‖ (lanes ≥ m: 0, never stored)
+    if (kf.tq_nc) scale = L::div(scale, L::sqrt(csq));
+    for (int r = 0; r < NR; ++r) out[r] = L::mul(out[r], scale);
+    if (kf.tq_prod) {
+      F sk[NR];
+      for (int r = 0; r < NR; ++r) sk[r] = L::zero();
+      for (int64_t c = 0; c < d; c += W) {
+        F zt[W];
+        for (int j = 0; j < W; ++j) {
+          zt[j] = j < m ? L::signs_pm1(k.block + static_cast<int64_t>(slots[j]) * row_bytes + kf.tq_mse_bytes + c / 8)
+                        : L::zero();
+        }
+        L::transpose(zt);
+#pragma GCC unroll 16
+        for (int e = 0; e < W; ++e) {
+          for (int r = 0; r < NR; ++r) sk[r] = L::fmadd(zt[e], L::set1(q.qsketch[(r0 + r) * d + c + e]), sk[r]);
+        }
+      }
+      const F g = L::mul(L::meta(meta, slots, m, mc, 1), L::set1(qjl));  // √(π/2)/D · γ
+      for (int r = 0; r < NR; ++r) out[r] = L::fmadd(sk[r], g, out[r]);
+    }
+    for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
+/// TurboQuant values, in the rotated domain (attend_fused.h): acc[r] += Σ_j p_rj·‖v_j‖·f_j·c_j,
+/// the centroids looked up in registers 2W dims at a time with the rows' accumulators in
+/// registers; the caller rotates acc back once per row (fused::add_rotated_back).
+template <class L, int NR>
+void pv_tq(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const KernelFormat& kf = v.kf;
+  const int64_t row_bytes = kf.code_bytes, mc = kf.meta_count;
+  const uint8_t* meta = v.block + kf.scales_offset;
+  const typename L::TqLut lut_hi = L::tq_lut(kf.tq_levels_hi, kf.tq_hi);
+  const typename L::TqLut lut_lo = L::tq_lut(kf.tq_levels_lo, kf.tq_lo);
+  alignas(64) float w[NR][64];  // n ≤ 64 (accumulate_rows): p · ‖v‖ · f
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+    float kw = half_at(meta, static_cast<int64_t>(v.slots[j]) * mc);
+    if (kf.tq_nc) {
+      F cc = L::zero();
+      for (int64_t c = 0; c < d; c += W) {
+        const TqChunk ch = tq_chunk(kf, c);
+        const F x = L::tq_centroids(row + ch.offset, ch.hi ? lut_hi : lut_lo);
+        cc = L::fmadd(x, x, cc);
+      }
+      kw /= _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(L::hsum(cc))));  // no <cmath>: fused_abi.h
+    }
+    for (int r = 0; r < NR; ++r) w[r][j] = p[r * ld + j] * kw;
+  }
+  for (int64_t h = 0; h < d / (2 * W); ++h) {
+    const TqChunk c0 = tq_chunk(kf, 2 * W * h), c1 = tq_chunk(kf, 2 * W * h + W);
+    const typename L::TqLut& l0 = c0.hi ? lut_hi : lut_lo;
+    const typename L::TqLut& l1 = c1.hi ? lut_hi : lut_lo;
+    F a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = L::loadu(acc + r * d + 2 * W * h);
+      a[r][1] = L::loadu(acc + r * d + 2 * W * h + W);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+      const F x0 = L::tq_centroids(row + c0.offset, l0);
+      const F x1 = L::tq_centroids(row + c1.offset, l1);
+      for (int r = 0; r < NR; ++r) {
+        const F wj = L::set1(w[r][j]);
+        a[r][0] = L::fmadd(wj, x0, a[r][0]);
+        a[r][1] = L::fmadd(wj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      L::storeu(acc + r * d + 2 * W * h, a[r][0]);
+      L::storeu(acc + r * d + 2 * W * h + W, a[r][1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- PolarQuant
+//
+// Traits: PolarLut (the cos/sin tables in registers), polar_lut(angles80),
+// polar_chunk(row, c, lut): dims [c, c + W) of a row's preconditioned vector y without the
+// block's radius ρ (Π over the four levels of cos or sin of the lane's angle).
+
+/// The radius ρ of 16-dim block `b` of token `slot` (fp16, D/16 per token).
+inline float polar_radius(const RawTokens& t, int32_t slot, int64_t b) {
+  return half_at(t.block + t.kf.scales_offset, static_cast<int64_t>(slot) * t.kf.meta_count + b);
+}
+
+/// PolarQuant keys: s = (H·diag(s)·q)·y, y rebuilt W dims at a time in registers (ρ times the
+/// four levels' cos/sin), transposed and multiplied in float32 as qk_float does.
+template <class L, int NR>
+void qk_polar(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const int64_t d = q.d, row_bytes = k.kf.code_bytes;
+  const typename L::PolarLut lut = L::polar_lut(k.kf.polar_angles);
+  for (int64_t j0 = 0; j0 < n; j0 += W) {
+    const int m = static_cast<int>(min64(W, n - j0));
+    const int32_t* slots = k.slots + j0;
+    F out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = L::zero();
+    for (int64_t c = 0; c < d; c += W) {
+      F kt[W];
+      for (int j = 0; j < W; ++j) {
+        kt[j] = j < m ? L::mul(L::polar_chunk(k.block + static_cast<int64_t>(slots[j]) * row_bytes, c, lut),
+                               L::set1(polar_radius(k, slots[j], c / 16)))
+                      : L::zero();
+      }
+      L::transpose(kt);
+#pragma GCC unroll 16
+      for (int e = 0; e < W; ++e) {
+        for (int r = 0; r < NR; ++r) out[r] = L::fmadd(kt[e], L::set1(q.qrot[(r0 + r) * d + c + e]), out[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
+/// PolarQuant values, in the rotated domain as TurboQuant's: acc[r] += Σ_j p_rj·y_j.
+template <class L, int NR>
+void pv_polar(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, float* acc) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const int64_t row_bytes = v.kf.code_bytes;
+  const typename L::PolarLut lut = L::polar_lut(v.kf.polar_angles);
+  for (int64_t h = 0; h < d / (2 * W); ++h) {
+    const int64_t c0 = 2 * W * h, c1 = c0 + W;
+    F a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = L::loadu(acc + r * d + c0);
+      a[r][1] = L::loadu(acc + r * d + c1);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+      const F x0 = L::mul(L::polar_chunk(row, c0, lut), L::set1(polar_radius(v, v.slots[j], c0 / 16)));
+      const F x1 = L::mul(L::polar_chunk(row, c1, lut), L::set1(polar_radius(v, v.slots[j], c1 / 16)));
+      for (int r = 0; r < NR; ++r) {
+        const F pj = L::set1(p[r * ld + j]);
+        a[r][0] = L::fmadd(pj, x0, a[r][0]);
+        a[r][1] = L::fmadd(pj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      L::storeu(acc + r * d + c0, a[r][0]);
+      L::storeu(acc + r * d + c1, a[r][1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- QJL keys
+
+/// W keys' dots of the ±1 signs at bit `bit0` of each key's sign bits (`row0 + t·tok_bytes`,
+/// t the key's token in its group) with u[r] (`cols` entries, zero-padded to a multiple of W:
+/// the bits read past them, the next stream's or token's, meet zeros), added to out[r].
+template <class L, int NR>
+inline void sign_dots(const uint8_t* row0, int64_t tok_bytes, const int32_t* ts, int m, int64_t bit0, int64_t cols,
+                      const float (*u)[kMaxQjlSketch], typename L::F (&out)[NR]) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  for (int64_t c = 0; c < cols; c += W) {
+    F zt[W];
+    for (int j = 0; j < W; ++j) {
+      zt[j] = j < m ? L::signs_pm1(row0 + static_cast<int64_t>(ts[j]) * tok_bytes + (bit0 + c) / 8) : L::zero();
+    }
+    L::transpose(zt);
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) {
+      for (int r = 0; r < NR; ++r) out[r] = L::fmadd(zt[e], L::set1(u[r][c + e]), out[r]);
+    }
+  }
+}
+
+/// QJL keys (quant/qjl_quantizer.h): s = √(π/2)/m·‖k_in‖·⟨S q_in, z⟩ + √(π/2)/m_o·‖k_out‖·⟨S_o q_out, z_o⟩.
+/// Per group (the block's slots in runs of one group): u = S q − Σ_{c∈out} q_c S[:, c] and
+/// u_o = Σ_{c∈out} q_c S[:m_o, c] (S q and Sᵀ once per step: QueryView::qsketch, sketch_t); per W keys the sign
+/// bits as ±1 lanes, transposed, multiplied with u in float32.
+template <class L, int NR>
+void qk_qjl(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  const KernelFormat& kf = k.kf;
+  const int64_t d = q.d, g = kf.group, m = kf.qjl_m, mo = kf.qjl_mo, o = kf.qjl_o;
+  const int64_t tok_bytes = (m + mo) / 8;
+  const int64_t m_pad = (m + W - 1) / W * W, mo_pad = (mo + W - 1) / W * W;
+  const float c_in = kTqQjl / static_cast<float>(m), c_out = mo > 0 ? kTqQjl / static_cast<float>(mo) : 0.0f;
+  const uint8_t* meta = k.block + kf.scales_offset;
+  alignas(64) float u[NR][kMaxQjlSketch], uo[NR][kMaxQjlSketch];
+  alignas(64) int32_t ts[64];  // tokens in the group of W keys (slot mod g)
+  for (int64_t j0 = 0; j0 < n;) {
+    const int64_t gi = k.slots[j0] / g;
+    int64_t j1 = j0 + 1;
+    while (j1 < n && k.slots[j1] / g == gi) ++j1;  // slots increase: one group's run
+    const uint8_t* cg = k.block + gi * kf.code_bytes;
+    bool seen[256] = {};  // an index repeated (or past D) marks its channel once (or none), as decode does
+    for (int r = 0; r < NR; ++r) {
+      const float* sq = q.qsketch + (r0 + r) * m;
+      for (int64_t j = 0; j < m_pad; ++j) u[r][j] = j < m ? sq[j] : 0.0f;
+      for (int64_t j = 0; j < mo_pad; ++j) uo[r][j] = 0.0f;
+    }
+    for (int64_t i = 0; i < o; ++i) {
+      const int c = cg[i];
+      if (c >= d || seen[c]) continue;
+      seen[c] = true;
+      const float* sc = q.sketch_t + c * m;  // S[:, c], contiguous
+      for (int r = 0; r < NR; ++r) {
+        const float qc = q.qf[(r0 + r) * d + c];
+        float* __restrict ur = u[r];
+        float* __restrict uor = uo[r];
+        for (int64_t j = 0; j < m; ++j) ur[j] -= qc * sc[j];
+        for (int64_t j = 0; j < mo; ++j) uor[j] += qc * sc[j];
+      }
+    }
+    const uint8_t* row0 = cg + o;
+    for (int64_t jb = j0; jb < j1; jb += W) {
+      const int mm = static_cast<int>(min64(W, j1 - jb));
+      for (int j = 0; j < mm; ++j) ts[j] = static_cast<int32_t>(k.slots[jb + j] - gi * g);
+      F in[NR], out[NR];
+      for (int r = 0; r < NR; ++r) in[r] = out[r] = L::zero();
+      sign_dots<L, NR>(row0, tok_bytes, ts, mm, 0, m_pad, u, in);
+      if (mo > 0) sign_dots<L, NR>(row0, tok_bytes, ts, mm, m, mo_pad, uo, out);
+      // Norms: fp16 words 2·slot (‖k_in‖) and 2·slot + 1 (‖k_out‖) of the block's scales.
+      const F a = L::mul(L::meta(meta, k.slots + jb, mm, 2, 0), L::set1(c_in));
+      const F b = L::mul(L::meta(meta, k.slots + jb, mm, 2, 1), L::set1(c_out));
+      for (int r = 0; r < NR; ++r) L::store_row(s + r * ld + jb, L::fmadd(out[r], b, L::mul(in[r], a)), mm);
+    }
+    j0 = j1;
   }
 }
 
@@ -216,6 +503,9 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
     case Kind::kE5M2: return pv_rows<L, NR, Kind::kE5M2>(p, ld, v, n, d, acc);
     case Kind::kIntToken: return pv_int_token<L, NR>(p, ld, v, n, d, acc);
     case Kind::kIntChannel: return pv_rows<L, NR, Kind::kIntChannel>(p, ld, v, n, d, acc);
+    case Kind::kTurboQuant: return pv_tq<L, NR>(p, ld, v, n, d, acc);
+    case Kind::kPolar: return pv_polar<L, NR>(p, ld, v, n, d, acc);
+    case Kind::kQjl:  // keys only (fusable() sends a layer with QJL values to the generic path)
     case Kind::kNone: break;
   }
 }

@@ -155,6 +155,31 @@ std::shared_ptr<const std::vector<double>> PolarQuantizer::signs(int64_t d) cons
   return s;
 }
 
+std::shared_ptr<const PolarQuantizer::KernelTables> PolarQuantizer::kernel_tables(int64_t d) const {
+  const auto sg = signs(d);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = kernel_tables_.find(d);
+  if (it != kernel_tables_.end()) return it->second;
+  auto t = std::make_shared<KernelTables>();
+  for (double v : *sg) t->signs.push_back(static_cast<float>(v));
+  t->angles.assign(80, 0.0f);
+  const std::vector<double>& l1 = polar_codebook(1).levels;
+  for (size_t i = 0; i < 16; ++i) {
+    t->angles[i] = static_cast<float>(std::cos(l1[i]));
+    t->angles[16 + i] = static_cast<float>(std::sin(l1[i]));
+  }
+  for (int level = 2; level <= 4; ++level) {
+    const std::vector<double>& l = polar_codebook(level).levels;
+    float* out = t->angles.data() + 32 + 16 * (level - 2);
+    for (size_t i = 0; i < 4; ++i) {
+      out[i] = static_cast<float>(std::cos(l[i]));
+      out[4 + i] = static_cast<float>(std::sin(l[i]));
+    }
+  }
+  kernel_tables_.emplace(d, t);
+  return t;
+}
+
 void PolarQuantizer::encode_rows(const float* x, int64_t rows, int64_t d, uint8_t* codes, float* radii) const {
   const auto sg = signs(d);
   const PolarCodebook* cb[5] = {nullptr, &polar_codebook(1), &polar_codebook(2), &polar_codebook(3), &polar_codebook(4)};
@@ -283,7 +308,7 @@ StoredLayout PolarQuantizer::do_stored_layout(int64_t head_dim) const {
   l.meta_count = head_dim / 16;
   l.has_zeros = false;
   l.meta_dtype = DType::kFloat16;
-  l.kernel = KernelKind::kNone;
+  l.kernel = KernelKind::kPolar;
   return l;
 }
 

@@ -26,6 +26,8 @@
 /// D must be a power of two ≥ 16 (InvalidArgument otherwise; no padding). quantize() stores a
 /// tensor with a radius past fp16 with fp32 radii and refuses a row whose radius exceeds float32
 /// (naming it); encode() reports such rows as overflow. Decoding saturates at ±FLT_MAX.
+/// Fused attention (KernelKind::kPolar) rebuilds each 16-value block in registers from ρ and
+/// cos/sin tables against the query rotated once per step (kernel_tables()).
 
 #include <array>
 #include <cstdint>
@@ -58,6 +60,18 @@ class PolarQuantizer final : public Quantizer {
   std::string spec() const override;
   double bits_per_value(int64_t head_dim) const override;
 
+  /// What the fused attention kernels read (KernelKind::kPolar; src/cache/attend_fused.h), per
+  /// head_dim d (computed once): the preconditioning's signs s as float (x̂ = diag(s)·H·y, so
+  /// q·x̂ = (H·diag(s)·q)·y), and the angle codebooks as cos/sin tables, rounded to float32:
+  /// `angles` = [cos θ_0..15, sin θ_0..15] (level 1), then for levels 2, 3, 4 sixteen floats
+  /// each, [cos ψ_0..3, sin ψ_0..3, 0 × 8]. A block's value i is ρ·Π_ℓ (cos or sin of level ℓ's
+  /// angle over i), as decode_rows() runs the transform back.
+  struct KernelTables {
+    std::vector<float> signs;
+    std::vector<float> angles;  ///< 80 floats
+  };
+  std::shared_ptr<const KernelTables> kernel_tables(int64_t d) const;
+
  protected:
   void check_input(const TensorView& x) const override;
   void do_quantize_into(const Input& in, QuantizedTensor& out) const override;
@@ -78,6 +92,7 @@ class PolarQuantizer final : public Quantizer {
   int64_t seed_;
   mutable std::mutex mu_;
   mutable std::map<int64_t, std::shared_ptr<const std::vector<double>>> signs_;
+  mutable std::map<int64_t, std::shared_ptr<const KernelTables>> kernel_tables_;
 };
 
 }  // namespace kvcache::quant

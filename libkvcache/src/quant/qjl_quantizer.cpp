@@ -241,7 +241,7 @@ StoredLayout QjlKeyQuantizer::do_stored_layout(int64_t head_dim) const {
   l.meta_count = 2 * p_.group;
   l.has_zeros = false;
   l.meta_dtype = DType::kFloat16;
-  l.kernel = KernelKind::kNone;
+  l.kernel = KernelKind::kQjl;
   return l;
 }
 

@@ -28,6 +28,10 @@
 /// bytes, then per token m/8 + m_o/8 bytes of sign bits (bit j of the token's stream set iff
 /// (S k_in)_j ≥ 0, LSB first, then the outlier bits); scales = 2g fp16 (‖k_in‖, ‖k_out‖ per token);
 /// no zeros. Bits per value (8·(o + g·(m + m_o)/8) + 32·g)/(g·D).
+///
+/// Fused attention (KernelKind::kQjl; src/cache/attend_fused.h) computes the estimate from the
+/// stored bits: S·q once per step and query row; per group S q_in = S q − Σ_{c∈out} q_c S[:, c]
+/// and S_o q_out = Σ_{c∈out} q_c S_o[:, c] (o columns); per key the two sign dots.
 
 #include <cstdint>
 #include <map>

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "common/parallel.h"
 #include "kvcache/error.h"
@@ -118,6 +119,12 @@ std::shared_ptr<const TurboQuantizer::Tables> TurboQuantizer::tables(int64_t d) 
   for (int64_t i = 0; i < d; ++i) {
     const uint64_t word = seeded::draw(seed_, 0x5157, static_cast<uint64_t>(i / 64));
     t->signs[static_cast<size_t>(i)] = ((word >> (i % 64)) & 1u) ? -1.0f : 1.0f;
+  }
+  const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(d));
+  for (const auto& [bits, out] : {std::pair{lo_bits(), &t->levels_lo}, std::pair{hi_bits(), &t->levels_hi}}) {
+    out->assign(16, 0.0f);
+    const std::vector<double>& lv = gaussian_lloyd_max(bits).levels;
+    for (size_t i = 0; i < lv.size(); ++i) (*out)[i] = static_cast<float>(lv[i] * inv_sqrt_d);
   }
   if (mode_ == TurboMode::kProd) {
     t->sketch.resize(static_cast<size_t>(d * d));
@@ -310,7 +317,7 @@ StoredLayout TurboQuantizer::do_stored_layout(int64_t head_dim) const {
   l.meta_count = meta_count();
   l.has_zeros = false;
   l.meta_dtype = DType::kFloat16;
-  l.kernel = KernelKind::kNone;
+  l.kernel = KernelKind::kTurboQuant;
   return l;
 }
 

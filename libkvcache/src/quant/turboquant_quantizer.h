@@ -37,8 +37,14 @@
 /// padding). quantize() stores a tensor whose ‖x‖ or γ exceeds fp16 with fp32 metadata (as the
 /// int formats do) and rejects a row whose ‖x‖ exceeds float32 (InvalidArgument naming it;
 /// every |x| ≤ FLT_MAX/√D is safe); encode() reports such rows as EncodeStatus::overflow.
-/// Decoding saturates at ±FLT_MAX. The fused attention kernels do not read this format
-/// (KernelKind::kNone): the generic path decodes its blocks.
+/// Decoding saturates at ±FLT_MAX.
+///
+/// Fused attention (KernelKind::kTurboQuant; src/cache/attend_fused.h) reads the codes as
+/// stored: since x̂ = ‖x‖·f·diag(s)·H·c (f = 1/‖c‖ with `nc`, else 1) and diag(s)·H is
+/// orthogonal, q·x̂ = ‖x‖·f·⟨H·diag(s)·q, c⟩: the query is rotated once per step and each key
+/// costs one centroid lookup per coordinate (Tables::levels_lo/levels_hi); `prod` adds
+/// √(π/2)/D·γ·⟨S q, z⟩ with S q computed once per step. Values are accumulated as
+/// Σ p·‖v‖·f·c in the rotated domain and rotated back once per query row.
 
 #include <cstdint>
 #include <map>
@@ -73,12 +79,20 @@ class TurboQuantizer final : public Quantizer {
   int lo_bits() const { return mse_half_bits() / 2; }
   int hi_bits() const { return lo_bits() + (mse_half_bits() % 2); }
   int64_t hi_count(int64_t d) const { return mse_half_bits() % 2 ? d / 2 : 0; }
+  /// `nc`: the centroid vector is re-normalised before the inverse rotation.
+  bool norm_correction() const { return nc_; }
+  /// Bytes of the MSE stage's codes of one row (the sign bits of `prod` follow them).
+  int64_t mse_code_bytes(int64_t d) const;
 
   /// The rotation's signs s (±1, D values) and, for `prod`, the sketch S (D × D row-major) for
   /// head_dim `d` (computed once per d). Exposed for tests.
   struct Tables {
     std::vector<float> signs;
     std::vector<float> sketch;
+    /// The codebooks of the lo_bits() and hi_bits() coordinates as decode_rows() reads them
+    /// (level·(1/√D), rounded to float32), each padded with zeros to 16 entries (the fused
+    /// kernels' lane permutes index 16 lanes).
+    std::vector<float> levels_lo, levels_hi;
   };
   std::shared_ptr<const Tables> tables(int64_t d) const;
 
@@ -102,8 +116,6 @@ class TurboQuantizer final : public Quantizer {
 
  private:
   int64_t code_bytes(int64_t d) const;
-  /// Bytes of the MSE stage's codes of one row (the sign bits of `prod` follow them).
-  int64_t mse_code_bytes(int64_t d) const;
   int64_t meta_count() const { return mode_ == TurboMode::kProd ? 2 : 1; }
   int mse_half_bits() const { return mode_ == TurboMode::kProd ? half_bits_ - 2 : half_bits_; }
 
