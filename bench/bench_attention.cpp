@@ -452,7 +452,7 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path, int6
   namespace fns = kvcache::cache::fused;
   const uint32_t q8_bits = key_kind == Kind::kIntChannel ? fns::kInt8QueryChannelBits : fns::kInt8QueryTokenBits;
   const bool one_term = path == Path::kCoreQ8 && int_keys && fns::current_isa() == fns::FusedIsa::kAvx512 &&
-                        ((q8_bits >> fns::classify(key_main).bits) & 1u) != 0;
+                        ((q8_bits >> key_main.bits) & 1u) != 0;
   state.counters["one_term_query"] = one_term ? 1 : 0;
   // fused_read: 1 if the fused kernels read this cache as stored (every format of the layer is
   // one they read, as attend() decides; TurboQuant-Prod values are not), 0 if even BM_Attend
