@@ -208,5 +208,29 @@ TEST(QjlScheme, SpecAndStreams) {
   EXPECT_THROW(s->streams(CacheGeometry{1, 1, 48}, 0, 0), InvalidArgument);  // 48 % vg32
 }
 
+// The QJL README's setting at D = 128: m = 512 in the first 15 layers, 256 in the rest, written
+// as a per-layer scheme. Each run's scheme sees the model's layer index, so layer l keeps the
+// seed 42 + 1337·l it has in a whole-model `qjl` cache (a run-local index would reseed layer 15
+// as layer 0).
+TEST(QjlScheme, ReadmeFirstLayersAtM512ThroughLayers) {
+  auto per_layer = make_cache_scheme("layers(qjl:m512:o8:g32:v2:r128*15;qjl:m256:o8:g32:v2:r128*9)");
+  auto wide = make_cache_scheme("qjl:m512:o8:g32:v2:r128");
+  auto narrow = make_cache_scheme("qjl:m256:o8:g32:v2:r128");
+  const CacheGeometry g{24, 2, 128};
+  for (int64_t layer : {0, 1, 14, 15, 23}) {
+    const LayerStreams got = per_layer->streams(g, layer, 128);
+    const LayerStreams want = (layer < 15 ? wide : narrow)->streams(g, layer, 128);
+    EXPECT_EQ(got.key.quantizer->spec(), want.key.quantizer->spec()) << layer;
+    EXPECT_EQ(got.value.quantizer->spec(), want.value.quantizer->spec()) << layer;
+    EXPECT_EQ(got.key.residual, 128);
+  }
+  EXPECT_NE(per_layer->streams(g, 15, 128).key.quantizer->spec(), wide->streams(g, 0, 128).key.quantizer->spec());
+  // m sign bits + the outlier sketch's 64 + two fp16 norms per token, the outlier indices per group:
+  // 256 more sign bits per token at m = 512.
+  const double b512 = per_layer->streams(g, 0, 128).key.quantizer->bits_per_value(128);
+  const double b256 = per_layer->streams(g, 15, 128).key.quantizer->bits_per_value(128);
+  EXPECT_DOUBLE_EQ(b512 - b256, 256.0 / 128);
+}
+
 }  // namespace
 }  // namespace kvcache
