@@ -35,6 +35,10 @@
 //                                   measured in the same run
 //   BM_Read                         a sum over N bytes (N/t): what one thread can read, the
 //                                   denominator of `read_floor_ms` (a decode step only reads)
+//   BM_Scaling/<mac|copy|fork>/<threads>  what a second thread is worth here, through the
+//                                   library's parallel_for: the multiply-add loop on every
+//                                   thread (`mac_per_ns`), the copy cut into a part per thread
+//                                   (`copy_GBps`), an empty region (its time: the fork/join)
 //   (start-up)                      the multiply-add rate: 12 independent chains of 512-bit
 //                                   FMA and VNNI instructions (256-bit FMAs for the AVX2
 //                                   kernels), timed on one thread; `mac_floor_ms` = the
@@ -95,6 +99,7 @@
 #include "cache/attend_fused.h"
 #include "cache/cache_manager_access.h"
 #include "cache/layer_store.h"
+#include "common/parallel.h"
 #include "cache/attend.h"
 #include "kvcache/attention.h"
 #include "kvcache/cache_manager.h"
@@ -354,6 +359,63 @@ void measure_mac_rates() {
 #else
 void measure_mac_rates() {}
 #endif
+
+/// What a second thread is worth on this machine, through the library's own parallel_for (the
+/// OpenMP region a split attend() forks): BM_Scaling/<probe>/<threads>, probe = `mac` (the
+/// multiply-add loop above, kIters rounds on each thread: a perfect machine doubles
+/// `mac_per_ns` on 2 threads), `copy` (BM_Copy's memcpy cut into one part per thread:
+/// `copy_GBps`), `fork` (an empty region: the wall time per call is the fork/join a split step
+/// pays once per call). The attention thread ratio (1 thread ÷ 2 threads) is bounded by what
+/// `mac` and `copy` scale by here, not by 2.
+enum class ScalingProbe { kMac, kCopy, kFork };
+void BM_Scaling(benchmark::State& state, ScalingProbe probe) {
+  const int64_t threads = state.range(0);
+  at::set_num_threads(static_cast<int>(threads));
+  using kvcache::detail::parallel_for;
+  if (probe == ScalingProbe::kMac) {
+#if defined(__x86_64__)
+    constexpr int64_t kIters = 1'000'000;
+    const bool z = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
+    if (!z && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
+      state.SkipWithError("no AVX2/FMA");
+      return;
+    }
+    for (auto _ : state) {
+      parallel_for(0, threads, 0, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) z ? mac_loop_512(kIters) : mac_loop_256(kIters);
+      });
+    }
+    state.counters["mac_per_ns"] = benchmark::Counter(12.0 * kIters * static_cast<double>(threads) *
+                                                          static_cast<double>(state.iterations()) / 1e9,
+                                                      benchmark::Counter::kIsRate);
+#else
+    state.SkipWithError("x86-64 only");
+#endif
+  } else if (probe == ScalingProbe::kCopy) {
+    const size_t n = stream_bytes();
+    std::vector<char> a(n, 1), b(n, 2);
+    const size_t part = (n + static_cast<size_t>(threads) - 1) / static_cast<size_t>(threads);
+    for (auto _ : state) {
+      parallel_for(0, threads, 0, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const size_t off = static_cast<size_t>(i) * part, len = std::min(part, n - off);
+          std::memcpy(b.data() + off, a.data() + off, len);
+        }
+      });
+      benchmark::DoNotOptimize(b.data());
+      benchmark::ClobberMemory();
+    }
+    state.counters["copy_GBps"] = benchmark::Counter(2.0 * static_cast<double>(n) * static_cast<double>(state.iterations()) / 1e9,
+                                                     benchmark::Counter::kIsRate);
+  } else {
+    for (auto _ : state) {
+      parallel_for(0, threads, 0, [](int64_t b, int64_t e) {
+        int64_t x = b + e;
+        benchmark::DoNotOptimize(x);
+      });
+    }
+  }
+}
 
 /// The arithmetic floor of one decode step over `t` tokens (ms): the multiply-add instructions
 /// the read path must issue, at the rate measured at start-up, on `cores` cores (the threads
@@ -656,6 +718,16 @@ const std::vector<std::string>& specs() {
 void register_all() {
   benchmark::RegisterBenchmark("BM_Copy", BM_Copy)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("BM_Read", BM_Read)->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (const auto& [name, probe] : {std::pair{"mac", ScalingProbe::kMac}, std::pair{"copy", ScalingProbe::kCopy},
+                                    std::pair{"fork", ScalingProbe::kFork}}) {
+    for (int64_t threads : {1, 2}) {
+      benchmark::RegisterBenchmark((std::string("BM_Scaling/") + name).c_str(),
+                                   [probe = probe](benchmark::State& st) { BM_Scaling(st, probe); })
+          ->Arg(threads)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+  }
   for (int64_t t : {4096, 32768}) {
     for (int64_t threads : {1, 2}) {
       benchmark::RegisterBenchmark("BM_AttendBaseline", BM_AttendBaseline)

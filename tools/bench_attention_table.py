@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Markdown tables from bench_attention's JSON output (medians of repetitions), one per T.
 
-Usage: build/bench/bench_attention --benchmark_filter='BM_Copy|BM_Read|BM_AttendBaseline/|BM_Attend/|BM_AttendQ8/|BM_AttendKV1/' \
+Usage: build/bench/bench_attention --benchmark_filter='BM_Copy|BM_Read|BM_Scaling|BM_AttendBaseline/|BM_Attend/|BM_AttendQ8/|BM_AttendKV1/' \
            --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
            --benchmark_out=att.json --benchmark_out_format=json
        python3 tools/bench_attention_table.py att.json
@@ -77,6 +77,23 @@ def main(path):
     copy = next((b for b in data["benchmarks"] if b["name"].startswith("BM_Copy") and b.get("aggregate_name", "median") == "median"), None)
     if copy is not None and "copy_GBps" in copy:
         print(f"BM_Copy: {copy['copy_GBps']:.1f} GB/s (STREAM convention, one thread)\n")
+    scaling = {}
+    for b in data["benchmarks"]:
+        m = re.match(r"BM_Scaling/(mac|copy|fork)/(\d+)", b["name"])
+        if m and b.get("aggregate_name", "median") == "median":
+            scaling[(m.group(1), int(m.group(2)))] = b
+    if scaling:
+        print("What a second thread is worth here (BM_Scaling, the library's parallel_for):\n")
+        print("| probe | 1 thread | 2 threads | 2 ÷ 1 |")
+        print("|---|---:|---:|---:|")
+        for probe, key, unit in (("mac", "mac_per_ns", "multiply-add instr/ns"), ("copy", "copy_GBps", "GB/s")):
+            one, two = scaling.get((probe, 1)), scaling.get((probe, 2))
+            if one and two and key in one and key in two:
+                print(f"| {probe} ({unit}) | {one[key]:.2f} | {two[key]:.2f} | {two[key] / one[key]:.2f} |")
+        one, two = scaling.get(("fork", 1)), scaling.get(("fork", 2))
+        if one and two:
+            print(f"| fork/join of an empty region (µs) | {us(one):.2f} | {us(two):.2f} | |")
+        print()
     ts = sorted({k[2] for k in rows})
     for t in ts:
         specs = OrderedDict()
