@@ -502,6 +502,14 @@ TEST(TurboQuantOutliers, DenseRotationIsOrthogonalAndSeeded) {
   const QuantizedTensor c = make_quantizer("tq:b2:o16:seed1379")->quantize(x);
   EXPECT_NE(bytes_of(a.codes), bytes_of(c.codes));
   EXPECT_EQ(bytes_of(a.scales), bytes_of(c.scales));  // the norms do not depend on the rotation
+  // Golden bytes of seed 42 (tq:b2:o2:g1 at D = 8): mask 0xc0 (channels 6 and 7: 49 and 64 are the
+  // largest squares), then 2 × 3 + 6 × 2 = 18 bits of codes in 3 bytes. A change in the seed
+  // expansion, the Gram–Schmidt, the codebooks or the packing changes them.
+  const QuantizedTensor g = make_quantizer("tq:b2:o2:g1")->quantize(row({1, -2, 3, -4, 5, -6, 7, -8}));
+  const std::vector<uint8_t> gb = bytes_of(g.codes);
+  // The outlier codes 2 and 5 (bits 0–5 of 0xea) mirror each other: a 2-d unit vector rotated
+  // lands at about (−a, a) here. Bits 18–23 are padding (0).
+  EXPECT_EQ(gb, (std::vector<uint8_t>{0xc0, 0xea, 0xc6, 0x01}));
 }
 
 TEST(TurboQuantOutliers, BeatsTheHalfSplitOnKeysWithOutlierChannels) {
