@@ -16,7 +16,8 @@ inline std::vector<std::string> contract_specs() {
           "int8:g32",      "int4:g32",      "int2:g16",       "int8:g32:chan",  "int4:g32:chan",
           "int2:g32:chan", "int4:g64:chan", "int3",         "int3:g32",      "int3:g32:chan",
           "had(fp32)",     "had(int4)",     "had(int3:g32)",  "had(int2:g32:chan)", "had(fp8:e4m3)",
-          "tq:b4",         "tq:b1",         "tq:b3:nc",       "tq:b3:prod",     "tq:b2.5",        "polar"};
+          "tq:b4",         "tq:b1",         "tq:b3:nc",       "tq:b3:prod",     "tq:b2.5",        "tq:b2:o16",
+          "polar"};
 }
 
 /// The contract specs whose elementwise error bound tests/quant_property_test.cpp states: every

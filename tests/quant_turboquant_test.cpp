@@ -10,12 +10,16 @@
 #include <limits>
 #include <random>
 
+#include "cache/attend_fused.h"
+#include "cache/block_list.h"
+#include "cache_test_util.h"
 #include "kvcache/cache_scheme.h"
 #include "kvcache/error.h"
 #include "kvcache/quantizer.h"
 #include "kvcache/torch.h"
 #include "quant/hadamard.h"
 #include "quant/lloyd_max.h"
+#include "quant/turboquant_outlier.h"
 #include "quant/turboquant_quantizer.h"
 #include "quant_test_util.h"
 
@@ -375,6 +379,324 @@ TEST(TurboQuantProd, InnerProductsAreUnbiasedOverSketches) {
   const auto [mean1, se1] = stats("tq:b1");
   EXPECT_GT(std::abs(mean1 - truth), 4 * se1) << "MSE-only at 1 bit should be biased: " << mean1 << " vs " << truth;
   EXPECT_NEAR(mean1 / truth, 2.0 / M_PI, 0.05);
+}
+
+// ------------------------------------------------------------------ outlier channels (tq:b<b>:o<n>)
+const quant::TurboOutlierQuantizer& as_tqo(const Quantizer& q) {
+  return dynamic_cast<const quant::TurboOutlierQuantizer&>(q);
+}
+
+TEST(TurboQuantOutliers, BytesPerValueByHand) {
+  // tq:b2:o16 at D = 64, G = 32: mask 64 bits = 8 bytes; per token 16 × 3 + 48 × 2 = 144 bits =
+  // 18 bytes of codes and two fp16 norms (4 bytes). Per group: 8 + 32 · 18 = 584 code bytes +
+  // 64 fp16 = 128 bytes = 712 bytes = 5696 bits over 32 · 64 values = 2.78125 bits/value.
+  auto q = make_quantizer("tq:b2:o16");
+  const StoredLayout l = q->stored_layout(64);
+  EXPECT_EQ(l.axis, GroupAxis::kPerChannel);
+  EXPECT_EQ(l.group_tokens, 32);
+  EXPECT_EQ(l.code_bytes, 584);
+  EXPECT_EQ(l.meta_count, 64);
+  EXPECT_FALSE(l.has_zeros);
+  EXPECT_EQ(l.meta_dtype, DType::kFloat16);
+  EXPECT_EQ(l.group_bytes(), 712);
+  EXPECT_EQ(l.kernel, KernelKind::kNone);  // no fused kernel reads the split: the generic path decodes it
+  EXPECT_FALSE(l.token_readable());
+  EXPECT_DOUBLE_EQ(q->bits_per_value(64), 2.78125);
+  EXPECT_EQ(q->group_axis(), GroupAxis::kPerChannel);
+  // The paper's example, tq:b2:o32 at D = 128: 16 + 32 · 36 = 1168 code bytes + 128 = 1296
+  // bytes per 32 tokens = 40.5 bytes per token = 2.53125 bits/value (tq:b2.5: 42 bytes, 2.625).
+  EXPECT_EQ(make_quantizer("tq:b2:o32")->stored_layout(128).group_bytes(), 1296);
+  EXPECT_DOUBLE_EQ(make_quantizer("tq:b2:o32")->bits_per_value(128), 2.53125);
+  // A head_dim that is no power of two (the dense rotations need none): D = 96, o32, b2:
+  // 12 mask bytes + 32 · ⌈(192 + 32)/8⌉ = 28 bytes → 908 + 128 = 1036 bytes per 32 · 96 values.
+  EXPECT_DOUBLE_EQ(make_quantizer("tq:b2:o32")->bits_per_value(96), 1036.0 * 8 / (32 * 96));
+  // Codes that end mid-byte: D = 12, o3, b1, g4: 2 mask bytes + 4 tokens × ⌈(12 + 3)/8⌉ = 2 bytes
+  // → 10 code bytes + 8 fp16 = 26 bytes per 48 values.
+  auto small = make_quantizer("tq:b1:o3:g4");
+  EXPECT_EQ(small->stored_layout(12).code_bytes, 10);
+  EXPECT_DOUBLE_EQ(small->bits_per_value(12), 26.0 * 8 / 48);
+  // quantize() holds exactly that: [1, 2, 64, 64] = 2 heads × 2 groups × 712 bytes.
+  const QuantizedTensor t = q->quantize(testing::randn_kv({1, 2, 64, 64}, 1));
+  EXPECT_EQ(t.codes.shape(), (std::vector<int64_t>{1, 2, 2, 584}));
+  EXPECT_EQ(t.scales.shape(), (std::vector<int64_t>{1, 2, 2, 64}));
+  EXPECT_FALSE(t.zeros.defined());
+  EXPECT_EQ(t.nbytes(), 4 * 712);
+  EXPECT_EQ(static_cast<double>(t.nbytes()), 2 * 64 * 64 * q->bits_per_value(64) / 8);
+}
+
+TEST(TurboQuantOutliers, TheFusedTurboQuantKernelDoesNotTakeIt) {
+  const auto kind = [](const std::string& spec) {
+    const auto q = make_quantizer(spec);
+    const int64_t cap = std::max<int64_t>(32, q->stored_layout(64).group_tokens);
+    return cache::fused::classify(cache::BlockFormat(*q, 64, cap, nullptr)).kind;
+  };
+  EXPECT_EQ(kind("tq:b2:o16"), cache::fused::KernelFormat::Kind::kNone);
+  EXPECT_EQ(kind("tq:b3:o8:g16:nc"), cache::fused::KernelFormat::Kind::kNone);
+  EXPECT_EQ(kind("tq:b2.5"), cache::fused::KernelFormat::Kind::kTurboQuant);  // the half/half mode keeps it
+}
+
+TEST(TurboQuantOutliers, SelectionOnAHandMadeGroup) {
+  // Two tokens, D = 8. Energies Σ_t x²: c0 2, c1 25, c2 0, c3 25, c4 0, c5 5, c6 0, c7 25.
+  const std::vector<float> x = {1, 5, 0, 3, 0, 2, 0, 3,  //
+                                1, 0, 0, 4, 0, 1, 0, -4};
+  using Q = quant::TurboOutlierQuantizer;
+  EXPECT_EQ(Q::select_outliers(x.data(), 2, 8, 2), (std::vector<int64_t>{1, 3}));  // a three-way tie: lower indices
+  EXPECT_EQ(Q::select_outliers(x.data(), 2, 8, 3), (std::vector<int64_t>{1, 3, 7}));
+  EXPECT_EQ(Q::select_outliers(x.data(), 2, 8, 4), (std::vector<int64_t>{1, 3, 5, 7}));
+  EXPECT_EQ(Q::select_outliers(x.data(), 2, 8, 5), (std::vector<int64_t>{0, 1, 3, 5, 7}));
+  EXPECT_EQ(Q::select_outliers(x.data(), 1, 8, 2), (std::vector<int64_t>{1, 3}));  // token 0 alone: 25, 9 (c3, c7)
+  // The stored mask (the first ⌈D/8⌉ code bytes of the group): bit c set iff c is an outlier.
+  const at::Tensor xt = at::tensor(x).reshape({1, 1, 2, 8});
+  EXPECT_EQ(bytes_of(make_quantizer("tq:b2:o2:g2")->quantize(xt).codes)[0], 0x0a);
+  EXPECT_EQ(bytes_of(make_quantizer("tq:b2:o4:g2")->quantize(xt).codes)[0], 0xaa);
+  // g1: a mask per token. Token 0: c1 (25), c3 (9), then c7 (9) → o2 = {1, 3}; token 1: c3 and c7 (16).
+  const QuantizedTensor per_token = make_quantizer("tq:b2:o2:g1")->quantize(xt);
+  const std::vector<uint8_t> b = bytes_of(per_token.codes);
+  ASSERT_EQ(b.size(), 2u * (1 + (8 * 2 + 2 + 7) / 8));
+  EXPECT_EQ(b[0], 0x0a);
+  EXPECT_EQ(b[b.size() / 2], 0x88);
+  // The parts come back on their own channels: with nc each part's reconstruction has its stored
+  // norm, so the outlier channels of token 0 ({1, 3}) hold √34 and the others √5.
+  auto nc = make_quantizer("tq:b2:o2:g2:nc");
+  const std::vector<float> y = floats_of(kvcache::dequantize(*nc, nc->quantize(xt)));
+  const double out0 = std::hypot(y[1], y[3]);
+  const double in0 = std::sqrt(y[0] * y[0] + y[2] * y[2] + y[4] * y[4] + y[5] * y[5] + y[6] * y[6] + y[7] * y[7]);
+  EXPECT_NEAR(out0, std::sqrt(34.0), 2e-3 * std::sqrt(34.0));  // fp16 norm
+  EXPECT_NEAR(in0, std::sqrt(14.0), 2e-3 * std::sqrt(14.0));
+}
+
+TEST(TurboQuantOutliers, DenseRotationIsOrthogonalAndSeeded) {
+  auto q = make_quantizer("tq:b2:o32");
+  for (const auto& [part, size] : {std::pair{0, int64_t{32}}, std::pair{1, int64_t{96}}, std::pair{1, int64_t{1}}}) {
+    const auto r = as_tqo(*q).rotation(part, size);
+    ASSERT_EQ(r->size(), static_cast<size_t>(size * size));
+    double worst = 0;
+    for (int64_t i = 0; i < size; ++i) {
+      for (int64_t j = 0; j < size; ++j) {
+        double dot = 0;
+        for (int64_t k = 0; k < size; ++k) dot += double((*r)[i * size + k]) * (*r)[j * size + k];
+        worst = std::max(worst, std::abs(dot - (i == j ? 1.0 : 0.0)));
+      }
+    }
+    EXPECT_LT(worst, 1e-6) << "Q Qᵀ = I, size " << size;
+    // Qᵀ(Q x) = x.
+    std::vector<double> x(static_cast<size_t>(size)), y(static_cast<size_t>(size), 0.0), back(static_cast<size_t>(size), 0.0);
+    for (int64_t i = 0; i < size; ++i) x[static_cast<size_t>(i)] = std::sin(0.7 * double(i)) + 0.1 * double(i);
+    for (int64_t i = 0; i < size; ++i) {
+      for (int64_t j = 0; j < size; ++j) y[static_cast<size_t>(i)] += (*r)[i * size + j] * x[static_cast<size_t>(j)];
+    }
+    for (int64_t i = 0; i < size; ++i) {
+      for (int64_t j = 0; j < size; ++j) back[static_cast<size_t>(j)] += (*r)[i * size + j] * y[static_cast<size_t>(i)];
+    }
+    for (int64_t i = 0; i < size; ++i) EXPECT_NEAR(back[static_cast<size_t>(i)], x[static_cast<size_t>(i)], 1e-5);
+    EXPECT_EQ(as_tqo(*q).rotation(part, size), r) << "cached";
+  }
+  // The two parts' rotations are independent even at equal sizes; another seed, another matrix.
+  EXPECT_NE(*as_tqo(*q).rotation(0, 32), *as_tqo(*q).rotation(1, 32));
+  EXPECT_NE(*as_tqo(*make_quantizer("tq:b2:o32:seed7")).rotation(0, 32), *as_tqo(*q).rotation(0, 32));
+  // Same seed, same bytes; another seed, other bytes.
+  const at::Tensor x = testing::randn_kv({1, 2, 64, 64}, 21);
+  const QuantizedTensor a = make_quantizer("tq:b2:o16")->quantize(x), b = make_quantizer("tq:b2:o16")->quantize(x);
+  EXPECT_EQ(bytes_of(a.codes), bytes_of(b.codes));
+  EXPECT_EQ(bytes_of(a.scales), bytes_of(b.scales));
+  const QuantizedTensor c = make_quantizer("tq:b2:o16:seed1379")->quantize(x);
+  EXPECT_NE(bytes_of(a.codes), bytes_of(c.codes));
+  EXPECT_EQ(bytes_of(a.scales), bytes_of(c.scales));  // the norms do not depend on the rotation
+  // Golden bytes of seed 42 (tq:b2:o2:g1 at D = 8): mask 0xc0 (channels 6 and 7: 49 and 64 are the
+  // largest squares), then 2 × 3 + 6 × 2 = 18 bits of codes in 3 bytes. A change in the seed
+  // expansion, the Gram–Schmidt, the codebooks or the packing changes them.
+  const QuantizedTensor g = make_quantizer("tq:b2:o2:g1")->quantize(row({1, -2, 3, -4, 5, -6, 7, -8}));
+  const std::vector<uint8_t> gb = bytes_of(g.codes);
+  // The outlier codes 2 and 5 (bits 0–5 of 0xea) mirror each other: a 2-d unit vector rotated
+  // lands at about (−a, a) here. Bits 18–23 are padding (0).
+  EXPECT_EQ(gb, (std::vector<uint8_t>{0xc0, 0xea, 0xc6, 0x01}));
+}
+
+TEST(TurboQuantOutliers, BeatsTheHalfSplitOnKeysWithOutlierChannels) {
+  // Keys-like data at D = 64: N(0, 1) with 4 channels at 10× the scale (they hold 400/460 = 87 %
+  // of the energy). The half/half tq:b2.5 rotates them into every coordinate; the outlier split
+  // codes them in their own instance. Measured (seed 51, [1, 4, 256, 64]): relative squared
+  // error tq:b2.5 0.0611 (2.75 bits/value), tq:b2:o8 0.0395 (2.65625), tq:b2:o16 0.0390 (2.78125).
+  at::Tensor x = testing::randn_kv({1, 4, 256, 64}, 51);
+  at::Tensor k = x.clone();
+  for (int64_t c : {3, 17, 40, 58}) k.select(3, c).mul_(10.0);
+  const auto rel2 = [](const std::string& spec, const at::Tensor& t) {
+    return std::pow(reconstruction_error(*make_quantizer(spec), t).rel_fro, 2);
+  };
+  const double half = rel2("tq:b2.5", k), o8 = rel2("tq:b2:o8", k), o16 = rel2("tq:b2:o16", k);
+  EXPECT_LT(make_quantizer("tq:b2:o8")->bits_per_value(64), make_quantizer("tq:b2.5")->bits_per_value(64));
+  EXPECT_LT(o8, 0.75 * half) << o8 << " vs " << half;   // fewer bits, a third less error
+  EXPECT_LT(o16, 0.75 * half) << o16 << " vs " << half;  // 0.03 bits more
+  // Isotropic N(0, 1): no channel stands out. tq:b2:o16 codes 2.25 bits per coordinate against
+  // 2.5, so it loses, by less than the codebooks alone say ((16 · 0.0345 + 48 · 0.1175)/64 =
+  // 0.0968 against 0.0760: 1.27×), since the group's highest-energy channels get the extra bit.
+  // Measured: tq:b2.5 0.0747, tq:b2:o16 0.0859 (1.15×); tq:b2:o32 (2.5 code bits) 0.0648 (0.87×).
+  const double iso_half = rel2("tq:b2.5", x), iso16 = rel2("tq:b2:o16", x), iso32 = rel2("tq:b2:o32", x);
+  EXPECT_GT(iso16, iso_half);
+  EXPECT_LT(iso16, 1.25 * iso_half) << iso16 << " vs " << iso_half;
+  EXPECT_NEAR(iso32 / iso_half, 1.0, 0.2) << iso32 << " vs " << iso_half;
+}
+
+TEST(TurboQuantOutliers, HostileValues) {
+  for (const char* spec : {"tq:b2:o16", "tq:b1:o4:g8:nc", "tq:b3:o32:g1"}) {
+    auto q = make_quantizer(spec);
+    // zeros → exact zeros
+    at::Tensor z = at::zeros({1, 2, 32, 64});
+    EXPECT_TRUE(at::equal(kvcache::dequantize(*q, q->quantize(z)), z)) << spec;
+    // One non-zero channel: the inlier part of every token is 0 and decodes to exact zeros.
+    at::Tensor one = at::zeros({1, 1, 32, 64});
+    one.select(3, 5).fill_(2.5f);
+    // (Every other channel ties at 0: the outliers are channel 5 and the first n − 1 others.)
+    const at::Tensor y1 = kvcache::dequantize(*q, q->quantize(one));
+    at::Tensor inliers = y1.clone();
+    inliers.narrow(3, 0, as_tqo(*q).outliers()).zero_();  // (a superset of the outliers when n <= 5)
+    inliers.select(3, 5).zero_();
+    EXPECT_TRUE(at::equal(inliers, at::zeros_like(inliers))) << spec;
+    EXPECT_GT(y1[0][0][0][5].item<float>(), 0.0f) << spec;
+    // a constant row (every channel ties: the outliers are the first n): finite, error bounded
+    at::Tensor c = at::full({1, 1, 32, 64}, 0.75f);
+    EXPECT_TRUE(at::isfinite(kvcache::dequantize(*q, q->quantize(c))).all().item<bool>()) << spec;
+    EXPECT_LT(reconstruction_error(*q, c).rel_fro, 0.8) << spec;
+    // a value at FLT_MAX in an ordinary row: fp32 metadata, finite out, the big value kept
+    at::Tensor h = testing::randn_kv({1, 1, 32, 64}, 5);
+    h[0][0][1][3] = std::numeric_limits<float>::max();
+    const QuantizedTensor t = q->quantize(h);
+    EXPECT_EQ(t.scales.dtype(), DType::kFloat32) << spec;
+    const std::vector<float> y = floats_of(kvcache::dequantize(*q, t));
+    for (float v : y) ASSERT_TRUE(std::isfinite(v)) << spec;
+    EXPECT_GT(y[64 + 3], 0.5f * std::numeric_limits<float>::max()) << spec;
+    // a part norm past float32 is refused, naming the row
+    at::Tensor big = at::full({1, 1, 32, 64}, 1.0e38f);
+    big[0][0][0].fill_(1.0f);
+    EXPECT_THAT([&] { q->quantize(big); },
+                ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("row [b, h, t] = [0, 0, 1]")))
+        << spec;
+    // NaN is refused like every format, naming the index
+    at::Tensor nan = testing::randn_kv({1, 1, 32, 64}, 6);
+    nan[0][0][7][9] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_THAT([&] { q->quantize(nan); },
+                ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("NaN at [b, h, t, d] = [0, 0, 7, 9]")))
+        << spec;
+  }
+}
+
+TEST(TurboQuantOutliers, SpecRoundTripAndRefusals) {
+  EXPECT_EQ(make_quantizer("tq:o16:b2")->spec(), "tq:b2:o16");
+  EXPECT_EQ(make_quantizer("tq:b2:o16:g32:mse:nonc:seed42")->spec(), "tq:b2:o16");
+  EXPECT_EQ(make_quantizer("tq:nc:seed7:g16:o8:b3")->spec(), "tq:b3:o8:g16:nc:seed7");
+  EXPECT_EQ(make_quantizer("tq:b2:o16:nc")->spec(), "tq:b2:o16:nc");
+  EXPECT_EQ(make_quantizer(make_quantizer("tq:b1:o3:g4")->spec())->spec(), "tq:b1:o3:g4");
+  EXPECT_EQ(make_cache_scheme("tq:b2:o16:nc")->spec(), "tq:b2:o16:nc");
+  // The tq table lists the fields (kv_study list, the registry).
+  for (const ParamTable& t : registered_quantizers()) {
+    if (t.head != "tq") continue;
+    std::vector<std::string> keys;
+    for (const ParamDef& d : t.params) keys.push_back(d.key);
+    EXPECT_EQ(keys, (std::vector<std::string>{"b", "o", "g", "mode", "norm", "seed"}));
+  }
+  const auto message = [](const std::string& spec) {
+    try {
+      (void)make_quantizer(spec);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_THAT(message("tq:b2.5:o16"), HasSubstr("with outlier channels b must be an integer 1, 2 or 3"));
+  EXPECT_THAT(message("tq:b2.5:o16"), HasSubstr("got b = 2.5"));
+  EXPECT_THAT(message("tq:b4:o16"), HasSubstr("got b = 4"));
+  EXPECT_THAT(message("tq:b3:o16:prod"), HasSubstr("prod is not supported with outlier channels"));
+  EXPECT_THAT(message("tq:b2:o0"), HasSubstr("o<n> needs n >= 1 outlier channels, got o = 0"));
+  EXPECT_THAT(message("tq:b4:g32"), HasSubstr("needs n >= 1 outlier channels"));  // g without o
+  EXPECT_THAT(message("tq:b2:o16:g0"), HasSubstr("out of range [1, 4096]"));
+  EXPECT_THAT(message("tq:b2:o-1"), HasSubstr("out of range [0, 4096]"));
+  // D ≤ n is refused where D is known, naming it.
+  auto q = make_quantizer("tq:b2:o64");
+  EXPECT_THAT([&] { q->stored_layout(64); },
+              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("need head_dim D > 64 (both parts non-empty), got D = 64")));
+  EXPECT_THAT([&] { q->quantize(at::zeros({1, 1, 32, 16})); },
+              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("got D = 16")));
+  EXPECT_THROW(q->bits_per_value(64), InvalidArgument);
+  EXPECT_THAT([&] { make_quantizer("tq:b2:o16")->quantize(at::zeros({1, 1, 33, 64})); },
+              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("seq_len T = 33")));
+  CacheConfig c;
+  c.num_layers = 1;
+  c.num_q_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 16;
+  c.scheme = "tq:b2:o16";
+  c.policy = "full";
+  c.rope = keys_already_rotated();
+  EXPECT_THAT([&] { c.validate(); }, ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("got D = 16")));
+}
+
+TEST(TurboQuantOutliers, CodecMatchesQuantizeAndRefusesABadMask) {
+  at::Tensor x = testing::randn_kv({1, 1, 64, 64}, 31);
+  for (const char* spec : {"tq:b2:o16", "tq:b1:o3:g4:nc", "tq:b3:o8:g16"}) {
+    auto q = make_quantizer(spec);
+    const QuantizedTensor t = q->quantize(x);
+    const StoredLayout l = q->stored_layout(64);
+    const int64_t groups = 64 / l.group_tokens;
+    std::vector<uint8_t> codes(static_cast<size_t>(groups * l.code_bytes));
+    std::vector<uint16_t> meta(static_cast<size_t>(groups * l.meta_count));
+    const EncodeStatus s = q->encode(x.data_ptr<float>(), groups, 64, 1.0f, {codes.data(), meta.data(), nullptr});
+    EXPECT_FALSE(s.overflow || s.nonfinite) << spec;
+    EXPECT_EQ(codes, bytes_of(t.codes)) << spec;
+    const auto* sc = static_cast<const uint16_t*>(t.scales.data());
+    EXPECT_EQ(meta, std::vector<uint16_t>(sc, sc + meta.size())) << spec;
+    std::vector<float> out(static_cast<size_t>(64 * 64));
+    q->decode({codes.data(), meta.data(), nullptr}, groups, 64, 1.0f, out.data());
+    EXPECT_EQ(out, floats_of(kvcache::dequantize(*q, t))) << spec;
+    // A norm past fp16 is an overflow for the raw codec (the cache stores such a group in fp32).
+    std::vector<float> big(static_cast<size_t>(l.group_tokens * 64), 20000.0f);
+    EXPECT_TRUE(q->encode(big.data(), 1, 64, 1.0f, {codes.data(), meta.data(), nullptr}).overflow) << spec;
+  }
+  // A hand-built mask of the wrong size is refused by dequantize(), naming the group.
+  auto q = make_quantizer("tq:b2:o16");
+  QuantizedTensor t = q->quantize(x);
+  static_cast<uint8_t*>(t.codes.data())[584] ^= 0x01;  // group 1's channel 0
+  EXPECT_THAT([&] { (void)kvcache::dequantize(*q, t); },
+              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("group [b, h, group] = [0, 0, 1] has a channel mask of")));
+}
+
+TEST(TurboQuantOutliers, RoundTripThroughTheCache) {
+  // T = 45 tokens in chunks, G = 8: the first 40 are quantized in 5 groups as they fill, the last
+  // 5 wait in the cache's fp16 window. get() returns exactly dequantize(quantize()) of the
+  // fp16-rounded values for the groups and the fp16 values for the rest.
+  const std::string spec = "tq:b2:o4:g8";
+  auto cfg = testing::make_config(1, 4, 2, 16, spec, "full");
+  TorchCache m(cfg);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  std::vector<at::Tensor> vs;
+  int64_t pos = 0;
+  at::Tensor got, qr;
+  for (int64_t n : {5, 3, 1, 12, 7, 16, 1}) {
+    at::Tensor k = testing::randn({1, 2, n, 16}, gen), v = testing::randn({1, 2, n, 16}, gen);
+    v.select(3, 2).mul_(8.0);  // an outlier channel
+    m.append(0, k, v, testing::positions_range(pos, n));
+    vs.push_back(v);
+    if (pos + n == 45) {  // the last token's query (rotated, as an engine passes it) over all 45
+      qr = testing::test_rope(testing::randn({1, 4, 1, 16}, gen), testing::positions_range(44, 1));
+      got = m.attend(0, qr, testing::positions_range(44, 1));
+      // No fused kernel reads the format: the fused and generic paths are one path.
+      EXPECT_TRUE(at::equal(testing::access_attend(m, 0, qr, testing::positions_range(44, 1), true),
+                            testing::access_attend(m, 0, qr, testing::positions_range(44, 1), false)));
+    }
+    m.end_step(StepKind::kDecode);
+    m.check_invariants();
+    pos += n;
+  }
+  ASSERT_EQ(pos, 45);
+  const at::Tensor v16 = at::cat(vs, 2).to(at::kHalf).to(at::kFloat);
+  auto q = make_quantizer(spec);
+  const at::Tensor want = at::cat({kvcache::dequantize(*q, q->quantize(v16.narrow(2, 0, 40))), v16.narrow(2, 40, 5)}, 2);
+  const auto kv = m.get(0);
+  EXPECT_TRUE(at::equal(kv.v, want)) << (kv.v - want).abs().max().item<float>();
+  EXPECT_GT((kv.v.narrow(2, 0, 40) - v16.narrow(2, 0, 40)).abs().max().item<float>(), 0.0f);  // quantized
+  // Attention (the generic path) is softmax(q·kᵀ/√D)·v of what get() returns.
+  const at::Tensor kk = kv.k.repeat_interleave(2, 1), vv = kv.v.repeat_interleave(2, 1);
+  const at::Tensor ref = at::matmul(at::softmax(at::matmul(qr, kk.transpose(2, 3)) / 4.0, -1), vv);
+  EXPECT_TRUE(at::allclose(got, ref, 1e-4, 1e-5)) << (got - ref).abs().max().item<float>();
 }
 
 }  // namespace

@@ -235,7 +235,8 @@ std::vector<RoundTripCase> round_trip_cases() {
     cases.push_back({s, "h2o@12"});
   }
   // The 2025 rotation formats (seeded rotations and sketches; PolarQuant needs head_dim >= 16).
-  for (const std::string s : {"tq:b3", "tq:b2.5:prod:nc", "turboquant:k3:v3", "qjl:m16:o2:g4:v2:r8:mo8:vg8"}) {
+  for (const std::string s :
+       {"tq:b3", "tq:b2.5:prod:nc", "tq:b2:o2:g4", "turboquant:k3:v3", "qjl:m16:o2:g4:v2:r8:mo8:vg8"}) {
     cases.push_back({s, "h2o@12"});
   }
   cases.push_back({"polar", "h2o@12", KeyStorage::kPostRoPE, PositionMode::kOriginal, 16});

@@ -264,8 +264,9 @@ class Quantizer {
 
 /// Builds a quantizer from its spec string (e.g. "int4:g32", "fp8:e4m3", "bf16").
 /// Registered: fp32, fp16, bf16, fp8 (e4m3|e5m2, scaled), int8/int4/int3/int2 (g<group>, chan),
-/// tq (TurboQuant, arXiv 2504.19874: b<bits>, mse|prod, nc, seed), polar (PolarQuant, arXiv
-/// 2502.02617: seed), had(<spec>);
+/// tq (TurboQuant, arXiv 2504.19874: b<bits>, mse|prod, nc, seed; o<n>[:g<G>]: n outlier
+/// channels per group of G tokens at b + 1 bits), polar (PolarQuant, arXiv 2502.02617: seed),
+/// had(<spec>);
 /// grammar, formats and packing in docs/quantizers.md.
 /// @throws InvalidArgument for unknown heads (listing the registered ones) or bad fields.
 std::unique_ptr<Quantizer> make_quantizer(const std::string& spec);

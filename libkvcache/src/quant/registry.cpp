@@ -9,6 +9,7 @@
 #include "quant/int_kernels.h"
 #include "quant/int_quantizer.h"
 #include "quant/polar_quantizer.h"
+#include "quant/turboquant_outlier.h"
 #include "quant/turboquant_quantizer.h"
 
 namespace kvcache {
@@ -50,10 +51,14 @@ std::vector<Entry> quantizer_entries() {
   }));
   for (int bits : quant::kIntBits) v.push_back(int_entry(bits));
   v.push_back(quantizer(quant::TurboQuantizer::table(), [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<Quantizer> {
-    return std::make_unique<quant::TurboQuantizer>(p.num("b"),
-                                                   p.choice("mode") == "prod" ? quant::TurboMode::kProd
-                                                                              : quant::TurboMode::kMse,
-                                                   p.choice("norm") == "nc", p.integer("seed"));
+    const quant::TurboMode mode = p.choice("mode") == "prod" ? quant::TurboMode::kProd : quant::TurboMode::kMse;
+    // o<n> (or a g<G> that needs it): the outlier-channel split, its own class; o0 and a g
+    // without o are refused there.
+    if (p.is_set("o") || p.is_set("g")) {
+      return std::make_unique<quant::TurboOutlierQuantizer>(p.num("b"), mode, p.integer("o"), p.integer("g"),
+                                                            p.choice("norm") == "nc", p.integer("seed"));
+    }
+    return std::make_unique<quant::TurboQuantizer>(p.num("b"), mode, p.choice("norm") == "nc", p.integer("seed"));
   }));
   v.push_back(quantizer(quant::PolarQuantizer::table(), [](const ParsedSpec& p, const std::string&) -> std::unique_ptr<Quantizer> {
     return std::make_unique<quant::PolarQuantizer>(p.integer("seed"));

@@ -65,10 +65,16 @@ const ParamTable& TurboQuantizer::table() {
     ParamTable tt{"tq",
                   "TurboQuant (arXiv 2504.19874): per token ||x|| in fp16 and the b-bit Lloyd-Max codes of the "
                   "seeded randomized-Hadamard-rotated unit vector (no scales or zeros); prod: b-1 bits + a 1-bit "
-                  "Gaussian sketch of the residual and its norm (unbiased q.k); nc: vLLM's norm correction",
+                  "Gaussian sketch of the residual and its norm (unbiased q.k); nc: vLLM's norm correction; o<n>: "
+                  "the paper's outlier split, per group of g tokens the n highest-energy channels at b+1 bits and "
+                  "the rest at b bits, two instances with their own norms and dense rotations",
                   {{"b", "bits per coordinate, 1..4 in steps of 0.5 (x.5: half the rotated coordinates get the "
-                         "extra bit; prod: b-1 for the codebook + 1 for the sketch)",
+                         "extra bit; prod: b-1 for the codebook + 1 for the sketch; with o: an integer 1..3)",
                     ParamDef::Kind::kFloat, 4, 1, 4, {}, {1, 1.5, 2, 2.5, 3, 3.5, 4}},
+                   {"o", "outlier channels coded at b+1 bits (0 = none; with o, D-o channels at b bits, MSE only)",
+                    ParamDef::Kind::kInt, 0, 0, 4096, {}},
+                   {"g", "tokens per group over which the o outlier channels are chosen (needs o)",
+                    ParamDef::Kind::kInt, 32, 1, 4096, {}},
                    {"mode", "mse: codebook only (TurboQuant-MSE); prod: codebook at b-1 bits + residual QJL sketch "
                             "(TurboQuant-Prod, keys)",
                     ParamDef::Kind::kChoice, 0, 0, 0, {"mse", "prod"}},

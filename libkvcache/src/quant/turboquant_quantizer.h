@@ -8,10 +8,11 @@
 ///     s ∈ {±1}^D; hadamard.h), each coordinate ≈ N(0, 1/D) for D large, quantized to the nearest
 ///     level of the fixed 2^m-level Lloyd–Max codebook of N(0, 1) scaled by 1/√D (lloyd_max.h).
 ///     Fractional bits (b = 1.5, 2.5, 3.5: TurboQuant's 2.5/3.5-bit settings): the first D/2
-///     coordinates of y get ⌈m⌉ bits, the other D/2 ⌊m⌋ bits. The paper splits *channels* into
-///     outliers (more bits) and the rest, each set quantized by its own TurboQuant instance; after
-///     the rotation every coordinate is alike, so which half gets the extra bit does not matter
-///     and no channel indices are stored (docs/quantizers.md, "TurboQuant").
+///     coordinates of y get ⌈m⌉ bits, the other D/2 ⌊m⌋ bits. After the rotation every
+///     coordinate is alike, so which half gets the extra bit does not matter and no channel
+///     indices are stored. The paper's own split, by *channels* (outliers at more bits, each set
+///     quantized by its own TurboQuant instance), is `tq:b<b>:o<n>[:g<G>]`, a separate class
+///     (turboquant_outlier.h; docs/quantizers.md, "TurboQuant").
 /// Dequantize (`mse`): c_i = level[code_i]/√D; with `nc` (vLLM's norm correction) c ← c/‖c‖;
 /// x̂ = ‖x‖ · diag(s) · H_D · c.
 ///
@@ -61,7 +62,8 @@ enum class TurboMode { kMse, kProd };
 
 class TurboQuantizer final : public Quantizer {
  public:
-  /// The spec table of `tq` (fields b, mode mse|prod, nonc|nc, seed).
+  /// The spec table of `tq` (fields b, o, g, mode mse|prod, nonc|nc, seed; o and g belong to
+  /// TurboOutlierQuantizer, which the registry builds when either is given).
   static const ParamTable& table();
 
   /// `bits` ∈ {1, 1.5, 2, 2.5, 3, 3.5, 4}.
