@@ -30,7 +30,8 @@ done
 fuzz_one() {
   local name=$1 bin=$build/fuzz/fuzz_$1 dir=$out/$1 dict=() start rc runs cov
   rm -rf "$dir" && mkdir -p "$dir/corpus"
-  [[ $name != quant_roundtrip && $name != snapshot ]] && dict=(-dict=fuzz/specs.dict)  # binary inputs: no spec words
+  [[ $name != quant_roundtrip && $name != snapshot && $name != prefix_index ]] &&
+    dict=(-dict=fuzz/specs.dict)  # binary inputs: no spec words
   start=$(date +%s)
   set +e
   "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=3072 -print_final_stats=1 \

@@ -2,7 +2,7 @@
 #pragma once
 /// @file snapshot_io.h (internal)
 /// The byte level of snapshot files (docs/snapshot-format.md), shared by the one-sequence
-/// snapshot (snapshot.cpp) and the prefix index directory (multi_sequence_cache.cpp): the
+/// snapshot (snapshot.cpp) and the prefix index directory (multi_sequence_persist.cpp): the
 /// framing — an 8-byte magic, a preamble, then sections each with its own XXH3-64 — and the
 /// block record, so that every file the library writes stores a block the same way.
 /// Little-endian, fixed-width fields; a string is its byte count (u64) then its bytes.
