@@ -72,7 +72,8 @@ struct QueryView {
   const float* qsum1 = nullptr; ///< `[rows, d/32]` Σ qs·qh over the chunk (the one-term query)
   /// The int8 query (kvcache::set_attention_query("int8")): bit b set when b-bit per-token
   /// (one_term_token) or per-channel (one_term_channel) integer keys are dotted with the high
-  /// term alone, q ≈ qs·qh (llama.cpp's q8 rounding; the AVX-512 kernels only). 0: two terms.
+  /// term alone, q ≈ qs·qh (llama.cpp's q8 rounding; the AVX-512 kernels, and the AVX2 ones for
+  /// the widths of kInt8QueryAvx2Bits). 0: two terms (AVX2: the float query).
   uint32_t one_term_token = 0, one_term_channel = 0;
   /// TurboQuant keys (fused::rotate_queries): `[rows, d]` H·diag(s)·qf, the rotated query
   /// (qrot), and for Prod keys S·qf (qsketch, `[rows, d]`); QJL keys: qsketch = S·qf,
@@ -81,6 +82,11 @@ struct QueryView {
   const float* qsketch = nullptr;
   const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous)
 };
+
+/// The key code widths (bit b: b-bit codes) for which the AVX2 kernels can take the int8 query:
+/// their vpmaddubsw products of codes ≤ 15 and terms ≤ 127 sum to int16 without saturating
+/// (attend_avx2.cpp, qk_int_q8); 8-bit codes could saturate and keep the float query there.
+inline constexpr uint32_t kInt8QueryAvx2Bits = (1u << 4) | (1u << 2);
 
 namespace avx512 {
 /// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n.
