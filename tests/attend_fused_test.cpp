@@ -738,6 +738,38 @@ TEST(AttendFused, QjlKeysMatchTheGenericPath) {
   }
 }
 
+// QJL's Sᵀ belongs to the quantizer: classify() points KernelFormat::sketch_t at the
+// transpose it built once (the same table on every call, so no step copies or transposes S),
+// rotate_queries() hands that pointer to the kernels, and S·q is the same sums as S's rows give.
+TEST(AttendFused, QjlSketchTransposeIsTheQuantizers) {
+  using Kind = cache::fused::KernelFormat::Kind;
+  TorchCache m(make_config(1, 4, 2, 64, "qjl:m72:mo8:o4:r32", "full"));
+  const auto& f = CacheManagerAccess::layer(m.core(), 0).key_setup().formats.f[cache::StreamFormats::kMain];
+  const cache::fused::KernelFormat a = cache::fused::classify(f), b = cache::fused::classify(f);
+  ASSERT_EQ(a.kind, Kind::kQjl);
+  ASSERT_NE(a.sketch_t, nullptr);
+  EXPECT_EQ(a.sketch_t, b.sketch_t) << "Sᵀ rebuilt per classify()";
+  EXPECT_EQ(a.sketch, b.sketch);
+  const int64_t d = 64, mm = a.qjl_m;
+  ASSERT_EQ(mm, 72);
+  int64_t bad = 0;
+  for (int64_t j = 0; j < mm; ++j) {
+    for (int64_t c = 0; c < d; ++c) bad += a.sketch_t[c * mm + j] != a.sketch[j * d + c];
+  }
+  EXPECT_EQ(bad, 0) << "sketch_t is not Sᵀ";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const auto q = testing::randn({3, d}, gen);
+  cache::fused::Queries fq;
+  cache::fused::prepare(q.data_ptr<float>(), 3, d, 0.125f, fq);
+  cache::fused::rotate_queries(a, fq);
+  EXPECT_EQ(fq.view.sketch_t, a.sketch_t);
+  ASSERT_EQ(fq.qsketch.size(), static_cast<size_t>(3 * mm));
+  const auto s = at::from_blob(const_cast<float*>(a.sketch), {mm, d}, at::kFloat).to(at::kDouble);
+  const auto want = at::matmul(q.to(at::kDouble) * 0.125, s.t());
+  const auto got = at::from_blob(fq.qsketch.data(), {3, mm}, at::kFloat).to(at::kDouble);
+  EXPECT_LE(max_abs(got - want), 1e-5 * (1 + max_abs(want)));
+}
+
 // CacheConfig::fused_attention selects the path of the public attend(): false is exactly the
 // generic per-block path, true exactly the fused one (here int4, where the two differ).
 // int3 (two-plane codes) and rotated had(...) formats are not read by the fused kernels:

@@ -144,7 +144,7 @@ void set_query_rounding(QueryRounding r);
 
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
-  std::vector<float> qf, qs, qsum, qfsum, qsum1, qrot, qsketch, sketch_t;
+  std::vector<float> qf, qs, qsum, qfsum, qsum1, qrot, qsketch;
   std::vector<int8_t> qt;
   QueryView view;
 };
@@ -159,8 +159,9 @@ bool same_rotation(const KernelFormat& a, const KernelFormat& b);
 
 /// TurboQuant keys `kf`: q.qrot = H·diag(s)·qf per row (the rotated query; diag(s)·H is
 /// orthogonal, so qf·x̂ = ‖x‖·f·(qrot·c)) and for Prod keys q.qsketch = S·qf; QJL keys:
-/// q.qsketch = S·qf (qjl_m per row). Sets q.view.qrot/qsketch. Call after prepare(), once per
-/// step and KV head.
+/// q.qsketch = S·qf (qjl_m per row, as Σ_c qf_c·Sᵀ[c, :] from the quantizer's Sᵀ) and
+/// q.view.sketch_t = kf.sketch_t (no copy). Sets q.view.qrot/qsketch. Call after prepare(),
+/// once per step and KV head.
 void rotate_queries(const KernelFormat& kf, Queries& q);
 
 /// TurboQuant values: acc[r] += diag(signs)·H·rot[r] for r < rows (rot, `[rows, d]`, the

@@ -39,6 +39,9 @@ struct KernelFormat {
   const float* rot_signs = nullptr;     ///< D signs s of the rotation diag(s)·H (x̂ = ‖x‖·diag(s)·H·c; kPolar too)
   const float* polar_angles = nullptr;  ///< kPolar: 80 floats (quant::PolarQuantizer::KernelTables::angles)
   const float* sketch = nullptr;        ///< tq_prod: S, D × D row-major; kQjl: S, qjl_m × D row-major
+  /// kQjl: Sᵀ, D × qjl_m row-major (S's columns contiguous), built once by the quantizer
+  /// (quant::QjlKeyQuantizer::sketch_tables) and lives as long as it.
+  const float* sketch_t = nullptr;
   /// kQjl (quant/qjl_quantizer.h; `group` = g tokens per group, one group's codes are
   /// code_bytes: qjl_o outlier indices, then per token (qjl_m + qjl_mo)/8 sign bytes; scales
   /// 2 fp16 per token, ‖k_in‖ and ‖k_out‖).
@@ -80,7 +83,7 @@ struct QueryView {
   /// `[rows, qjl_m]`. Null when the layer's keys are neither.
   const float* qrot = nullptr;
   const float* qsketch = nullptr;
-  const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous)
+  const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous): KernelFormat::sketch_t
 };
 
 /// The key code widths (bit b: b-bit codes) for which the AVX2 kernels can take the int8 query:
