@@ -1004,7 +1004,10 @@ void for_q8_cases(Fn&& fn) {
   const std::vector<std::string> quants = {"int4",          "int2",          "int4:g32",            "int2:g32",
                                            "int4:g32:chan", "int2:g32:chan", "kivi:k2:v2:g32:r128", "kivi:k4:v4:g32:r32",
                                            "int8"};
-  const std::vector<Shape> shapes = {{14, 2, 64, 64}, {9, 3, 32, 32}, {4, 1, 128, 96}, {7, 7, 64, 32}, {6, 2, 64, 1}};
+  // Under the sanitizers three shapes keep every path: odd head counts, a block tail, one-token blocks.
+  const std::vector<Shape> shapes = kSanitized ? std::vector<Shape>{{9, 3, 32, 32}, {4, 1, 128, 96}, {6, 2, 64, 1}}
+                                               : std::vector<Shape>{{14, 2, 64, 64}, {9, 3, 32, 32}, {4, 1, 128, 96},
+                                                                    {7, 7, 64, 32}, {6, 2, 64, 1}};
   uint64_t seed = 700;
   for (const auto& quant : quants) {
     for (const auto& sh : shapes) {

@@ -100,7 +100,9 @@ void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int6
 }  // namespace avx512
 
 namespace avx2 {
-/// As avx512::scores, in the float domain (attend_avx2.cpp): reads QueryView::qf and qfsum only.
+/// As avx512::scores, in the float domain (attend_avx2.cpp): reads QueryView::qf and qfsum only,
+/// but for the int8 query (one_term_*: 4- and 2-bit keys, kInt8QueryAvx2Bits), which reads the
+/// high terms of qt, qs and qsum1 as the AVX-512 kernels do.
 void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);
 /// As avx512::accumulate.
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);
