@@ -377,31 +377,30 @@ void qk_int_q8(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, fl
         kt[j] = _mm256_castsi256_ps(codes);
       }
       transpose8(kt);  // kt[e] lane j: key j's codes of dims 32c + 4e .. + 3
-      __m256i acc[NR];
-      for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_si256();
-      const int8_t* qc = qt[c];
-#pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {
-        const __m256i x = _mm256_castps_si256(kt[e]);
-        for (int r = 0; r < NR; ++r) {
-          int32_t t4;
-          std::memcpy(&t4, qc + kStride * r + 4 * e, 4);
-          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(x, _mm256_set1_epi32(t4)));
-        }
-      }
-      __m256 dots[NR];
-      for (int r = 0; r < NR; ++r) dots[r] = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
-      if constexpr (kChannel) {
-        for (int r = 0; r < NR; ++r) out[r] = _mm256_fmadd_ps(dots[r], _mm256_set1_ps(qs[r][c]), out[r]);
-      } else {
+      if constexpr (!kChannel) {
         // The 8 keys' scale and zero of the group holding this chunk (read once per group).
         if (gic[c] != sv_group) {
           sv_group = gic[c];
           sv = meta8(sc, slots, m, mc, sv_group);
           zv = meta8(ze, slots, m, mc, sv_group);
         }
-        for (int r = 0; r < NR; ++r) {
-          out[r] = _mm256_fmadd_ps(_mm256_mul_ps(dots[r], sv), _mm256_set1_ps(qs[r][c]), out[r]);
+      }
+      const int8_t* qc = qt[c];
+      // Row by row, so that only the 8 code registers and one row's sums are live (rows inside
+      // the dims loop held NR int16 accumulators beside them, and GCC spilled every product).
+      for (int r = 0; r < NR; ++r) {
+        __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int e = 0; e < 8; ++e) {
+          int32_t t4;
+          std::memcpy(&t4, qc + kStride * r + 4 * e, 4);
+          acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(_mm256_castps_si256(kt[e]), _mm256_set1_epi32(t4)));
+        }
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc, ones));
+        if constexpr (kChannel) {
+          out[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(qs[r][c]), out[r]);
+        } else {
+          out[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, sv), _mm256_set1_ps(qs[r][c]), out[r]);
           out[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(qsum[r][c]), out[r]);
         }
       }
