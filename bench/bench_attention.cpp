@@ -20,8 +20,10 @@
 //   BM_AttendQ8/<spec>/<T>/<threads>  BM_AttendCore's call with the int8 query
 //                                   (kvcache::set_attention_query("int8"): one VNNI product per
 //                                   4 dims of integer keys instead of two, for the formats within
-//                                   its error bound; the others, int8 here, keep the two-term
-//                                   query, so their row shows no change), on the same cache
+//                                   its error bound — with --fused_isa=avx2, one vpmaddubsw per
+//                                   4 dims of 8 keys instead of 4 float conversions and FMAs; the
+//                                   others, int8 here, keep the exact query, so their row shows
+//                                   no change), on the same cache
 //   BM_AttendKV1/<spec>/<T>/<threads>  BM_AttendCore's call on a cache of ONE KV head (7 query
 //                                   heads): on 2 threads its keys are split across the threads
 //                                   and the partial softmax states merged (attend_split, issue
@@ -424,7 +426,9 @@ void BM_Scaling(benchmark::State& state, ScalingProbe probe) {
 /// the AVX-512 fused kernels take q·k of integer keys (int*, KIVI's quantized keys) with two
 /// VNNI products per 64 multiplies (the query's two int8 terms; one with `one_term`, the int8
 /// query where the format takes it) and everything else with one
-/// 16-lane FMA per 16; the AVX2 kernels one 8-lane FMA per 8; the generic path (decoded to
+/// 16-lane FMA per 16; the AVX2 kernels one 8-lane FMA per 8, and with `one_term` q·k of
+/// integer keys with one vpmaddubsw per 32 (counted at the measured 256-bit FMA rate: an
+/// approximation, the probe does not time vpmaddubsw); the generic path (decoded to
 /// float32) one tile-width FMA per lane count. `int_keys`: the cache's main key format is one
 /// the fused kernels read as integer codes (fused::classify, as attend() does); KIVI's
 /// full-precision residual (≤ 128 tokens) is counted as integer keys. Instruction issue only: loads, code unpacking, conversions,
@@ -443,7 +447,7 @@ double mac_floor_ms(bool int_keys, int64_t t, int64_t cores, bool fused, int64_t
     instr = (int_keys ? (one_term ? 1 : 2) * macs / 64 : qk * macs / 16) + macs / 16;
     rate = g_mac512_per_ns;
   } else if (isa == fused_ns::FusedIsa::kAvx2) {
-    instr = (qk + 1) * macs / 8;  // the AVX2 kernels
+    instr = (int_keys && one_term ? macs / 32 : qk * macs / 8) + macs / 8;  // the AVX2 kernels
     rate = g_mac256_per_ns;
   } else if (kvcache::cache::tile_lanes() == 8) {
     instr = 2 * macs / 8;  // the generic path's 8-lane tile kernels
@@ -513,8 +517,9 @@ void BM_Attend(benchmark::State& state, const std::string& spec, Path path, int6
   // The int8 query where the kernels take it for this key format (fused::kInt8Query*Bits).
   namespace fns = kvcache::cache::fused;
   const uint32_t q8_bits = key_kind == Kind::kIntChannel ? fns::kInt8QueryChannelBits : fns::kInt8QueryTokenBits;
-  const bool one_term = path == Path::kCoreQ8 && int_keys && fns::current_isa() == fns::FusedIsa::kAvx512 &&
-                        ((q8_bits >> key_main.bits) & 1u) != 0;
+  const bool isa_takes_it = fns::current_isa() == fns::FusedIsa::kAvx512 ||
+                            (fns::current_isa() == fns::FusedIsa::kAvx2 && ((fns::kInt8QueryAvx2Bits >> key_main.bits) & 1u) != 0);
+  const bool one_term = path == Path::kCoreQ8 && int_keys && isa_takes_it && ((q8_bits >> key_main.bits) & 1u) != 0;
   state.counters["one_term_query"] = one_term ? 1 : 0;
   // fused_read: 1 if the fused kernels read this cache as stored (every format of the layer is
   // one they read, as attend() decides; TurboQuant-Prod values are not), 0 if even BM_Attend

@@ -25,7 +25,9 @@
 //     query, integer keys factored per group as s·(q·c) + z·Σq) do not round the query: every
 //     format, integer keys included, is held to generic(q) directly within kFloatTol (the
 //     difference is float32 summation order only), and per-channel scores to the exact formula
-//     Σ_d q_d (s_d c_d + z_d).
+//     Σ_d q_d (s_d c_d + z_d). With the int8 query (set_attention_query("int8")) their 4- and
+//     2-bit keys are dotted with the one-term int8 query as the AVX-512 kernels do (vpmaddubsw):
+//     held to the AVX-512 kernels' scores and outputs and to the reference twin (Int8Query*).
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
@@ -90,6 +92,11 @@ std::vector<FusedIsa> runnable_isas() {
   }
   cache::fused::use_fused_isa(before);
   return out;
+}
+
+bool runnable_isas_has(FusedIsa isa) {
+  const auto isas = runnable_isas();
+  return std::find(isas.begin(), isas.end(), isa) != isas.end();
 }
 
 /// Selects `isa` for its lifetime and restores the CPU's default kernels at the end of the
@@ -209,15 +216,16 @@ std::vector<ChannelBlock> channel_blocks(const TorchCache& m) {
   return out;
 }
 
-/// max |(w − w')·c| over rows and the per-channel blocks' keys (w = q/√D ⊙ s).
-double channel_delta(const TorchCache& m, const at::Tensor& q) {
+/// max |(w − w')·c| over rows and the per-channel blocks' keys (w = q/√D ⊙ s; w' its two-term
+/// rounding, or with `one_term` its one-term rounding: the int8 query).
+double channel_delta(const TorchCache& m, const at::Tensor& q, bool one_term = false) {
   const int64_t hq = q.size(1), g = hq / m.config().num_kv_heads;
   const auto qf = q * inv_sqrt(q.size(3));
   double delta = 0;
   for (const auto& cb : channel_blocks(m)) {
     for (int64_t h = cb.head * g; h < (cb.head + 1) * g; ++h) {
       const auto w = qf[0][h] * cb.s.to(at::kFloat);  // [T_q, D], float as the kernel does
-      const auto dw = (w - two_term_rounded(w, true)).to(at::kDouble);
+      const auto dw = (w - two_term_rounded(w, true, one_term)).to(at::kDouble);
       delta = std::max(delta, max_abs(at::matmul(dw, cb.codes.t())));
     }
   }
@@ -402,9 +410,11 @@ TEST(AttendFused, ChannelKeyScoresFollowTheFoldedQueryFormula) {
             rows.insert(rows.end(), r.data_ptr<float>(), r.data_ptr<float>() + 64);
           }
         }
-        // The two-term query, then (AVX-512) the int8 query for every format (kInt8Everywhere).
+        // The two-term query, then the int8 query for every format (kInt8Everywhere): AVX-512
+        // rounds w to one int8 term for every width, AVX2 for the widths of kInt8QueryAvx2Bits
+        // (4 and 2 bits; 8-bit codes keep the float query there).
         for (const bool one : {false, true}) {
-          if (one && isa != FusedIsa::kAvx512) continue;
+          const bool one_used = one && (isa == FusedIsa::kAvx512 || ((cache::fused::kInt8QueryAvx2Bits >> cb.raw.kf.bits) & 1u) != 0);
           cache::fused::set_query_rounding(one ? cache::fused::QueryRounding::kInt8Everywhere
                                                : cache::fused::QueryRounding::kTwoTerm);
           cache::fused::Queries fq;
@@ -416,8 +426,9 @@ TEST(AttendFused, ChannelKeyScoresFollowTheFoldedQueryFormula) {
           cache::fused::scores(fq, 0, 9, raw, 32, s.data(), 32);
           const auto qf = at::from_blob(rows.data(), {9, 64}, at::kFloat) * inv_sqrt(64);
           const auto w = qf * cb.s.to(at::kFloat);
-          // AVX2: the float query, unrounded (Σ_d q_d s_d c_d + q_d z_d).
-          const auto wk = isa == FusedIsa::kAvx2 ? w.to(at::kDouble) : two_term_rounded(w, true, one).to(at::kDouble);
+          // AVX2's exact query: the float query, unrounded (Σ_d q_d s_d c_d + q_d z_d).
+          const auto wk = isa == FusedIsa::kAvx2 && !one_used ? w.to(at::kDouble)
+                                                              : two_term_rounded(w, true, one_used).to(at::kDouble);
           const auto want = at::matmul(wk, cb.codes.t()) + at::matmul(qf.to(at::kDouble), cb.z).unsqueeze(1);  // [9, 32]
           const auto got = at::from_blob(s.data(), {9, 32}, at::kFloat).to(at::kDouble);
           EXPECT_LE(max_abs(got - want), 1e-5 * (1 + max_abs(want))) << quant << (one ? " int8 query" : "");
@@ -727,6 +738,38 @@ TEST(AttendFused, QjlKeysMatchTheGenericPath) {
   }
 }
 
+// QJL's Sᵀ belongs to the quantizer: classify() points KernelFormat::sketch_t at the
+// transpose it built once (the same table on every call, so no step copies or transposes S),
+// rotate_queries() hands that pointer to the kernels, and S·q is the same sums as S's rows give.
+TEST(AttendFused, QjlSketchTransposeIsTheQuantizers) {
+  using Kind = cache::fused::KernelFormat::Kind;
+  TorchCache m(make_config(1, 4, 2, 64, "qjl:m72:mo8:o4:r32", "full"));
+  const auto& f = CacheManagerAccess::layer(m.core(), 0).key_setup().formats.f[cache::StreamFormats::kMain];
+  const cache::fused::KernelFormat a = cache::fused::classify(f), b = cache::fused::classify(f);
+  ASSERT_EQ(a.kind, Kind::kQjl);
+  ASSERT_NE(a.sketch_t, nullptr);
+  EXPECT_EQ(a.sketch_t, b.sketch_t) << "Sᵀ rebuilt per classify()";
+  EXPECT_EQ(a.sketch, b.sketch);
+  const int64_t d = 64, mm = a.qjl_m;
+  ASSERT_EQ(mm, 72);
+  int64_t bad = 0;
+  for (int64_t j = 0; j < mm; ++j) {
+    for (int64_t c = 0; c < d; ++c) bad += a.sketch_t[c * mm + j] != a.sketch[j * d + c];
+  }
+  EXPECT_EQ(bad, 0) << "sketch_t is not Sᵀ";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const auto q = testing::randn({3, d}, gen);
+  cache::fused::Queries fq;
+  cache::fused::prepare(q.data_ptr<float>(), 3, d, 0.125f, fq);
+  cache::fused::rotate_queries(a, fq);
+  EXPECT_EQ(fq.view.sketch_t, a.sketch_t);
+  ASSERT_EQ(fq.qsketch.size(), static_cast<size_t>(3 * mm));
+  const auto s = at::from_blob(const_cast<float*>(a.sketch), {mm, d}, at::kFloat).to(at::kDouble);
+  const auto want = at::matmul(q.to(at::kDouble) * 0.125, s.t());
+  const auto got = at::from_blob(fq.qsketch.data(), {3, mm}, at::kFloat).to(at::kDouble);
+  EXPECT_LE(max_abs(got - want), 1e-5 * (1 + max_abs(want)));
+}
+
 // CacheConfig::fused_attention selects the path of the public attend(): false is exactly the
 // generic per-block path, true exactly the fused one (here int4, where the two differ).
 // int3 (two-plane codes) and rotated had(...) formats are not read by the fused kernels:
@@ -776,7 +819,8 @@ TEST(AttendFused, ConfigSelectsThePath) {
 // within 10 % of the error the format itself introduces:
 //   ‖attend − ref(k̂, v̂)‖_F ≤ 0.1 · ‖ref(k̂, v̂) − ref(k, v)‖_F,
 // ref = reference_attention in float64, k̂/v̂ the cache's dequantized K/V (get()), attend the
-// fused AVX-512 path, k/v the original K/V as a lossless fp32 cache holds them. Data:
+// fused path (AVX-512, and the AVX2 kernels, whose int8 query is the same arithmetic: qk_int_q8
+// in attend_avx2.cpp), k/v the original K/V as a lossless fp32 cache holds them. Data:
 // study::synthetic_qkv (q, k, v ~ N(0, 1), 4 key channels with offset and scale 8: the outlier
 // structure KIVI and KVQuant report for real keys), 14 query / 2 KV heads, D 64, 1,024 tokens,
 // the last 32 as queries (causal), two seeds pooled. Each format's two ratios (two-term and
@@ -785,6 +829,8 @@ TEST(AttendFused, ConfigSelectsThePath) {
 // int8 query; 5e-5 to 2e-3 with the two-term one; the default model's: the same verdicts). Formats outside
 // kInt8QueryTokenBits / kInt8QueryChannelBits must FAIL the bound (so they keep the two-term
 // query), those inside must pass it; under kInt8 the former give the two-term output bit for bit.
+// The AVX2 kernels cannot take the int8 query for 8-bit codes (vpmaddubsw would saturate): there
+// int8 keys keep the float query even under kInt8Everywhere, so their two ratios are equal.
 // The same on the default model's captured K/V: Int8QueryWithinTheErrorBoundOnTheDefaultModel.
 
 /// The integer key formats of the bound, and whether the int8 query is used for each.
@@ -795,6 +841,10 @@ struct Q8Format {
   bool allowed() const {
     const uint32_t mask = channel ? cache::fused::kInt8QueryChannelBits : cache::fused::kInt8QueryTokenBits;
     return ((mask >> bits) & 1u) != 0;
+  }
+  /// Whether `isa`'s kernels can dot these keys with the int8 query at all (kInt8Everywhere).
+  bool one_term_runs(FusedIsa isa) const {
+    return isa == FusedIsa::kAvx512 || ((cache::fused::kInt8QueryAvx2Bits >> bits) & 1u) != 0;
   }
 };
 const std::vector<Q8Format>& q8_formats() {
@@ -848,12 +898,21 @@ std::pair<double, double> q8_ratios(const Q8Format& f, const std::vector<study::
 /// Every format's ratios over `samples` against the bound: the two-term query at float
 /// accuracy (≤ 0.01), the int8 query within 0.1 for the formats allowed it and above 0.1 for the
 /// others (which keep the two-term query). Prints the figures docs/performance.md lists.
-void check_q8_bound(const std::vector<study::QkvSample>& samples, int64_t tq, const char* data) {
+void check_q8_bound(const std::vector<study::QkvSample>& samples, int64_t tq, const char* data, FusedIsa isa) {
   for (const Q8Format& f : q8_formats()) {
     const auto [r_two, r_one] = q8_ratios(f, samples, tq);
-    std::printf("[ int8 query ] %s %-20s two-term %.2e  int8 %.3f  (bound 0.1)\n", data, f.spec.c_str(), r_two, r_one);
+    if (f.one_term_runs(isa)) {
+      std::printf("[ int8 query ] %s %s %-20s %s %.2e  int8 %.3f  (bound 0.1)\n", cache::fused::isa_name(isa), data,
+                  f.spec.c_str(), isa == FusedIsa::kAvx2 ? "float" : "two-term", r_two, r_one);
+    } else {
+      std::printf("[ int8 query ] %s %s %-20s float %.2e  int8 not taken (8-bit codes)\n", cache::fused::isa_name(isa), data,
+                  f.spec.c_str(), r_two);
+    }
     EXPECT_LE(r_two, 0.01) << data << " " << f.spec << ": the two-term query is at float accuracy";
-    if (f.allowed()) {
+    if (!f.one_term_runs(isa)) {
+      EXPECT_EQ(r_one, r_two) << data << " " << f.spec << ": these kernels keep the exact query for it";
+      EXPECT_FALSE(f.allowed()) << f.spec << ": allowed the int8 query where the AVX2 kernels cannot take it";
+    } else if (f.allowed()) {
       EXPECT_LE(r_one, 0.1) << data << " " << f.spec << ": the int8 query is allowed for it but breaks the bound";
     } else {
       EXPECT_GT(r_one, 0.1) << data << " " << f.spec << ": the int8 query keeps the bound here; allow it (kInt8Query*Bits)";
@@ -862,9 +921,13 @@ void check_q8_bound(const std::vector<study::QkvSample>& samples, int64_t tq, co
 }
 
 TEST(AttendFused, Int8QueryWithinTheErrorBound) {
-  if (!cache::fused::use_fused_isa(FusedIsa::kAvx512)) GTEST_SKIP() << "no AVX-512 VNNI kernels: the int8 query is theirs";
-  const IsaScope scope(FusedIsa::kAvx512);
-  check_q8_bound({study::synthetic_qkv(1, 14, 2, 1024, 64), study::synthetic_qkv(2, 14, 2, 1024, 64)}, 32, "synthetic");
+  REQUIRE_FUSED();
+  const std::vector<study::QkvSample> samples = {study::synthetic_qkv(1, 14, 2, 1024, 64),
+                                                 study::synthetic_qkv(2, 14, 2, 1024, 64)};
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    check_q8_bound(samples, 32, "synthetic", isa);
+  }
 }
 
 // The same bound on the study's captured K/V: the embedded default model (models/
@@ -872,8 +935,7 @@ TEST(AttendFused, Int8QueryWithinTheErrorBound) {
 // first 512 tokens of the study's passage (study::make_model_evaluator's capture_qkv, as
 // `kv_study` captures them), every layer, the last 64 tokens as queries.
 TEST(AttendFused, Int8QueryWithinTheErrorBoundOnTheDefaultModel) {
-  if (!cache::fused::use_fused_isa(FusedIsa::kAvx512)) GTEST_SKIP() << "no AVX-512 VNNI kernels: the int8 query is theirs";
-  const IsaScope scope(FusedIsa::kAvx512);
+  REQUIRE_FUSED();
   study::ModelEvaluatorOptions o;
   o.model_path = std::string(KVCACHE_SOURCE_DIR) + "/models/kvstudy-default.pt";
   o.threads = 1;
@@ -882,39 +944,223 @@ TEST(AttendFused, Int8QueryWithinTheErrorBoundOnTheDefaultModel) {
   const std::vector<study::QkvSample> samples = study::make_model_evaluator(o)->capture_qkv();
   ASSERT_EQ(samples.size(), 4u);
   ASSERT_EQ(samples[0].k.size(2), 512);
-  check_q8_bound(samples, 64, "default-model");
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    check_q8_bound(samples, 64, "default-model", isa);
+  }
 }
 
 // The int8 query's reference twin for per-token integer keys: fused(q) with one int8 term per
 // 32 dims equals the generic path over the one-term rounded query q1 = qs·round(q/qs) to float
 // rounding (kFloatTol, as the two-term query's twin), every integer width and group, head_dim 64
 // and 128, T not a multiple of the block, a decode query and a prefill chunk; and it is not the
-// two-term output (the option reaches the kernel).
+// exact output (the option reaches the kernel). Both ISAs: the AVX2 kernels take the int8 query
+// for 4- and 2-bit codes (vpmaddubsw, qk_int_q8); their 8-bit keys keep the float query, so
+// there the int8 query's output is the exact one bit for bit, and generic(q)'s to float rounding.
 TEST(AttendFused, Int8QueryMatchesTheGenericPathOfTheRoundedQuery) {
-  if (!cache::fused::use_fused_isa(FusedIsa::kAvx512)) GTEST_SKIP() << "no AVX-512 VNNI kernels: the int8 query is theirs";
-  const IsaScope scope(FusedIsa::kAvx512);
+  REQUIRE_FUSED();
   using cache::fused::QueryRounding;
-  for (const std::string quant : {"int8", "int8:g32", "int4", "int4:g32", "int2", "int2:g32"}) {
-    for (const int64_t d : {int64_t{64}, int64_t{128}}) {
-      auto c = make_config(1, 14, 2, d, quant, "full");
-      c.block_tokens = 32;
-      TorchCache m(c);
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
-      m.append(0, testing::randn({1, 2, 301, d}, gen), testing::randn({1, 2, 301, d}, gen), positions_range(0, 301));
-      for (const int64_t tq : {int64_t{1}, int64_t{5}}) {
-        const auto q = testing::randn({1, 14, tq, d}, gen);
-        const auto pos = positions_range(301 - tq, tq);
-        cache::fused::set_query_rounding(QueryRounding::kInt8Everywhere);
-        const auto fast = testing::access_attend(m, 0, q, pos, true);
-        cache::fused::set_query_rounding(QueryRounding::kTwoTerm);
-        const auto two = testing::access_attend(m, 0, q, pos, true);
-        const auto ref = testing::access_attend(m, 0, rounded_query(q, true), pos, false);
-        const std::string where = quant + " D " + std::to_string(d) + " T_q " + std::to_string(tq);
-        EXPECT_LE(max_abs(fast - ref), kFloatTol) << where;
-        EXPECT_GT(max_abs(fast - two), 10 * kFloatTol) << where << ": the int8 query did not reach the kernel";
+  for (const FusedIsa isa : runnable_isas()) {
+    const IsaScope scope(isa);
+    for (const std::string quant : {"int8", "int8:g32", "int4", "int4:g32", "int2", "int2:g32"}) {
+      const bool one_runs = isa == FusedIsa::kAvx512 || quant.rfind("int8", 0) != 0;
+      for (const int64_t d : {int64_t{64}, int64_t{128}}) {
+        auto c = make_config(1, 14, 2, d, quant, "full");
+        c.block_tokens = 32;
+        TorchCache m(c);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+        m.append(0, testing::randn({1, 2, 301, d}, gen), testing::randn({1, 2, 301, d}, gen), positions_range(0, 301));
+        for (const int64_t tq : {int64_t{1}, int64_t{5}}) {
+          const auto q = testing::randn({1, 14, tq, d}, gen);
+          const auto pos = positions_range(301 - tq, tq);
+          cache::fused::set_query_rounding(QueryRounding::kInt8Everywhere);
+          const auto fast = testing::access_attend(m, 0, q, pos, true);
+          cache::fused::set_query_rounding(QueryRounding::kTwoTerm);
+          const auto exact = testing::access_attend(m, 0, q, pos, true);
+          const std::string where = quant + " D " + std::to_string(d) + " T_q " + std::to_string(tq);
+          if (!one_runs) {
+            EXPECT_TRUE(at::equal(fast, exact)) << where << ": AVX2 keeps the float query for 8-bit keys";
+            EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, q, pos, false)), kFloatTol) << where;
+            continue;
+          }
+          const auto ref = testing::access_attend(m, 0, rounded_query(q, true), pos, false);
+          EXPECT_LE(max_abs(fast - ref), kFloatTol) << where;
+          EXPECT_GT(max_abs(fast - exact), 10 * kFloatTol) << where << ": the int8 query did not reach the kernel";
+        }
       }
     }
   }
+}
+
+// The AVX2 kernels' int8 query (attend_avx2.cpp, qk_int_q8: vpmaddubsw/vpmaddwd, no VNNI), under
+// kInt8Everywhere so that the 4-bit per-channel keys (kept on the exact query by kInt8) are
+// covered too; int8 keys are the control (AVX2 keeps their float query). The cases: the integer
+// formats of MatchesTheGenericPathForEveryFormat over its shapes (odd head counts, H_q = H_kv,
+// one-token blocks, T never a multiple of the block, decode and prefill queries), the group
+// sizes of WideHeadsAndGroupSizes at head_dim 256 and 96, and holes left by eviction.
+// fn(cache, q, positions, where, quant) per query.
+template <class Fn>
+void for_q8_cases(Fn&& fn) {
+  const std::vector<std::string> quants = {"int4",          "int2",          "int4:g32",            "int2:g32",
+                                           "int4:g32:chan", "int2:g32:chan", "kivi:k2:v2:g32:r128", "kivi:k4:v4:g32:r32",
+                                           "int8"};
+  // Under the sanitizers three shapes keep every path: odd head counts, a block tail, one-token blocks.
+  const std::vector<Shape> shapes = kSanitized ? std::vector<Shape>{{9, 3, 32, 32}, {4, 1, 128, 96}, {6, 2, 64, 1}}
+                                               : std::vector<Shape>{{14, 2, 64, 64}, {9, 3, 32, 32}, {4, 1, 128, 96},
+                                                                    {7, 7, 64, 32}, {6, 2, 64, 1}};
+  uint64_t seed = 700;
+  for (const auto& quant : quants) {
+    for (const auto& sh : shapes) {
+      if (sh.block_tokens == 1 && channel_keys(quant)) continue;  // a per-channel block is one group
+      auto c = make_config(1, sh.hq, sh.hkv, sh.d, quant, "full");
+      c.block_tokens = sh.block_tokens;
+      TorchCache m(c);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+      int64_t pos = 0;
+      for (int64_t n : {1, 37, 250, 1, 1, 80}) {  // T reaches 370
+        m.append(0, testing::randn({1, sh.hkv, n, sh.d}, gen) * 1.5, testing::randn({1, sh.hkv, n, sh.d}, gen),
+                 positions_range(pos, n));
+        pos += n;
+        for (int64_t tq : {int64_t{1}, std::min<int64_t>(n, 9)}) {
+          const auto q = testing::randn({1, sh.hq, tq, sh.d}, gen);
+          fn(m, q, positions_range(pos - tq, tq),
+             quant + " H_q " + std::to_string(sh.hq) + " H_kv " + std::to_string(sh.hkv) + " D " + std::to_string(sh.d) +
+                 " block " + std::to_string(sh.block_tokens) + " T " + std::to_string(pos) + " T_q " + std::to_string(tq),
+             quant);
+        }
+        m.end_step(StepKind::kPrefill);
+      }
+    }
+  }
+  const std::vector<std::pair<std::string, int64_t>> wide = {{"int4:g64", 256},  {"int4:g128", 256},      {"int2:g64", 256},
+                                                             {"int2:g128", 256}, {"int2:g256", 256},      {"int4:g32:chan", 256},
+                                                             {"int4:g32", 96},   {"int2:g32:chan", 96}};
+  for (const auto& [quant, d] : wide) {
+    auto c = make_config(1, 7, 1, d, quant, "full");
+    c.block_tokens = 64;
+    TorchCache m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+    m.append(0, testing::randn({1, 1, 101, d}, gen) * 1.5, testing::randn({1, 1, 101, d}, gen), positions_range(0, 101));
+    for (int64_t tq : {1, 3}) {
+      fn(m, testing::randn({1, 7, tq, d}, gen), positions_range(101 - tq, tq),
+         quant + " D " + std::to_string(d) + " T_q " + std::to_string(tq), quant);
+    }
+  }
+  for (const std::string quant : {"int4", "int2:g32", "kivi:k2:v2:g32:r128"}) {
+    auto c = make_config(1, 14, 2, 64, quant, "random:seed9@300", 4000);
+    c.block_tokens = 32;
+    TorchCache m(c);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(++seed);
+    m.append(0, testing::randn({1, 2, 400, 64}, gen), testing::randn({1, 2, 400, 64}, gen), positions_range(0, 400));
+    m.end_step(StepKind::kPrefillEnd);
+    for (int64_t step = 0; step < 12; ++step) {
+      const int64_t p = 400 + step;
+      m.append(0, testing::randn({1, 2, 1, 64}, gen), testing::randn({1, 2, 1, 64}, gen), positions_range(p, 1));
+      fn(m, testing::randn({1, 14, 1, 64}, gen), positions_range(p, 1), quant + " holes step " + std::to_string(step),
+         quant);
+      m.end_step(StepKind::kDecode);
+    }
+    const auto st = CacheManagerAccess::stream(m.core(), 0, false);
+    EXPECT_GT(st.dead_slots[0] + st.dead_slots[1], 0) << quant << ": the case must have holes";
+  }
+}
+
+/// Attention of `m`'s layer 0 for q under `isa`'s kernels with the int8 query everywhere.
+at::Tensor attend_q8(FusedIsa isa, const TorchCache& m, const at::Tensor& q, const at::Tensor& qp) {
+  const IsaScope scope(isa);
+  cache::fused::set_query_rounding(cache::fused::QueryRounding::kInt8Everywhere);
+  const auto out = testing::access_attend(m, 0, q, qp, /*fused=*/true);
+  cache::fused::set_query_rounding(cache::fused::QueryRounding::kTwoTerm);
+  return out;
+}
+
+// On every CPU with the AVX2 kernels: their int8 query against its reference twin — per-token
+// keys the generic path over the one-term rounded query (kFloatTol, as
+// Int8QueryMatchesTheGenericPathOfTheRoundedQuery), per-channel keys generic(q) within the bound
+// the one-term fold's score change δ = max|(w − w1)·c| implies, (e^{2δ} − 1)·max|v̂| + kFloatTol
+// (their scores are held to the exact formula in ChannelKeyScoresFollowTheFoldedQueryFormula),
+// and int8 keys generic(q) itself (the float query).
+TEST(AttendFused, Int8QueryAvx2MatchesItsReferenceTwin) {
+  if (!runnable_isas_has(FusedIsa::kAvx2)) GTEST_SKIP() << "CPU without AVX2/FMA/F16C/BMI2: no AVX2 kernels";
+  for_q8_cases([](const TorchCache& m, const at::Tensor& q, const at::Tensor& qp, const std::string& where,
+                  const std::string& quant) {
+    const auto fast = attend_q8(FusedIsa::kAvx2, m, q, qp);
+    if (quant == "int8") {
+      EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, q, qp, false)), kFloatTol) << where;
+    } else if (channel_keys(quant)) {
+      const double tol = (std::exp(2 * channel_delta(m, q, /*one_term=*/true)) - 1) * max_abs(m.get(0).v) + kFloatTol;
+      EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, q, qp, false)), tol) << where;
+    } else {
+      EXPECT_LE(max_abs(fast - testing::access_attend(m, 0, rounded_query(q, true), qp, false)), kFloatTol) << where;
+    }
+  });
+}
+
+// Where the CPU runs both: the AVX2 kernels' int8 query against the AVX-512 kernels' (VNNI) on
+// the same caches. Outputs within kFloatTol (the same scores, p·v summed over 8 lanes instead of
+// 16); and every main key block's scores read directly: per-token keys bit for bit (the same int8
+// terms, exact integer dots, the same two FMAs per chunk in the same order: qk_int_q8's
+// comment), per-channel keys to 1e-6 relative (the same terms; Σ_d q_d z_d summed in another
+// order). int8 keys: AVX2 keeps the float query, so only its outputs are compared, with the
+// two-term bound of MatchesTheGenericPathForEveryFormat's rounded query.
+TEST(AttendFused, Int8QueryAvx2MatchesAvx512) {
+  if (!runnable_isas_has(FusedIsa::kAvx512) || !runnable_isas_has(FusedIsa::kAvx2)) {
+    GTEST_SKIP() << "needs the AVX-512 and the AVX2 kernels (this CPU runs " << cache::fused::isa_name(cache::fused::best_isa())
+                 << ")";
+  }
+  int64_t blocks_checked = 0;
+  for_q8_cases([&](const TorchCache& m, const at::Tensor& q, const at::Tensor& qp, const std::string& where,
+                   const std::string& quant) {
+    const auto a2 = attend_q8(FusedIsa::kAvx2, m, q, qp);
+    const auto a5 = attend_q8(FusedIsa::kAvx512, m, q, qp);
+    if (quant == "int8") {  // AVX2: float query; AVX-512: one int8 term — compare each to its own twin
+      EXPECT_LE(max_abs(a5 - testing::access_attend(m, 0, rounded_query(q, true), qp, false)), kFloatTol) << where;
+      return;
+    }
+    EXPECT_LE(max_abs(a2 - a5), kFloatTol) << where;
+    // Scores of every main key block of the layer, for the step's query rows of each KV head.
+    if (q.size(2) != 1) return;  // decode queries: enough rows (the head's G query heads)
+    const auto& L = CacheManagerAccess::layer(m.core(), 0);
+    const int64_t hq = q.size(1), d = q.size(3), g = hq / L.num_heads();
+    for (int64_t h = 0; h < L.num_heads(); ++h) {
+      const auto rows = q[0].narrow(0, h * g, g).reshape({g, d}).contiguous();
+      cache::fused::set_query_rounding(cache::fused::QueryRounding::kInt8Everywhere);
+      cache::fused::Queries fq;
+      cache::fused::prepare(rows.data_ptr<float>(), g, d, inv_sqrt(d), fq);
+      cache::fused::set_query_rounding(cache::fused::QueryRounding::kTwoTerm);
+      const auto& list = L.k(h).quant;
+      for (const auto& b : list.blocks()) {
+        if (b.format != cache::StreamFormats::kMain) continue;
+        cache::fused::RawTokens raw;
+        raw.block = list.format(b).pool->data(b.id);
+        raw.kf = cache::fused::classify(list.format(b));
+        std::vector<int32_t> slots;
+        for (int32_t sl = 0; sl < b.filled; ++sl) {
+          if (b.alive(sl)) slots.push_back(sl);
+        }
+        raw.slots = slots.data();
+        const auto n = static_cast<int64_t>(slots.size());
+        std::vector<float> s2(static_cast<size_t>(g * n)), s5(s2.size());
+        {
+          const IsaScope scope(FusedIsa::kAvx2);
+          cache::fused::scores(fq, 0, g, raw, n, s2.data(), n);
+        }
+        {
+          const IsaScope scope(FusedIsa::kAvx512);
+          cache::fused::scores(fq, 0, g, raw, n, s5.data(), n);
+        }
+        const auto t2 = at::from_blob(s2.data(), {g, n}, at::kFloat).to(at::kDouble);
+        const auto t5 = at::from_blob(s5.data(), {g, n}, at::kFloat).to(at::kDouble);
+        if (channel_keys(quant)) {
+          EXPECT_LE(max_abs(t2 - t5), 1e-6 * (1 + max_abs(t5))) << where << " head " << h;
+        } else {
+          EXPECT_TRUE(s2 == s5) << where << " head " << h << ": per-token scores differ by " << max_abs(t2 - t5);
+        }
+        ++blocks_checked;
+      }
+    }
+  });
+  EXPECT_GT(blocks_checked, 100);
 }
 
 // set_attention_query: the vocabulary, the default, and a refusal that names the value.

@@ -27,8 +27,9 @@ namespace kvcache {
 /// The instruction set of the fused kernels through which CacheManager::attend() reads the
 /// stored blocks (docs/cache-manager.md, "Fused kernels"): "avx512" (AVX-512 VNNI/VBMI: integer
 /// keys dotted with a two-term int8 rounding of the query), "avx2" (AVX2 + FMA + F16C: float32
-/// arithmetic, as the generic path) or "none" (the generic per-block path). The CPU's best
-/// unless set_attention_kernels() chose another.
+/// arithmetic, as the generic path; the int8 query of set_attention_query() in the integer
+/// domain) or "none" (the generic per-block path). The CPU's best unless
+/// set_attention_kernels() chose another.
 std::string attention_kernels();
 
 /// Selects the fused kernels' instruction set, so that one machine can reproduce another's
@@ -41,11 +42,11 @@ std::string attention_kernels();
 ///         or naming an ISA this CPU (or build) cannot run.
 void set_attention_kernels(const std::string& isa, const std::string& source = "attention kernels");
 
-/// How the AVX-512 kernels round the query for integer keys: "exact" (the default) or "int8".
+/// How the fused kernels round the query for integer keys: "exact" (the default) or "int8".
 std::string attention_query();
 
-/// Selects the query arithmetic of integer keys in the AVX-512 VNNI kernels
-/// (docs/cache-manager.md, "Fused kernels"):
+/// Selects the query arithmetic of integer keys in the fused kernels (docs/cache-manager.md,
+/// "Fused kernels"):
 ///   "exact" (default; "" too): the query split into two int8 terms per 32 dims, q' = qs·(qh +
 ///     ql/254), |q − q'| ≤ 1.6e-5·max|q|: float accuracy, two VNNI products per 4 dims;
 ///   "int8": one int8 term per 32 dims, q ≈ qs·round(q/qs), qs = max|q|/127 (llama.cpp's q8_0
@@ -56,8 +57,12 @@ std::string attention_query();
 ///     synthetic K/V with outlier key channels, figures in docs/performance.md): per-token 4- and 2-bit keys (int4, int2) and per-channel 2-bit
 ///     keys (KIVI-2, int2:chan). int8 keys and per-channel 4-bit keys (int4:chan, KIVI-4) fail the
 ///     bound and keep the exact query.
-/// The AVX2 kernels and the generic path compute in float32 whatever is set. Process-wide; call
-/// it while no attention runs. The default arithmetic is what the README's study tables used.
+/// The AVX-512 kernels dot the int8 query with VNNI; the AVX2 kernels (for CPUs without AVX-512
+/// VNNI/VBMI: Zen 3 and earlier) with vpmaddubsw/vpmaddwd, the same int8 terms, scales and zero
+/// sums, so their scores equal the AVX-512 kernels' (per-token keys bit for bit, per-channel to
+/// float rounding). Their "exact" query is the float query (float32 arithmetic, as the generic
+/// path), which the generic path computes whatever is set. Process-wide; call it while no
+/// attention runs. The default arithmetic is what the README's study tables used.
 /// @throws InvalidArgument "<source>=<mode>: expected exact ... or int8 ..." for another value.
 void set_attention_query(const std::string& mode, const std::string& source = "attention query");
 

@@ -5,10 +5,14 @@
 // through fused::scores / fused::accumulate after the dispatch (attend_fused.cpp) found them on
 // the CPU: nothing in it may run at load time (no dynamic initialisers).
 //
-// Float-domain arithmetic throughout. AVX2 has no VNNI, and vpmaddubsw saturates its int16
-// pair sums for 8-bit codes, so integer codes are converted to float32 in registers and
-// multiplied with the float query QueryView::qf (never the two-term rounded query qt): the
-// kernels compute what the generic path computes for q, to float32 rounding (summation order).
+// Float-domain arithmetic, except for the int8 query. AVX2 has no VNNI, and vpmaddubsw
+// saturates its int16 pair sums for 8-bit codes, so integer codes are converted to float32 in
+// registers and multiplied with the float query QueryView::qf (never the two-term rounded query
+// qt): the kernels compute what the generic path computes for q, to float32 rounding (summation
+// order). With the int8 query (kvcache::set_attention_query("int8"): QueryView::one_term_*),
+// 4- and 2-bit keys are dotted in the integer domain instead, as the AVX-512 kernels do:
+// vpmaddubsw + vpmaddwd with the one-term int8 query (qk_int_q8; its comment proves that the
+// int16 sums cannot saturate for codes ≤ 15).
 //   - per-token integer keys: s = Σ_g s_g·(q_g·c_g) + z_g·Σ_{d∈g} q_d, the codes' dot once per
 //     key and group (shared by all rows through the 8×8 transpose), then the group's scale and
 //     zero (QueryView::qfsum holds Σ q per 32-dim chunk);
@@ -245,6 +249,166 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
   }
 }
 
+/// Lanes [0, 8) of `v` reduced with max (exact: max neither rounds nor depends on the order).
+inline float hmax(__m256 v) {
+  const __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+}
+
+/// Integer keys with the int8 query (kvcache::set_attention_query("int8"); the AVX-512 kernels'
+/// qk_int<.., kOne = true>, without VNNI): per 32-dim chunk the 8 keys' codes are transposed as
+/// dwords (register e holds dims 4e..4e+3 of the 8 keys, a byte each, as in qk_int), and each
+/// register is multiplied with the broadcast four int8 query terms of those dims by vpmaddubsw
+/// (unsigned code × signed term, adjacent pairs summed to int16); the chunk's eight int16 sums
+/// per key are widened once by vpmaddwd (pairs summed to int32). The query terms, scales and
+/// zero sums are the AVX-512 path's, and so is the algebra:
+///   per-token keys: the high terms qh = round(q/qs) of QueryView::qt, per chunk
+///     s += (Σ qh·c)·s_g·qs + z_g·Σ qs·qh (qsum1), the same two FMAs in the same order, so
+///     the scores are the AVX-512 kernels' bit for bit (the integer dot is exact either way);
+///   per-channel keys: w = q ⊙ s folded per block and rounded per chunk as the AVX-512 fold
+///     rounds it (ws = max|w|/127, or 1 for a zero chunk; hi = round(w·(1/ws)), half to even),
+///     s = Σ_d q_d z_d + Σ_c ws_c·(Σ hi·c): the same terms; only Σ q z is summed in another
+///     order (8 lanes, not 16), a float32 rounding difference.
+///
+/// Why the 16-bit sums cannot saturate (vpmaddubsw saturates its pair sums to int16; the adds
+/// below wrap), for the code widths this kernel is used for (kInt8QueryAvx2Bits: 4 and 2 bits):
+/// a code is 0 ≤ c ≤ 2^b − 1 ≤ 15 and a query term |t| ≤ 127 (prepare() and the fold clamp or
+/// round to ±127), so one pair sum is |c0·t0 + c1·t1| ≤ 2·15·127 = 3,810, and an int16 lane
+/// of the chunk's accumulator adds the pair sums of its two dims over e = 0..7, 16 products:
+/// |Σ| ≤ 16·15·127 = 30,480 < 32,767 (2-bit codes: 16·3·127 = 6,096). Every partial sum is
+/// exact, and vpmaddwd's int32 sums (≤ 32·15·127 = 60,960 per chunk) are exact in float32
+/// (< 2^24). 8-bit codes would reach 2·255·127 = 64,770 in one pair sum: saturation, so 8-bit
+/// keys keep the float query (qk_int) even where the int8 query is asked for everywhere.
+template <int NR, bool kChannel>
+void qk_int_q8(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {
+  const int64_t d = q.d, chunks = d / 32;
+  const int64_t mc = k.kf.meta_count;
+  const uint8_t* sc = k.block + k.kf.scales_offset;
+  const uint8_t* ze = k.block + k.kf.zeros_offset;
+  // The int8 terms of chunk c, row r at qt[c] + kStride·r: QueryView::qt's high terms (row
+  // stride 64: high, then low terms) for per-token keys, the fold's wt for per-channel keys.
+  constexpr int64_t kStride = kChannel ? 32 : 64;
+  const int8_t* qt[8];
+  const float* qs[NR];
+  const float* qsum[NR];
+  float ws[kChannel ? NR : 1][8];
+  float wz[NR] = {};
+  alignas(32) int8_t wt[kChannel ? 8 : 1][NR][32];
+  if constexpr (kChannel) {
+    __m256 zr[NR];
+    for (int r = 0; r < NR; ++r) zr[r] = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256 s8[4], z8[4];
+      for (int i = 0; i < 4; ++i) {
+        s8[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 64 * c + 16 * i)));
+        z8[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ze + 64 * c + 16 * i)));
+      }
+      for (int r = 0; r < NR; ++r) {
+        const float* qf = q.qf + (r0 + r) * d + 32 * c;
+        __m256 w[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          const __m256 q8 = _mm256_loadu_ps(qf + 8 * i);
+          w[i] = _mm256_mul_ps(q8, s8[i]);
+          zr[r] = _mm256_fmadd_ps(q8, z8[i], zr[r]);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, w[i]));
+        }
+        // The AVX-512 fold's scale and reciprocal (IEEE division, rounded once, as there).
+        const float mx = hmax(amax);
+        const float scale = mx > 0.0f ? mx / 127.0f : 1.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / scale);
+        __m256i h[4];
+        for (int i = 0; i < 4; ++i) h[i] = _mm256_cvtps_epi32(_mm256_mul_ps(w[i], inv));  // |h| ≤ 127
+        // int32 → int8: the packs interleave the 128-bit lanes (dwords a0-3 b0-3 c0-3 d0-3 |
+        // a4-7 b4-7 c4-7 d4-7); the permute restores dims 0..31.
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(h[0], h[1]), _mm256_packs_epi32(h[2], h[3]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wt[c][r]), _mm256_permutevar8x32_epi32(b, order));
+        ws[r][c] = scale;
+      }
+      qt[c] = wt[c][0];
+    }
+    for (int r = 0; r < NR; ++r) {
+      wz[r] = hsum(zr[r]);
+      qs[r] = ws[r];
+    }
+  } else {
+    for (int64_t c = 0; c < chunks; ++c) qt[c] = q.qt + (c * q.rows + r0) * 64;
+    for (int r = 0; r < NR; ++r) {
+      qs[r] = q.qs + (r0 + r) * chunks;
+      qsum[r] = q.qsum1 + (r0 + r) * chunks;
+    }
+  }
+  TokenChunk tc[8];
+  int64_t gic[8];
+  if constexpr (!kChannel) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      tc[c] = token_chunk(k.kf, c);
+      gic[c] = 32 * c / k.kf.group;
+    }
+  }
+  const int bits = k.kf.bits;
+  const int64_t row_bytes = k.kf.code_bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int m = static_cast<int>(min64(8, n - j0));
+    const int32_t* slots = k.slots + j0;
+    __m256 out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = _mm256_set1_ps(wz[r]);  // per-token: 0
+    ChanPos pos[8];
+    if constexpr (kChannel) {
+      for (int j = 0; j < m; ++j) pos[j] = chan_pos(k, slots[j]);
+    }
+    __m256 sv = _mm256_setzero_ps(), zv = _mm256_setzero_ps();
+    int64_t sv_group = -1;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256 kt[8];
+      for (int j = 0; j < 8; ++j) {
+        __m256i codes = _mm256_setzero_si256();
+        if (j < m) {
+          if constexpr (kChannel) {
+            codes = channel_codes32(k, pos[j], c);
+          } else {
+            codes = chunk_codes32(k.block + static_cast<int64_t>(slots[j]) * row_bytes, tc[c], bits);
+          }
+        }
+        kt[j] = _mm256_castsi256_ps(codes);
+      }
+      transpose8(kt);  // kt[e] lane j: key j's codes of dims 32c + 4e .. + 3
+      if constexpr (!kChannel) {
+        // The 8 keys' scale and zero of the group holding this chunk (read once per group).
+        if (gic[c] != sv_group) {
+          sv_group = gic[c];
+          sv = meta8(sc, slots, m, mc, sv_group);
+          zv = meta8(ze, slots, m, mc, sv_group);
+        }
+      }
+      const int8_t* qc = qt[c];
+      // Row by row, so that only the 8 code registers and one row's sums are live (rows inside
+      // the dims loop held NR int16 accumulators beside them, and GCC spilled every product).
+      for (int r = 0; r < NR; ++r) {
+        __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int e = 0; e < 8; ++e) {
+          int32_t t4;
+          std::memcpy(&t4, qc + kStride * r + 4 * e, 4);
+          acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(_mm256_castps_si256(kt[e]), _mm256_set1_epi32(t4)));
+        }
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc, ones));
+        if constexpr (kChannel) {
+          out[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(qs[r][c]), out[r]);
+        } else {
+          out[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, sv), _mm256_set1_ps(qs[r][c]), out[r]);
+          out[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(qsum[r][c]), out[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) store_row(s + r * ld + j0, out[r], m);
+  }
+}
+
 // ---------------------------------------------------------------- the shared loops' traits
 
 /// What fused_loops.h's loops (qk_float, p·v) need of this unit: 8 lanes, kRows query rows.
@@ -367,8 +531,13 @@ void qk(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s,
     case Kind::kBF16: return qk_float<Lanes256, NR, Kind::kBF16>(q, r0, k, n, s, ld);
     case Kind::kE4M3: return qk_float<Lanes256, NR, Kind::kE4M3>(q, r0, k, n, s, ld);
     case Kind::kE5M2: return qk_float<Lanes256, NR, Kind::kE5M2>(q, r0, k, n, s, ld);
-    case Kind::kIntToken: return qk_int<NR, false>(q, r0, k, n, s, ld);
-    case Kind::kIntChannel: return qk_int<NR, true>(q, r0, k, n, s, ld);
+    // The int8 query where it is asked for and the codes fit vpmaddubsw (qk_int_q8).
+    case Kind::kIntToken:
+      if (((q.one_term_token & kInt8QueryAvx2Bits) >> k.kf.bits) & 1u) return qk_int_q8<NR, false>(q, r0, k, n, s, ld);
+      return qk_int<NR, false>(q, r0, k, n, s, ld);
+    case Kind::kIntChannel:
+      if (((q.one_term_channel & kInt8QueryAvx2Bits) >> k.kf.bits) & 1u) return qk_int_q8<NR, true>(q, r0, k, n, s, ld);
+      return qk_int<NR, true>(q, r0, k, n, s, ld);
     case Kind::kTurboQuant: return qk_tq<Lanes256, NR>(q, r0, k, n, s, ld);
     case Kind::kQjl: return qk_qjl<Lanes256, NR>(q, r0, k, n, s, ld);
     case Kind::kPolar: return qk_polar<Lanes256, NR>(q, r0, k, n, s, ld);

@@ -96,8 +96,10 @@ KernelFormat classify(const BlockFormat& f) {
       k.qjl_m = p.sketch;
       k.qjl_mo = p.outlier_sketch;
       k.qjl_o = p.outliers;
-      // The sketch lives as long as the quantizer (QjlKeyQuantizer keeps it per head_dim).
-      k.sketch = qj->sketch(d)->data();
+      // S and Sᵀ live as long as the quantizer (QjlKeyQuantizer keeps them per head_dim).
+      const std::shared_ptr<const quant::QjlKeyQuantizer::Sketch> t = qj->sketch_tables(d);
+      k.sketch = t->s.data();
+      k.sketch_t = t->s_t.data();
       break;
     }
     case KernelKind::kIntToken:
@@ -304,14 +306,23 @@ void rotate_queries(const KernelFormat& kf, Queries& q) {
     q.view.qsketch = q.qsketch.data();
   };
   if (kf.kind == KernelFormat::Kind::kQjl) {
-    q.view.qrot = nullptr;
-    sketch_rows(kf.qjl_m);
+    // S·qf from the quantizer's Sᵀ: row r's m sums as Σ_c qf_c·Sᵀ[c, :] (each entry's products
+    // added in the order of S's row, c ascending, as the row-major dot did), a contiguous
+    // multiply-add over m per dim that the compiler vectorises; the kernels read Sᵀ itself.
     const int64_t m = kf.qjl_m;
-    q.sketch_t.resize(static_cast<size_t>(d * m));
-    for (int64_t j = 0; j < m; ++j) {
-      for (int64_t c = 0; c < d; ++c) q.sketch_t[static_cast<size_t>(c * m + j)] = kf.sketch[j * d + c];
+    q.view.qrot = nullptr;
+    q.qsketch.assign(static_cast<size_t>(rows * m), 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qf = q.qf.data() + r * d;
+      float* __restrict out = q.qsketch.data() + r * m;
+      for (int64_t c = 0; c < d; ++c) {
+        const float qc = qf[c];
+        const float* __restrict st = kf.sketch_t + c * m;
+        for (int64_t j = 0; j < m; ++j) out[j] += qc * st[j];
+      }
     }
-    q.view.sketch_t = q.sketch_t.data();
+    q.view.qsketch = q.qsketch.data();
+    q.view.sketch_t = kf.sketch_t;
     return;
   }
   KV_INTERNAL_ASSERT(kf.kind == KernelFormat::Kind::kTurboQuant || kf.kind == KernelFormat::Kind::kPolar,

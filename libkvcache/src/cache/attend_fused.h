@@ -62,6 +62,11 @@
 /// registers and multiplied with the float query (no VNNI, and vpmaddubsw saturates for 8-bit
 /// codes); integer keys are factored per group, s_g·(q_g·c_g) + z_g·Σ_{d∈g} q_d. So it computes
 /// generic(q) to float32 rounding for every format (not generic(q') of the two-term query).
+/// The int8 query (kInt8 below) is the exception: 4- and 2-bit keys (kInt8QueryAvx2Bits) are
+/// then dotted in the integer domain with the one-term query, vpmaddubsw (u8 code × s8 term,
+/// int16 pair sums that cannot saturate for codes ≤ 15: qk_int_q8) and vpmaddwd, with the
+/// AVX-512 path's terms, scales and zero sums: its scores, per-token bit for bit, per-channel to
+/// float rounding.
 /// The ISA is picked once (AVX-512 where the CPU has what the AVX-512 kernels need, else AVX2,
 /// else none); kvcache::set_attention_kernels() (set_isa) and use_fused_isa() override it.
 
@@ -110,7 +115,7 @@ const char* isa_name(FusedIsa isa);
 /// True if some fused kernel runs here (current_isa() is not kNone).
 bool available();
 
-/// How the AVX-512 kernels round the query for integer keys (issue 37, decision 2).
+/// How the kernels round the query for integer keys (issue 37, decision 2).
 ///   kTwoTerm (default): q' = qs·(qh + ql/254) per 32 dims, float accuracy (above);
 ///   kInt8: q ≈ qs·qh, one int8 term (llama.cpp's q8 choice, round to nearest), one VNNI product
 ///     per 4 dims instead of two — for the integer key formats whose attention error stays within
@@ -119,7 +124,10 @@ bool available();
 ///     the others keep the two-term query;
 ///   kInt8Everywhere: the int8 query for every integer key format (tests: to measure the bound
 ///     for the formats that fail it).
-/// The AVX2 kernels and the generic path compute in float32 and ignore it.
+/// The AVX2 kernels take kTwoTerm as their float query (above) and the int8 query, with the
+/// AVX-512 kernels' arithmetic, for the 4- and 2-bit key formats among those asked
+/// (kInt8QueryAvx2Bits: without VNNI, vpmaddubsw's int16 sums would saturate for 8-bit codes, so
+/// 8-bit keys keep the float query even under kInt8Everywhere). The generic path ignores it.
 enum class QueryRounding : uint8_t { kTwoTerm, kInt8, kInt8Everywhere };
 /// Bit b set: b-bit per-token (per-channel) integer keys take the int8 query under kInt8.
 /// Measured (AttendFused.Int8QueryWithinTheErrorBound*, the ratio ‖attend − ref(k̂, v̂)‖ /
@@ -136,7 +144,7 @@ void set_query_rounding(QueryRounding r);
 
 /// The step's query rows of one KV head, prepared once (owning QueryView).
 struct Queries {
-  std::vector<float> qf, qs, qsum, qfsum, qsum1, qrot, qsketch, sketch_t;
+  std::vector<float> qf, qs, qsum, qfsum, qsum1, qrot, qsketch;
   std::vector<int8_t> qt;
   QueryView view;
 };
@@ -151,8 +159,9 @@ bool same_rotation(const KernelFormat& a, const KernelFormat& b);
 
 /// TurboQuant keys `kf`: q.qrot = H·diag(s)·qf per row (the rotated query; diag(s)·H is
 /// orthogonal, so qf·x̂ = ‖x‖·f·(qrot·c)) and for Prod keys q.qsketch = S·qf; QJL keys:
-/// q.qsketch = S·qf (qjl_m per row). Sets q.view.qrot/qsketch. Call after prepare(), once per
-/// step and KV head.
+/// q.qsketch = S·qf (qjl_m per row, as Σ_c qf_c·Sᵀ[c, :] from the quantizer's Sᵀ) and
+/// q.view.sketch_t = kf.sketch_t (no copy). Sets q.view.qrot/qsketch. Call after prepare(),
+/// once per step and KV head.
 void rotate_queries(const KernelFormat& kf, Queries& q);
 
 /// TurboQuant values: acc[r] += diag(signs)·H·rot[r] for r < rows (rot, `[rows, d]`, the

@@ -39,6 +39,9 @@ struct KernelFormat {
   const float* rot_signs = nullptr;     ///< D signs s of the rotation diag(s)·H (x̂ = ‖x‖·diag(s)·H·c; kPolar too)
   const float* polar_angles = nullptr;  ///< kPolar: 80 floats (quant::PolarQuantizer::KernelTables::angles)
   const float* sketch = nullptr;        ///< tq_prod: S, D × D row-major; kQjl: S, qjl_m × D row-major
+  /// kQjl: Sᵀ, D × qjl_m row-major (S's columns contiguous), built once by the quantizer
+  /// (quant::QjlKeyQuantizer::sketch_tables) and lives as long as it.
+  const float* sketch_t = nullptr;
   /// kQjl (quant/qjl_quantizer.h; `group` = g tokens per group, one group's codes are
   /// code_bytes: qjl_o outlier indices, then per token (qjl_m + qjl_mo)/8 sign bytes; scales
   /// 2 fp16 per token, ‖k_in‖ and ‖k_out‖).
@@ -72,15 +75,21 @@ struct QueryView {
   const float* qsum1 = nullptr; ///< `[rows, d/32]` Σ qs·qh over the chunk (the one-term query)
   /// The int8 query (kvcache::set_attention_query("int8")): bit b set when b-bit per-token
   /// (one_term_token) or per-channel (one_term_channel) integer keys are dotted with the high
-  /// term alone, q ≈ qs·qh (llama.cpp's q8 rounding; the AVX-512 kernels only). 0: two terms.
+  /// term alone, q ≈ qs·qh (llama.cpp's q8 rounding; the AVX-512 kernels, and the AVX2 ones for
+  /// the widths of kInt8QueryAvx2Bits). 0: two terms (AVX2: the float query).
   uint32_t one_term_token = 0, one_term_channel = 0;
   /// TurboQuant keys (fused::rotate_queries): `[rows, d]` H·diag(s)·qf, the rotated query
   /// (qrot), and for Prod keys S·qf (qsketch, `[rows, d]`); QJL keys: qsketch = S·qf,
   /// `[rows, qjl_m]`. Null when the layer's keys are neither.
   const float* qrot = nullptr;
   const float* qsketch = nullptr;
-  const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous)
+  const float* sketch_t = nullptr;  ///< QJL keys: Sᵀ, `[d, qjl_m]` (the outlier columns of S, contiguous): KernelFormat::sketch_t
 };
+
+/// The key code widths (bit b: b-bit codes) for which the AVX2 kernels can take the int8 query:
+/// their vpmaddubsw products of codes ≤ 15 and terms ≤ 127 sum to int16 without saturating
+/// (attend_avx2.cpp, qk_int_q8); 8-bit codes could saturate and keep the float query there.
+inline constexpr uint32_t kInt8QueryAvx2Bits = (1u << 4) | (1u << 2);
 
 namespace avx512 {
 /// s[r·ld + j] = q_{r0+r} · k_j / √D for r < nr, j < n.
@@ -91,7 +100,9 @@ void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int6
 }  // namespace avx512
 
 namespace avx2 {
-/// As avx512::scores, in the float domain (attend_avx2.cpp): reads QueryView::qf and qfsum only.
+/// As avx512::scores, in the float domain (attend_avx2.cpp): reads QueryView::qf and qfsum only,
+/// but for the int8 query (one_term_*: 4- and 2-bit keys, kInt8QueryAvx2Bits), which reads the
+/// high terms of qt, qs and qsum1 as the AVX-512 kernels do.
 void scores(const QueryView& q, int64_t r0, int64_t nr, const RawTokens& k, int64_t n, float* s, int64_t ld);
 /// As avx512::accumulate.
 void accumulate(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc);

@@ -302,7 +302,7 @@ inline void sign_dots(const uint8_t* row0, int64_t tok_bytes, const int32_t* ts,
 
 /// QJL keys (quant/qjl_quantizer.h): s = √(π/2)/m·‖k_in‖·⟨S q_in, z⟩ + √(π/2)/m_o·‖k_out‖·⟨S_o q_out, z_o⟩.
 /// Per group (the block's slots in runs of one group): u = S q − Σ_{c∈out} q_c S[:, c] and
-/// u_o = Σ_{c∈out} q_c S[:m_o, c] (S q and Sᵀ once per step: QueryView::qsketch, sketch_t); per W keys the sign
+/// u_o = Σ_{c∈out} q_c S[:m_o, c] (S q once per step, QueryView::qsketch; Sᵀ the quantizer's, built once: sketch_t); per W keys the sign
 /// bits as ±1 lanes, transposed, multiplied with u in float32.
 template <class L, int NR>
 void qk_qjl(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float* s, int64_t ld) {

@@ -50,6 +50,11 @@ void QjlKeyQuantizer::check_head_dim(int64_t d, const std::string& where) const 
 }
 
 std::shared_ptr<const std::vector<float>> QjlKeyQuantizer::sketch(int64_t d) const {
+  std::shared_ptr<const Sketch> t = sketch_tables(d);
+  return {t, &t->s};  // aliasing: keeps the tables alive
+}
+
+std::shared_ptr<const QjlKeyQuantizer::Sketch> QjlKeyQuantizer::sketch_tables(int64_t d) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sketches_.find(d);
   if (it != sketches_.end()) return it->second;
@@ -74,8 +79,13 @@ std::shared_ptr<const std::vector<float>> QjlKeyQuantizer::sketch(int64_t d) con
       for (int64_t c = 0; c < d; ++c) ri[c] *= inv;
     }
   }
-  auto out = std::make_shared<std::vector<float>>(s.size());
-  for (size_t k = 0; k < s.size(); ++k) (*out)[k] = static_cast<float>(s[k] * sqrt_d);
+  auto out = std::make_shared<Sketch>();
+  out->s.resize(s.size());
+  for (size_t k = 0; k < s.size(); ++k) out->s[k] = static_cast<float>(s[k] * sqrt_d);
+  out->s_t.resize(s.size());
+  for (int64_t j = 0; j < m; ++j) {
+    for (int64_t c = 0; c < d; ++c) out->s_t[static_cast<size_t>(c * m + j)] = out->s[static_cast<size_t>(j * d + c)];
+  }
   sketches_.emplace(d, out);
   return out;
 }

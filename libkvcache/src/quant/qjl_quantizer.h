@@ -65,6 +65,14 @@ class QjlKeyQuantizer final : public Quantizer {
 
   /// The sketch S (m × D row-major) for head_dim d (computed once per d). Exposed for tests.
   std::shared_ptr<const std::vector<float>> sketch(int64_t d) const;
+  /// S and its transpose for head_dim d, built together once per d (thread-safe; they live as
+  /// long as the quantizer): the fused kernels read Sᵀ's rows (S's columns, contiguous) for the
+  /// outlier channels and multiply q with it (KernelFormat::sketch_t), so no step transposes S.
+  struct Sketch {
+    std::vector<float> s;    ///< S, m × D row-major
+    std::vector<float> s_t;  ///< Sᵀ, D × m row-major
+  };
+  std::shared_ptr<const Sketch> sketch_tables(int64_t d) const;
   const QjlParams& params() const { return p_; }
 
  protected:
@@ -87,7 +95,7 @@ class QjlKeyQuantizer final : public Quantizer {
   QjlParams p_;
   std::string name_;
   mutable std::mutex mu_;
-  mutable std::map<int64_t, std::shared_ptr<const std::vector<float>>> sketches_;
+  mutable std::map<int64_t, std::shared_ptr<const Sketch>> sketches_;
 };
 
 }  // namespace kvcache::quant
