@@ -7,6 +7,7 @@
 
 #include "common/parallel.h"
 #include "kvcache/error.h"
+#include "quant/bit_stream.h"
 #include "quant/cast_kernels.h"
 #include "quant/checks.h"
 #include "quant/hadamard.h"
@@ -89,17 +90,8 @@ PolarCodebook uniform_circle() {
   return cb;
 }
 
-void put_bits(uint8_t* out, int64_t bit, uint32_t v, int bits) {
-  const uint32_t w = v << (bit % 8);
-  out[bit / 8] = static_cast<uint8_t>(out[bit / 8] | (w & 0xffu));
-  if ((bit % 8) + bits > 8) out[bit / 8 + 1] = static_cast<uint8_t>(out[bit / 8 + 1] | (w >> 8));
-}
-
-uint32_t get_bits(const uint8_t* in, int64_t bit, int bits) {
-  uint32_t v = in[bit / 8] >> (bit % 8);
-  if ((bit % 8) + bits > 8) v |= static_cast<uint32_t>(in[bit / 8 + 1]) << (8 - bit % 8);
-  return v & ((1u << bits) - 1u);
-}
+using bit_stream::get_bits;
+using bit_stream::put_bits;
 
 void check_head_dim(int64_t d, const std::string& where) {
   KV_CHECK_ARG(d >= 16 && is_power_of_two(d), where,

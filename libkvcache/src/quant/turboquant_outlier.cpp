@@ -8,6 +8,7 @@
 
 #include "common/parallel.h"
 #include "kvcache/error.h"
+#include "quant/bit_stream.h"
 #include "quant/cast_kernels.h"
 #include "quant/checks.h"
 #include "quant/lloyd_max.h"
@@ -24,18 +25,8 @@ float saturate(double v) {
   return static_cast<float>(std::min<double>(std::max<double>(v, -kFltMax), kFltMax));
 }
 
-/// ORs the `bits`-bit value v into the LSB-first bit stream `out` at bit `bit` (bits ≤ 8).
-void put_bits(uint8_t* out, int64_t bit, uint32_t v, int bits) {
-  const uint32_t w = v << (bit % 8);
-  out[bit / 8] = static_cast<uint8_t>(out[bit / 8] | (w & 0xffu));
-  if ((bit % 8) + bits > 8) out[bit / 8 + 1] = static_cast<uint8_t>(out[bit / 8 + 1] | (w >> 8));
-}
-
-uint32_t get_bits(const uint8_t* in, int64_t bit, int bits) {
-  uint32_t v = in[bit / 8] >> (bit % 8);
-  if ((bit % 8) + bits > 8) v |= static_cast<uint32_t>(in[bit / 8 + 1]) << (8 - bit % 8);
-  return v & ((1u << bits) - 1u);
-}
+using bit_stream::get_bits;
+using bit_stream::put_bits;
 
 /// The channels of a stored mask: outliers (set bits below d, ascending) and the rest. False
 /// when the mask does not hold exactly n channels.

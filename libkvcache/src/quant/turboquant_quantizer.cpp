@@ -8,6 +8,7 @@
 
 #include "common/parallel.h"
 #include "kvcache/error.h"
+#include "quant/bit_stream.h"
 #include "quant/cast_kernels.h"
 #include "quant/checks.h"
 #include "quant/hadamard.h"
@@ -43,20 +44,8 @@ int64_t code_offset(int64_t i, int64_t n_hi, int hi, int lo) {
   return i < n_hi ? i * hi : n_hi * hi + (i - n_hi) * lo;
 }
 
-/// ORs the `bits`-bit value v into the LSB-first bit stream `out` at bit `bit` (bits ≤ 8).
-void put_bits(uint8_t* out, int64_t bit, uint32_t v, int bits) {
-  if (bits == 0) return;
-  const uint32_t w = v << (bit % 8);
-  out[bit / 8] = static_cast<uint8_t>(out[bit / 8] | (w & 0xffu));
-  if ((bit % 8) + bits > 8) out[bit / 8 + 1] = static_cast<uint8_t>(out[bit / 8 + 1] | (w >> 8));
-}
-
-uint32_t get_bits(const uint8_t* in, int64_t bit, int bits) {
-  if (bits == 0) return 0;
-  uint32_t v = in[bit / 8] >> (bit % 8);
-  if ((bit % 8) + bits > 8) v |= static_cast<uint32_t>(in[bit / 8 + 1]) << (8 - bit % 8);
-  return v & ((1u << bits) - 1u);
-}
+using bit_stream::get_bits;
+using bit_stream::put_bits;
 
 }  // namespace
 
