@@ -147,6 +147,27 @@ inline __m256 meta8(const uint8_t* base, const int32_t* slots, int m, int64_t mc
 
 // ---------------------------------------------------------------- q·k
 
+/// The codes of chunk c (32 dims) of up to 8 keys (m of them; the rest zero), transposed as
+/// dwords: kt[e] lane j holds key j's codes of dims 32c + 4e .. + 3, a byte each. Per-channel
+/// keys read through their positions `pos`, per-token keys through their rows and `tc`.
+/// Shared by the float query (qk_int) and the int8 query (qk_int_q8).
+template <bool kChannel>
+inline void key_chunk_t(const RawTokens& k, const int32_t* slots, int m, const ChanPos* pos, int64_t c,
+                        const TokenChunk& tc, int bits, int64_t row_bytes, __m256 (&kt)[8]) {
+  for (int j = 0; j < 8; ++j) {
+    __m256i codes = _mm256_setzero_si256();
+    if (j < m) {
+      if constexpr (kChannel) {
+        codes = channel_codes32(k, pos[j], c);
+      } else {
+        codes = chunk_codes32(k.block + static_cast<int64_t>(slots[j]) * row_bytes, tc, bits);
+      }
+    }
+    kt[j] = _mm256_castsi256_ps(codes);
+  }
+  transpose8(kt);
+}
+
 /// Integer keys, 8 at a time: per 32-dim chunk the 8 keys' codes are transposed as dwords
 /// (register e holds dims 4e..4e+3 of the 8 keys, a byte each), each byte plane converted to
 /// float and multiplied with the broadcast float query. Per-token keys: the dot over a group is
@@ -211,18 +232,7 @@ void qk_int(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float
       for (int r = 0; r < NR; ++r) dot[r] = _mm256_setzero_ps();
       for (int64_t c = gi * per_group; c < (gi + 1) * per_group; ++c) {
         __m256 kt[8];
-        for (int j = 0; j < 8; ++j) {
-          __m256i codes = _mm256_setzero_si256();
-          if (j < m) {
-            if constexpr (kChannel) {
-              codes = channel_codes32(k, pos[j], c);
-            } else {
-              codes = chunk_codes32(k.block + static_cast<int64_t>(slots[j]) * row_bytes, tc[c], bits);
-            }
-          }
-          kt[j] = _mm256_castsi256_ps(codes);
-        }
-        transpose8(kt);  // kt[e] lane j: key j's codes of dims 32c + 4e .. + 3
+        key_chunk_t<kChannel>(k, slots, m, pos, c, tc[c], bits, row_bytes, kt);
 #pragma GCC unroll 8
         for (int e = 0; e < 8; ++e) {
           const __m256i x = _mm256_castps_si256(kt[e]);
@@ -365,18 +375,7 @@ void qk_int_q8(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, fl
     int64_t sv_group = -1;
     for (int64_t c = 0; c < chunks; ++c) {
       __m256 kt[8];
-      for (int j = 0; j < 8; ++j) {
-        __m256i codes = _mm256_setzero_si256();
-        if (j < m) {
-          if constexpr (kChannel) {
-            codes = channel_codes32(k, pos[j], c);
-          } else {
-            codes = chunk_codes32(k.block + static_cast<int64_t>(slots[j]) * row_bytes, tc[c], bits);
-          }
-        }
-        kt[j] = _mm256_castsi256_ps(codes);
-      }
-      transpose8(kt);  // kt[e] lane j: key j's codes of dims 32c + 4e .. + 3
+      key_chunk_t<kChannel>(k, slots, m, pos, c, tc[c], bits, row_bytes, kt);
       if constexpr (!kChannel) {
         // The 8 keys' scale and zero of the group holding this chunk (read once per group).
         if (gic[c] != sv_group) {
