@@ -32,6 +32,17 @@ constexpr int64_t kRangeRowBlock = 256;
 /// to 1.50 ms, int4 1.64 -> 1.32, fp16 3.3 -> 2.56, KIVI-2 1.81 -> 1.53; two or four ahead
 /// were no better.
 constexpr int kPrefetchBlocks = 1;
+/// The cache level the prefetches fill: 2 = prefetcht1, into L2 (not L1). A block's burst of
+/// up to 256 line prefetches into L1 fills the core's few L1 miss buffers, and on AMD Zen 4 the
+/// prefetch instructions then wait for them: perf put 88 % of Cursor::remaining's samples (12 %
+/// of the step) on the loop, and prefetcht0 was no faster than no prefetch at all. Into L2 the
+/// burst does not stall and the kernels' L1 misses are L2 hits. bench_attention at 32k, one
+/// thread, AMD EPYC Zen 4, 2026-12-06 17:20 UTC, load 0.6, two alternating rounds, µs:
+/// prefetcht0 / prefetcht1 / prefetcht2 / none: fp16 4515, 4177 / 3225, 3329 / 3214, 3265 /
+/// 3943, 4078; int8 2885, 2854 / 2247, 2259 / 2183, 2247 / 2896, 3017; int4 2436, 2426 /
+/// 1980, 2089 / 1989, 2271 / 2497, 2654 (the figures of kPrefetchBlocks above were prefetcht0
+/// against none, on another CPU).
+constexpr int kPrefetchLocality = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /// Walks one stream's live tokens block by block (quantized list, then residual list). In
@@ -123,7 +134,7 @@ class Cursor {
     if (!ahead_.next(&list, &block)) return;
     const BlockFormat& f = list->format(*block);
     const auto* p = static_cast<const char*>(static_cast<const void*>(f.pool->data(block->id)));
-    for (int64_t o = 0; o < f.block_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (int64_t o = 0; o < f.block_bytes; o += 64) __builtin_prefetch(p + o, 0, kPrefetchLocality);
   }
 
   bool load() {
