@@ -708,7 +708,11 @@ void BM_Memory(benchmark::State& state, const std::string& spec) {
 
 const std::vector<std::string>& specs() {
   static const std::vector<std::string> s = {"fp32",      "fp16", "bf16", "fp8:e4m3", "fp8:e5m2", "fp8:e4m3:scaled",
-                                             "int8",      "int4", "int2", "int4:g32:chan", "kivi:k2:v2:g32:r128",
+                                             "int8",      "int4", "int2",
+                                             // int4 in groups of 32: two scales and zeros per token
+                                             // at D 64 (as int4 at D 128), read by the kernels'
+                                             // contiguous-slot paths (meta16, meta8)
+                                             "int4:g32", "int4:g32:chan", "kivi:k2:v2:g32:r128",
                                              "kivi:k4:v4:g32:r128",
                                              // TurboQuant (fused: keys from their codes against the
                                              // rotated query, values rotated back once per row);

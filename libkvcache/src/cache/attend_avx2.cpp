@@ -129,12 +129,28 @@ inline void codes16_to_ps(__m128i c, __m256& x0, __m256& x1) {
 }
 
 /// The fp16 words at `base` of group `gi` for 8 token slots (meta_count `mc` words per token:
-/// the per-token scales or zeros), as floats. Eight ascending slots without holes and one group
-/// per token are one 16-byte load; otherwise a gather of the 32-bit words at their 2-byte
-/// offsets (the pool's slab slack covers the last one, as in attend_avx512.cpp's meta16).
+/// the per-token scales or zeros), as floats. Eight ascending slots without holes are, for one
+/// group per token, one 16-byte load; for two or four (head dim 64 or 128 in groups of 32), one
+/// or two 32-byte loads, a dword permute and a word shift (the words are the gather's, so the
+/// floats are too); otherwise a gather of the 32-bit words at their 2-byte offsets (the pool's
+/// slab slack covers the last one, as in attend_avx512.cpp's meta16).
 inline __m256 meta8(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
-  if (m == 8 && mc == 1 && slots[7] - slots[0] == 7) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 2 * static_cast<int64_t>(slots[0]))));
+  if (m == 8 && mc <= 4 && mc != 3 && slots[7] - slots[0] == 7) {
+    const uint8_t* p = base + 2 * static_cast<int64_t>(slots[0]) * mc;
+    if (mc == 1) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    // Token j's word gi: dword (j·mc + gi) / 2 of the 8·mc words from p, half gi mod 2.
+    __m256i dw;
+    if (mc == 2) {
+      dw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    } else {  // mc == 4: tokens 0-3 in the first 32 bytes, 4-7 in the second
+      const int g2 = static_cast<int>(gi >> 1);
+      const __m256i idx = _mm256_setr_epi32(g2, 2 + g2, 4 + g2, 6 + g2, g2, 2 + g2, 4 + g2, 6 + g2);
+      const __m256i a = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), idx);
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), idx);
+      dw = _mm256_permute2x128_si256(a, b, 0x20);
+    }
+    const __m256i lo = (gi & 1) != 0 ? _mm256_srli_epi32(dw, 16) : _mm256_and_si256(dw, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
   }
   const __m256i lanes = lane_mask(m);
   const __m256i slot_v = _mm256_maskload_epi32(slots, lanes);
