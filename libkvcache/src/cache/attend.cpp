@@ -45,13 +45,17 @@ constexpr int kPrefetchBlocks = 1;
 constexpr int kPrefetchLocality = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-/// A block's prefetch held back until the tile's q·k has run (Cursor::defer_prefetch_to): the
-/// value stream's next block is then requested while the tile's softmax and p·v compute, not in
-/// one burst with the key stream's at the tile's start. bench_attention at 32k, one thread, AMD
+/// A block's prefetch held back until a point of the tile (Cursor::defer_prefetch_to): the
+/// value stream's next block is requested once the tile's q·k has run, while its softmax and
+/// p·v compute, the key stream's once its p·v starts, not both in one burst at the tile's
+/// start (for_each_tile, tile_keys, tile_values). bench_attention at 32k, one thread, AMD
 /// EPYC Zen 4, 2026-12-06 17:48 UTC, load 0.8-0.9, three alternating rounds, µs, before / after:
 /// fp16 3301, 3293, 3295 / 3156, 3059, 3037; fp8:e5m2 2268, 2198, 2151 / 2190, 2040, 2141; int8
 /// 2295, 2230, 2247 / 2256, 2137, 2153; int4 2059, 1969, 2009 / 2079, 1963, 1973; KIVI-2 2260,
-/// 2288, 2318 / 2307, 2218, 2248.
+/// 2288, 2318 / 2307, 2218, 2248. The key stream's likewise waits for the tile's p·v (the
+/// next tile's keys arrive during it): a further fp16 3117, 3156, 3000 / 2948, 2846, 2941;
+/// int8 2102, 2157, 2107 / 2054, 2051, 2052; fp8:e5m2, int4 and KIVI-2 within 1 % (17:52 UTC,
+/// load 0.9).
 struct PendingPrefetch {
   const char* p = nullptr;
   int64_t bytes = 0;
@@ -242,8 +246,10 @@ struct Tile {
   const Segment* kseg = nullptr;
   const Segment* vseg = nullptr;
   size_t nk_seg = 0, nv_seg = 0;
-  /// The value stream's next block, prefetched once the tile's keys are scored (tile_keys).
+  /// The streams' next blocks: the values' prefetched once the tile's keys are scored
+  /// (tile_keys), the keys' once its p·v starts (tile_values).
   PendingPrefetch* vprefetch = nullptr;
+  PendingPrefetch* kprefetch = nullptr;
 };
 
 /// Keys per tile: at least kMinTileTokens and at least the largest block of the layer. Long
@@ -279,7 +285,9 @@ template <class Fn>
 void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope, bool raw, const Tail& tail,
                    int64_t min_qpos, int64_t max_qpos, int64_t tile_tokens, const TokenRange& range, Fn&& fn) {
   const int64_t d = L.head_dim();
+  PendingPrefetch kpf;
   Cursor kc(L.k(h), L.k_scale(), rope, d, raw, range.first);
+  kc.defer_prefetch_to(&kpf);
   PendingPrefetch vpf;
   Cursor vc(L.v(h), L.v_scale(), nullptr, d, raw, range.first);
   vc.defer_prefetch_to(&vpf);
@@ -293,6 +301,7 @@ void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope
   t.vrows = vr.data();
   t.kpos = kpos.data();
   t.vprefetch = &vpf;
+  t.kprefetch = &kpf;
   int64_t tk = 0, tv = 0;  // tail tokens taken for keys / values
   bool done = false;
   while (!done) {
@@ -375,7 +384,8 @@ void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope
     t.vseg = vs.data();
     t.nv_seg = vs.size();
     fn(t);
-    vpf.issue();  // if fn scored no keys
+    vpf.issue();  // if fn scored no keys or read no values
+    kpf.issue();
     t.j0 += n;
   }
 }
@@ -484,6 +494,7 @@ void tile_keys(const Tile& t, const fused::Queries& fq, const float* qh, int64_t
 /// segment (decoded rows or the fused kernel).
 /// TurboQuant segments accumulate into `rot` instead (RotatedValues; null: none in the layer).
 void tile_values(const Tile& t, const float* p, int64_t ld, int64_t nr, int64_t d, float* acc, float* rot) {
+  if (t.kprefetch != nullptr) t.kprefetch->issue();
   for (size_t i = 0; i < t.nv_seg; ++i) {
     const Segment& sg = t.vseg[i];
     if (sg.rows) {
