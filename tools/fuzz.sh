@@ -29,12 +29,15 @@ done
 # fuzzer's.
 fuzz_one() {
   local name=$1 bin=$build/fuzz/fuzz_$1 dir=$out/$1 dict=() start rc runs cov
-  rm -rf "$dir" && mkdir -p "$dir/corpus"
+  rm -rf "$dir" && mkdir -p "$dir/corpus" "$dir/tmp"
   [[ $name != quant_roundtrip && $name != snapshot && $name != prefix_index ]] &&
     dict=(-dict=fuzz/specs.dict)  # binary inputs: no spec words
   start=$(date +%s)
   set +e
-  "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=3072 -print_final_stats=1 \
+  # Scratch files (fuzz_prefix_index's directories) under the target's own folder: a crash
+  # skips the fuzzer's atexit clean-up, and what it leaves is then beside the reproducer, not
+  # in /tmp; the next run's rm -rf takes it.
+  TMPDIR="$dir/tmp" "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=3072 -print_final_stats=1 \
          "${dict[@]}" -artifact_prefix="$dir/" "$dir/corpus" "fuzz/corpus/$name" > "$dir/log" 2>&1
   rc=$?
   set -e
