@@ -90,6 +90,10 @@ class Cursor {
     for (int i = 0; i < kPrefetchBlocks; ++i) prefetch_next();
   }
 
+  /// From now on the next block's prefetch is stored in `pending` for the caller to issue
+  /// (PendingPrefetch::issue) rather than issued when a block is loaded.
+  void defer_prefetch_to(PendingPrefetch* pending) { deferred_ = pending; }
+
   /// Starts a tile: the buffers of blocks loaded before it, except the current one, may be reused.
   void begin_tile() {
     if (have_) {
@@ -148,7 +152,8 @@ class Cursor {
   /// Asks the memory system for the whole block kPrefetchBlocks ahead of the one being
   /// loaded: a block's bytes (up to 16 KiB) lie at an address the hardware prefetchers cannot
   /// guess, so without this every block starts with a stall, and reading the stream does not
-  /// overlap the kernels' arithmetic over the block before it.
+  /// overlap the kernels' arithmetic over the block before it. With defer_prefetch_to(), the
+  /// request is handed to the caller (PendingPrefetch) instead.
   void prefetch_next() {
     const BlockList* list = nullptr;
     const Block* block = nullptr;
@@ -162,13 +167,6 @@ class Cursor {
     }
     for (int64_t o = 0; o < f.block_bytes; o += 64) __builtin_prefetch(p + o, 0, kPrefetchLocality);
   }
-
- public:
-  /// From now on the next block's prefetch is stored in `pending` for the caller to issue
-  /// (PendingPrefetch::issue) rather than issued when a block is loaded.
-  void defer_prefetch_to(PendingPrefetch* pending) { deferred_ = pending; }
-
- private:
 
   bool load() {
     const BlockList* list = nullptr;
