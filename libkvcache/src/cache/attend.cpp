@@ -25,7 +25,7 @@ constexpr int64_t kRowBlock = 64;
 /// Query rows attend_range() takes through one walk over the blocks: a cascade's shared pass
 /// stacks every sharing sequence's rows (16 decode sequences × 7 query heads: 112), and each
 /// walk reads the shared blocks again, so the block is larger than kRowBlock; the scores
-/// of a tile (256 rows × 64 keys, 64 KiB) and the accumulators still stay in L2.
+/// of a tile (256 rows × 128 keys, 128 KiB) and the accumulators still stay in L2.
 constexpr int64_t kRangeRowBlock = 256;
 /// Blocks a stream's cursor prefetches ahead of the one it reads (Cursor::prefetch_next).
 /// bench_attention at 32k, one thread (CPU time, 2 runs): one block ahead took int8 from 2.05
@@ -252,9 +252,16 @@ struct Tile {
 
 /// Keys per tile: at least kMinTileTokens and at least the largest block of the layer. Long
 /// enough that the online softmax's per-row work (max, rescale, sums) is spread over many
-/// keys, short enough that a row block's scores stay in L1/L2. (bench_attention at 32k: 128-
-/// and 256-key tiles were no faster than 64 for per-token formats, and 8-10% slower for int8.)
-constexpr int64_t kMinTileTokens = 64;
+/// keys, short enough that a row block's scores stay in L1/L2. (bench_attention at 32k, with
+/// the prefetches of the time into L1 and at the tile's start: 128- and 256-key tiles were no
+/// faster than 64 for per-token formats, and 8-10% slower for int8. Since the prefetches go to
+/// L2 and are spread over the tile, 128 is faster: AMD EPYC Zen 4, 2026-12-06 18:54 UTC, load
+/// about 1, three alternating rounds, one thread, µs, 64 / 128 keys: at 32k fp16 3231, 3192,
+/// 2928 / 2987, 2776, 2826; int8 2541, 2290, 2102 / 2147, 2032, 2040; int4 2353, 2456, 2007 /
+/// 1912, 1958, 1917; KIVI-2 2409, 2310, 2266 / 2287, 2190, 2210; tq:b4 2673, 2452, 2484 / 2400,
+/// 2458, 2379; at 4k fp16 469, 434, 430 / 388, 432, 371, the others within noise or faster.
+/// 256 was no better than 128.)
+constexpr int64_t kMinTileTokens = 128;
 
 int64_t max_capacity(const StreamSetup& st) {
   int64_t c = 0;
