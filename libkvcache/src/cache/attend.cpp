@@ -45,7 +45,7 @@ constexpr int kPrefetchBlocks = 1;
 constexpr int kPrefetchLocality = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-/// A block's prefetch held back until a point of the tile (Cursor::defer_prefetch_to): the
+/// A block's prefetch held back until a point of the tile (Cursor::prefetch_next): the
 /// value stream's next block is requested once the tile's q·k has run, while its softmax and
 /// p·v compute, the key stream's once its p·v starts, not both in one burst at the tile's
 /// start (for_each_tile, tile_keys, tile_values). bench_attention at 32k, one thread, AMD
@@ -74,9 +74,11 @@ class Cursor {
  public:
   /// Starts after the stream's first `skip` live tokens: whole blocks before them are passed
   /// over unread, the block holding the first token read is entered part-way.
+  /// Each block's prefetch is handed to `pending` (for the caller to issue at a point of the
+  /// tile) when the block before it is loaded; the first block's is issued here.
   Cursor(const HeadStream& s, float tensor_scale, const common::RopeTable* rope, int64_t d, bool raw,
-         int64_t skip = 0)
-      : scale_(tensor_scale), rope_(rope), d_(d), raw_(raw), walk_(s), ahead_(s) {
+         PendingPrefetch& pending, int64_t skip = 0)
+      : scale_(tensor_scale), rope_(rope), d_(d), raw_(raw), walk_(s), ahead_(s), pending_(&pending) {
     while (skip > 0) {
       StreamBlockWalk w = walk_;
       const BlockList* list = nullptr;
@@ -88,11 +90,8 @@ class Cursor {
     skip_ = skip;
     ahead_ = walk_;
     for (int i = 0; i < kPrefetchBlocks; ++i) prefetch_next();
+    pending_->issue();
   }
-
-  /// From now on the next block's prefetch is stored in `pending` for the caller to issue
-  /// (PendingPrefetch::issue) rather than issued when a block is loaded.
-  void defer_prefetch_to(PendingPrefetch* pending) { deferred_ = pending; }
 
   /// Starts a tile: the buffers of blocks loaded before it, except the current one, may be reused.
   void begin_tile() {
@@ -152,20 +151,16 @@ class Cursor {
   /// Asks the memory system for the whole block kPrefetchBlocks ahead of the one being
   /// loaded: a block's bytes (up to 16 KiB) lie at an address the hardware prefetchers cannot
   /// guess, so without this every block starts with a stall, and reading the stream does not
-  /// overlap the kernels' arithmetic over the block before it. With defer_prefetch_to(), the
-  /// request is handed to the caller (PendingPrefetch) instead.
+  /// overlap the kernels' arithmetic over the block before it. The request is handed to the
+  /// caller (pending_), after issuing one still held there: its block is due first.
   void prefetch_next() {
     const BlockList* list = nullptr;
     const Block* block = nullptr;
     if (!ahead_.next(&list, &block)) return;
     const BlockFormat& f = list->format(*block);
     const auto* p = static_cast<const char*>(static_cast<const void*>(f.pool->data(block->id)));
-    if (deferred_ != nullptr) {
-      deferred_->issue();  // one still held: its block is due first
-      *deferred_ = PendingPrefetch{p, f.block_bytes};
-      return;
-    }
-    for (int64_t o = 0; o < f.block_bytes; o += 64) __builtin_prefetch(p + o, 0, kPrefetchLocality);
+    pending_->issue();
+    *pending_ = PendingPrefetch{p, f.block_bytes};
   }
 
   bool load() {
@@ -222,7 +217,7 @@ class Cursor {
   size_t next_ = 0;
   int64_t skip_ = 0;  ///< live tokens of the first block loaded to pass over
   fused::KernelFormat kf_cache_[StreamFormats::kCount];  ///< per format index, classified once
-  PendingPrefetch* deferred_ = nullptr;
+  PendingPrefetch* pending_;
 };
 
 /// A run of one stream's tokens inside one block: tile keys [at, at + n).
@@ -290,12 +285,9 @@ template <class Fn>
 void for_each_tile(const LayerStore& L, int64_t h, const common::RopeTable* rope, bool raw, const Tail& tail,
                    int64_t min_qpos, int64_t max_qpos, int64_t tile_tokens, const TokenRange& range, Fn&& fn) {
   const int64_t d = L.head_dim();
-  PendingPrefetch kpf;
-  Cursor kc(L.k(h), L.k_scale(), rope, d, raw, range.first);
-  kc.defer_prefetch_to(&kpf);
-  PendingPrefetch vpf;
-  Cursor vc(L.v(h), L.v_scale(), nullptr, d, raw, range.first);
-  vc.defer_prefetch_to(&vpf);
+  PendingPrefetch kpf, vpf;
+  Cursor kc(L.k(h), L.k_scale(), rope, d, raw, kpf, range.first);
+  Cursor vc(L.v(h), L.v_scale(), nullptr, d, raw, vpf, range.first);
   int64_t stored_left = range.count;  // stored keys the range still holds
   std::vector<const float*> kr(static_cast<size_t>(tile_tokens)), vr(static_cast<size_t>(tile_tokens));
   std::vector<int64_t> kpos(static_cast<size_t>(tile_tokens));
