@@ -302,6 +302,7 @@ TEST(CacheHostile, RandomValidAndInvalidCalls) {
           written += n;
           if (rng() % 4 == 0) {
             reject([&] { m.reset(-1); }, "reset(-1)");
+            reject([&] { m.reset(kMaxTokens + 1); }, "reset(kMaxTokens + 1)");
             if (policy == "sink:s2@50%") {
               // 50% of 3 tokens is 1 token: no room after 2 sinks.
               ++rejected;
@@ -462,7 +463,12 @@ TEST(CacheHostile, AbsurdConfigsAreRejected) {
             "spec 'kivi:k2:v2:g4:r0': field 'r0': r=0 out of range [1, 1000000000] (full-precision residual tokens "
             "(a positive multiple of g))");
   EXPECT_EQ(message([](CacheConfig& c) { c.num_layers = 0; }), "CacheConfig.num_layers must be >= 1, got 0");
-  EXPECT_EQ(message([](CacheConfig& c) { c.context_length = -1; }), "CacheConfig.context_length must be >= 0, got -1");
+  EXPECT_EQ(message([](CacheConfig& c) { c.context_length = -1; }),
+            "CacheConfig.context_length must be in [0, 1000000000] tokens, got -1");
+  // A context past any request (kMaxTokens): found by fuzz_snapshot, whose DuoAttention sized its
+  // streaming heads with an overflowing product.
+  EXPECT_EQ(message([](CacheConfig& c) { c.context_length = 1000000001; }),
+            "CacheConfig.context_length must be in [0, 1000000000] tokens, got 1000000001");
   EXPECT_EQ(message([](CacheConfig& c) { c.policy = "sink:s8@4"; }),
             "capacity: sink: budget of 4 tokens (@4) leaves no recent window after 8 sinks; need at least sinks + 1 = 9");
   EXPECT_EQ(message([](CacheConfig& c) { c.policy = "window@1000000000"; }), "accepted");

@@ -587,6 +587,12 @@ TEST(DuoAttentionPolicy, TheLeastDeviatingHeadsStreamAsTheBudgetNeeds) {
   // A budget the streaming heads cannot meet even all together is a CapacityError.
   auto tight = make_eviction_policy("duo:s2:r8@50%");
   EXPECT_THROW(tight->reset(18, CacheShape{2, 2, 2}), CapacityError);  // keep 10 >= budget 9
+  // The largest context a request may hold, over 2^18 layers × 2^17 KV heads: all · (c − b) passes int64
+  // (fuzz_snapshot found it): ⌈2^35 · 5·10^8 / (10^9 − 4)⌉ = 2^34 + 69 heads stream.
+  auto huge = make_eviction_policy("duo:s1:r3@50%");
+  huge->reset(kMaxTokens, CacheShape{int64_t{1} << 18, int64_t{1} << 17, int64_t{1} << 17});
+  EXPECT_EQ(dynamic_cast<const evict::DuoAttentionPolicy&>(*huge).streaming_heads(), (int64_t{1} << 34) + 69);
+  EXPECT_THROW(huge->reset(kMaxTokens + 1, CacheShape{2, 2, 2}), InvalidArgument);
   // With a fixed fraction: round(f · L · H_kv) heads stream, whatever the budget.
   EXPECT_EQ(dynamic_cast<const evict::DuoAttentionPolicy&>(*make("duo:s1:r3:f0.5", 20, 2, 2, 2)).streaming_heads(), 2);
 }

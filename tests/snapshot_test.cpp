@@ -574,6 +574,26 @@ TEST(SnapshotRefusal, ForgedContentWithValidChecksumsIsInconsistent) {
     EXPECT_EQ(r.refuse(bad, f.message, &what), Reason::kInconsistent) << f.message << ": " << what;
     EXPECT_THAT(what, HasSubstr(f.message));
   }
+  // The header's context length (after four strings, six int64 and two bytes), past kMaxTokens:
+  // fuzz_snapshot's DuoAttention overflowed sizing its streaming heads for 7.2e18 tokens.
+  size_t at = 24 + 24;
+  for (int s = 0; s < 4; ++s) {
+    uint64_t len = 0;
+    std::memcpy(&len, &r.good[at], 8);
+    at += 8 + len;
+  }
+  at += 6 * 8 + 2;
+  int64_t context = 0;
+  std::memcpy(&context, &r.good[at], 8);
+  ASSERT_EQ(context, 40);
+  for (const int64_t v : {int64_t{-1}, kMaxTokens + 1, int64_t{0x6400000000000010}}) {
+    std::string bad = r.good;
+    std::memcpy(&bad[at], &v, 8);
+    reseal(bad);
+    std::string what;
+    EXPECT_EQ(r.refuse(bad, "context", &what), Reason::kInconsistent) << v << ": " << what;
+    EXPECT_THAT(what, HasSubstr("context length " + std::to_string(v) + " (expected 0 to 1000000000)"));
+  }
   // Trailing bytes after the last section.
   std::string what;
   EXPECT_EQ(r.refuse(r.good + "x", "trailing", &what), Reason::kInconsistent);

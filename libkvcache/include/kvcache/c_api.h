@@ -120,8 +120,8 @@ kvc_status kvc_cache_create(const kvc_config* config, kvc_cache** out);
 void kvc_cache_destroy(kvc_cache* cache);
 
 /** Starts a new request of `context_length` tokens: every layer, counter and block cleared.
- *  KVC_INVALID_ARGUMENT: NULL cache, context_length < 0. KVC_CAPACITY: the policy's budget
- *  does not fit this context (e.g. "sink@1%" of 100 tokens keeps no window). */
+ *  KVC_INVALID_ARGUMENT: NULL cache, context_length outside [0, 1e9] tokens. KVC_CAPACITY: the
+ *  policy's budget does not fit this context (e.g. "sink@1%" of 100 tokens keeps no window). */
 kvc_status kvc_reset(kvc_cache* cache, int64_t context_length);
 
 /** Position to give the next token appended to `layer`, into `*out`.

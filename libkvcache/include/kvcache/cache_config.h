@@ -72,7 +72,8 @@ struct CacheConfig {
   KeyStorage key_storage = KeyStorage::kPostRoPE;
   PositionMode position_mode = PositionMode::kOriginal;
   /// Full context length of the current request (prompt + max new tokens), used to
-  /// resolve fractional budgets ("@50%"). Set per request via CacheManager::reset().
+  /// resolve fractional budgets ("@50%"), in [0, kMaxTokens] (spec.h; 0 = unknown). Set per
+  /// request via CacheManager::reset().
   int64_t context_length = 0;
   /// Rotary embedding of the model (required). Must be deterministic. With
   /// KeyStorage::kPreRoPE it must be the rotate-half RoPE of HF Llama/Qwen (checked).

@@ -143,7 +143,8 @@ class EvictionPolicy {
   /// Starts a new request: `context_length` = prompt + max new tokens (resolves "@P%"; 0 =
   /// unknown, then a fractional budget fails at the first plan); clears all per-layer state.
   /// @throws CapacityError if the budget resolves below 1 token or below the policy's
-  ///         protected tokens (message names the numbers); InvalidArgument on a bad shape.
+  ///         protected tokens (message names the numbers); InvalidArgument on a bad shape or
+  ///         a context_length outside [0, kMaxTokens] (spec.h).
   void reset(int64_t context_length, const CacheShape& shape);
 
   /// Writes (io.reading() false) or reads the state the policy has advanced since reset() —

@@ -37,7 +37,8 @@ void CacheConfig::validate() const {
   KV_CHECK_ARG(head_dim >= 1, "CacheConfig.head_dim must be >= 1, got ", head_dim);
   KV_CHECK_ARG(residual_length >= 0 && residual_length <= kMaxTokens, "CacheConfig.residual_length must be in [0, ",
                kMaxTokens, "], got ", residual_length);
-  KV_CHECK_ARG(context_length >= 0, "CacheConfig.context_length must be >= 0, got ", context_length);
+  KV_CHECK_ARG(context_length >= 0 && context_length <= kMaxTokens, "CacheConfig.context_length must be in [0, ",
+               kMaxTokens, "] tokens, got ", context_length);
   KV_CHECK_ARG(static_cast<bool>(rope),
                "CacheConfig.rope is required (the model's rotary embedding: rotates x [H, T, D] in place by "
                "positions [T]; rotate_half_rope(theta), or keys_already_rotated() for an engine that rotates "

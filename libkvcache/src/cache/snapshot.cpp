@@ -500,8 +500,10 @@ std::unique_ptr<StepProtocol> StepProtocol::from_snapshot(const CacheConfig& con
     compare("key_storage", std::to_string(file.key_storage), std::to_string(cache.key_storage), source);
     compare("position_mode", std::to_string(file.position_mode), std::to_string(cache.position_mode), source);
   }
-  if (file.context_length < 0) {
-    fail(Reason::kInconsistent, source, "context length " + std::to_string(file.context_length));
+  if (file.context_length < 0 || file.context_length > kMaxTokens) {
+    fail(Reason::kInconsistent, source,
+         "context length " + std::to_string(file.context_length) + " (expected 0 to " +
+             std::to_string(kMaxTokens) + ")");
   }
   if (sections.size() != static_cast<size_t>(file.layers + 3)) {
     fail(Reason::kInconsistent, source, "holds " + std::to_string(sections.size()) + " sections, expected " +

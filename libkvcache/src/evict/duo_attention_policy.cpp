@@ -65,8 +65,11 @@ void DuoAttentionPolicy::on_reset() {
   KV_CHECK(keep < b, CapacityError, "duo: streaming heads keep s", sinks_, " + r", recent_, " = ", sinks_ + recent_,
            " tokens, no fewer than the budget of ", b, " tokens (", budget().to_string(), " of ", c,
            "); every head streaming would still not fit");
-  const int64_t need = all * (c - b);  // tokens to save
-  streaming_count_ = std::min(all, (need + (c - keep) - 1) / (c - keep));
+  // ⌈all·x / y⌉ with x = c − b tokens to save per head, y = c − keep saved per streaming head;
+  // ≤ all since x < y. all·x can pass int64, so split all = q·y + r: ⌈all·x / y⌉ = q·x + ⌈r·x / y⌉,
+  // where r·x < y·x ≤ kMaxTokens² (reset() bounds c) fits.
+  const int64_t x = c - b, y = c - keep, q = all / y, r = all % y;
+  streaming_count_ = std::min(all, q * x + (r * x + y - 1) / y);
 }
 
 void DuoAttentionPolicy::do_observe_queries(int64_t layer, const QueryRows& rows, const LayerView& view) {

@@ -12,6 +12,7 @@
 #include "registry/registry.h"
 #include "evict/policies.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache {
 
@@ -84,7 +85,8 @@ void EvictionPolicy::observe(int64_t layer, const TensorView& probs) {
 }
 
 void EvictionPolicy::reset(int64_t context_length, const CacheShape& shape) {
-  KV_CHECK_ARG(context_length >= 0, "reset: context_length must be >= 0, got ", context_length);
+  KV_CHECK_ARG(context_length >= 0 && context_length <= kMaxTokens, "reset: context_length must be in [0, ",
+               kMaxTokens, "] tokens, got ", context_length);
   KV_CHECK_ARG(shape.num_layers >= 1 && shape.num_kv_heads >= 1 && shape.num_q_heads >= 1 &&
                    shape.num_q_heads % shape.num_kv_heads == 0,
                "reset: bad cache shape num_layers=", shape.num_layers, " H_q=", shape.num_q_heads,
