@@ -566,7 +566,11 @@ TEST(SnapshotRefusal, ForgedContentWithValidChecksumsIsInconsistent) {
   // head 0's K stream: written, block count.
   for (const Forge& f : {Forge{0, 1, "names another layer"}, Forge{8, -5, "written -5"},
                          Forge{8 * 5, 999, "CacheManager invariant violated at layer 0: counters"},
-                         Forge{8 * 11 + 9 + 8, int64_t{1} << 40, "needs"}}) {
+                         Forge{8 * 11 + 9 + 8, int64_t{1} << 40, "needs"},
+                         // fuzz_snapshot: a K stream's own count of tokens written, negative,
+                         // was accepted and its next step wrote K and V differently.
+                         Forge{8 * 11 + 9, -281474976710635,
+                               "head 0 streams count -281474976710635 (K) and 21 (V) tokens written, expected equal and in [12, 21]"}}) {
     std::string bad = r.good;
     std::memcpy(&bad[layer0 + f.offset], &f.value, 8);
     reseal(bad);

@@ -208,6 +208,14 @@ void SequenceStore::check(bool rerotate) const {
       if (t > l.written) {
         fail("head " + std::to_string(h) + " holds " + std::to_string(t) + " > written " + std::to_string(l.written));
       }
+      // Each stream counts the tokens written to it (or adopted: then the layer counts the
+      // whole prefix, the stream its live tokens): between what it holds and the layer's count.
+      const int64_t sw = l.store->k(h).written;
+      if (sw < t || sw > l.written || l.store->v(h).written != sw) {
+        fail("head " + std::to_string(h) + " streams count " + std::to_string(sw) + " (K) and " +
+             std::to_string(l.store->v(h).written) + " (V) tokens written, expected equal and in [" +
+             std::to_string(t) + ", " + std::to_string(l.written) + "]");
+      }
       if (t > 0 && pos.back() > l.last_pos) fail("position beyond the last written one");
       if (rerotate) {
         // Contiguous, ending just before the layer's next position (the longest head's count).
