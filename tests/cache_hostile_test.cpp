@@ -397,6 +397,13 @@ TEST(CacheHostile, RejectionsNameTheValue) {
                 "layer 3"),
             "CacheManager::append: layer 3 out of range [0, 1)");
   m.append(0, randn({1, 2, 3, 8}, gen), randn({1, 2, 3, 8}, gen), positions_range(0, 3));
+  // After the largest position, the next one is compared, never computed (no overflow).
+  const auto big = at::tensor(std::vector<int64_t>{std::numeric_limits<int64_t>::max(), 5}, at::kLong);
+  EXPECT_EQ(expect_rejected<InvalidArgument>(
+                m, [&] { m.append(0, randn({1, 2, 2, 8}, gen), randn({1, 2, 2, 8}, gen), big); }, "2^63 - 1, 5"),
+            "CacheManager::append: positions must increase and follow the layer's last position 2; got 5 at index 1");
+  EXPECT_EQ(expect_rejected<InvalidArgument>(m, [&] { m.reset(kMaxTokens + 1); }, "reset(10^9 + 1)"),
+            "CacheManager::reset: context_length must be in [0, 1000000000] tokens, got 1000000001");
   at::Tensor p = testing::random_probs(1, 4, 3, 3, gen);
   p.fill_(std::nanf(""));
   EXPECT_EQ(expect_rejected<InvalidArgument>(m, [&] { m.observe_attention(0, p); }, "NaN probs"),

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -565,6 +566,8 @@ TEST(SnapshotRefusal, ForgedContentWithValidChecksumsIsInconsistent) {
   // Fields of layer 0: index, written, last position, min step, 7 counters, scales, flag, then
   // head 0's K stream: written, block count.
   for (const Forge& f : {Forge{0, 1, "names another layer"}, Forge{8, -5, "written -5"},
+                         // a last position with no next one (append refuses to write it)
+                         Forge{16, std::numeric_limits<int64_t>::max(), "last position 9223372036854775807"},
                          Forge{8 * 5, 999, "CacheManager invariant violated at layer 0: counters"},
                          Forge{8 * 11 + 9 + 8, int64_t{1} << 40, "needs"},
                          // fuzz_snapshot: a K stream's own count of tokens written, negative,

@@ -533,7 +533,8 @@ std::unique_ptr<StepProtocol> StepProtocol::from_snapshot(const CacheConfig& con
     const auto ks = in.get<float>(), vs = in.get<float>();
     const auto set = in.get<uint8_t>();
     if (!(std::isfinite(ks) && ks > 0 && std::isfinite(vs) && vs > 0) || set > 1 || layer.written < 0 ||
-        layer.last_pos < -1 || layer.min_step < 0 || layer.stats.tokens_written != layer.written ||
+        layer.last_pos < -1 || layer.last_pos == std::numeric_limits<int64_t>::max() || layer.min_step < 0 ||
+        layer.stats.tokens_written != layer.written ||
         (sp->rope_table_.enabled() && layer.last_pos >= kMaxPreRopePosition)) {
       fail(Reason::kInconsistent, source, detail::str_cat(in.where(), ": written ", layer.written, ", last position ",
                                                           layer.last_pos, ", scales ", ks, "/", vs));

@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/view_ops.h"
 #include "kvcache/error.h"
+#include "kvcache/spec.h"
 
 namespace kvcache::cache {
 namespace {
@@ -131,7 +132,8 @@ int64_t StepProtocol::next_position(int64_t layer) const {
 }
 
 void StepProtocol::reset(int64_t context_length) {
-  KV_CHECK_ARG(context_length >= 0, "CacheManager::reset: context_length must be >= 0, got ", context_length);
+  KV_CHECK_ARG(context_length >= 0 && context_length <= kMaxTokens,
+               "CacheManager::reset: context_length must be in [0, ", kMaxTokens, "] tokens, got ", context_length);
   const CacheShape shape{cfg_.num_layers, cfg_.num_q_heads, cfg_.num_kv_heads};
   // A budget that does not fit this context throws from the policy's reset, which may have
   // changed the policy by then: try a fresh one first, so that a rejected reset changes nothing.
@@ -202,7 +204,7 @@ void StepProtocol::append(int64_t layer, const TensorView& k, const TensorView& 
       KV_CHECK_ARG(p == first + i, fn, " (rerotate mode): positions must continue the cache contiguously from "
                    "next_position(", layer, ") = ", first, "; got ", p, " at index ", i);
     } else {
-      KV_CHECK_ARG(p >= (i == 0 ? first : pp[static_cast<size_t>(i - 1)] + 1), fn,
+      KV_CHECK_ARG(i == 0 ? p >= first : p > pp[static_cast<size_t>(i - 1)], fn,
                    ": positions must increase and follow the layer's last position ", ls.last_pos, "; got ", p,
                    " at index ", i);
     }
