@@ -200,7 +200,8 @@ static void test_fp32_full(void) {
 
   /* reset */
   CHECK_ERROR(kvc_reset(NULL, 4), KVC_INVALID_ARGUMENT, "cache is NULL");
-  CHECK_ERROR(kvc_reset(cache, -1), KVC_INVALID_ARGUMENT, "context_length must be >= 0, got -1");
+  CHECK_ERROR(kvc_reset(cache, -1), KVC_INVALID_ARGUMENT, "context_length must be in [0, 1000000000] tokens, got -1");
+  CHECK_ERROR(kvc_reset(cache, 1000000001), KVC_INVALID_ARGUMENT, "got 1000000001");
   CHECK(kvc_reset(cache, 32) == KVC_OK);
   CHECK(kvc_stats_get(cache, &st) == KVC_OK && st.tokens_written == 0 && st.bytes_reserved == 0);
   kvc_cache_destroy(cache);
