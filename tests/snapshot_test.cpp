@@ -1444,5 +1444,26 @@ TEST(SnapshotFuzzSeeds, CommittedSeedsLoad) {
   }
 }
 
+/// fuzz_snapshot: seed 4 (int2:g8:chan, 8-slot blocks) with dead bits 25, 26 and 31 set in the
+/// holes word of a block of layer 1 — past the block's capacity, where check() did not look — loaded,
+/// and counted 3 live tokens too few; the next step wrote K and V differently.
+TEST(SnapshotFuzzSeeds, DeadBitsPastTheCapacityAreRefused) {
+  std::string file = read_bytes(std::string(KVCACHE_SOURCE_DIR) + "/fuzz/corpus/snapshot/seed4").substr(2);
+  const size_t block = 3596 - 2;  // the block record: u8 format | 0x10, u16 filled, varint 0, u64 holes
+  ASSERT_GT(file.size(), block + 12);
+  ASSERT_EQ(static_cast<uint8_t>(file[block]), 0x10) << "seed4 changed: find a block with holes again";
+  ASSERT_EQ(static_cast<uint8_t>(file[block + 1]), 8);
+  file[block + 7] = static_cast<char>(0x86);  // bits 25, 26, 31 of the holes word
+  reseal(file);
+  CacheManager m(fuzz::snapshot_case_config(4));
+  try {
+    load_bytes(m, file, fuzz::kSnapshotFingerprint);
+    ADD_FAILURE() << "accepted";
+  } catch (const SnapshotError& e) {
+    EXPECT_EQ(e.reason(), Reason::kInconsistent);
+    EXPECT_THAT(e.what(), HasSubstr("dead bit beyond the filled slots"));
+  }
+}
+
 }  // namespace
 }  // namespace kvcache
