@@ -858,8 +858,15 @@ int main(int argc, char** argv) {
                "last-level cache %lld MiB; a ring of layers holds >= %lld MiB\n",
                stream_bytes() >> 20, g_copy_gbps, g_read_gbps, static_cast<long long>(llc_bytes() >> 20),
                static_cast<long long>(ring_bytes() >> 20));
-  std::fprintf(stderr, "multiply-add rate (1 thread, 12 independent chains): %.2f per ns 512-bit FMA/VNNI, %.2f per ns 256-bit FMA\n",
-               g_mac512_per_ns, g_mac256_per_ns);
+  // A rate of 0 was not measured (the CPU lacks those instructions): said so, not printed as 0.00.
+  const auto rate = [](double r) {
+    if (r <= 0) return std::string("not measured (the CPU lacks them)");
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f per ns", r);
+    return std::string(buf);
+  };
+  std::fprintf(stderr, "multiply-add rate (1 thread, 12 independent chains): 512-bit FMA/VNNI %s, 256-bit FMA %s\n",
+               rate(g_mac512_per_ns).c_str(), rate(g_mac256_per_ns).c_str());
   std::fprintf(stderr, "fused kernels: %s (CPU's best: %s)\n", kvcache::cache::fused::isa_name(kvcache::cache::fused::current_isa()),
                kvcache::cache::fused::isa_name(kvcache::cache::fused::best_isa()));
   register_all();

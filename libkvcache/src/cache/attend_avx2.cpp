@@ -94,7 +94,7 @@ inline void store_row(float* dst, __m256 v, int m) {
 }
 
 /// 8×8 float transpose in place: r[e] lane j = old r[j] element e.
-inline void transpose8(__m256 (&r)[8]) {
+KV_ALWAYS_INLINE void transpose8(__m256 (&r)[8]) {
   __m256 t[8], u[8];
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -134,7 +134,7 @@ inline void codes16_to_ps(__m128i c, __m256& x0, __m256& x1) {
 /// or two 32-byte loads, a dword permute and a word shift (the words are the gather's, so the
 /// floats are too); otherwise a gather of the 32-bit words at their 2-byte offsets (the pool's
 /// slab slack covers the last one, as in attend_avx512.cpp's meta16).
-inline __m256 meta8(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
+KV_ALWAYS_INLINE __m256 meta8(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
   if (m == 8 && mc <= 4 && mc != 3 && slots[7] - slots[0] == 7) {
     const uint8_t* p = base + 2 * static_cast<int64_t>(slots[0]) * mc;
     if (mc == 1) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -431,6 +431,12 @@ struct Lanes256 {
   using F = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kRows = fused::avx2::kRows;
+  /// Rows per p·v pass: a pass holds 2 accumulators per row, the two value registers and the
+  /// weight's broadcast, 2·NR + 3 of the 16 ymm registers. At 7 rows (17) GCC kept one
+  /// accumulator on the stack, and the store-to-load round trip of that FMA chain set the
+  /// loop's pace (perf annotate of pv_rows_impl<7, fp16>: 65 % of its samples on that FMA);
+  /// 7 rows of float values now run as 4 + 3 (fused_loops.h's accumulate_rows says which).
+  static constexpr int kPvRows = 6;
   /// load8<kE4M3> returns the e4m3 value itself (its ×256 is in the conversion).
   static constexpr float kE4m3Weight = 1.0f;
   static F zero() { return _mm256_setzero_ps(); }
@@ -445,7 +451,7 @@ struct Lanes256 {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static float hsum(F v) { return fused::avx2::hsum(v); }
-  static void transpose(F (&r)[8]) { transpose8(r); }
+  KV_ALWAYS_INLINE static void transpose(F (&r)[8]) { transpose8(r); }
   static F meta(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
     return meta8(base, slots, m, mc, gi);
   }
@@ -503,7 +509,7 @@ struct Lanes256 {
   /// Dims [c, c + 8) (half of block c/16) without ρ; lane i of the block as attend_avx512.cpp's
   /// polar_chunk. 8 bytes are loaded from the block's first code byte (7 needed: the bytes after
   /// a row's codes are its block's, or the pool slab's slack).
-  static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
+  KV_ALWAYS_INLINE static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
     const int64_t bit = 46 * (c / 16);
     uint64_t w;
     std::memcpy(&w, row + bit / 8, sizeof w);

@@ -46,7 +46,7 @@ inline __m512 load16(const uint8_t* p) {
 
 
 /// 16 ymm rows of 8 dwords (keys j, dwords 0..7) → 8 zmm: out[e] lane j = row j's dword e.
-inline void transpose_16x8(const __m256i (&in)[16], __m512i (&out)[8]) {
+KV_ALWAYS_INLINE void transpose_16x8(const __m256i (&in)[16], __m512i (&out)[8]) {
   __m512i z[8];
   for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(in[i]), in[i + 8], 1);
   __m512i t[8];
@@ -70,7 +70,7 @@ inline void transpose_16x8(const __m256i (&in)[16], __m512i (&out)[8]) {
 }
 
 /// 16×16 float transpose in place: r[e] lane j = old r[j] element e.
-inline void transpose_16x16(__m512 (&r)[16]) {
+KV_ALWAYS_INLINE void transpose_16x16(__m512 (&r)[16]) {
   __m512 t[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -105,7 +105,7 @@ inline void store_row(float* dst, __m512 v, int m) {
 /// token: the per-token scales or zeros), as floats. Ascending slots that span 16 (no holes)
 /// are read with one or two vector loads and a word permute; holes and tails with a gather
 /// of the 32-bit words at their 2-byte offsets (the pool's slab slack covers the last one).
-inline __m512 meta16(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
+KV_ALWAYS_INLINE __m512 meta16(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
   const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1u);
   if (m == 16 && slots[15] - slots[0] == 15 && mc <= 4) {
     const uint8_t* p = base + 2 * static_cast<int64_t>(slots[0]) * mc;
@@ -422,6 +422,7 @@ struct Lanes512 {
   using F = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kRows = 8;
+  static constexpr int kPvRows = 8;  ///< rows per p·v pass (2·8 + 3 of the 32 zmm registers)
   /// fp8_values() reads e4m3 codes as the value times 2^-8 (fp8_upper_to_half).
   static constexpr float kE4m3Weight = 256.0f;
   static F zero() { return _mm512_setzero_ps(); }
@@ -436,7 +437,7 @@ struct Lanes512 {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }
-  static void transpose(F (&r)[16]) { transpose_16x16(r); }
+  KV_ALWAYS_INLINE static void transpose(F (&r)[16]) { transpose_16x16(r); }
   static F meta(const uint8_t* base, const int32_t* slots, int m, int64_t mc, int64_t gi) {
     return meta16(base, slots, m, mc, gi);
   }
@@ -496,7 +497,7 @@ struct Lanes512 {
   /// The 16 values (one block, c a multiple of 16) without ρ: lane i takes level 1's code i/2
   /// (cos for even i, sin for odd), level 2's code i/4 (cos or sin by bit 1 of i), level 3's
   /// i/8 (bit 2), level 4's one code (bit 3). The block's 46 code bits start at bit 46·(c/16).
-  static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
+  KV_ALWAYS_INLINE static F polar_chunk(const uint8_t* row, int64_t c, const PolarLut& t) {
     const int64_t bit = 46 * (c / 16);
     const __m128i raw = _mm_maskz_loadu_epi8(static_cast<__mmask16>(0x7F), row + bit / 8);  // 7 bytes ≥ 46 + 7 bits
     const uint64_t w = static_cast<uint64_t>(_mm_cvtsi128_si64(raw)) >> (bit % 8);

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "cache/fused_abi.h"
+#include "quant/simd.h"  // KV_ALWAYS_INLINE
 
 namespace kvcache::cache::fused {
 namespace {  // NOLINT(google-build-namespaces): internal linkage per kernel unit, see above
@@ -48,6 +49,20 @@ inline void for_row_groups(int64_t nr, Fn&& fn) {
   for (int64_t g = 0; g < nr; g += kMax) call_rows<kMax>(min64(kMax, nr - g), g, fn);
 }
 
+/// Rows [0, nr) in the fewest groups of at most kMax, of sizes that differ by at most one (7
+/// rows under kMax 6: 4 + 3, not 6 + 1, whose one-row pass reads every value again for 1/7th
+/// of the work): fn(Rows<NR>{}, first_row) per group.
+template <int kMax, class Fn>
+inline void for_even_row_groups(int64_t nr, Fn&& fn) {
+  const int64_t groups = (nr + kMax - 1) / kMax;
+  for (int64_t i = 0, g = 0; i < groups; ++i) {
+    const int64_t cnt = (nr - g) / (groups - i);  // the rest shared evenly: ≤ kMax
+    const int64_t take = (nr - g) % (groups - i) != 0 ? cnt + 1 : cnt;
+    call_rows<kMax>(take, g, fn);
+    g += take;
+  }
+}
+
 /// Bytes per stored value of a float format.
 template <KernelFormat::Kind K>
 constexpr int64_t value_bytes() {
@@ -71,7 +86,7 @@ struct TokenChunk {
                        ///< 2: int2 g32 (8 bytes, four fields); 3: int2 g64 (16 bytes, two fields)
 };
 
-inline TokenChunk token_chunk(const KernelFormat& kf, int64_t c) {
+KV_ALWAYS_INLINE TokenChunk token_chunk(const KernelFormat& kf, int64_t c) {
   const int bits = kf.bits;
   const int64_t g = kf.group, o = 32 * c, gi = o / g, off = o % g;
   const int64_t base = gi * (g * bits / 8);

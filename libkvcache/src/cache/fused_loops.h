@@ -7,7 +7,8 @@
 /// attend_avx2.cpp) instantiates them with its own lane traits `L`, as cache/attend_tiles.cpp
 /// builds its tile kernels once per width:
 ///
-///   using F = the register type; kLanes = W (floats per register); kRows (query rows per pass);
+///   using F = the register type; kLanes = W (floats per register); kRows (query rows per q·k
+///     pass); kPvRows (query rows per p·v pass);
 ///   kE4m3Weight: what p·v's weights carry for e4m3 values (256 where fp8_values() returns the
 ///     e4m3 value times 2^-8, 1 where it returns the value itself);
 ///   zero(), set1(x), load(p) (aligned), loadu(p), store(p, v) (aligned), storeu(p, v),
@@ -85,7 +86,7 @@ struct TqChunk {
   int64_t offset;
   bool hi;
 };
-inline TqChunk tq_chunk(const KernelFormat& kf, int64_t c) {
+KV_ALWAYS_INLINE TqChunk tq_chunk(const KernelFormat& kf, int64_t c) {
   if (c < kf.tq_n_hi) return {c * kf.tq_hi / 8, true};
   return {(kf.tq_n_hi * kf.tq_hi + (c - kf.tq_n_hi) * kf.tq_lo) / 8, false};
 }
@@ -510,8 +511,14 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
   }
 }
 
-/// fused::accumulate for the unit of traits L: rows in groups of L::kRows, keys 64 at a time
-/// (pv_int_token's and pv_rows' weights are sized for 64 keys).
+/// fused::accumulate for the unit of traits L: keys 64 at a time (pv_int_token's and pv_rows'
+/// weights are sized for 64 keys); rows in groups of L::kRows, except float values (fp32,
+/// fp16, bf16, fp8), whose passes take even groups of at most L::kPvRows (for_even_row_groups).
+/// There a value costs one conversion and a pass over fewer rows only reloads it; integer and
+/// codebook values cost an unpacking that a second pass would repeat (on Zen 3 with the AVX2
+/// build, 7 rows as 4 + 3 made fp16 1.35× faster and int4 and KIVI-2 0.9×: docs/performance.md).
+/// How rows are grouped changes no output: each row's sum runs over the keys in the same
+/// order whatever rows share its pass.
 template <class L>
 void accumulate_rows(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
   if (n > 64) {
@@ -522,9 +529,18 @@ void accumulate_rows(const float* p, int64_t ld, int64_t nr, const RawTokens& v,
     }
     return;
   }
-  for_row_groups<L::kRows>(nr, [&](auto rows, int64_t g) {
-    pv<L, decltype(rows)::value>(p + g * ld, ld, v, n, d, acc + g * d);
-  });
+  const auto pass = [&](auto rows, int64_t g) { pv<L, decltype(rows)::value>(p + g * ld, ld, v, n, d, acc + g * d); };
+  using Kind = KernelFormat::Kind;
+  switch (v.kf.kind) {
+    case Kind::kF32:
+    case Kind::kF16:
+    case Kind::kBF16:
+    case Kind::kE4M3:
+    case Kind::kE5M2:
+      return for_even_row_groups<L::kPvRows>(nr, pass);
+    default:
+      return for_row_groups<L::kRows>(nr, pass);
+  }
 }
 
 }  // namespace
