@@ -547,12 +547,12 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
 
 /// fused::accumulate for the unit of traits L: keys 64 at a time (pv_int_token's and pv_rows'
 /// weights are sized for 64 keys); rows in groups of L::kRows, except float values (fp32,
-/// fp16, bf16, fp8), whose passes take even groups of at most L::kPvRows (for_even_row_groups).
-/// There a value costs one conversion and a pass over fewer rows only reloads it; integer and
-/// codebook values cost an unpacking that a second pass would repeat (on Zen 3 with the AVX2
-/// build, 7 rows as 4 + 3 made fp16 1.35× faster and int4 and KIVI-2 0.9×: docs/performance.md).
-/// How rows are grouped changes no output: each row's sum runs over the keys in the same
-/// order whatever rows share its pass.
+/// fp16, bf16, fp8), whose passes take even groups of at most L::kPvRows (for_even_row_groups):
+/// a float value costs one conversion, and a pass over fewer rows converts it again. Per-token
+/// integer values split their rows inside pv_int_token, after unpacking a span's codes once
+/// (splitting here, each pass unpacking again, measured 0.85-0.95x on Zen 3); per-channel and
+/// codebook values keep L::kRows (docs/performance.md, "Zen 3"). How rows are grouped changes
+/// no output: each row's sum runs over the keys in the same order whatever rows share its pass.
 template <class L>
 void accumulate_rows(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
   if (n > 64) {
