@@ -471,57 +471,50 @@ void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int
     const int64_t chunk = at / 32;
     const int64_t gi = 32 * chunk / v.kf.group;
     const TokenChunk tc = token_chunk(v.kf, chunk);
-    if constexpr (NR <= L::kPvRows) {
-      F a[NR][2];
-      for (int r = 0; r < NR; ++r) {
-        const F z = L::set1(zsum[r][gi]);
-        a[r][0] = L::add(L::loadu(acc + r * d + at), z);
-        a[r][1] = L::add(L::loadu(acc + r * d + at + W), z);
+    // One pass: rows [g, g + R) over the keys, x(j, x0, x1) giving key j's dims [at, at + 2W).
+    const auto pass = [&](auto rows, int64_t g, auto&& x) {
+      constexpr int R = decltype(rows)::value;
+      F a[R][2];
+      for (int r = 0; r < R; ++r) {
+        const F z = L::set1(zsum[g + r][gi]);
+        a[r][0] = L::add(L::loadu(acc + (g + r) * d + at), z);
+        a[r][1] = L::add(L::loadu(acc + (g + r) * d + at + W), z);
       }
       for (int64_t j = 0; j < n; ++j) {
         F x0, x1;
-        L::token_codes(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits, at, x0, x1);
-        for (int r = 0; r < NR; ++r) {
-          const F wj = L::set1(w[r][gi][j]);
+        x(j, x0, x1);
+        for (int r = 0; r < R; ++r) {
+          const F wj = L::set1(w[g + r][gi][j]);
           a[r][0] = L::fmadd(wj, x0, a[r][0]);
           a[r][1] = L::fmadd(wj, x1, a[r][1]);
         }
       }
-      for (int r = 0; r < NR; ++r) {
-        L::storeu(acc + r * d + at, a[r][0]);
-        L::storeu(acc + r * d + at + W, a[r][1]);
+      for (int r = 0; r < R; ++r) {
+        L::storeu(acc + (g + r) * d + at, a[r][0]);
+        L::storeu(acc + (g + r) * d + at + W, a[r][1]);
       }
+    };
+    const auto unpack = [&](int64_t j, F& x0, F& x1) {
+      L::token_codes(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits, at, x0, x1);
+    };
+    if constexpr (NR <= L::kPvRows) {
+      pass(Rows<NR>{}, 0, unpack);
     } else {
       // More rows than a pass keeps in registers (AVX2's 7 of at most 6): the span's codes are
       // unpacked once into xs, then each even group of rows reads them from there. Every
-      // row's sum is the one above, term for term.
+      // row's sum is the one-pass sum, term for term.
       alignas(64) float xs[64][2 * W];
       for (int64_t j = 0; j < n; ++j) {
         F x0, x1;
-        L::token_codes(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits, at, x0, x1);
+        unpack(j, x0, x1);
         L::store(xs[j], x0);
         L::store(xs[j] + W, x1);
       }
       for_even_row_groups<L::kPvRows>(NR, [&](auto rows, int64_t g) {
-        constexpr int R = decltype(rows)::value;
-        F a[R][2];
-        for (int r = 0; r < R; ++r) {
-          const F z = L::set1(zsum[g + r][gi]);
-          a[r][0] = L::add(L::loadu(acc + (g + r) * d + at), z);
-          a[r][1] = L::add(L::loadu(acc + (g + r) * d + at + W), z);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const F x0 = L::load(xs[j]), x1 = L::load(xs[j] + W);
-          for (int r = 0; r < R; ++r) {
-            const F wj = L::set1(w[g + r][gi][j]);
-            a[r][0] = L::fmadd(wj, x0, a[r][0]);
-            a[r][1] = L::fmadd(wj, x1, a[r][1]);
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          L::storeu(acc + (g + r) * d + at, a[r][0]);
-          L::storeu(acc + (g + r) * d + at + W, a[r][1]);
-        }
+        pass(rows, g, [&](int64_t j, F& x0, F& x1) {
+          x0 = L::load(xs[j]);
+          x1 = L::load(xs[j] + W);
+        });
       });
     }
   }
