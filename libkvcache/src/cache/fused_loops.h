@@ -153,6 +153,71 @@ void qk_tq(const QueryView& q, int64_t r0, const RawTokens& k, int64_t n, float*
   }
 }
 
+/// One span of p·v: acc[r][at, at + 2W) += Σ_j wt(r, j) · x_j over keys j < n ≤ 64, rows
+/// r < NR, with start(r, a0, a1) giving row r's starting accumulators (its acc, plus what the
+/// format adds) and x(j, x0, x1) key j's dims [at, at + 2W), dequantized. Where NR rows fit one
+/// pass (NR ≤ L::kPvRows) the keys are dequantized in it; otherwise (AVX2's 7 rows of at most
+/// 6: 2·7 accumulators + 2 values + 1 weight are 17 of its 16 ymm registers, and the spilled
+/// accumulator costs a store-to-load round trip per key) the span's values are dequantized once
+/// into a scratch row that even groups of rows then read. Either way each row's sum runs over
+/// the keys in the same order, term for term: the outputs do not depend on the grouping.
+/// kSplit = false keeps one pass whatever NR: the codebook formats, whose lookups are cheap
+/// next to the scratch row's stores and loads (TurboQuant 0.84-0.90x, PolarQuant 0.92x split,
+/// Zen 3: docs/performance.md).
+template <class L, int NR, bool kSplit = true, class Start, class Weight, class Unpack>
+KV_ALWAYS_INLINE void pv_span(int64_t n, int64_t d, int64_t at, float* acc, Start&& start, Weight&& wt,
+                              Unpack&& unpack) {
+  using F = typename L::F;
+  constexpr int W = L::kLanes;
+  // Rows [g, g + R) over the keys, x(j, x0, x1) giving key j's dims.
+  const auto pass = [&](auto rows, int64_t g, auto&& x) {
+    constexpr int R = decltype(rows)::value;
+    F a[R][2];
+    for (int r = 0; r < R; ++r) start(g + r, a[r][0], a[r][1]);
+    for (int64_t j = 0; j < n; ++j) {
+      F x0, x1;
+      x(j, x0, x1);
+      for (int r = 0; r < R; ++r) {
+        const F wj = L::set1(wt(g + r, j));
+        a[r][0] = L::fmadd(wj, x0, a[r][0]);
+        a[r][1] = L::fmadd(wj, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      L::storeu(acc + (g + r) * d + at, a[r][0]);
+      L::storeu(acc + (g + r) * d + at + W, a[r][1]);
+    }
+  };
+  if constexpr (NR <= L::kPvRows || !kSplit) {
+    pass(Rows<NR>{}, 0, unpack);
+  } else {
+    alignas(64) float xs[64][2 * W];
+    for (int64_t j = 0; j < n; ++j) {
+      F x0, x1;
+      unpack(j, x0, x1);
+      L::store(xs[j], x0);
+      L::store(xs[j] + W, x1);
+    }
+    for_even_row_groups<L::kPvRows>(NR, [&](auto rows, int64_t g) {
+      pass(rows, g, [&](int64_t j, F& x0, F& x1) {
+        x0 = L::load(xs[j]);
+        x1 = L::load(xs[j] + W);
+      });
+    });
+  }
+}
+
+/// A span's rows start from their accumulators (formats that add nothing else).
+template <class L>
+struct LoadAcc {
+  const float* acc;
+  int64_t d, at;
+  KV_ALWAYS_INLINE void operator()(int64_t r, typename L::F& a0, typename L::F& a1) const {
+    a0 = L::loadu(acc + r * d + at);
+    a1 = L::loadu(acc + r * d + at + L::kLanes);
+  }
+};
+
 /// TurboQuant values, in the rotated domain (attend_fused.h): acc[r] += Σ_j p_rj·‖v_j‖·f_j·c_j,
 /// the centroids looked up in registers 2W dims at a time with the rows' accumulators in
 /// registers; the caller rotates acc back once per row (fused::add_rotated_back).
@@ -181,28 +246,17 @@ void pv_tq(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d,
     for (int r = 0; r < NR; ++r) w[r][j] = p[r * ld + j] * kw;
   }
   for (int64_t h = 0; h < d / (2 * W); ++h) {
-    const TqChunk c0 = tq_chunk(kf, 2 * W * h), c1 = tq_chunk(kf, 2 * W * h + W);
+    const int64_t at = 2 * W * h;
+    const TqChunk c0 = tq_chunk(kf, at), c1 = tq_chunk(kf, at + W);
     const typename L::TqLut& l0 = c0.hi ? lut_hi : lut_lo;
     const typename L::TqLut& l1 = c1.hi ? lut_hi : lut_lo;
-    F a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = L::loadu(acc + r * d + 2 * W * h);
-      a[r][1] = L::loadu(acc + r * d + 2 * W * h + W);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
-      const F x0 = L::tq_centroids(row + c0.offset, l0);
-      const F x1 = L::tq_centroids(row + c1.offset, l1);
-      for (int r = 0; r < NR; ++r) {
-        const F wj = L::set1(w[r][j]);
-        a[r][0] = L::fmadd(wj, x0, a[r][0]);
-        a[r][1] = L::fmadd(wj, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      L::storeu(acc + r * d + 2 * W * h, a[r][0]);
-      L::storeu(acc + r * d + 2 * W * h + W, a[r][1]);
-    }
+    pv_span<L, NR, false>(
+        n, d, at, acc, LoadAcc<L>{acc, d, at}, [&](int64_t r, int64_t j) { return w[r][j]; },
+        [&](int64_t j, F& x0, F& x1) {
+          const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+          x0 = L::tq_centroids(row + c0.offset, l0);
+          x1 = L::tq_centroids(row + c1.offset, l1);
+        });
   }
 }
 
@@ -256,25 +310,13 @@ void pv_polar(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t
   const typename L::PolarLut lut = L::polar_lut(v.kf.polar_angles);
   for (int64_t h = 0; h < d / (2 * W); ++h) {
     const int64_t c0 = 2 * W * h, c1 = c0 + W;
-    F a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = L::loadu(acc + r * d + c0);
-      a[r][1] = L::loadu(acc + r * d + c1);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
-      const F x0 = L::mul(L::polar_chunk(row, c0, lut), L::set1(polar_radius(v, v.slots[j], c0 / 16)));
-      const F x1 = L::mul(L::polar_chunk(row, c1, lut), L::set1(polar_radius(v, v.slots[j], c1 / 16)));
-      for (int r = 0; r < NR; ++r) {
-        const F pj = L::set1(p[r * ld + j]);
-        a[r][0] = L::fmadd(pj, x0, a[r][0]);
-        a[r][1] = L::fmadd(pj, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      L::storeu(acc + r * d + c0, a[r][0]);
-      L::storeu(acc + r * d + c1, a[r][1]);
-    }
+    pv_span<L, NR, false>(
+        n, d, c0, acc, LoadAcc<L>{acc, d, c0}, [&](int64_t r, int64_t j) { return p[r * ld + j]; },
+        [&](int64_t j, F& x0, F& x1) {
+          const uint8_t* row = v.block + static_cast<int64_t>(v.slots[j]) * row_bytes;
+          x0 = L::mul(L::polar_chunk(row, c0, lut), L::set1(polar_radius(v, v.slots[j], c0 / 16)));
+          x1 = L::mul(L::polar_chunk(row, c1, lut), L::set1(polar_radius(v, v.slots[j], c1 / 16)));
+        });
   }
 }
 
@@ -398,24 +440,10 @@ void pv_rows_impl(const float* p, int64_t ld, const RawTokens& v, int64_t n, int
     }
   }
   for (int64_t h = 0; h < d / (2 * W); ++h) {
-    F a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = L::loadu(acc + r * d + 2 * W * h);
-      a[r][1] = L::loadu(acc + r * d + 2 * W * h + W);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      F x0, x1;
-      value_span<L, K>(v, v.slots[j], h, cs, cz, x0, x1);
-      for (int r = 0; r < NR; ++r) {
-        const F pj = L::set1(p[r * ld + j]);
-        a[r][0] = L::fmadd(pj, x0, a[r][0]);
-        a[r][1] = L::fmadd(pj, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      L::storeu(acc + r * d + 2 * W * h, a[r][0]);
-      L::storeu(acc + r * d + 2 * W * h + W, a[r][1]);
-    }
+    const int64_t at = 2 * W * h;
+    pv_span<L, NR>(
+        n, d, at, acc, LoadAcc<L>{acc, d, at}, [&](int64_t r, int64_t j) { return p[r * ld + j]; },
+        [&](int64_t j, F& x0, F& x1) { value_span<L, K>(v, v.slots[j], h, cs, cz, x0, x1); });
   }
 }
 
@@ -471,52 +499,17 @@ void pv_int_token(const float* p, int64_t ld, const RawTokens& v, int64_t n, int
     const int64_t chunk = at / 32;
     const int64_t gi = 32 * chunk / v.kf.group;
     const TokenChunk tc = token_chunk(v.kf, chunk);
-    // One pass: rows [g, g + R) over the keys, x(j, x0, x1) giving key j's dims [at, at + 2W).
-    const auto pass = [&](auto rows, int64_t g, auto&& x) {
-      constexpr int R = decltype(rows)::value;
-      F a[R][2];
-      for (int r = 0; r < R; ++r) {
-        const F z = L::set1(zsum[g + r][gi]);
-        a[r][0] = L::add(L::loadu(acc + (g + r) * d + at), z);
-        a[r][1] = L::add(L::loadu(acc + (g + r) * d + at + W), z);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        F x0, x1;
-        x(j, x0, x1);
-        for (int r = 0; r < R; ++r) {
-          const F wj = L::set1(w[g + r][gi][j]);
-          a[r][0] = L::fmadd(wj, x0, a[r][0]);
-          a[r][1] = L::fmadd(wj, x1, a[r][1]);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        L::storeu(acc + (g + r) * d + at, a[r][0]);
-        L::storeu(acc + (g + r) * d + at + W, a[r][1]);
-      }
-    };
-    const auto unpack = [&](int64_t j, F& x0, F& x1) {
-      L::token_codes(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits, at, x0, x1);
-    };
-    if constexpr (NR <= L::kPvRows) {
-      pass(Rows<NR>{}, 0, unpack);
-    } else {
-      // More rows than a pass keeps in registers (AVX2's 7 of at most 6): the span's codes are
-      // unpacked once into xs, then each even group of rows reads them from there. Every
-      // row's sum is the one-pass sum, term for term.
-      alignas(64) float xs[64][2 * W];
-      for (int64_t j = 0; j < n; ++j) {
-        F x0, x1;
-        unpack(j, x0, x1);
-        L::store(xs[j], x0);
-        L::store(xs[j] + W, x1);
-      }
-      for_even_row_groups<L::kPvRows>(NR, [&](auto rows, int64_t g) {
-        pass(rows, g, [&](int64_t j, F& x0, F& x1) {
-          x0 = L::load(xs[j]);
-          x1 = L::load(xs[j] + W);
+    pv_span<L, NR>(
+        n, d, at, acc,
+        [&](int64_t r, F& a0, F& a1) {
+          const F z = L::set1(zsum[r][gi]);
+          a0 = L::add(L::loadu(acc + r * d + at), z);
+          a1 = L::add(L::loadu(acc + r * d + at + W), z);
+        },
+        [&](int64_t r, int64_t j) { return w[r][gi][j]; },
+        [&](int64_t j, F& x0, F& x1) {
+          L::token_codes(v.block + static_cast<int64_t>(v.slots[j]) * row_bytes, tc, bits, at, x0, x1);
         });
-      });
-    }
   }
 }
 
@@ -541,11 +534,11 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
 /// fused::accumulate for the unit of traits L: keys 64 at a time (pv_int_token's and pv_rows'
 /// weights are sized for 64 keys); rows in groups of L::kRows, except float values (fp32,
 /// fp16, bf16, fp8), whose passes take even groups of at most L::kPvRows (for_even_row_groups):
-/// a float value costs one conversion, and a pass over fewer rows converts it again. Per-token
-/// integer values split their rows inside pv_int_token, after unpacking a span's codes once
-/// (splitting here, each pass unpacking again, measured 0.85-0.95x on Zen 3); per-channel and
-/// codebook values keep L::kRows (docs/performance.md, "Zen 3"). How rows are grouped changes
-/// no output: each row's sum runs over the keys in the same order whatever rows share its pass.
+/// a float value costs one conversion, and a pass over fewer rows converts it again. Integer and
+/// codebook values take L::kRows and split them inside pv_span, after dequantizing a span's values
+/// once (splitting here, each pass unpacking again, measured 0.85-0.95x for per-token integers on
+/// Zen 3: docs/performance.md, "Zen 3"). How rows are grouped changes no output: each row's sum
+/// runs over the keys in the same order whatever rows share its pass.
 template <class L>
 void accumulate_rows(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
   if (n > 64) {
