@@ -27,6 +27,12 @@ def run(*args):
     return subprocess.run([KV_STUDY, *args], capture_output=True, text=True, timeout=120)
 
 
+def small_suite_run(out, configs, *extra):
+    """`kv_study run` of the small suite on one thread, task rows only, no tables printed."""
+    return [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", configs, *extra, "--out", out,
+            "--threads", "1", "--no-text", "--no-recon", "--no-attn", "--quiet"]
+
+
 @unittest.skipUnless(os.path.exists(KV_STUDY), f"{KV_STUDY} not built")
 @unittest.skipUnless(os.path.exists(DEFAULT_MODEL), "models/kvstudy-default.pt not committed")
 class DefaultModelTest(unittest.TestCase):
@@ -38,9 +44,7 @@ class DefaultModelTest(unittest.TestCase):
         sys.path.insert(0, os.path.join(REPO, "tests", "python"))
         from test_train_default_model import COMMITTED_SMALL_PASS
         with tempfile.TemporaryDirectory() as d:
-            r = subprocess.run([os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "fp32+full",
-                                "--out", d, "--threads", "1", "--no-text", "--no-recon", "--no-attn", "--quiet"],
-                               capture_output=True, text=True, timeout=600, cwd=REPO)
+            r = subprocess.run(small_suite_run(d, "fp32+full"), capture_output=True, text=True, timeout=600, cwd=REPO)
             self.assertEqual(r.returncode, 0, r.stderr)
             self.assertIn("kvstudy-default.pt", r.stderr)
             with open(os.path.join(d, "summary.json")) as f:
@@ -134,9 +138,7 @@ class DefaultModelTest(unittest.TestCase):
         """`--budgets` runs the evicting arm once per budget and the control once; the summary holds
         the method's curve, a rerun runs nothing, and plot_results draws the three budget plots."""
         with tempfile.TemporaryDirectory() as d:
-            cmd = [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "fp32+full,fp32+h2o@50%",
-                   "--budgets", "25%,75%", "--out", d, "--threads", "1", "--no-text", "--no-recon", "--no-attn",
-                   "--quiet"]
+            cmd = small_suite_run(d, "fp32+full,fp32+h2o@50%", "--budgets", "25%,75%")
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
             self.assertEqual(r.returncode, 0, r.stderr)
             self.assertIn("3 arms x 20 tasks", r.stderr)
@@ -174,8 +176,7 @@ class DefaultModelTest(unittest.TestCase):
         a bad arm beside it leaves no directory behind; outside kv_study run it is refused."""
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "run")
-            cmd = [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "kvquant:b3:cal=auto+full",
-                   "--out", out, "--threads", "1", "--no-text", "--no-recon", "--no-attn", "--quiet"]
+            cmd = small_suite_run(out, "kvquant:b3:cal=auto+full")
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
             self.assertEqual(r.returncode, 0, r.stderr)
             cal = os.path.join(out, "calibration", "kvstudy-default.kvqcal")
@@ -236,9 +237,7 @@ class DefaultModelTest(unittest.TestCase):
         (the aware ones do not), the summary keeps the two lists apart, and a rerun runs nothing.
         With the full cache both modes compute the same replies (nothing is compressed)."""
         with tempfile.TemporaryDirectory() as d:
-            cmd = [os.path.abspath(KV_STUDY), "run", "--suite", "small", "--configs", "fp32+full,fp32+snapkv@50%",
-                   "--query-mode", "both", "--out", d, "--threads", "1", "--no-text", "--no-recon", "--no-attn",
-                   "--quiet"]
+            cmd = small_suite_run(d, "fp32+full,fp32+snapkv@50%", "--query-mode", "both")
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
             self.assertEqual(r.returncode, 0, r.stderr)
             with open(os.path.join(d, "results.jsonl")) as f:
