@@ -435,8 +435,8 @@ struct Lanes256 {
   /// weight's broadcast, 2·NR + 3 of the 16 ymm registers. At 7 rows (17) GCC kept one
   /// accumulator on the stack, and the store-to-load round trip of that FMA chain set the
   /// loop's pace (perf annotate of pv_rows_impl<7, fp16>: 65 % of its samples on that FMA);
-  /// 7 rows now run as 4 + 3 (float values: fused_loops.h's accumulate_rows; integer and
-  /// codebook values: pv_span, from a span dequantized once).
+  /// 7 rows now run as 4 + 3 (float values: fused_loops.h's accumulate_rows; integer values:
+  /// pv_span, from a span dequantized once); codebook values keep one 7-row pass (pv_span).
   static constexpr int kPvRows = 6;
   /// load8<kE4M3> returns the e4m3 value itself (its ×256 is in the conversion).
   static constexpr float kE4m3Weight = 1.0f;

@@ -534,11 +534,12 @@ void pv(const float* p, int64_t ld, const RawTokens& v, int64_t n, int64_t d, fl
 /// fused::accumulate for the unit of traits L: keys 64 at a time (pv_int_token's and pv_rows'
 /// weights are sized for 64 keys); rows in groups of L::kRows, except float values (fp32,
 /// fp16, bf16, fp8), whose passes take even groups of at most L::kPvRows (for_even_row_groups):
-/// a float value costs one conversion, and a pass over fewer rows converts it again. Integer and
-/// codebook values take L::kRows and split them inside pv_span, after dequantizing a span's values
-/// once (splitting here, each pass unpacking again, measured 0.85-0.95x for per-token integers on
-/// Zen 3: docs/performance.md, "Zen 3"). How rows are grouped changes no output: each row's sum
-/// runs over the keys in the same order whatever rows share its pass.
+/// a float value costs one conversion, and a pass over fewer rows converts it again. Integer
+/// values take L::kRows and split them inside pv_span, after dequantizing a span's values once
+/// (splitting here, each pass unpacking again, measured 0.85-0.95x for per-token integers on
+/// Zen 3: docs/performance.md, "Zen 3"); codebook values take L::kRows in one pass. How rows are
+/// grouped changes no output: each row's sum runs over the keys in the same order whatever rows
+/// share its pass.
 template <class L>
 void accumulate_rows(const float* p, int64_t ld, int64_t nr, const RawTokens& v, int64_t n, int64_t d, float* acc) {
   if (n > 64) {
